@@ -1,0 +1,56 @@
+/*
+ * common.c: status strings, the thread-local error message, dtype sizes.
+ *
+ * The message buffer is thread-local, so concurrent callers (PyTorch's inter-op threads, the
+ * autograd engine's device threads) never read each other's errors.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "common.h"
+
+static _Thread_local char moe_error_message[1024];
+
+moe_status_t moe_fail(moe_status_t status, const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(moe_error_message, sizeof moe_error_message, fmt, args);
+    va_end(args);
+    return status;
+}
+
+void moe_clear_error(void) { moe_error_message[0] = '\0'; }
+
+const char *moe_last_error(void) { return moe_error_message; }
+
+const char *moe_status_string(moe_status_t status) {
+    switch (status) {
+    case MOE_OK: return "MOE_OK";
+    case MOE_ERR_INVALID_ARGUMENT: return "MOE_ERR_INVALID_ARGUMENT";
+    case MOE_ERR_UNSUPPORTED: return "MOE_ERR_UNSUPPORTED";
+    case MOE_ERR_CUDA: return "MOE_ERR_CUDA";
+    case MOE_ERR_INTERNAL: return "MOE_ERR_INTERNAL";
+    }
+    return "MOE_ERR_UNKNOWN";
+}
+
+size_t moe_dtype_size(moe_dtype_t dtype) {
+    switch (dtype) {
+    case MOE_DTYPE_FP32: return 4;
+    case MOE_DTYPE_FP64: return 8;
+    case MOE_DTYPE_FP16: return 2;
+    case MOE_DTYPE_BF16: return 2;
+    case MOE_DTYPE_INT32: return 4;
+    case MOE_DTYPE_INT64: return 8;
+    case MOE_DTYPE_BOOL: return 1;
+    }
+    return 0;
+}
+
+int moe_has_cuda(void) {
+#ifdef MOE_CORE_WITH_CUDA
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,138 @@
+/*
+ * router_topk.c: the router's score function, (group-limited) top-k and probs on the CPU.
+ *
+ * One token per loop iteration, tokens spread over OpenMP threads; each thread works in its own
+ * slice of the caller's workspace, so the kernel allocates nothing.
+ *
+ * The clever part is how parity with Megatron's unfused PyTorch code is kept: every value that
+ * Megatron materialises as a tensor (the fp32 scores, the biased selection scores, the sum used to
+ * renormalise, the probs before the cast) is computed here in double and then rounded to the
+ * precision that tensor has (`moe_round_to`). So each step is the correctly rounded result of the
+ * same operation, and selection sees the same values up to the last-bit error of torch's own
+ * vectorised exp. Ties are broken by the lowest expert index, which torch leaves unspecified.
+ */
+#include "common.h"
+#include "router_topk_math.h"
+
+size_t moe_router_topk_workspace_size(int64_t num_tokens, int64_t num_experts,
+                                      const moe_router_topk_params_t *params) {
+    (void)num_tokens;
+    int64_t groups = params && params->num_groups > 0 ? params->num_groups : 0;
+    int64_t topk = params ? params->topk : num_experts;
+    return (size_t)moe_max_threads() * (size_t)(moe_topk_scratch_words(topk, groups) + topk) *
+           sizeof(double);
+}
+
+moe_status_t moe_router_topk_check(const moe_router_topk_params_t *p, int64_t num_experts,
+                                   int has_expert_bias) {
+    MOE_CHECK(p != NULL, "params must not be NULL");
+    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
+    MOE_CHECK(p->topk >= 1 && p->topk <= num_experts,
+              "topk must be in [1, num_experts=%lld], got topk=%lld", (long long)num_experts,
+              (long long)p->topk);
+    MOE_CHECK(p->score_function == MOE_SCORE_SOFTMAX || p->score_function == MOE_SCORE_SIGMOID ||
+                  p->score_function == MOE_SCORE_SQRTSOFTPLUS,
+              "score_function must be softmax (0), sigmoid (1) or sqrtsoftplus (2), got %d",
+              (int)p->score_function);
+    MOE_CHECK(!(has_expert_bias && p->score_function == MOE_SCORE_SOFTMAX),
+              "expert_bias is only supported with score_function sigmoid or sqrtsoftplus, "
+              "not softmax (the bias would be added to probabilities that must sum to one)");
+    if (p->num_groups == 0 && p->group_topk == 0) return MOE_OK;
+    MOE_CHECK(p->num_groups >= 1, "num_groups must be >= 1 when group_topk is set, got %lld",
+              (long long)p->num_groups);
+    MOE_CHECK(num_experts % p->num_groups == 0,
+              "num_experts=%lld must be divisible by num_groups=%lld", (long long)num_experts,
+              (long long)p->num_groups);
+    MOE_CHECK(p->group_topk >= 1 && p->group_topk <= p->num_groups,
+              "group_topk must be in [1, num_groups=%lld], got group_topk=%lld",
+              (long long)p->num_groups, (long long)p->group_topk);
+    int64_t per_group = num_experts / p->num_groups;
+    MOE_CHECK(p->group_topk * per_group >= p->topk,
+              "topk=%lld exceeds the experts in the kept groups (group_topk=%lld x %lld experts "
+              "per group = %lld)",
+              (long long)p->topk, (long long)p->group_topk, (long long)per_group,
+              (long long)(p->group_topk * per_group));
+    MOE_CHECK(p->topk >= p->group_topk,
+              "group_topk=%lld must be <= topk=%lld: a group's score is the sum of its top "
+              "topk // group_topk experts, which would be empty",
+              (long long)p->group_topk, (long long)p->topk);
+    MOE_CHECK(p->topk / p->group_topk <= per_group,
+              "topk // group_topk = %lld exceeds the %lld experts of a group",
+              (long long)(p->topk / p->group_topk), (long long)per_group);
+    return MOE_OK;
+}
+
+static moe_status_t check_common(int64_t num_tokens, int64_t num_experts, moe_dtype_t dt,
+                                 const moe_router_topk_params_t *p, int has_bias) {
+    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
+    MOE_CHECK(moe_is_float_dtype(dt), "logits must be a float dtype, got %s", moe_dtype_name(dt));
+    return moe_router_topk_check(p, num_experts, has_bias);
+}
+
+moe_status_t moe_router_topk_fwd(void *topk_probs, int64_t *topk_indices, const void *logits,
+                                 const float *expert_bias, int64_t num_tokens,
+                                 int64_t num_experts, moe_dtype_t logits_dtype,
+                                 const moe_router_topk_params_t *params, void *workspace,
+                                 size_t workspace_bytes, void *stream) {
+    (void)stream;
+    moe_clear_error();
+    MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, params, expert_bias != NULL));
+    if (num_tokens == 0) return MOE_OK;
+    MOE_CHECK(topk_probs && topk_indices && logits, "topk_probs, topk_indices and logits must "
+                                                    "not be NULL");
+    const int64_t words = moe_topk_scratch_words(params->topk, params->num_groups) + params->topk;
+    const int64_t nthreads = (int64_t)(workspace_bytes / ((size_t)words * sizeof(double)));
+    MOE_CHECK(workspace != NULL && nthreads >= 1,
+              "workspace too small: %zu bytes, need at least %zu (moe_router_topk_workspace_size)",
+              workspace_bytes, (size_t)words * sizeof(double));
+    const int64_t k = params->topk;
+    const moe_topk_ctx_t ctx = moe_topk_ctx_make(params, num_experts, logits_dtype);
+
+#pragma omp parallel num_threads((int)nthreads)
+    {
+        double *scratch = (double *)workspace + (int64_t)moe_thread_id() * words;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tokens; ++t) {
+            double *p = scratch + words - k;
+            moe_topk_row_fwd(&ctx, logits, t, expert_bias, scratch, topk_indices + t * k, p);
+            for (int64_t j = 0; j < k; ++j) moe_store(topk_probs, logits_dtype, t * k + j, p[j]);
+        }
+    }
+    return MOE_OK;
+}
+
+moe_status_t moe_router_topk_bwd(void *grad_logits, const void *grad_probs, const void *logits,
+                                 const int64_t *topk_indices, int64_t num_tokens,
+                                 int64_t num_experts, moe_dtype_t logits_dtype,
+                                 const moe_router_topk_params_t *params, void *workspace,
+                                 size_t workspace_bytes, void *stream) {
+    (void)stream;
+    moe_clear_error();
+    MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, params, 0));
+    if (num_tokens == 0) return MOE_OK;
+    MOE_CHECK(grad_logits && grad_probs && logits && topk_indices,
+              "grad_logits, grad_probs, logits and topk_indices must not be NULL");
+    const int64_t words = moe_topk_scratch_words(params->topk, params->num_groups) + params->topk;
+    const int64_t nthreads = (int64_t)(workspace_bytes / ((size_t)words * sizeof(double)));
+    MOE_CHECK(workspace != NULL && nthreads >= 1,
+              "workspace too small: %zu bytes, need at least %zu (moe_router_topk_workspace_size)",
+              workspace_bytes, (size_t)words * sizeof(double));
+    const int64_t k = params->topk;
+    int bad = 0;
+    for (int64_t i = 0; i < num_tokens * k; ++i)
+        bad |= topk_indices[i] < 0 || topk_indices[i] >= num_experts;
+    MOE_CHECK(!bad, "topk_indices has an entry outside [0, num_experts=%lld)",
+              (long long)num_experts);
+    const moe_topk_ctx_t ctx = moe_topk_ctx_make(params, num_experts, logits_dtype);
+
+#pragma omp parallel num_threads((int)nthreads)
+    {
+        double *scratch = (double *)workspace + (int64_t)moe_thread_id() * words;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tokens; ++t) {
+            moe_topk_row_bwd(&ctx, logits, grad_probs, t, topk_indices + t * k, scratch,
+                             grad_logits);
+        }
+    }
+    return MOE_OK;
+}

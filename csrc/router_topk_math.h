@@ -1,0 +1,270 @@
+/*
+ * router_topk_math.h: the per-token routing math, shared verbatim by the C kernel
+ * (csrc/router_topk.c) and the CUDA kernel (csrc/cuda/router_topk.cu).
+ *
+ * Sharing one definition is what makes "the same routing on CPU and CUDA" a property of the code
+ * rather than of testing: selection order, tie-breaking and the rounding points are the same
+ * function. A row needs O(topk + num_groups) scratch words and no [num_experts] buffer: scores are
+ * recomputed on the fly (softmax-pre keeps only the row max and 1/sum), and the top-k is kept in a
+ * sorted insertion list while the experts stream by.
+ */
+#ifndef MOE_CORE_ROUTER_TOPK_MATH_H_
+#define MOE_CORE_ROUTER_TOPK_MATH_H_
+
+#include "common.h"
+
+typedef struct moe_topk_ctx {
+    int64_t num_experts, topk, num_groups, group_topk, per_group, group_n;
+    int score_function, pre_softmax, fp64, has_scaling;
+    moe_dtype_t dtype;
+    double scaling_factor; /* rounded to the compute precision */
+} moe_topk_ctx_t;
+
+/* Scratch words (8 bytes each) one row needs. */
+MOE_HD static inline int64_t moe_topk_scratch_words(int64_t topk, int64_t num_groups) {
+    return 3 * topk + 3 * (num_groups > 0 ? num_groups : 0) + 1;
+}
+
+/* Rounds to the precision Megatron's intermediate tensors have: fp32, or fp64 for fp64 logits. */
+MOE_HD static inline double moe_cround(const moe_topk_ctx_t *c, double v) {
+    return c->fp64 ? v : (double)(float)v;
+}
+
+MOE_HD static inline moe_topk_ctx_t moe_topk_ctx_make(const moe_router_topk_params_t *p,
+                                                     int64_t num_experts, moe_dtype_t dtype) {
+    moe_topk_ctx_t c;
+    c.num_experts = num_experts;
+    c.topk = p->topk;
+    c.num_groups = p->group_topk > 0 ? p->num_groups : 0;
+    c.group_topk = p->group_topk;
+    c.per_group = c.num_groups > 0 ? num_experts / c.num_groups : num_experts;
+    c.group_n = c.num_groups > 0 ? p->topk / p->group_topk : 0;
+    c.score_function = (int)p->score_function;
+    c.pre_softmax = p->use_pre_softmax != 0;
+    c.fp64 = dtype == MOE_DTYPE_FP64;
+    c.dtype = dtype;
+    c.has_scaling = p->scaling_factor != 0.0;
+    c.scaling_factor = c.fp64 ? p->scaling_factor : (double)(float)p->scaling_factor;
+    return c;
+}
+
+/* "a ranks before b": larger value first, NaN above everything, ties to the lower index. */
+MOE_HD static inline int moe_topk_before(double a, int64_t ia, double b, int64_t ib) {
+    int na = a != a, nb = b != b;
+    if (na || nb) return na && (!nb || ia < ib);
+    if (a != b) return a > b;
+    return ia < ib;
+}
+
+/* Inserts (v, i) into a list kept sorted by moe_topk_before, holding at most `cap` entries. */
+MOE_HD static inline void moe_topk_insert(double *vals, int64_t *idx, int64_t *len, int64_t cap,
+                                          double v, int64_t i) {
+    int64_t n = *len;
+    if (n == cap) {
+        if (!moe_topk_before(v, i, vals[n - 1], idx[n - 1])) return;
+        --n;
+    }
+    int64_t j = n;
+    while (j > 0 && moe_topk_before(v, i, vals[j - 1], idx[j - 1])) {
+        vals[j] = vals[j - 1];
+        idx[j] = idx[j - 1];
+        --j;
+    }
+    vals[j] = v;
+    idx[j] = i;
+    *len = n + 1;
+}
+
+/* sigmoid or sqrt(softplus) of one logit, each step rounded as torch's fp32 tensors are. */
+MOE_HD static inline double moe_topk_score(const moe_topk_ctx_t *c, double x) {
+    if (c->score_function == MOE_SCORE_SIGMOID) return moe_cround(c, 1.0 / (1.0 + exp(-x)));
+    double sp = moe_cround(c, x > 20.0 ? x : log1p(exp(x))); /* softplus, beta 1, threshold 20 */
+    return moe_cround(c, sqrt(sp));
+}
+
+/* Max and 1/sum of exp(x - max) over n values at stride 1 (a softmax's two reductions). */
+MOE_HD static inline void moe_topk_softmax_stats(const moe_topk_ctx_t *c, const void *x,
+                                                 moe_dtype_t dt, int64_t base, int64_t n,
+                                                 double *max_out, double *inv_out) {
+    double m = -INFINITY;
+    int has_nan = 0;
+    for (int64_t e = 0; e < n; ++e) {
+        double v = moe_load(x, dt, base + e);
+        has_nan |= v != v;
+        m = v > m ? v : m;
+    }
+    if (has_nan) m = NAN;
+    double sum = 0.0;
+    for (int64_t e = 0; e < n; ++e)
+        sum += moe_cround(c, exp(moe_cround(c, moe_load(x, dt, base + e) - m)));
+    *max_out = m;
+    *inv_out = moe_cround(c, 1.0 / moe_cround(c, sum));
+}
+
+MOE_HD static inline double moe_topk_softmax_at(const moe_topk_ctx_t *c, double x, double m,
+                                                double inv) {
+    return moe_cround(c, moe_cround(c, exp(moe_cround(c, x - m))) * inv);
+}
+
+/* The value expert e is ranked by. */
+MOE_HD static inline double moe_topk_selection(const moe_topk_ctx_t *c, const void *logits,
+                                               int64_t base, int64_t e, const float *bias,
+                                               double m, double inv) {
+    double x = moe_load(logits, c->dtype, base + e);
+    if (c->score_function == MOE_SCORE_SOFTMAX)
+        return c->pre_softmax ? moe_topk_softmax_at(c, x, m, inv) : x;
+    double s = moe_topk_score(c, x);
+    return bias ? moe_cround(c, s + (double)bias[e]) : s;
+}
+
+/*
+ * One token: writes its topk expert ids (best first) and their probs (in compute precision;
+ * the caller stores them in the logits dtype). scratch: moe_topk_scratch_words(topk, groups).
+ */
+MOE_HD static inline void moe_topk_row_fwd(const moe_topk_ctx_t *c, const void *logits, int64_t t,
+                                           const float *bias, double *scratch, int64_t *idx,
+                                           double *probs) {
+    const int64_t E = c->num_experts, k = c->topk, base = t * E;
+    double m = 0.0, inv = 0.0;
+    const int softmax = c->score_function == MOE_SCORE_SOFTMAX;
+    if (softmax && c->pre_softmax) moe_topk_softmax_stats(c, logits, c->dtype, base, E, &m, &inv);
+
+    double *vals = scratch;
+    int64_t len = 0;
+    if (c->num_groups == 0) {
+        for (int64_t e = 0; e < E; ++e)
+            moe_topk_insert(vals, idx, &len, k, moe_topk_selection(c, logits, base, e, bias, m, inv),
+                            e);
+    } else {
+        const int64_t G = c->num_groups, n = c->group_n, gk = c->group_topk, P = c->per_group;
+        double *nvals = scratch + k;
+        int64_t *nidx = (int64_t *)(nvals + k);
+        double *gvals = (double *)(nidx + k);
+        int64_t *gidx = (int64_t *)(gvals + G);
+        int64_t glen = 0;
+        for (int64_t g = 0; g < G; ++g) {
+            int64_t nlen = 0;
+            for (int64_t e = g * P; e < (g + 1) * P; ++e)
+                moe_topk_insert(nvals, nidx, &nlen, n,
+                                moe_topk_selection(c, logits, base, e, bias, m, inv), e);
+            /* torch sums a small fp32 row left to right in fp32 (bf16 in fp32, rounded once) */
+            double acc = 0.0;
+            for (int64_t j = 0; j < nlen; ++j) acc = moe_cround(c, acc + nvals[j]);
+            if (softmax && !c->pre_softmax) acc = moe_round_to(c->dtype, acc);
+            moe_topk_insert(gvals, gidx, &glen, gk, acc, g);
+        }
+        /* experts of the kept groups, in ascending index order */
+        for (int64_t g = 0; g < G; ++g) {
+            int kept = 0;
+            for (int64_t j = 0; j < glen; ++j) kept |= gidx[j] == g;
+            if (!kept) continue;
+            for (int64_t e = g * P; e < (g + 1) * P; ++e)
+                moe_topk_insert(vals, idx, &len, k,
+                                moe_topk_selection(c, logits, base, e, bias, m, inv), e);
+        }
+    }
+
+    if (softmax && c->pre_softmax) {
+        for (int64_t j = 0; j < k; ++j) probs[j] = vals[j];
+    } else if (softmax) {
+        /* softmax over the k picked logits; vals[0] is their max (sorted, NaN first) */
+        double sum = 0.0;
+        for (int64_t j = 0; j < k; ++j) {
+            probs[j] = moe_cround(c, exp(moe_cround(c, vals[j] - vals[0])));
+            sum += probs[j];
+        }
+        double pinv = moe_cround(c, 1.0 / moe_cround(c, sum));
+        for (int64_t j = 0; j < k; ++j) probs[j] = moe_cround(c, probs[j] * pinv);
+    } else {
+        double sum = 0.0;
+        for (int64_t j = 0; j < k; ++j) {
+            probs[j] = moe_topk_score(c, moe_load(logits, c->dtype, base + idx[j]));
+            sum = moe_cround(c, sum + probs[j]);
+        }
+        if (k > 1) {
+            double d = moe_cround(c, sum + moe_cround(c, 1e-20));
+            for (int64_t j = 0; j < k; ++j) probs[j] = moe_cround(c, probs[j] / d);
+        }
+    }
+    if (c->has_scaling)
+        for (int64_t j = 0; j < k; ++j) probs[j] = moe_cround(c, probs[j] * c->scaling_factor);
+}
+
+/*
+ * One token's backward: stores d(loss)/d(logits[t, :]) in the logits dtype through moe_store.
+ * grad_probs is [T, topk] in the logits dtype; idx the forward's indices for this row.
+ */
+MOE_HD static inline void moe_topk_row_bwd(const moe_topk_ctx_t *c, const void *logits,
+                                           const void *grad_probs, int64_t t, const int64_t *idx,
+                                           double *scratch, void *grad_logits) {
+    const int64_t E = c->num_experts, k = c->topk, base = t * E;
+    double *g = scratch, *v = scratch + k;
+    for (int64_t j = 0; j < k; ++j) {
+        g[j] = moe_load(grad_probs, c->dtype, t * k + j);
+        if (c->has_scaling) g[j] = moe_cround(c, g[j] * c->scaling_factor);
+    }
+    if (c->score_function == MOE_SCORE_SOFTMAX && c->pre_softmax) {
+        double m, inv, dot = 0.0;
+        moe_topk_softmax_stats(c, logits, c->dtype, base, E, &m, &inv);
+        for (int64_t j = 0; j < k; ++j) {
+            v[j] = moe_topk_softmax_at(c, moe_load(logits, c->dtype, base + idx[j]), m, inv);
+            dot += g[j] * v[j];
+        }
+        dot = moe_cround(c, dot);
+        for (int64_t e = 0; e < E; ++e) {
+            double s = moe_topk_softmax_at(c, moe_load(logits, c->dtype, base + e), m, inv);
+            moe_store(grad_logits, c->dtype, base + e, moe_cround(c, s * -dot));
+        }
+        for (int64_t j = 0; j < k; ++j)
+            moe_store(grad_logits, c->dtype, base + idx[j],
+                      moe_cround(c, v[j] * moe_cround(c, g[j] - dot)));
+        return;
+    }
+    for (int64_t e = 0; e < E; ++e) moe_store(grad_logits, c->dtype, base + e, 0.0);
+    if (c->score_function == MOE_SCORE_SOFTMAX) {
+        double x0 = moe_load(logits, c->dtype, base + idx[0]), sum = 0.0, dot = 0.0;
+        for (int64_t j = 0; j < k; ++j) {
+            v[j] = moe_cround(c, exp(moe_cround(c, moe_load(logits, c->dtype, base + idx[j]) - x0)));
+            sum += v[j];
+        }
+        double pinv = moe_cround(c, 1.0 / moe_cround(c, sum));
+        for (int64_t j = 0; j < k; ++j) {
+            v[j] = moe_cround(c, v[j] * pinv);
+            dot += g[j] * v[j];
+        }
+        dot = moe_cround(c, dot);
+        for (int64_t j = 0; j < k; ++j)
+            moe_store(grad_logits, c->dtype, base + idx[j],
+                      moe_cround(c, v[j] * moe_cround(c, g[j] - dot)));
+        return;
+    }
+    /* sigmoid / sqrtsoftplus: through the renormalisation, the gather and the score function */
+    double sum = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+        v[j] = moe_topk_score(c, moe_load(logits, c->dtype, base + idx[j]));
+        sum = moe_cround(c, sum + v[j]);
+    }
+    if (k > 1) {
+        double d = moe_cround(c, sum + moe_cround(c, 1e-20)), dd = moe_cround(c, d * d), gd = 0.0;
+        for (int64_t j = 0; j < k; ++j) gd += moe_cround(c, moe_cround(c, -g[j] * v[j]) / dd);
+        gd = moe_cround(c, gd);
+        for (int64_t j = 0; j < k; ++j) g[j] = moe_cround(c, moe_cround(c, g[j] / d) + gd);
+    }
+    for (int64_t j = 0; j < k; ++j) {
+        double x = moe_load(logits, c->dtype, base + idx[j]), gl;
+        if (c->score_function == MOE_SCORE_SIGMOID) {
+            gl = moe_cround(c, moe_cround(c, g[j] * moe_cround(c, 1.0 - v[j])) * v[j]);
+        } else {
+            double gu = moe_cround(c, g[j] / moe_cround(c, 2.0 * v[j]));
+            if (x > 20.0) {
+                gl = gu;
+            } else {
+                double z = moe_cround(c, exp(x));
+                gl = moe_cround(c, gu * moe_cround(c, z / moe_cround(c, z + 1.0)));
+            }
+        }
+        moe_store(grad_logits, c->dtype, base + idx[j], gl);
+    }
+}
+
+#endif /* MOE_CORE_ROUTER_TOPK_MATH_H_ */

@@ -1,0 +1,16 @@
+"""moe-core: a Mixture-of-Experts layer for PyTorch on an ATen-free C/CUDA core.
+
+`moe_core.ops` is the functional API (names and argument order of Megatron-Core's moe_utils).
+"""
+from moe_core import _C  # noqa: F401  (loads the library; registers torch.ops.moe_core.*)
+from moe_core import ops
+
+__all__ = ["ops", "has_cuda"]
+__version__ = "0.1.0"
+
+
+def has_cuda() -> bool:
+    """True when this build has the CUDA kernels registered."""
+    import torch
+
+    return torch._C._dispatch_has_kernel_for_dispatch_key("moe_core::router_topk", "CUDA")

@@ -1,0 +1,168 @@
+"""router_topk: score function → (group-limited) top-k → probs, Megatron's routing in one op.
+
+Precision contract
+------------------
+* Score math in fp32 for fp32/fp16/bf16 logits, exactly where Megatron materialises fp32 tensors
+  (each intermediate is the correctly rounded fp32 result of the same operation); probs are
+  returned in the logits' dtype. For fp64 logits the math stays in fp64 (Megatron downcasts to
+  fp32 there: a deliberate, documented difference, so fp64 gradcheck is meaningful).
+* Selection ranks by descending score (sigmoid/sqrtsoftplus: score + expert_bias, in fp32); equal
+  scores go to the lowest expert index, equal group scores to the lowest group index, on CPU and
+  CUDA alike (one shared C definition). torch.topk leaves ties unspecified.
+* NaN ranks above every number (as in torch.topk): a row with a NaN logit selects that expert
+  and gets NaN probs; other rows are unaffected. A -inf logit is never selected while finite
+  alternatives remain; with softmax, a +inf logit gives NaN probs (inf - inf), as in torch.
+* Outputs are sorted best first whether or not grad is enabled (Megatron leaves the order
+  unspecified under no_grad; the set is the same).
+* Backward: the exact derivative of the probs w.r.t. the logits through the score function, the
+  renormalisation and the scaling factor; the selection is piecewise constant. Deterministic.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+from moe_core.ops.topk_to_dense import topk_to_dense
+
+_OP = torch.ops.moe_core.router_topk
+_BWD = torch.ops.moe_core.router_topk_bwd
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+def router_topk(
+    logits: torch.Tensor,
+    topk: int,
+    use_pre_softmax: bool = False,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+    scaling_factor: Optional[float] = None,
+    score_function: str = "softmax",
+    expert_bias: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Compact routing: the top-k experts of each token and their probs.
+
+    Args:
+        logits: ``[num_tokens, num_experts]``, float dtype (the router dtype).
+        topk: experts per token, ``1 <= topk <= num_experts``.
+        use_pre_softmax: softmax only: softmax over all experts before the top-k, no renormalising.
+        num_groups: expert groups for group-limited routing (used when ``group_topk`` is set).
+        group_topk: groups kept per token; None or 0 disables group-limited routing.
+        scaling_factor: multiplies the probs; None or 0 means off (Megatron's truthiness test).
+        score_function: "softmax", "sigmoid" or "sqrtsoftplus".
+        expert_bias: ``[num_experts]`` fp32, added to the scores for selection only
+            (sigmoid/sqrtsoftplus).
+
+    Returns:
+        ``(probs [num_tokens, topk] in logits.dtype, indices [num_tokens, topk] int64)``, best first.
+    """
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+    if not isinstance(topk, int) or isinstance(topk, bool):
+        raise TypeError(f"topk must be an int, got {topk!r}")
+    grouped = bool(group_topk)
+    return _OP(
+        logits,
+        topk,
+        bool(use_pre_softmax),
+        int(num_groups or 0) if grouped else 0,
+        int(group_topk) if grouped else 0,
+        float(scaling_factor or 0.0),
+        score_function,
+        expert_bias,
+    )
+
+
+def topk_routing_with_score_function(
+    logits: torch.Tensor,
+    topk: int,
+    use_pre_softmax: bool = False,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+    scaling_factor: Optional[float] = None,
+    score_function: str = "softmax",
+    expert_bias: Optional[torch.Tensor] = None,
+    fused: bool = False,
+    dense_output: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's ``topk_routing_with_score_function`` (same arguments, same results).
+
+    Args: as :func:`router_topk`; ``fused`` is accepted for signature compatibility and ignored
+        (this op is always the fused kernel).
+
+    Returns:
+        ``dense_output=False`` (Megatron's default): ``(routing_probs [num_tokens, num_experts] in
+        logits.dtype, routing_map [num_tokens, num_experts] bool)``.
+        ``dense_output=True``: ``(probs [num_tokens, topk], indices [num_tokens, topk] int64)``.
+    """
+    del fused
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be 2-D [num_tokens, num_experts], got {shape}")
+    probs, indices = router_topk(
+        logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
+        expert_bias,
+    )
+    if dense_output:
+        return probs, indices
+    return topk_to_dense(probs, indices, logits.shape[1])
+
+
+def group_limited_topk(
+    scores: torch.Tensor,
+    topk: int,
+    num_tokens: int,
+    num_experts: int,
+    num_groups: int,
+    group_topk: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's ``group_limited_topk``: top-k of ``scores`` restricted to the best groups.
+
+    A group's score is the sum of its top ``topk // group_topk`` scores (computed and rounded in
+    ``scores.dtype``); the ``group_topk`` best groups are kept.
+
+    Args:
+        scores: ``[num_tokens, num_experts]`` float.
+        topk, num_tokens, num_experts, num_groups, group_topk: as Megatron's.
+
+    Returns:
+        ``(values [num_tokens, topk] in scores.dtype, indices [num_tokens, topk] int64)``, best
+        first; values carry gradients to ``scores``.
+    """
+    if tuple(scores.shape) != (num_tokens, num_experts):
+        raise ValueError(
+            f"scores must have shape (num_tokens={num_tokens}, num_experts={num_experts}), "
+            f"got {tuple(scores.shape)}"
+        )
+    if not group_topk:
+        raise ValueError(f"group_topk must be >= 1, got {group_topk!r}")
+    # Post-softmax selection ranks by the raw values: exactly this function's selection rule.
+    _, indices = router_topk(scores.detach(), topk, False, num_groups, group_topk)
+    return scores.gather(1, indices), indices
+
+
+@torch.library.register_fake("moe_core::router_topk")
+def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
+      expert_bias):
+    shape = (logits.shape[0], topk)
+    return logits.new_empty(shape), logits.new_empty(shape, dtype=torch.long)
+
+
+@torch.library.register_fake("moe_core::router_topk_bwd")
+def _(grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups, group_topk,
+      scaling_factor, score_function):
+    return torch.empty_like(logits)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, topk, pre, num_groups, group_topk, scaling, score_function, _bias = inputs
+    _probs, indices = output
+    ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function)
+    ctx.save_for_backward(logits, indices)
+
+
+def _backward(ctx, grad_probs, _grad_indices):
+    logits, indices = ctx.saved_tensors
+    grad_logits = _BWD(grad_probs.contiguous(), logits, indices, *ctx.options)
+    return grad_logits, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("moe_core::router_topk", _backward, setup_context=_setup_context)

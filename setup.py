@@ -1,0 +1,92 @@
+"""Builds moe_core._C: the C core (always), the CUDA kernels (when nvcc and a CUDA build of torch
+are present), and the torch binding that registers the ops.
+
+Environment:
+  MOE_CORE_CUDA=1   require the CUDA build (fail if nvcc or CUDA torch is missing)
+  MOE_CORE_CUDA=0   never build the CUDA kernels
+  (unset)           build them whenever possible
+  MOE_CORE_DEBUG=1  -O0 -g
+  TORCH_CUDA_ARCH_LIST  defaults to "8.0;9.0a": the portable sm_80 path and Hopper's sm_90a
+"""
+import glob
+import os
+import shutil
+
+from setuptools import setup
+
+# torch guesses CUDA_HOME from the nvcc on PATH; a wrapper script there (/usr/local/bin/nvcc) makes
+# it guess /usr/local, which has no CUDA headers. Prefer the toolkit's own folder when it exists.
+if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+from torch.utils import cpp_extension  # noqa: E402
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEBUG = os.environ.get("MOE_CORE_DEBUG") == "1"
+OPT = ["-O0", "-g"] if DEBUG else ["-O3"]
+
+
+def want_cuda() -> bool:
+    flag = os.environ.get("MOE_CORE_CUDA", "").strip()
+    import torch
+
+    have = torch.version.cuda is not None and (
+        cpp_extension.CUDA_HOME is not None or shutil.which("nvcc") is not None
+    )
+    if flag == "1" and not have:
+        raise RuntimeError(
+            "MOE_CORE_CUDA=1 but no CUDA build is possible: torch.version.cuda="
+            f"{torch.version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME}"
+        )
+    return have if flag == "" else flag == "1"
+
+
+class BuildExt(cpp_extension.BuildExtension):
+    """Compiles the C11 core with the C compiler and its own flags, then the binding and kernels.
+
+    torch's BuildExtension passes C++ flags (-std=c++17) to every non-CUDA source; the core is C11,
+    so its objects are built here first and linked in as extra objects.
+    """
+
+    def build_extensions(self):
+        c_sources = sorted(glob.glob(os.path.join("csrc", "*.c")))
+        build_dir = os.path.join(self.build_temp, "c_core")
+        macros = [("MOE_CORE_WITH_CUDA", "1")] if WITH_CUDA else []
+        objects = self.compiler.compile(
+            c_sources,
+            output_dir=build_dir,
+            macros=macros,
+            extra_postargs=["-std=c11", "-fPIC", "-fopenmp", "-Wall", "-Wextra"] + OPT,
+        )
+        for ext in self.extensions:
+            ext.extra_objects = list(ext.extra_objects or []) + objects
+        super().build_extensions()
+
+
+def make_extension():
+    cuda = want_cuda()
+    sources = ["csrc/torch_binding.cpp"]
+    cxx = ["-fopenmp"] + OPT
+    define = []
+    if cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        define.append(("MOE_CORE_WITH_CUDA", "1"))
+        ext_cls = cpp_extension.CUDAExtension
+        extra = {"cxx": cxx, "nvcc": ["--expt-relaxed-constexpr", "-lineinfo"] + OPT}
+    else:
+        ext_cls = cpp_extension.CppExtension
+        extra = {"cxx": cxx}
+    ext = ext_cls(
+        name="moe_core._C",
+        sources=sources,
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        define_macros=define,
+        extra_compile_args=extra,
+        extra_link_args=["-fopenmp"],
+    )
+    return ext, cuda
+
+
+EXT, WITH_CUDA = make_extension()
+setup(ext_modules=[EXT], cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)})

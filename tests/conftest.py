@@ -1,0 +1,37 @@
+"""Shared pytest fixtures: megatron-core (the parity oracle), devices, seeding.
+
+megatron-core is a hard requirement of the test suite: `make test` installs it, and a missing
+install fails the parity tests instead of skipping them.
+"""
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+torch.backends.cuda.matmul.allow_tf32 = False  # parity: keep fp32 GEMMs in fp32 on both sides
+torch.backends.cudnn.allow_tf32 = False
+
+import moe_core  # noqa: E402,F401  (registers the ops)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def megatron_moe_utils():
+    """megatron.core.transformer.moe.moe_utils, imported quietly (it warns about TE and apex)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.transformer.moe import moe_utils
+    return moe_utils
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+    yield
