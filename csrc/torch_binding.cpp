@@ -287,6 +287,339 @@ at::Tensor topk_to_dense_bwd(const at::Tensor &grad_probs_, const at::Tensor &to
   return out;
 }
 
+// ---- load balancing (issue 4) ----------------------------------------------------------------
+
+// A padding mask (True = padding) as the C core's [num_tokens] uint8 buffer, or nullptr.
+const uint8_t *padding_mask_ptr(const c10::optional<at::Tensor> &mask_, at::Tensor &keep,
+                                int64_t num_tokens, const at::Tensor &ref, const char *ref_name) {
+  if (!mask_.has_value()) return nullptr;
+  check_dim(*mask_, 1, "padding_mask");
+  check_dtype(*mask_, at::kBool, "padding_mask");
+  TORCH_CHECK_VALUE(mask_->size(0) == num_tokens, "padding_mask.shape[0] must equal ", ref_name,
+                    ".shape[0] (num_tokens=", num_tokens, "), got shape ", mask_->sizes());
+  check_same_device(*mask_, ref, "padding_mask", ref_name);
+  keep = mask_->contiguous();
+  return (const uint8_t *)keep.data_ptr();
+}
+
+// fp64 inputs keep fp64 losses and scores (gradcheck); everything else computes in fp32.
+at::ScalarType compute_type(const at::Tensor &t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void check_no_cuda(const at::Tensor &t, const char *op) {
+  TORCH_CHECK(!on_cuda(t), op, " has no CUDA kernel yet; got a tensor on ", t.device());
+}
+
+std::tuple<at::Tensor, at::Tensor> aux_loss_scores(const at::Tensor &logits_, int64_t topk,
+                                                   c10::string_view score_function,
+                                                   const c10::optional<at::Tensor> &padding_mask) {
+  check_dim(logits_, 2, "logits");
+  check_float(logits_, "logits");
+  check_no_cuda(logits_, "aux_loss_scores");
+  const int64_t T = logits_.size(0), E = logits_.size(1);
+  at::Tensor logits = logits_.contiguous(), mask;
+  const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
+  moe_score_function_t sf = to_score_function(score_function);
+  at::Tensor scores = at::empty({T, E}, logits.options().dtype(compute_type(logits)));
+  at::Tensor routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
+  at::Tensor ws = at::empty({(int64_t)moe_aux_loss_scores_workspace_size(T, E, topk)},
+                            logits.options().dtype(at::kByte));
+  check_status(moe_aux_loss_scores_fwd(scores.data_ptr(), (uint8_t *)routing_map.data_ptr(),
+                                       logits.data_ptr(), m, T, E, topk,
+                                       to_moe_dtype(logits.scalar_type(), "logits"), sf,
+                                       ws.data_ptr(), (size_t)ws.numel(), nullptr),
+               "aux_loss_scores");
+  return {routing_map, scores};
+}
+
+at::Tensor aux_loss_scores_bwd(const at::Tensor &grad_scores_, const at::Tensor &logits_,
+                               c10::string_view score_function,
+                               const c10::optional<at::Tensor> &padding_mask) {
+  check_dim(logits_, 2, "logits");
+  check_float(logits_, "logits");
+  check_no_cuda(logits_, "aux_loss_scores_bwd");
+  const int64_t T = logits_.size(0), E = logits_.size(1);
+  check_dim(grad_scores_, 2, "grad_scores");
+  check_size(grad_scores_, 0, T, "grad_scores", "logits.shape[0] (num_tokens)");
+  check_size(grad_scores_, 1, E, "grad_scores", "logits.shape[1] (num_experts)");
+  check_same_device(grad_scores_, logits_, "grad_scores", "logits");
+  at::Tensor logits = logits_.contiguous(), mask;
+  at::Tensor g = grad_scores_.to(compute_type(logits)).contiguous();
+  const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
+  at::Tensor grad_logits = at::empty_like(logits);
+  check_status(moe_aux_loss_scores_bwd(grad_logits.data_ptr(), g.data_ptr(), logits.data_ptr(), m,
+                                       T, E, to_moe_dtype(logits.scalar_type(), "logits"),
+                                       to_score_function(score_function), nullptr, 0, nullptr),
+               "aux_loss_scores_bwd");
+  return grad_logits;
+}
+
+// Validates the switch-loss inputs; returns counts as fp32 and the total as a one-element fp64.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> switch_inputs(const at::Tensor &probs_,
+                                                             const at::Tensor &tokens_per_expert,
+                                                             const at::Tensor &total_num_tokens) {
+  check_dim(probs_, 2, "probs");
+  check_float(probs_, "probs");
+  check_no_cuda(probs_, "switch_aux_loss");
+  check_dim(tokens_per_expert, 1, "tokens_per_expert");
+  check_size(tokens_per_expert, 0, probs_.size(1), "tokens_per_expert", "probs.shape[1]");
+  TORCH_CHECK_TYPE(!tokens_per_expert.is_complex() && tokens_per_expert.scalar_type() != at::kBool,
+                   "tokens_per_expert must be a real number dtype, got ",
+                   tokens_per_expert.scalar_type());
+  TORCH_CHECK_VALUE(total_num_tokens.numel() == 1,
+                    "total_num_tokens must have one element, got shape ", total_num_tokens.sizes());
+  check_same_device(tokens_per_expert, probs_, "tokens_per_expert", "probs");
+  check_same_device(total_num_tokens, probs_, "total_num_tokens", "probs");
+  return {probs_.contiguous(), tokens_per_expert.to(at::kFloat).contiguous(),
+          total_num_tokens.to(at::kDouble).reshape({1}).contiguous()};
+}
+
+moe_switch_aux_loss_params_t switch_params(int64_t topk, int64_t num_experts, double coeff) {
+  moe_switch_aux_loss_params_t p;
+  p.topk = topk;
+  p.num_experts = num_experts;
+  p.coeff = coeff;
+  return p;
+}
+
+at::Tensor switch_aux_loss(const at::Tensor &probs_, const at::Tensor &tokens_per_expert_,
+                           const at::Tensor &total_num_tokens_, int64_t topk, int64_t num_experts,
+                           double coeff, const c10::optional<at::Tensor> &padding_mask) {
+  auto [probs, tpe, total] = switch_inputs(probs_, tokens_per_expert_, total_num_tokens_);
+  const int64_t T = probs.size(0), C = probs.size(1);
+  at::Tensor mask;
+  const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, probs, "probs");
+  moe_switch_aux_loss_params_t p = switch_params(topk, num_experts, coeff);
+  at::Tensor loss = at::empty({}, probs.options().dtype(compute_type(probs)));
+  at::Tensor ws = at::empty({(int64_t)moe_switch_aux_loss_workspace_size(T, C)},
+                            probs.options().dtype(at::kByte));
+  check_status(moe_switch_aux_loss_fwd(loss.data_ptr(), probs.data_ptr(), tpe.data_ptr<float>(),
+                                       total.data_ptr<double>(), m, T, C,
+                                       to_moe_dtype(probs.scalar_type(), "probs"), &p,
+                                       ws.data_ptr(), (size_t)ws.numel(), nullptr),
+               "switch_aux_loss");
+  return loss;
+}
+
+at::Tensor switch_aux_loss_bwd(const at::Tensor &grad_loss_, const at::Tensor &probs_,
+                               const at::Tensor &tokens_per_expert_,
+                               const at::Tensor &total_num_tokens_, int64_t topk,
+                               int64_t num_experts, double coeff,
+                               const c10::optional<at::Tensor> &padding_mask) {
+  auto [probs, tpe, total] = switch_inputs(probs_, tokens_per_expert_, total_num_tokens_);
+  TORCH_CHECK_VALUE(grad_loss_.numel() == 1, "grad_loss must have one element, got shape ",
+                    grad_loss_.sizes());
+  check_same_device(grad_loss_, probs, "grad_loss", "probs");
+  const int64_t T = probs.size(0), C = probs.size(1);
+  at::Tensor mask, g = grad_loss_.to(compute_type(probs)).reshape({1}).contiguous();
+  const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, probs, "probs");
+  moe_switch_aux_loss_params_t p = switch_params(topk, num_experts, coeff);
+  at::Tensor grad_probs = at::empty_like(probs);
+  check_status(moe_switch_aux_loss_bwd(grad_probs.data_ptr(), g.data_ptr(), tpe.data_ptr<float>(),
+                                       total.data_ptr<double>(), m, T, C,
+                                       to_moe_dtype(probs.scalar_type(), "probs"), &p, nullptr, 0,
+                                       nullptr),
+               "switch_aux_loss_bwd");
+  return grad_probs;
+}
+
+at::Tensor z_loss(const at::Tensor &logits_, double coeff,
+                  const c10::optional<at::Tensor> &padding_mask) {
+  check_dim(logits_, 2, "logits");
+  check_float(logits_, "logits");
+  check_no_cuda(logits_, "z_loss");
+  const int64_t T = logits_.size(0), E = logits_.size(1);
+  at::Tensor logits = logits_.contiguous(), mask;
+  const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
+  at::Tensor loss = at::empty({}, logits.options().dtype(compute_type(logits)));
+  at::Tensor ws = at::empty({(int64_t)moe_z_loss_workspace_size(T, E)},
+                            logits.options().dtype(at::kByte));
+  check_status(moe_z_loss_fwd(loss.data_ptr(), logits.data_ptr(), m, T, E, coeff,
+                              to_moe_dtype(logits.scalar_type(), "logits"), ws.data_ptr(),
+                              (size_t)ws.numel(), nullptr),
+               "z_loss");
+  return loss;
+}
+
+at::Tensor z_loss_bwd(const at::Tensor &grad_loss_, const at::Tensor &logits_, double coeff,
+                      const c10::optional<at::Tensor> &padding_mask) {
+  check_dim(logits_, 2, "logits");
+  check_float(logits_, "logits");
+  check_no_cuda(logits_, "z_loss_bwd");
+  TORCH_CHECK_VALUE(grad_loss_.numel() == 1, "grad_loss must have one element, got shape ",
+                    grad_loss_.sizes());
+  check_same_device(grad_loss_, logits_, "grad_loss", "logits");
+  const int64_t T = logits_.size(0), E = logits_.size(1);
+  at::Tensor logits = logits_.contiguous(), mask;
+  at::Tensor g = grad_loss_.to(compute_type(logits)).reshape({1}).contiguous();
+  const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
+  at::Tensor grad_logits = at::empty_like(logits);
+  check_status(moe_z_loss_bwd(grad_logits.data_ptr(), g.data_ptr(), logits.data_ptr(), m, T, E,
+                              coeff, to_moe_dtype(logits.scalar_type(), "logits"), nullptr, 0,
+                              nullptr),
+               "z_loss_bwd");
+  return grad_logits;
+}
+
+void check_routing_map(const at::Tensor &routing_map, const char *op) {
+  check_dim(routing_map, 2, "routing_map");
+  check_dtype(routing_map, at::kBool, "routing_map");
+  check_no_cuda(routing_map, op);
+}
+
+at::Tensor tokens_per_expert(const at::Tensor &routing_map_,
+                             const c10::optional<at::Tensor> &padding_mask) {
+  check_routing_map(routing_map_, "tokens_per_expert");
+  const int64_t T = routing_map_.size(0), E = routing_map_.size(1);
+  at::Tensor map = routing_map_.contiguous(), mask;
+  const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, map, "routing_map");
+  at::Tensor counts = at::empty({E}, map.options().dtype(at::kLong));
+  check_status(moe_tokens_per_expert_fwd(counts.data_ptr<int64_t>(),
+                                         (const uint8_t *)map.data_ptr(), m, T, E, nullptr, 0,
+                                         nullptr),
+               "tokens_per_expert");
+  return counts;
+}
+
+at::Tensor expert_bias_update(const at::Tensor &tokens_per_expert_,
+                              const at::Tensor &expert_bias_, double update_rate) {
+  TORCH_CHECK_VALUE(expert_bias_.dim() == 1 || expert_bias_.dim() == 2,
+                    "expert_bias must be 1-D [num_experts] or 2-D [num_layers, num_experts], got "
+                    "a ", expert_bias_.dim(), "-D tensor of shape ", expert_bias_.sizes());
+  check_dtype(expert_bias_, at::kFloat, "expert_bias");
+  check_no_cuda(expert_bias_, "expert_bias_update");
+  TORCH_CHECK_VALUE(tokens_per_expert_.sizes() == expert_bias_.sizes(),
+                    "tokens_per_expert shape ", tokens_per_expert_.sizes(),
+                    " must equal expert_bias shape ", expert_bias_.sizes());
+  TORCH_CHECK_TYPE(!tokens_per_expert_.is_complex() &&
+                       tokens_per_expert_.scalar_type() != at::kBool,
+                   "tokens_per_expert must be a real number dtype, got ",
+                   tokens_per_expert_.scalar_type());
+  check_same_device(tokens_per_expert_, expert_bias_, "tokens_per_expert", "expert_bias");
+  const int64_t E = expert_bias_.size(-1), L = expert_bias_.numel() / (E > 0 ? E : 1);
+  TORCH_CHECK_VALUE(E >= 1, "expert_bias must have at least one expert, got shape ",
+                    expert_bias_.sizes());
+  // Megatron's counts are fp32 tensors; integer counts promote to fp32 in its arithmetic too.
+  at::Tensor counts = tokens_per_expert_.to(at::kFloat).contiguous();
+  at::Tensor bias = expert_bias_.contiguous();
+  at::Tensor updated = at::empty_like(bias);
+  check_status(moe_expert_bias_update_fwd(updated.data_ptr<float>(), counts.data_ptr<float>(),
+                                          bias.data_ptr<float>(), L, E, update_rate, nullptr, 0,
+                                          nullptr),
+               "expert_bias_update");
+  return updated;
+}
+
+at::Tensor sinkhorn(const at::Tensor &cost_, double tol, int64_t max_iters) {
+  check_dim(cost_, 2, "cost");
+  check_float(cost_, "cost");
+  check_no_cuda(cost_, "sinkhorn");
+  const int64_t T = cost_.size(0), E = cost_.size(1);
+  at::Tensor cost = cost_.contiguous();
+  at::Tensor out = at::empty({T, E}, cost.options().dtype(compute_type(cost)));
+  at::Tensor ws = at::empty({(int64_t)moe_sinkhorn_workspace_size(T, E, 0)},
+                            cost.options().dtype(at::kByte));
+  check_status(moe_sinkhorn_fwd(out.data_ptr(), cost.data_ptr(), T, E,
+                                to_moe_dtype(cost.scalar_type(), "cost"), tol, max_iters,
+                                ws.data_ptr(), (size_t)ws.numel(), nullptr),
+               "sinkhorn");
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> sinkhorn_routing(const at::Tensor &logits_, int64_t topk,
+                                                    bool training, double tol) {
+  check_dim(logits_, 2, "logits");
+  check_float(logits_, "logits");
+  check_no_cuda(logits_, "sinkhorn_routing");
+  const int64_t T = logits_.size(0), E = logits_.size(1);
+  at::Tensor logits = logits_.contiguous();
+  at::Tensor probs = at::empty({T, E}, logits.options());
+  at::Tensor routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
+  at::Tensor ws = at::empty({(int64_t)moe_sinkhorn_workspace_size(T, E, topk)},
+                            logits.options().dtype(at::kByte));
+  check_status(moe_sinkhorn_routing_fwd(probs.data_ptr(), (uint8_t *)routing_map.data_ptr(),
+                                        logits.data_ptr(), T, E, topk,
+                                        to_moe_dtype(logits.scalar_type(), "logits"),
+                                        training ? 1 : 0, tol, ws.data_ptr(), (size_t)ws.numel(),
+                                        nullptr),
+               "sinkhorn_routing");
+  return {probs, routing_map};
+}
+
+at::Tensor sinkhorn_routing_bwd(const at::Tensor &grad_probs_, const at::Tensor &logits_,
+                                const at::Tensor &routing_map_, int64_t topk) {
+  check_dim(logits_, 2, "logits");
+  check_float(logits_, "logits");
+  check_no_cuda(logits_, "sinkhorn_routing_bwd");
+  check_routing_map(routing_map_, "sinkhorn_routing_bwd");
+  TORCH_CHECK_VALUE(grad_probs_.sizes() == logits_.sizes(), "grad_probs shape ",
+                    grad_probs_.sizes(), " must equal logits shape ", logits_.sizes());
+  TORCH_CHECK_VALUE(routing_map_.sizes() == logits_.sizes(), "routing_map shape ",
+                    routing_map_.sizes(), " must equal logits shape ", logits_.sizes());
+  check_same_device(grad_probs_, logits_, "grad_probs", "logits");
+  check_same_device(routing_map_, logits_, "routing_map", "logits");
+  const int64_t T = logits_.size(0), E = logits_.size(1);
+  at::Tensor logits = logits_.contiguous(), map = routing_map_.contiguous();
+  at::Tensor g = grad_probs_.to(logits.scalar_type()).contiguous();
+  at::Tensor grad_logits = at::empty_like(logits);
+  check_status(moe_sinkhorn_routing_bwd(grad_logits.data_ptr(), g.data_ptr(), logits.data_ptr(),
+                                        (const uint8_t *)map.data_ptr(), T, E, topk,
+                                        to_moe_dtype(logits.scalar_type(), "logits"), nullptr, 0,
+                                        nullptr),
+               "sinkhorn_routing_bwd");
+  return grad_logits;
+}
+
+std::tuple<at::Tensor, at::Tensor> routing_metrics(const at::Tensor &routing_map_,
+                                                   const c10::optional<at::Tensor> &scores_,
+                                                   const c10::optional<at::Tensor> &padding_mask) {
+  check_routing_map(routing_map_, "routing_metrics");
+  const int64_t T = routing_map_.size(0), E = routing_map_.size(1);
+  at::Tensor map = routing_map_.contiguous(), scores, mask;
+  if (scores_.has_value()) {
+    check_float(*scores_, "scores");
+    TORCH_CHECK_VALUE(scores_->sizes() == map.sizes(), "scores shape ", scores_->sizes(),
+                      " must equal routing_map shape ", map.sizes());
+    check_same_device(*scores_, map, "scores", "routing_map");
+    scores = scores_->contiguous();
+  }
+  const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, map, "routing_map");
+  at::Tensor counts = at::empty({E}, map.options().dtype(at::kLong));
+  at::Tensor stats = at::empty({MOE_ROUTING_STATS}, map.options().dtype(at::kFloat));
+  at::Tensor ws = at::empty({(int64_t)moe_routing_metrics_workspace_size(T, E)},
+                            map.options().dtype(at::kByte));
+  check_status(moe_routing_metrics_fwd(
+                   counts.data_ptr<int64_t>(), stats.data_ptr<float>(),
+                   (const uint8_t *)map.data_ptr(), scores.defined() ? scores.data_ptr() : nullptr,
+                   m, T, E,
+                   scores.defined() ? to_moe_dtype(scores.scalar_type(), "scores") : MOE_DTYPE_FP32,
+                   ws.data_ptr(), (size_t)ws.numel(), nullptr),
+               "routing_metrics");
+  return {counts, stats};
+}
+
+at::Tensor topk_overlap(const at::Tensor &indices_a_, const at::Tensor &indices_b_,
+                        int64_t num_experts, const c10::optional<at::Tensor> &padding_mask) {
+  check_dim(indices_a_, 2, "indices_a");
+  check_dim(indices_b_, 2, "indices_b");
+  check_dtype(indices_a_, at::kLong, "indices_a");
+  check_dtype(indices_b_, at::kLong, "indices_b");
+  check_no_cuda(indices_a_, "topk_overlap");
+  TORCH_CHECK_VALUE(indices_a_.sizes() == indices_b_.sizes(), "indices_b shape ",
+                    indices_b_.sizes(), " must equal indices_a shape ", indices_a_.sizes());
+  check_same_device(indices_b_, indices_a_, "indices_b", "indices_a");
+  const int64_t T = indices_a_.size(0), k = indices_a_.size(1);
+  at::Tensor a = indices_a_.contiguous(), b = indices_b_.contiguous(), mask;
+  const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, a, "indices_a");
+  at::Tensor overlap = at::empty({}, a.options().dtype(at::kFloat));
+  check_status(moe_topk_overlap_fwd(overlap.data_ptr<float>(), a.data_ptr<int64_t>(),
+                                    b.data_ptr<int64_t>(), m, T, k, num_experts, nullptr, 0,
+                                    nullptr),
+               "topk_overlap");
+  return overlap;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(moe_core, m) {
@@ -303,6 +636,31 @@ TORCH_LIBRARY(moe_core, m) {
   m.def("topk_to_dense(Tensor topk_probs, Tensor topk_indices, int num_experts) "
         "-> (Tensor, Tensor)");
   m.def("topk_to_dense_bwd(Tensor grad_probs, Tensor topk_indices) -> Tensor");
+  // load balancing (issue 4)
+  m.def("aux_loss_scores(Tensor logits, int topk, str score_function, Tensor? padding_mask) "
+        "-> (Tensor, Tensor)");
+  m.def("aux_loss_scores_bwd(Tensor grad_scores, Tensor logits, str score_function, "
+        "Tensor? padding_mask) -> Tensor");
+  m.def("switch_aux_loss(Tensor probs, Tensor tokens_per_expert, Tensor total_num_tokens, "
+        "int topk, int num_experts, float coeff, Tensor? padding_mask) -> Tensor");
+  m.def("switch_aux_loss_bwd(Tensor grad_loss, Tensor probs, Tensor tokens_per_expert, "
+        "Tensor total_num_tokens, int topk, int num_experts, float coeff, Tensor? padding_mask) "
+        "-> Tensor");
+  m.def("z_loss(Tensor logits, float coeff, Tensor? padding_mask) -> Tensor");
+  m.def("z_loss_bwd(Tensor grad_loss, Tensor logits, float coeff, Tensor? padding_mask) "
+        "-> Tensor");
+  m.def("tokens_per_expert(Tensor routing_map, Tensor? padding_mask) -> Tensor");
+  m.def("expert_bias_update(Tensor tokens_per_expert, Tensor expert_bias, float update_rate) "
+        "-> Tensor");
+  m.def("sinkhorn(Tensor cost, float tol, int max_iters) -> Tensor");
+  m.def("sinkhorn_routing(Tensor logits, int topk, bool training, float tol) "
+        "-> (Tensor, Tensor)");
+  m.def("sinkhorn_routing_bwd(Tensor grad_probs, Tensor logits, Tensor routing_map, int topk) "
+        "-> Tensor");
+  m.def("routing_metrics(Tensor routing_map, Tensor? scores, Tensor? padding_mask) "
+        "-> (Tensor, Tensor)");
+  m.def("topk_overlap(Tensor indices_a, Tensor indices_b, int num_experts, "
+        "Tensor? padding_mask) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moe_core, CPU, m) {
@@ -312,6 +670,20 @@ TORCH_LIBRARY_IMPL(moe_core, CPU, m) {
   m.impl("router_topk_bwd", &router_topk_bwd);
   m.impl("topk_to_dense", &topk_to_dense);
   m.impl("topk_to_dense_bwd", &topk_to_dense_bwd);
+  // load balancing (issue 4)
+  m.impl("aux_loss_scores", &aux_loss_scores);
+  m.impl("aux_loss_scores_bwd", &aux_loss_scores_bwd);
+  m.impl("switch_aux_loss", &switch_aux_loss);
+  m.impl("switch_aux_loss_bwd", &switch_aux_loss_bwd);
+  m.impl("z_loss", &z_loss);
+  m.impl("z_loss_bwd", &z_loss_bwd);
+  m.impl("tokens_per_expert", &tokens_per_expert);
+  m.impl("expert_bias_update", &expert_bias_update);
+  m.impl("sinkhorn", &sinkhorn);
+  m.impl("sinkhorn_routing", &sinkhorn_routing);
+  m.impl("sinkhorn_routing_bwd", &sinkhorn_routing_bwd);
+  m.impl("routing_metrics", &routing_metrics);
+  m.impl("topk_overlap", &topk_overlap);
 }
 
 #ifdef MOE_CORE_WITH_CUDA

@@ -1,0 +1,137 @@
+/*
+ * routing_metrics.c: load-balance and route-drift metrics of a routing, on the CPU.
+ *
+ * These are the numbers a training log wants per MoE layer (tokens per expert, max/mean load,
+ * coefficient of variation, load entropy, the router's score entropy) and the top-k overlap
+ * between two routings of the same tokens. They are written to caller buffers and never read
+ * back by the core, so a caller on a GPU keeps them on the device until it chooses to log.
+ *
+ * The clever part is small: every metric is derived from integer counts (exact in any order)
+ * or from per-token values parked in the workspace and summed in token order, so the metrics
+ * are bitwise reproducible whatever the thread count.
+ */
+#include "common.h"
+
+size_t moe_routing_metrics_workspace_size(int64_t num_tokens, int64_t num_experts) {
+    (void)num_experts;
+    return (size_t)(num_tokens > 0 ? num_tokens : 0) * sizeof(double);
+}
+
+static inline int is_pad(const uint8_t *padding_mask, int64_t t) {
+    return padding_mask != NULL && padding_mask[t] != 0;
+}
+
+moe_status_t moe_routing_metrics_fwd(int64_t *tokens_per_expert, float *stats,
+                                     const uint8_t *routing_map, const void *scores,
+                                     const uint8_t *padding_mask, int64_t num_tokens,
+                                     int64_t num_experts, moe_dtype_t scores_dtype,
+                                     void *workspace, size_t workspace_bytes, void *stream) {
+    (void)stream;
+    moe_clear_error();
+    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
+    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
+    MOE_CHECK(scores == NULL || moe_is_float_dtype(scores_dtype),
+              "scores must be a float dtype, got %s", moe_dtype_name(scores_dtype));
+    MOE_CHECK(tokens_per_expert && stats && (routing_map || num_tokens == 0),
+              "tokens_per_expert, stats and routing_map must not be NULL");
+    const size_t need = moe_routing_metrics_workspace_size(num_tokens, num_experts);
+    MOE_CHECK(need == 0 || (workspace != NULL && workspace_bytes >= need),
+              "workspace too small: %zu bytes, need %zu (moe_routing_metrics_workspace_size)",
+              workspace_bytes, need);
+    const int64_t T = num_tokens, E = num_experts;
+
+#pragma omp parallel for schedule(static)
+    for (int64_t e = 0; e < E; ++e) {
+        int64_t n = 0;
+        for (int64_t t = 0; t < T; ++t) n += routing_map[t * E + e] != 0 && !is_pad(padding_mask, t);
+        tokens_per_expert[e] = n;
+    }
+    int64_t total = 0, max = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        total += tokens_per_expert[e];
+        max = tokens_per_expert[e] > max ? tokens_per_expert[e] : max;
+    }
+    if (total == 0) {
+        stats[0] = stats[1] = stats[2] = 0.0f;
+    } else {
+        const double mean = (double)total / (double)E;
+        double var = 0.0, ent = 0.0;
+        for (int64_t e = 0; e < E; ++e) {
+            const double n = (double)tokens_per_expert[e], d = n - mean;
+            var += d * d;
+            if (n > 0) ent -= (n / (double)total) * log(n / (double)total);
+        }
+        stats[0] = (float)((double)max / mean);
+        stats[1] = (float)(sqrt(var / (double)E) / mean);
+        stats[2] = (float)ent;
+    }
+
+    if (scores == NULL) {
+        stats[3] = NAN;
+        return MOE_OK;
+    }
+    double *h = (double *)workspace;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        double acc = 0.0;
+        if (!is_pad(padding_mask, t)) {
+            for (int64_t e = 0; e < E; ++e) {
+                double s = moe_load(scores, scores_dtype, t * E + e);
+                if (s != 0.0) acc -= s * log(s); /* NaN and negative scores propagate as NaN */
+            }
+        }
+        h[t] = acc;
+    }
+    double sum = 0.0;
+    int64_t valid = 0;
+    for (int64_t t = 0; t < T; ++t) {
+        sum += h[t];
+        valid += !is_pad(padding_mask, t);
+    }
+    stats[3] = valid > 0 ? (float)(sum / (double)valid) : 0.0f;
+    return MOE_OK;
+}
+
+moe_status_t moe_topk_overlap_fwd(float *overlap, const int64_t *indices_a,
+                                  const int64_t *indices_b, const uint8_t *padding_mask,
+                                  int64_t num_tokens, int64_t topk, int64_t num_experts,
+                                  void *workspace, size_t workspace_bytes, void *stream) {
+    (void)stream;
+    (void)workspace;
+    (void)workspace_bytes;
+    moe_clear_error();
+    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
+    MOE_CHECK(topk >= 1, "topk must be >= 1, got %lld", (long long)topk);
+    MOE_CHECK(num_experts >= topk, "num_experts must be >= topk=%lld, got %lld", (long long)topk,
+              (long long)num_experts);
+    MOE_CHECK(overlap && ((indices_a && indices_b) || num_tokens == 0),
+              "overlap, indices_a and indices_b must not be NULL");
+    const int64_t n = num_tokens * topk;
+    int64_t bad_a = -1, bad_b = -1;
+    for (int64_t i = 0; i < n && bad_a < 0; ++i)
+        if (indices_a[i] < 0 || indices_a[i] >= num_experts) bad_a = i;
+    for (int64_t i = 0; i < n && bad_b < 0; ++i)
+        if (indices_b[i] < 0 || indices_b[i] >= num_experts) bad_b = i;
+    MOE_CHECK(bad_a < 0, "indices_a has %lld at flat position %lld, outside [0, num_experts=%lld)",
+              (long long)(bad_a < 0 ? 0 : indices_a[bad_a]), (long long)bad_a,
+              (long long)num_experts);
+    MOE_CHECK(bad_b < 0, "indices_b has %lld at flat position %lld, outside [0, num_experts=%lld)",
+              (long long)(bad_b < 0 ? 0 : indices_b[bad_b]), (long long)bad_b,
+              (long long)num_experts);
+    /* integer counts: the OpenMP reduction is exact, hence order-independent */
+    int64_t shared = 0, valid = 0;
+#pragma omp parallel for schedule(static) reduction(+ : shared, valid)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        if (is_pad(padding_mask, t)) continue;
+        ++valid;
+        const int64_t *a = indices_a + t * topk, *b = indices_b + t * topk;
+        for (int64_t i = 0; i < topk; ++i)
+            for (int64_t j = 0; j < topk; ++j)
+                if (a[i] == b[j]) {
+                    ++shared;
+                    break;
+                }
+    }
+    *overlap = valid > 0 ? (float)((double)shared / ((double)valid * (double)topk)) : 0.0f;
+    return MOE_OK;
+}
