@@ -8,6 +8,21 @@ op with a fake (meta) kernel and a registered autograd formula, so it traces und
 from moe_core.ops.router_gating_linear import router_gating_linear
 from moe_core.ops.router_topk import group_limited_topk, router_topk, topk_routing_with_score_function
 from moe_core.ops.topk_to_dense import topk_to_dense
+# load balancing (issue 4)
+from moe_core.ops.aux_loss_autoscaler import AuxLossScale, MoEAuxLossAutoScaler
+from moe_core.ops.aux_loss_scores import compute_routing_scores_for_aux_loss
+from moe_core.ops.expert_bias import accumulate_tokens_per_expert, get_updated_expert_bias
+from moe_core.ops.global_aux_loss import GlobalAuxLossBuffer, global_load_balancing_loss
+from moe_core.ops.routing_metrics import RoutingMetrics, routing_metrics, topk_overlap
+from moe_core.ops.sinkhorn import sinkhorn, sinkhorn_load_balancing, sinkhorn_routing
+from moe_core.ops.switch_aux_loss import (
+    get_tokens_per_expert_and_token_count,
+    load_balancing_loss,
+    seq_load_balancing_loss,
+    switch_load_balancing_loss_func,
+)
+from moe_core.ops.tokens_per_expert import tokens_per_expert
+from moe_core.ops.z_loss import z_loss_func
 
 __all__ = [
     "router_gating_linear",
@@ -15,4 +30,24 @@ __all__ = [
     "topk_routing_with_score_function",
     "group_limited_topk",
     "topk_to_dense",
+    # load balancing (issue 4)
+    "compute_routing_scores_for_aux_loss",
+    "switch_load_balancing_loss_func",
+    "get_tokens_per_expert_and_token_count",
+    "load_balancing_loss",
+    "seq_load_balancing_loss",
+    "global_load_balancing_loss",
+    "GlobalAuxLossBuffer",
+    "z_loss_func",
+    "MoEAuxLossAutoScaler",
+    "AuxLossScale",
+    "tokens_per_expert",
+    "accumulate_tokens_per_expert",
+    "get_updated_expert_bias",
+    "sinkhorn",
+    "sinkhorn_load_balancing",
+    "sinkhorn_routing",
+    "routing_metrics",
+    "RoutingMetrics",
+    "topk_overlap",
 ]

@@ -1,0 +1,105 @@
+"""aux_loss_scores: the scores and top-k map the load-balancing losses are computed from.
+
+Precision contract
+------------------
+* Megatron's ``compute_routing_scores_for_aux_loss``: softmax over all experts (softmax), or
+  sigmoid / sqrt(softplus) normalised over all experts as ``s / (sum(s) + 1e-20)``; each value
+  Megatron materialises is computed in double and rounded once to fp32, sums accumulate in fp64
+  in ascending expert order. Scores are fp32 for fp32/fp16/bf16 logits; fp64 logits keep fp64
+  (Megatron computes fp32 there: a deliberate difference, so fp64 gradcheck is meaningful).
+* The map is the top-k of exactly the scores returned (no groups, no expert bias); ties go to
+  the lowest expert index (torch.topk leaves them unspecified).
+* Padded tokens (padding_mask True) get all-zero scores and map rows, and a zero gradient.
+* Backward: the exact derivative of the scores w.r.t. the logits, returned in the logits' dtype;
+  the map is piecewise constant. Deterministic.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+from moe_core.ops.router_topk import SCORE_FUNCTIONS
+
+_OP = torch.ops.moe_core.aux_loss_scores
+_BWD = torch.ops.moe_core.aux_loss_scores_bwd
+
+
+def flat_padding_mask(padding_mask: Optional[torch.Tensor], num_tokens: int,
+                      name: str = "padding_mask") -> Optional[torch.Tensor]:
+    """A padding mask (True = padding) of any shape with ``num_tokens`` elements, as ``[T]``.
+
+    Megatron's router receives ``[S, B]`` and flattens it the same way; the tokens of the logits
+    are in that flattened order.
+    """
+    if padding_mask is None:
+        return None
+    if not isinstance(padding_mask, torch.Tensor):
+        raise TypeError(f"{name} must be a bool tensor or None, got {type(padding_mask).__name__}")
+    if padding_mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor (True = padding), got {padding_mask.dtype}")
+    if padding_mask.numel() != num_tokens:
+        raise ValueError(
+            f"{name} must have num_tokens={num_tokens} elements, got shape "
+            f"{tuple(padding_mask.shape)}"
+        )
+    return padding_mask.reshape(-1)
+
+
+def compute_routing_scores_for_aux_loss(
+    logits: torch.Tensor,
+    topk: int,
+    score_function: str,
+    fused: bool = False,
+    padding_mask: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's ``compute_routing_scores_for_aux_loss`` (same arguments, map first).
+
+    Args:
+        logits: ``[num_tokens, num_experts]``, float dtype.
+        topk: experts per token in the map, ``1 <= topk <= num_experts``.
+        score_function: "softmax", "sigmoid" or "sqrtsoftplus".
+        fused: accepted for signature compatibility and ignored (this is always one kernel).
+        padding_mask: bool, ``num_tokens`` elements (e.g. ``[S, B]`` or ``[T]``), True = padding;
+            padded rows are zero in both outputs.
+
+    Returns:
+        ``(routing_map [num_tokens, num_experts] bool, scores [num_tokens, num_experts] fp32)``
+        (fp64 scores for fp64 logits); scores carry gradients to the logits.
+    """
+    del fused
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+    if not isinstance(topk, int) or isinstance(topk, bool):
+        raise TypeError(f"topk must be an int, got {topk!r}")
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be 2-D [num_tokens, num_experts], got {shape}")
+    mask = flat_padding_mask(padding_mask, logits.shape[0])
+    return _OP(logits, topk, score_function, mask)
+
+
+@torch.library.register_fake("moe_core::aux_loss_scores")
+def _(logits, topk, score_function, padding_mask):
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return logits.new_empty(logits.shape, dtype=torch.bool), logits.new_empty(logits.shape,
+                                                                              dtype=dtype)
+
+
+@torch.library.register_fake("moe_core::aux_loss_scores_bwd")
+def _(grad_scores, logits, score_function, padding_mask):
+    return torch.empty_like(logits)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, _topk, score_function, padding_mask = inputs
+    ctx.score_function = score_function
+    ctx.save_for_backward(logits, padding_mask)
+
+
+def _backward(ctx, _grad_map, grad_scores):
+    logits, padding_mask = ctx.saved_tensors
+    grad_logits = _BWD(grad_scores.contiguous(), logits, ctx.score_function, padding_mask)
+    return grad_logits, None, None, None
+
+
+torch.library.register_autograd("moe_core::aux_loss_scores", _backward,
+                                setup_context=_setup_context)
