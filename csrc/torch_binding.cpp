@@ -330,7 +330,7 @@ std::tuple<at::Tensor, at::Tensor> aux_loss_scores(const at::Tensor &logits_, in
                                        to_moe_dtype(logits.scalar_type(), "logits"), sf,
                                        ws.data_ptr(), (size_t)ws.numel(), nullptr),
                "aux_loss_scores");
-  return {routing_map, scores};
+  return {scores, routing_map};
 }
 
 at::Tensor aux_loss_scores_bwd(const at::Tensor &grad_scores_, const at::Tensor &logits_,

@@ -74,14 +74,16 @@ def compute_routing_scores_for_aux_loss(
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"logits must be 2-D [num_tokens, num_experts], got {shape}")
     mask = flat_padding_mask(padding_mask, logits.shape[0])
-    return _OP(logits, topk, score_function, mask)
+    # the op returns the float output first (autograd tooling sums outputs in order)
+    scores, routing_map = _OP(logits, topk, score_function, mask)
+    return routing_map, scores
 
 
 @torch.library.register_fake("moe_core::aux_loss_scores")
 def _(logits, topk, score_function, padding_mask):
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return logits.new_empty(logits.shape, dtype=torch.bool), logits.new_empty(logits.shape,
-                                                                              dtype=dtype)
+    return logits.new_empty(logits.shape, dtype=dtype), logits.new_empty(logits.shape,
+                                                                         dtype=torch.bool)
 
 
 @torch.library.register_fake("moe_core::aux_loss_scores_bwd")
@@ -95,7 +97,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(logits, padding_mask)
 
 
-def _backward(ctx, _grad_map, grad_scores):
+def _backward(ctx, grad_scores, _grad_map):
     logits, padding_mask = ctx.saved_tensors
     grad_logits = _BWD(grad_scores.contiguous(), logits, ctx.score_function, padding_mask)
     return grad_logits, None, None, None
