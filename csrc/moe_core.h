@@ -467,7 +467,7 @@ size_t moe_routing_metrics_workspace_size(int64_t num_tokens, int64_t num_expert
  *                            variation (0 when no token is routed)
  *   stats[2] load_entropy    −Σ_e f_e ln f_e with f_e = n_e / Σ n (nats; 0·ln 0 = 0)
  *   stats[3] score_entropy   mean over unpadded tokens of −Σ_e s ln s of `scores` (nats, s = 0
- *                            terms skipped); 0 when no token is unpadded, NaN when scores is NULL
+ *                            terms skipped); 0 when no token is unpadded or scores is NULL
  * \param[out] tokens_per_expert [num_experts], int64
  * \param[out] stats             [MOE_ROUTING_STATS], fp32
  * \param[in]  routing_map       [num_tokens, num_experts], bool

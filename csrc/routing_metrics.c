@@ -66,8 +66,8 @@ moe_status_t moe_routing_metrics_fwd(int64_t *tokens_per_expert, float *stats,
         stats[2] = (float)ent;
     }
 
-    if (scores == NULL) {
-        stats[3] = NAN;
+    if (scores == NULL || num_tokens == 0) {
+        stats[3] = 0.0f; /* no scores: nothing to measure (an empty tensor may have no pointer) */
         return MOE_OK;
     }
     double *h = (double *)workspace;

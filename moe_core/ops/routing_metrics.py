@@ -12,7 +12,7 @@ Definitions (n_e = tokens per expert, mean = sum(n) / E):
   max_over_mean  max(n) / mean                         1 = perfectly balanced; 0 if nothing routed
   load_cv        population std(n) / mean              0 = perfectly balanced; 0 if nothing routed
   load_entropy   -sum f ln f, f = n / sum(n) (nats)   ln(E) = perfectly balanced
-  score_entropy  mean over tokens of -sum s ln s of the router scores (nats; NaN without scores)
+  score_entropy  mean over tokens of -sum s ln s of the router scores (nats; None without scores)
   topk overlap   mean over tokens of |A_t ∩ B_t| / k   1 = the same experts, 0 = disjoint
 """
 from typing import NamedTuple, Optional
@@ -32,7 +32,7 @@ class RoutingMetrics(NamedTuple):
     max_over_mean: torch.Tensor  # 0-d fp32
     load_cv: torch.Tensor  # 0-d fp32
     load_entropy: torch.Tensor  # 0-d fp32
-    score_entropy: torch.Tensor  # 0-d fp32 (NaN when no scores were given)
+    score_entropy: Optional[torch.Tensor]  # 0-d fp32, None when no scores were given
 
 
 def routing_metrics(routing_map: torch.Tensor, scores: Optional[torch.Tensor] = None,
@@ -54,7 +54,8 @@ def routing_metrics(routing_map: torch.Tensor, scores: Optional[torch.Tensor] = 
         raise ValueError(f"routing_map must be 2-D [num_tokens, num_experts], got {shape}")
     mask = flat_padding_mask(padding_mask, routing_map.shape[0])
     counts, stats = _OP(routing_map, None if scores is None else scores.detach(), mask)
-    return RoutingMetrics(counts, stats[0], stats[1], stats[2], stats[3])
+    return RoutingMetrics(counts, stats[0], stats[1], stats[2],
+                          None if scores is None else stats[3])
 
 
 def topk_overlap(indices_a: torch.Tensor, indices_b: torch.Tensor, num_experts: int,
