@@ -448,3 +448,21 @@ def test_losses_are_deterministic():
         (g,) = torch.autograd.grad(loss, logits)
         outs.append((loss.detach(), g))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_losses_compile_fullgraph():
+    """The loss ops trace under torch.compile(fullgraph=True) (fake kernels, no graph breaks)."""
+    def fn(logits, pad):
+        m, s = ops.compute_routing_scores_for_aux_loss(logits, 2, "sigmoid", padding_mask=pad)
+        counts = ops.tokens_per_expert(m)
+        total = counts.sum() / 2
+        aux = ops.switch_load_balancing_loss_func(s, counts, total, 2, 8, 0.01)
+        return aux + ops.z_loss_func(logits, 1e-3, padding_mask=pad)
+
+    logits = torch.randn(16, 8, requires_grad=True)
+    pad = _pad(16)
+    eager = fn(logits, pad)
+    (g_eager,) = torch.autograd.grad(eager, logits)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(logits, pad)
+    (g_comp,) = torch.autograd.grad(compiled, logits)
+    assert torch.equal(eager, compiled) and torch.equal(g_eager, g_comp)
