@@ -10,15 +10,11 @@
  * or from per-token values parked in the workspace and summed in token order, so the metrics
  * are bitwise reproducible whatever the thread count.
  */
-#include "common.h"
+#include "balancing_math.h"
 
 size_t moe_routing_metrics_workspace_size(int64_t num_tokens, int64_t num_experts) {
     (void)num_experts;
     return (size_t)(num_tokens > 0 ? num_tokens : 0) * sizeof(double);
-}
-
-static inline int is_pad(const uint8_t *padding_mask, int64_t t) {
-    return padding_mask != NULL && padding_mask[t] != 0;
 }
 
 moe_status_t moe_routing_metrics_fwd(int64_t *tokens_per_expert, float *stats,

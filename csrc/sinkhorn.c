@@ -12,10 +12,8 @@
  * per-thread top-k lists, and the outputs are written once, in the logits dtype, from the
  * activation of the picked experts.
  */
-#include "common.h"
+#include "balancing_math.h"
 #include "router_topk_math.h"
-
-static inline double rnd(int fp64, double v) { return fp64 ? v : (double)(float)v; }
 
 /* Words of scratch: d0 + d1 + d1_old + C + (routing only) one top-k list per thread. */
 static size_t sinkhorn_words(int64_t T, int64_t E, int64_t topk) {
