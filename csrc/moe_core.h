@@ -232,9 +232,10 @@ moe_status_t moe_topk_to_dense_bwd(void *grad_topk_probs, const void *grad_probs
  * Load balancing (CPU): aux-loss scores, the switch aux loss, z-loss, token counts, the expert
  * bias update, Sinkhorn and Sinkhorn routing, routing metrics.
  *
- * Losses are fp32 scalars (fp64 for fp64 inputs, so fp64 gradcheck is meaningful) computed with fp64 accumulation in a fixed order (deterministic, no
- * atomics). Padding masks are [num_tokens] bool buffers (uint8 0/1), 1 = padding, or NULL for no
- * padding: a padded token contributes nothing to a loss, a count, a metric or a gradient.
+ * Losses are fp32 scalars (fp64 for fp64 inputs, so fp64 gradcheck is meaningful) computed with
+ * fp64 accumulation in a fixed order (deterministic, no atomics). Padding masks are [num_tokens]
+ * bool buffers (uint8 0/1), 1 = padding, or NULL for no padding: a padded token contributes
+ * nothing to a loss, a count, a metric or a gradient.
  * ------------------------------------------------------------------------------------------- */
 
 /**
@@ -332,7 +333,7 @@ size_t moe_z_loss_workspace_size(int64_t num_tokens, int64_t num_experts);
 /**
  * z-loss (Megatron's z_loss_func): coeff · Σ_valid logsumexp(logits[t])² / max(n_valid, 1), or
  * the plain mean over all tokens when padding_mask is NULL (NaN for zero tokens, as torch.mean).
- * logsumexp and the sums in fp64; the result is rounded to fp32 once.
+ * logsumexp and the sums in fp64; the result is rounded once (to fp32, or kept fp64).
  * \param[out] loss          [1], fp32 (fp64 when logits are fp64)
  * \param[in]  logits        [num_tokens, num_experts], `logits_dtype` (float types)
  * \param[in]  padding_mask  [num_tokens], bool, 1 = padding, or NULL

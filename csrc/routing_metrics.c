@@ -39,7 +39,8 @@ moe_status_t moe_routing_metrics_fwd(int64_t *tokens_per_expert, float *stats,
 #pragma omp parallel for schedule(static)
     for (int64_t e = 0; e < E; ++e) {
         int64_t n = 0;
-        for (int64_t t = 0; t < T; ++t) n += routing_map[t * E + e] != 0 && !is_pad(padding_mask, t);
+        for (int64_t t = 0; t < T; ++t)
+            n += routing_map[t * E + e] != 0 && !is_pad(padding_mask, t);
         tokens_per_expert[e] = n;
     }
     int64_t total = 0, max = 0;

@@ -204,10 +204,11 @@ moe_status_t moe_sinkhorn_routing_bwd(void *grad_logits, const void *grad_probs,
         if (topk == 1) {
             /* sigmoid in the logits dtype: g · (1 − s) · s on the picked expert */
             for (int64_t e = 0; e < E; ++e) {
-                double g = routing_map[base + e] ? moe_load(grad_probs, logits_dtype, base + e) : 0.0;
+                const int64_t i = base + e;
+                double g = routing_map[i] ? moe_load(grad_probs, logits_dtype, i) : 0.0;
                 double s = moe_round_to(logits_dtype,
-                                        1.0 / (1.0 + exp(-moe_load(logits, logits_dtype, base + e))));
-                moe_store(grad_logits, logits_dtype, base + e, g * (1.0 - s) * s);
+                                        1.0 / (1.0 + exp(-moe_load(logits, logits_dtype, i))));
+                moe_store(grad_logits, logits_dtype, i, g * (1.0 - s) * s);
             }
             continue;
         }

@@ -93,7 +93,8 @@ moe_status_t moe_z_loss_bwd(void *grad_logits, const void *grad_loss, const void
         double lse = pad ? 0.0 : row_lse(logits, logits_dtype, base, E);
         for (int64_t e = 0; e < E; ++e) {
             /* d lse² / dx = 2 · lse · softmax(x) = 2 · lse · exp(x − lse) */
-            double g = pad ? 0.0 : scale * lse * exp(moe_load(logits, logits_dtype, base + e) - lse);
+            const double x = moe_load(logits, logits_dtype, base + e);
+            double g = pad ? 0.0 : scale * lse * exp(x - lse);
             moe_store(grad_logits, logits_dtype, base + e, g);
         }
     }

@@ -358,10 +358,14 @@ def test_autoscaler_megatron_compatible_unscoped_set():
     assert _grad_of_aux_through_scaler() == 1.0
 
 
-def test_autoscaler_forward_is_identity():
-    out = torch.randn(4, 3)
-    assert ops.MoEAuxLossAutoScaler.apply(out, torch.tensor(1.0)) is out or torch.equal(
-        ops.MoEAuxLossAutoScaler.apply(out, torch.tensor(1.0)), out)
+def test_autoscaler_forward_is_identity_and_passes_the_gradient():
+    out = torch.randn(4, 3, requires_grad=True)
+    aux = torch.tensor(1.0, requires_grad=True)
+    y = ops.MoEAuxLossAutoScaler.apply(out, aux, 2.0)
+    assert torch.equal(y, out)
+    g = torch.randn(4, 3)
+    y.backward(g)
+    assert torch.equal(out.grad, g) and aux.grad.item() == 2.0
 
 
 # ---- opcheck and fp64 gradcheck -------------------------------------------------------------

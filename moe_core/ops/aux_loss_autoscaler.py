@@ -144,5 +144,5 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
 
     @staticmethod
     def reset_loss_scale() -> None:
-        """Restores the process default scale to 1 (Megatron-style code; scoped code never needs it)."""
+        """Restores the process default scale to 1 (for Megatron-style, unscoped code)."""
         _DEFAULT.set(1.0)
