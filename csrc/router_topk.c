@@ -56,9 +56,6 @@ moe_status_t moe_router_topk_check(const moe_router_topk_params_t *p, int64_t nu
               "group_topk=%lld must be <= topk=%lld: a group's score is the sum of its top "
               "topk // group_topk experts, which would be empty",
               (long long)p->group_topk, (long long)p->topk);
-    MOE_CHECK(p->topk / p->group_topk <= per_group,
-              "topk // group_topk = %lld exceeds the %lld experts of a group",
-              (long long)(p->topk / p->group_topk), (long long)per_group);
     return MOE_OK;
 }
 

@@ -194,9 +194,14 @@ MOE_HD static inline void moe_topk_row_fwd(const moe_topk_ctx_t *c, const void *
  * One token's backward: stores d(loss)/d(logits[t, :]) in the logits dtype through moe_store.
  * grad_probs is [T, topk] in the logits dtype; idx the forward's indices for this row.
  */
-MOE_HD static inline void moe_topk_row_bwd(const moe_topk_ctx_t *c, const void *logits,
+MOE_HD static inline void moe_topk_row_bwd(const moe_topk_ctx_t *ctx, const void *logits,
                                            const void *grad_probs, int64_t t, const int64_t *idx,
                                            double *scratch, void *grad_logits) {
+    /* The backward has no tensor to match bit for bit, and its formulas cancel (g/D - Σgv/D²,
+     * s·(g - Σgs)); so it runs entirely in fp64 and rounds once, at the store. */
+    moe_topk_ctx_t c64 = *ctx;
+    c64.fp64 = 1;
+    const moe_topk_ctx_t *c = &c64;
     const int64_t E = c->num_experts, k = c->topk, base = t * E;
     double *g = scratch, *v = scratch + k;
     for (int64_t j = 0; j < k; ++j) {
