@@ -174,16 +174,21 @@ def test_gating_linear_vs_megatron(shape, inp_dtype, router_dtype, bias):
     out_m.backward(g)
     exact.backward(g.double())
 
-    def check(ours_t, meg_t, truth, name, dtype):
+    def check(ours_t, meg_t, truth, name, dtype, length):
+        # The fp64 "truth" is itself a torch GEMM (in fp64), so the slack is the fp64 rounding of
+        # a length-`length` dot product at the scale of its terms, next to one ulp of dtype.
         err = lambda t: (t.double() - truth).abs().max().item()  # noqa: E731
-        slack = torch.finfo(dtype).eps * truth.abs().max().item()
+        terms = truth.abs().max().item()
+        slack = torch.finfo(dtype).eps * terms + 2.0**-52 * length**0.5 * terms
         assert err(ours_t) <= 2 * err(meg_t) + slack, f"{name}: {err(ours_t):.3e} vs {err(meg_t):.3e}"
 
-    check(out, out_m, exact, "logits", router_dtype)
+    T = inp.numel() // shape[-1]
+    check(out, out_m, exact, "logits", router_dtype, shape[-1])
+    lengths = {"inp": E, "weight": T, "bias": T}
     for ours_t, meg_t, truth, name in zip(leaves, leaves_m, exact_leaves, ("inp", "weight", "bias")):
         if ours_t is not None:
             assert ours_t.grad.dtype == meg_t.grad.dtype == ours_t.dtype, name
-            check(ours_t.grad, meg_t.grad, truth.grad, name, ours_t.dtype)
+            check(ours_t.grad, meg_t.grad, truth.grad, name, ours_t.dtype, lengths[name])
 
 
 @pytest.mark.parametrize("score,pre", MODES)
@@ -275,4 +280,7 @@ def test_cpu_cuda_same_routing(score, pre, dtype):
     cuda_opts = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
     p_gpu, i_gpu = ops.router_topk(logits.cuda(), **cuda_opts)
     assert torch.equal(i_cpu, i_gpu.cpu())
-    assert_close_ulps(p_gpu, p_cpu, n_ulps=1, floor=1e-30, dtype=dtype)
+    # Same code and rounding points; only the math library differs (CUDA's exp/log1p in fp64 are
+    # within 2 ulps, glibc's within 1), which survives rounding to fp32 at most as one ulp.
+    assert_close_ulps(p_gpu, p_cpu, n_ulps=8 if dtype == torch.float64 else 1, floor=1e-30,
+                      dtype=dtype)
