@@ -65,3 +65,35 @@ moe_status_t moe_check_expert_offsets(const int64_t *expert_offsets, int64_t num
                   (long long)expert_offsets[num_experts]);
     return MOE_OK;
 }
+
+/* The hidden dimension is walked in tiles of TILE columns with the row loop inside, so each row is
+ * read contiguously and its weight looked up once per tile, while every element still sums its
+ * rows in ascending order. */
+#define TILE 64
+
+void moe_gather_sum_token(void *out_row, const void *rows_base, const int64_t *rows, int64_t n,
+                          int64_t hidden, moe_dtype_t dtype, const void *probs,
+                          moe_dtype_t probs_dtype, const int64_t *expert_offsets,
+                          int64_t num_experts, int64_t token) {
+    const size_t esize = moe_dtype_size(dtype);
+    const moe_dtype_t pd = probs ? moe_promote_dtype(dtype, probs_dtype) : dtype;
+    const moe_dtype_t acc = moe_acc_dtype(pd);
+    double sum[TILE];
+    for (int64_t h0 = 0; h0 < hidden; h0 += TILE) {
+        const int64_t w = hidden - h0 < TILE ? hidden - h0 : TILE;
+        for (int64_t j = 0; j < w; ++j) sum[j] = 0.0;
+        for (int64_t i = 0; i < n; ++i) {
+            const char *x = moe_row_ptr(rows_base, rows[i], hidden, esize);
+            if (probs) {
+                const int64_t e = moe_row_expert(expert_offsets, num_experts, rows[i]);
+                const double p = moe_load(probs, probs_dtype, token * num_experts + e);
+                for (int64_t j = 0; j < w; ++j)
+                    sum[j] = moe_round_to(acc, sum[j] + moe_round_to(pd, moe_load(x, dtype, h0 + j) * p));
+            } else {
+                for (int64_t j = 0; j < w; ++j)
+                    sum[j] = moe_round_to(acc, sum[j] + moe_load(x, dtype, h0 + j));
+            }
+        }
+        for (int64_t j = 0; j < w; ++j) moe_store(out_row, dtype, h0 + j, moe_round_to(pd, sum[j]));
+    }
+}

@@ -53,6 +53,17 @@ moe_status_t moe_token_rows_build(moe_token_rows_t *out, const int64_t *sorted_i
                                   int64_t num_tokens, int64_t num_rows, void *workspace,
                                   size_t workspace_bytes);
 
+/*
+ * One output token of the combine: out_row = Σ_i v_i over the token's rows (ascending), where
+ * v_i = round_P(row_i · probs[token, expert(row_i)]) with probs, or row_i without. The sum runs in
+ * fp32 (fp64 when P is fp64), is rounded to P and stored as `dtype`. P = promote(dtype,
+ * probs_dtype) with probs, else dtype.
+ */
+void moe_gather_sum_token(void *out_row, const void *rows_base, const int64_t *rows, int64_t n,
+                          int64_t hidden, moe_dtype_t dtype, const void *probs,
+                          moe_dtype_t probs_dtype, const int64_t *expert_offsets,
+                          int64_t num_experts, int64_t token);
+
 /* Checks expert_offsets: [E + 1] non-decreasing from >= 0, and every row with a token inside
  * [offsets[0], offsets[E]). */
 moe_status_t moe_check_expert_offsets(const int64_t *expert_offsets, int64_t num_experts,

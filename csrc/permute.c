@@ -134,21 +134,13 @@ moe_status_t moe_permute_bwd(void *grad_tokens, void *grad_probs, const void *gr
     if (grad_probs)
         MOE_TRY(moe_check_expert_offsets(expert_offsets, num_experts, sorted_indices, num_rows));
     const size_t esize = moe_dtype_size(dtype);
-    const moe_dtype_t acc = moe_acc_dtype(dtype);
 
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < num_tokens; ++t) {
         const int64_t *rows = map.rows + map.start[t];
         const int64_t n = map.start[t + 1] - map.start[t];
-        char *out = moe_row_ptr(grad_tokens, t, hidden, esize);
-        for (int64_t h = 0; h < hidden; ++h) {
-            double s = 0.0;
-            for (int64_t i = 0; i < n; ++i)
-                s = moe_round_to(acc, s + moe_load(moe_row_ptr(grad_permuted_tokens, rows[i],
-                                                               hidden, esize),
-                                                   dtype, h));
-            moe_store(out, dtype, h, s);
-        }
+        moe_gather_sum_token(moe_row_ptr(grad_tokens, t, hidden, esize), grad_permuted_tokens,
+                             rows, n, hidden, dtype, NULL, dtype, NULL, num_experts, t);
         if (grad_probs) {
             for (int64_t e = 0; e < num_experts; ++e)
                 moe_store(grad_probs, probs_dtype, t * num_experts + e, 0.0);

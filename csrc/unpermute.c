@@ -44,41 +44,12 @@ moe_status_t moe_unpermute_fwd(void *output, const void *permuted_tokens,
     MOE_TRY(moe_token_rows_build(&map, sorted_indices, num_tokens, num_rows, workspace,
                                  workspace_bytes));
     const size_t esize = moe_dtype_size(dtype);
-    const moe_dtype_t pd = probs ? moe_promote_dtype(dtype, probs_dtype) : dtype;
-    const moe_dtype_t acc = moe_acc_dtype(pd);
 
 #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < num_tokens; ++t) {
-        const int64_t *rows = map.rows + map.start[t];
-        const int64_t n = map.start[t + 1] - map.start[t];
-        char *out = moe_row_ptr(output, t, hidden, esize);
-        if (n == 0) {
-            memset(out, 0, (size_t)hidden * esize);
-            continue;
-        }
-        /* the weights of this token's rows: probs[t, expert of the row] */
-        double w[64];
-        const int64_t cached = n < 64 ? n : 64;
-        for (int64_t i = 0; probs && i < cached; ++i)
-            w[i] = moe_load(probs, probs_dtype,
-                            t * num_experts + moe_row_expert(expert_offsets, num_experts, rows[i]));
-        for (int64_t h = 0; h < hidden; ++h) {
-            double s = 0.0;
-            for (int64_t i = 0; i < n; ++i) {
-                double v = moe_load(moe_row_ptr(permuted_tokens, rows[i], hidden, esize), dtype, h);
-                if (probs) {
-                    const double wi = i < cached ? w[i]
-                                                 : moe_load(probs, probs_dtype,
-                                                            t * num_experts +
-                                                                moe_row_expert(expert_offsets,
-                                                                               num_experts, rows[i]));
-                    v = moe_round_to(pd, v * wi);
-                }
-                s = moe_round_to(acc, s + v);
-            }
-            moe_store(out, dtype, h, moe_round_to(pd, s));
-        }
-    }
+    for (int64_t t = 0; t < num_tokens; ++t)
+        moe_gather_sum_token(moe_row_ptr(output, t, hidden, esize), permuted_tokens,
+                             map.rows + map.start[t], map.start[t + 1] - map.start[t], hidden,
+                             dtype, probs, probs_dtype, expert_offsets, num_experts, t);
     return MOE_OK;
 }
 
