@@ -206,15 +206,15 @@ MOE_HD static inline void moe_topk_row_fwd(const moe_topk_ctx_t *c, const void *
 /*
  * Backward, the part that touches only the k picked experts of token t: gsel[j] receives
  * d(loss)/d(logits[t, idx[j]]). For softmax-pre every expert has a gradient; the others get
- * s_e · (-dot), so the function also returns the row's softmax stats (m, inv) and dot.
+ * s_e · (-dot): the caller passes the row's softmax stats (m, inv; fp64, from
+ * moe_topk_softmax_stats or a parallel reduction) and receives dot.
  * scratch: 2·topk words. Runs in fp64 throughout: there is no tensor to match bit for bit, and
  * the formulas cancel (g/D - Σgv/D², s·(g - Σgs)), so it rounds once, when the caller stores.
  */
 MOE_HD static inline void moe_topk_bwd_selected(const moe_topk_ctx_t *ctx, const void *logits,
                                                 const void *grad_probs, int64_t t,
-                                                const int64_t *idx, double *scratch,
-                                                double *gsel, double *m_out, double *inv_out,
-                                                double *dot_out) {
+                                                const int64_t *idx, double m, double inv,
+                                                double *scratch, double *gsel, double *dot_out) {
     moe_topk_ctx_t c64 = *ctx;
     c64.fp64 = 1;
     const moe_topk_ctx_t *c = &c64;
@@ -224,16 +224,16 @@ MOE_HD static inline void moe_topk_bwd_selected(const moe_topk_ctx_t *ctx, const
         g[j] = moe_load(grad_probs, c->dtype, t * k + j);
         if (c->has_scaling) g[j] = g[j] * c->scaling_factor;
     }
-    *m_out = *inv_out = *dot_out = 0.0;
+    *dot_out = 0.0;
+    (void)E;
     if (c->score_function == MOE_SCORE_SOFTMAX && c->pre_softmax) {
-        double m, inv, dot = 0.0;
-        moe_topk_softmax_stats(c, logits, c->dtype, base, E, &m, &inv);
+        double dot = 0.0;
         for (int64_t j = 0; j < k; ++j) {
             v[j] = moe_topk_softmax_at(c, moe_load(logits, c->dtype, base + idx[j]), m, inv);
             dot += g[j] * v[j];
         }
         for (int64_t j = 0; j < k; ++j) gsel[j] = v[j] * (g[j] - dot);
-        *m_out = m, *inv_out = inv, *dot_out = dot;
+        *dot_out = dot;
         return;
     }
     if (c->score_function == MOE_SCORE_SOFTMAX) {
@@ -287,10 +287,12 @@ MOE_HD static inline void moe_topk_row_bwd(const moe_topk_ctx_t *c, const void *
                                            const void *grad_probs, int64_t t, const int64_t *idx,
                                            double *scratch, void *grad_logits) {
     const int64_t E = c->num_experts, k = c->topk, base = t * E;
-    double *gsel = scratch + 2 * k, m, inv, dot;
-    moe_topk_bwd_selected(c, logits, grad_probs, t, idx, scratch, gsel, &m, &inv, &dot);
+    double *gsel = scratch + 2 * k, m = 0.0, inv = 0.0, dot;
     moe_topk_ctx_t c64 = *c;
     c64.fp64 = 1;
+    if (c->score_function == MOE_SCORE_SOFTMAX && c->pre_softmax)
+        moe_topk_softmax_stats(&c64, logits, c->dtype, base, E, &m, &inv);
+    moe_topk_bwd_selected(c, logits, grad_probs, t, idx, m, inv, scratch, gsel, &dot);
     for (int64_t e = 0; e < E; ++e)
         moe_store(grad_logits, c->dtype, base + e,
                   moe_topk_bwd_unpicked(&c64, logits, base + e, m, inv, dot));
