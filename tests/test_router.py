@@ -284,3 +284,62 @@ def test_cpu_cuda_same_routing(score, pre, dtype):
     # within 2 ulps, glibc's within 1), which survives rounding to fp32 at most as one ulp.
     assert_close_ulps(p_gpu, p_cpu, n_ulps=8 if dtype == torch.float64 else 1, floor=1e-30,
                       dtype=dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("T,E,k,G,gk,score", [
+    (64, 2048, 8, None, None, "softmax"),      # wider than the warp kernel: thread-per-token path
+    (64, 256, 8, 64, 4, "sigmoid"),            # more than 32 groups: thread-per-token path
+    (300, 1024, 16, 32, 8, "sqrtsoftplus"),    # the widest warp kernel
+    (77, 3, 3, None, None, "softmax"),         # fewer experts than lanes
+])
+def test_cpu_cuda_same_routing_all_kernel_paths(T, E, k, G, gk, score):
+    logits = torch.randn(T, E, dtype=torch.float64).float()
+    opts = dict(num_groups=G, group_topk=gk, score_function=score, use_pre_softmax=score == "softmax")
+    x_cpu = logits.clone().requires_grad_()
+    x_gpu = logits.cuda().requires_grad_()
+    p_cpu, i_cpu = ops.router_topk(x_cpu, k, **opts)
+    p_gpu, i_gpu = ops.router_topk(x_gpu, k, **opts)
+    assert torch.equal(i_cpu, i_gpu.cpu())
+    assert_close_ulps(p_gpu, p_cpu, n_ulps=1, floor=1e-30, dtype=torch.float32)
+    w = torch.randn(T, k)
+    (p_cpu * w).sum().backward()
+    (p_gpu * w.cuda()).sum().backward()
+    assert_close_ulps(x_gpu.grad, x_cpu.grad, n_ulps=2, floor=x_cpu.grad.abs().max().item(),
+                      dtype=torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_router_cuda_graph_capture_and_replay():
+    """Router forward and backward have no host sync: they capture into a CUDA graph, and a
+    replay on new inputs gives what eager mode gives."""
+    T, E, H = 1024, 64, 128
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(E, H, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(E, device="cuda") * 0.1
+    g = torch.randn(T, E, device="cuda")
+
+    def step(inp):
+        logits = (inp.float() @ w.float().t()).detach().requires_grad_()
+        probs, routing_map = ops.topk_routing_with_score_function(
+            logits, 8, num_groups=8, group_topk=4, scaling_factor=2.5, score_function="sigmoid",
+            expert_bias=bias)
+        (grad,) = torch.autograd.grad((probs * g).sum(), logits)
+        return probs, routing_map, grad
+
+    static_x = x.detach().clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step(static_x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(static_x)
+    new_x = torch.randn_like(static_x)
+    static_x.copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(outs, step(new_x)):
+        assert torch.equal(a, b)
