@@ -14,13 +14,18 @@
 #include "common.h"
 #include "router_topk_math.h"
 
+/* One thread's scratch (row scratch + its probs), padded to whole 64-byte cache lines so that
+ * threads never write to the same line. */
+static int64_t thread_words(int64_t topk, int64_t num_groups) {
+    return (moe_topk_scratch_words(topk, num_groups) + topk + 7) / 8 * 8;
+}
+
 size_t moe_router_topk_workspace_size(int64_t num_tokens, int64_t num_experts,
                                       const moe_router_topk_params_t *params) {
     (void)num_tokens;
     int64_t groups = params && params->num_groups > 0 ? params->num_groups : 0;
     int64_t topk = params ? params->topk : num_experts;
-    return (size_t)moe_max_threads() * (size_t)(moe_topk_scratch_words(topk, groups) + topk) *
-           sizeof(double);
+    return (size_t)moe_max_threads() * (size_t)thread_words(topk, groups) * sizeof(double);
 }
 
 moe_status_t moe_router_topk_check(const moe_router_topk_params_t *p, int64_t num_experts,
@@ -56,9 +61,6 @@ moe_status_t moe_router_topk_check(const moe_router_topk_params_t *p, int64_t nu
               "group_topk=%lld must be <= topk=%lld: a group's score is the sum of its top "
               "topk // group_topk experts, which would be empty",
               (long long)p->group_topk, (long long)p->topk);
-    MOE_CHECK(p->topk / p->group_topk <= per_group,
-              "topk // group_topk = %lld exceeds the %lld experts of a group",
-              (long long)(p->topk / p->group_topk), (long long)per_group);
     return MOE_OK;
 }
 
@@ -80,7 +82,7 @@ moe_status_t moe_router_topk_fwd(void *topk_probs, int64_t *topk_indices, const 
     if (num_tokens == 0) return MOE_OK;
     MOE_CHECK(topk_probs && topk_indices && logits, "topk_probs, topk_indices and logits must "
                                                     "not be NULL");
-    const int64_t words = moe_topk_scratch_words(params->topk, params->num_groups) + params->topk;
+    const int64_t words = thread_words(params->topk, params->num_groups);
     const int64_t nthreads = (int64_t)(workspace_bytes / ((size_t)words * sizeof(double)));
     MOE_CHECK(workspace != NULL && nthreads >= 1,
               "workspace too small: %zu bytes, need at least %zu (moe_router_topk_workspace_size)",
@@ -93,7 +95,7 @@ moe_status_t moe_router_topk_fwd(void *topk_probs, int64_t *topk_indices, const 
         double *scratch = (double *)workspace + (int64_t)moe_thread_id() * words;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_tokens; ++t) {
-            double *p = scratch + words - k;
+            double *p = scratch + moe_topk_scratch_words(k, params->num_groups);
             moe_topk_row_fwd(&ctx, logits, t, expert_bias, scratch, topk_indices + t * k, p);
             for (int64_t j = 0; j < k; ++j) moe_store(topk_probs, logits_dtype, t * k + j, p[j]);
         }
@@ -112,7 +114,7 @@ moe_status_t moe_router_topk_bwd(void *grad_logits, const void *grad_probs, cons
     if (num_tokens == 0) return MOE_OK;
     MOE_CHECK(grad_logits && grad_probs && logits && topk_indices,
               "grad_logits, grad_probs, logits and topk_indices must not be NULL");
-    const int64_t words = moe_topk_scratch_words(params->topk, params->num_groups) + params->topk;
+    const int64_t words = thread_words(params->topk, params->num_groups);
     const int64_t nthreads = (int64_t)(workspace_bytes / ((size_t)words * sizeof(double)));
     MOE_CHECK(workspace != NULL && nthreads >= 1,
               "workspace too small: %zu bytes, need at least %zu (moe_router_topk_workspace_size)",

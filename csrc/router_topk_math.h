@@ -118,6 +118,42 @@ MOE_HD static inline double moe_topk_selection(const moe_topk_ctx_t *c, const vo
 }
 
 /*
+ * The probs of one token's k picked experts, from their selection values `vals` and ids `idx`
+ * (best first). Sequential on purpose: the fp32 sums are order-dependent, and the CPU kernel and
+ * the CUDA kernel (one lane) both run this exact code.
+ */
+MOE_HD static inline void moe_topk_probs(const moe_topk_ctx_t *c, const void *logits,
+                                         int64_t base, const double *vals, const int64_t *idx,
+                                         double *probs) {
+    const int64_t k = c->topk;
+    const int softmax = c->score_function == MOE_SCORE_SOFTMAX;
+    if (softmax && c->pre_softmax) {
+        for (int64_t j = 0; j < k; ++j) probs[j] = vals[j];
+    } else if (softmax) {
+        /* softmax over the k picked logits; vals[0] is their max (sorted, NaN first) */
+        double sum = 0.0;
+        for (int64_t j = 0; j < k; ++j) {
+            probs[j] = moe_cround(c, exp(moe_cround(c, vals[j] - vals[0])));
+            sum += probs[j];
+        }
+        double pinv = moe_cround(c, 1.0 / moe_cround(c, sum));
+        for (int64_t j = 0; j < k; ++j) probs[j] = moe_cround(c, probs[j] * pinv);
+    } else {
+        double sum = 0.0;
+        for (int64_t j = 0; j < k; ++j) {
+            probs[j] = moe_topk_score(c, moe_load(logits, c->dtype, base + idx[j]));
+            sum = moe_cround(c, sum + probs[j]);
+        }
+        if (k > 1) {
+            double d = moe_cround(c, sum + moe_cround(c, 1e-20));
+            for (int64_t j = 0; j < k; ++j) probs[j] = moe_cround(c, probs[j] / d);
+        }
+    }
+    if (c->has_scaling)
+        for (int64_t j = 0; j < k; ++j) probs[j] = moe_cround(c, probs[j] * c->scaling_factor);
+}
+
+/*
  * One token: writes its topk expert ids (best first) and their probs (in compute precision;
  * the caller stores them in the logits dtype). scratch: moe_topk_scratch_words(topk, groups).
  */
@@ -164,107 +200,103 @@ MOE_HD static inline void moe_topk_row_fwd(const moe_topk_ctx_t *c, const void *
         }
     }
 
-    if (softmax && c->pre_softmax) {
-        for (int64_t j = 0; j < k; ++j) probs[j] = vals[j];
-    } else if (softmax) {
-        /* softmax over the k picked logits; vals[0] is their max (sorted, NaN first) */
-        double sum = 0.0;
-        for (int64_t j = 0; j < k; ++j) {
-            probs[j] = moe_cround(c, exp(moe_cround(c, vals[j] - vals[0])));
-            sum += probs[j];
-        }
-        double pinv = moe_cround(c, 1.0 / moe_cround(c, sum));
-        for (int64_t j = 0; j < k; ++j) probs[j] = moe_cround(c, probs[j] * pinv);
-    } else {
-        double sum = 0.0;
-        for (int64_t j = 0; j < k; ++j) {
-            probs[j] = moe_topk_score(c, moe_load(logits, c->dtype, base + idx[j]));
-            sum = moe_cround(c, sum + probs[j]);
-        }
-        if (k > 1) {
-            double d = moe_cround(c, sum + moe_cround(c, 1e-20));
-            for (int64_t j = 0; j < k; ++j) probs[j] = moe_cround(c, probs[j] / d);
-        }
-    }
-    if (c->has_scaling)
-        for (int64_t j = 0; j < k; ++j) probs[j] = moe_cround(c, probs[j] * c->scaling_factor);
+    moe_topk_probs(c, logits, base, vals, idx, probs);
 }
 
 /*
- * One token's backward: stores d(loss)/d(logits[t, :]) in the logits dtype through moe_store.
- * grad_probs is [T, topk] in the logits dtype; idx the forward's indices for this row.
+ * Backward, the part that touches only the k picked experts of token t: gsel[j] receives
+ * d(loss)/d(logits[t, idx[j]]). For softmax-pre every expert has a gradient; the others get
+ * s_e · (-dot): the caller passes the row's softmax stats (m, inv; fp64, from
+ * moe_topk_softmax_stats or a parallel reduction) and receives dot.
+ * scratch: 2·topk words. Runs in fp64 throughout: there is no tensor to match bit for bit, and
+ * the formulas cancel (g/D - Σgv/D², s·(g - Σgs)), so it rounds once, when the caller stores.
  */
-MOE_HD static inline void moe_topk_row_bwd(const moe_topk_ctx_t *c, const void *logits,
-                                           const void *grad_probs, int64_t t, const int64_t *idx,
-                                           double *scratch, void *grad_logits) {
+MOE_HD static inline void moe_topk_bwd_selected(const moe_topk_ctx_t *ctx, const void *logits,
+                                                const void *grad_probs, int64_t t,
+                                                const int64_t *idx, double m, double inv,
+                                                double *scratch, double *gsel, double *dot_out) {
+    moe_topk_ctx_t c64 = *ctx;
+    c64.fp64 = 1;
+    const moe_topk_ctx_t *c = &c64;
     const int64_t E = c->num_experts, k = c->topk, base = t * E;
     double *g = scratch, *v = scratch + k;
     for (int64_t j = 0; j < k; ++j) {
         g[j] = moe_load(grad_probs, c->dtype, t * k + j);
-        if (c->has_scaling) g[j] = moe_cround(c, g[j] * c->scaling_factor);
+        if (c->has_scaling) g[j] = g[j] * c->scaling_factor;
     }
+    *dot_out = 0.0;
+    (void)E;
     if (c->score_function == MOE_SCORE_SOFTMAX && c->pre_softmax) {
-        double m, inv, dot = 0.0;
-        moe_topk_softmax_stats(c, logits, c->dtype, base, E, &m, &inv);
+        double dot = 0.0;
         for (int64_t j = 0; j < k; ++j) {
             v[j] = moe_topk_softmax_at(c, moe_load(logits, c->dtype, base + idx[j]), m, inv);
             dot += g[j] * v[j];
         }
-        dot = moe_cround(c, dot);
-        for (int64_t e = 0; e < E; ++e) {
-            double s = moe_topk_softmax_at(c, moe_load(logits, c->dtype, base + e), m, inv);
-            moe_store(grad_logits, c->dtype, base + e, moe_cround(c, s * -dot));
-        }
-        for (int64_t j = 0; j < k; ++j)
-            moe_store(grad_logits, c->dtype, base + idx[j],
-                      moe_cround(c, v[j] * moe_cround(c, g[j] - dot)));
+        for (int64_t j = 0; j < k; ++j) gsel[j] = v[j] * (g[j] - dot);
+        *dot_out = dot;
         return;
     }
-    for (int64_t e = 0; e < E; ++e) moe_store(grad_logits, c->dtype, base + e, 0.0);
     if (c->score_function == MOE_SCORE_SOFTMAX) {
         double x0 = moe_load(logits, c->dtype, base + idx[0]), sum = 0.0, dot = 0.0;
         for (int64_t j = 0; j < k; ++j) {
-            v[j] = moe_cround(c, exp(moe_cround(c, moe_load(logits, c->dtype, base + idx[j]) - x0)));
+            v[j] = exp(moe_load(logits, c->dtype, base + idx[j]) - x0);
             sum += v[j];
         }
-        double pinv = moe_cround(c, 1.0 / moe_cround(c, sum));
         for (int64_t j = 0; j < k; ++j) {
-            v[j] = moe_cround(c, v[j] * pinv);
+            v[j] = v[j] / sum;
             dot += g[j] * v[j];
         }
-        dot = moe_cround(c, dot);
-        for (int64_t j = 0; j < k; ++j)
-            moe_store(grad_logits, c->dtype, base + idx[j],
-                      moe_cround(c, v[j] * moe_cround(c, g[j] - dot)));
+        for (int64_t j = 0; j < k; ++j) gsel[j] = v[j] * (g[j] - dot);
         return;
     }
     /* sigmoid / sqrtsoftplus: through the renormalisation, the gather and the score function */
     double sum = 0.0;
     for (int64_t j = 0; j < k; ++j) {
         v[j] = moe_topk_score(c, moe_load(logits, c->dtype, base + idx[j]));
-        sum = moe_cround(c, sum + v[j]);
+        sum += v[j];
     }
     if (k > 1) {
-        double d = moe_cround(c, sum + moe_cround(c, 1e-20)), dd = moe_cround(c, d * d), gd = 0.0;
-        for (int64_t j = 0; j < k; ++j) gd += moe_cround(c, moe_cround(c, -g[j] * v[j]) / dd);
-        gd = moe_cround(c, gd);
-        for (int64_t j = 0; j < k; ++j) g[j] = moe_cround(c, moe_cround(c, g[j] / d) + gd);
+        double d = sum + 1e-20, gd = 0.0;
+        for (int64_t j = 0; j < k; ++j) gd -= g[j] * v[j] / (d * d);
+        for (int64_t j = 0; j < k; ++j) g[j] = g[j] / d + gd;
     }
     for (int64_t j = 0; j < k; ++j) {
-        double x = moe_load(logits, c->dtype, base + idx[j]), gl;
+        double x = moe_load(logits, c->dtype, base + idx[j]);
         if (c->score_function == MOE_SCORE_SIGMOID) {
-            gl = moe_cround(c, moe_cround(c, g[j] * moe_cround(c, 1.0 - v[j])) * v[j]);
+            gsel[j] = g[j] * (1.0 - v[j]) * v[j];
         } else {
-            double gu = moe_cround(c, g[j] / moe_cround(c, 2.0 * v[j]));
-            if (x > 20.0) {
-                gl = gu;
-            } else {
-                double z = moe_cround(c, exp(x));
-                gl = moe_cround(c, gu * moe_cround(c, z / moe_cround(c, z + 1.0)));
-            }
+            double gu = g[j] / (2.0 * v[j]);
+            gsel[j] = x > 20.0 ? gu : gu * (1.0 / (1.0 + exp(-x))); /* softplus' = sigmoid */
         }
-        moe_store(grad_logits, c->dtype, base + idx[j], gl);
     }
+}
+
+/* Backward of expert e that is not among the picked: nonzero only for softmax-pre. */
+MOE_HD static inline double moe_topk_bwd_unpicked(const moe_topk_ctx_t *c, const void *logits,
+                                                  int64_t i, double m, double inv, double dot) {
+    if (!(c->score_function == MOE_SCORE_SOFTMAX && c->pre_softmax)) return 0.0;
+    return exp(moe_load(logits, c->dtype, i) - m) * inv * -dot;
+}
+
+/*
+ * One token's backward: stores d(loss)/d(logits[t, :]) in the logits dtype through moe_store.
+ * grad_probs is [T, topk] in the logits dtype; idx the forward's indices for this row.
+ * scratch: 3·topk words.
+ */
+MOE_HD static inline void moe_topk_row_bwd(const moe_topk_ctx_t *c, const void *logits,
+                                           const void *grad_probs, int64_t t, const int64_t *idx,
+                                           double *scratch, void *grad_logits) {
+    const int64_t E = c->num_experts, k = c->topk, base = t * E;
+    double *gsel = scratch + 2 * k, m = 0.0, inv = 0.0, dot;
+    moe_topk_ctx_t c64 = *c;
+    c64.fp64 = 1;
+    if (c->score_function == MOE_SCORE_SOFTMAX && c->pre_softmax)
+        moe_topk_softmax_stats(&c64, logits, c->dtype, base, E, &m, &inv);
+    moe_topk_bwd_selected(c, logits, grad_probs, t, idx, m, inv, scratch, gsel, &dot);
+    for (int64_t e = 0; e < E; ++e)
+        moe_store(grad_logits, c->dtype, base + e,
+                  moe_topk_bwd_unpicked(&c64, logits, base + e, m, inv, dot));
+    for (int64_t j = 0; j < k; ++j) moe_store(grad_logits, c->dtype, base + idx[j], gsel[j]);
 }
 
 #endif /* MOE_CORE_ROUTER_TOPK_MATH_H_ */

@@ -2,7 +2,9 @@
 
 `moe_core.ops` is the functional API (names and argument order of Megatron-Core's moe_utils).
 """
-from moe_core import _C  # noqa: F401  (loads the library; registers torch.ops.moe_core.*)
+import torch  # noqa: F401  (loads libc10 and friends, which _C links against)
+
+from moe_core import _C  # noqa: F401,E402  (loads the library; registers torch.ops.moe_core.*)
 from moe_core import ops
 
 __all__ = ["ops", "has_cuda"]

@@ -1,13 +1,17 @@
 /*
  * router_topk.cu: the router's score function, (group-limited) top-k and probs on CUDA.
  *
- * One thread per token runs exactly the per-row function of the C kernel
- * (../router_topk_math.h), so CPU and GPU routing agree by construction: the same selection
- * order, tie-breaking and rounding points. Each thread's O(topk + num_groups) scratch lives in the
- * caller's workspace; nothing is allocated and nothing waits on the host.
+ * One warp per token. Each lane holds num_experts/32 selection scores in registers (expert
+ * e = lane + 32·i, so the row is read with coalesced loads once); the top-k is k rounds of a warp
+ * arg-max under the same order as the C kernel (larger first, NaN above all, ties to the lower
+ * index), group scores likewise; then one lane runs the C kernel's own probs routine
+ * (../router_topk_math.h) on the k winners. So CPU and GPU pick the same experts by
+ * construction and compute the probs with the same rounding points; only the math library may
+ * differ, in the last bit of fp64.
  *
- * This is the reference-exact CUDA path. It is correct at every size but not bandwidth-bound
- * (one thread walks a whole row); the fused warp-per-token router is the optimisation on top.
+ * Rows wider than 1024 experts, or more than 32 groups, take the fallback: one thread per token
+ * running the C routine whole, with its scratch in the caller's workspace. Nothing is allocated
+ * and nothing waits on the host.
  */
 #include "cuda_common.cuh"
 #include "../router_topk_math.h"
@@ -16,7 +20,230 @@ static int64_t row_words(const moe_router_topk_params_t *p) {
     return moe_topk_scratch_words(p->topk, p->num_groups) + p->topk;
 }
 
-/* logits [T, E] → topk_probs [T, k] (logits dtype), topk_indices [T, k] int64 */
+#define MOE_FULL_MASK 0xffffffffu
+#define MOE_ROUTER_WARPS 4 /* tokens per block */
+#define MOE_ROUTER_MAX_VPL 32
+
+/* Values per lane for a row of num_experts: the smallest power of two >= E / 32, or 0 when the
+ * warp kernel does not apply (the fallback then runs). */
+static int warp_vpl(int64_t num_experts, int64_t num_groups) {
+    if (num_groups > 32) return 0;
+    for (int v = 1; v <= MOE_ROUTER_MAX_VPL; v *= 2)
+        if (num_experts <= 32 * (int64_t)v) return v;
+    return 0;
+}
+
+/* Warp-wide best (value, index) under moe_topk_before; every lane gets the result. */
+__device__ __forceinline__ void warp_best(double *v, int64_t *i) {
+    for (int off = 16; off > 0; off >>= 1) {
+        double ov = __shfl_xor_sync(MOE_FULL_MASK, *v, off);
+        long long oi = __shfl_xor_sync(MOE_FULL_MASK, (long long)*i, off);
+        if (moe_topk_before(ov, (int64_t)oi, *v, *i)) *v = ov, *i = (int64_t)oi;
+    }
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(MOE_FULL_MASK, v, off);
+    return v;
+}
+
+/* Row max with NaN winning, as moe_topk_softmax_stats does. */
+__device__ __forceinline__ double warp_max_nan(double v) {
+    for (int off = 16; off > 0; off >>= 1) {
+        double o = __shfl_xor_sync(MOE_FULL_MASK, v, off);
+        v = (o != o || o > v) ? o : v;
+    }
+    return v;
+}
+
+/* Softmax stats of row `base` (max, 1/sum), reduced across the warp. `fp32_points` rounds the
+ * terms as the forward does; the backward passes a ctx with fp64 set. */
+template <int VPL>
+__device__ __forceinline__ void warp_softmax_stats(const moe_topk_ctx_t *c, const void *logits,
+                                                   int64_t base, int lane, double *m_out,
+                                                   double *inv_out) {
+    double m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+        int64_t e = lane + 32 * i;
+        if (e < c->num_experts) {
+            double x = moe_load(logits, c->dtype, base + e);
+            m = (x != x || x > m) ? x : m;
+        }
+    }
+    m = warp_max_nan(m);
+    double sum = 0.0;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+        int64_t e = lane + 32 * i;
+        if (e < c->num_experts)
+            sum += moe_cround(c, exp(moe_cround(c, moe_load(logits, c->dtype, base + e) - m)));
+    }
+    sum = warp_sum(sum);
+    *m_out = m;
+    *inv_out = moe_cround(c, 1.0 / moe_cround(c, sum));
+}
+
+/* logits [T, E] → topk_probs [T, k], topk_indices [T, k]; one warp per token.
+ * Shared memory: 3·k words per warp (winners' values, ids, probs). */
+template <int VPL>
+__global__ void __launch_bounds__(32 * MOE_ROUTER_WARPS)
+moe_router_topk_fwd_warp_kernel(void *topk_probs, int64_t *topk_indices, const void *logits,
+                                const float *expert_bias, int64_t num_tokens, moe_topk_ctx_t ctx) {
+    extern __shared__ double moe_router_smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t t = (int64_t)blockIdx.x * MOE_ROUTER_WARPS + warp;
+    if (t >= num_tokens) return; /* the whole warp leaves together */
+    const int64_t E = ctx.num_experts, k = ctx.topk, base = t * E;
+    double *win_v = moe_router_smem + (int64_t)warp * 3 * k;
+    int64_t *win_i = (int64_t *)(win_v + k);
+    double *win_p = win_v + 2 * k;
+    const int softmax = ctx.score_function == MOE_SCORE_SOFTMAX;
+
+    double m = 0.0, inv = 0.0;
+    if (softmax && ctx.pre_softmax) warp_softmax_stats<VPL>(&ctx, logits, base, lane, &m, &inv);
+    double sel[VPL];
+    uint32_t out = 0; /* bit i: expert lane + 32 i is absent, excluded by its group, or taken */
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+        int64_t e = lane + 32 * i;
+        if (e < E) sel[i] = moe_topk_selection(&ctx, logits, base, e, expert_bias, m, inv);
+        else out |= 1u << i, sel[i] = 0.0;
+    }
+
+    if (ctx.num_groups > 0) {
+        const int64_t P = ctx.per_group;
+        double my_group = -INFINITY; /* lane g holds the score of group g */
+        for (int64_t g = 0; g < ctx.num_groups; ++g) {
+            uint32_t taken = 0;
+            double acc = 0.0;
+            for (int64_t r = 0; r < ctx.group_n; ++r) {
+                double bv = -INFINITY;
+                int64_t bi = INT64_MAX;
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) {
+                    int64_t e = lane + 32 * i;
+                    if (!((out | taken) >> i & 1u) && e / P == g && moe_topk_before(sel[i], e, bv, bi))
+                        bv = sel[i], bi = e;
+                }
+                warp_best(&bv, &bi);
+                if (bi % 32 == lane) taken |= 1u << (bi / 32);
+                acc = moe_cround(&ctx, acc + bv);
+            }
+            if (softmax && !ctx.pre_softmax) acc = moe_round_to(ctx.dtype, acc);
+            if (lane == g) my_group = acc;
+        }
+        uint32_t kept = 0;
+        for (int64_t r = 0; r < ctx.group_topk; ++r) {
+            double bv = -INFINITY;
+            int64_t bi = INT64_MAX;
+            if (lane < ctx.num_groups && !(kept >> lane & 1u)) bv = my_group, bi = lane;
+            warp_best(&bv, &bi);
+            kept |= 1u << bi;
+        }
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+            int64_t e = lane + 32 * i;
+            if (e < E && !(kept >> (e / P) & 1u)) out |= 1u << i;
+        }
+    }
+
+    for (int64_t r = 0; r < k; ++r) {
+        double bv = -INFINITY;
+        int64_t bi = INT64_MAX;
+#pragma unroll
+        for (int i = 0; i < VPL; ++i)
+            if (!(out >> i & 1u) && moe_topk_before(sel[i], lane + 32 * i, bv, bi))
+                bv = sel[i], bi = lane + 32 * i;
+        warp_best(&bv, &bi);
+        if (bi % 32 == lane) out |= 1u << (bi / 32);
+        if (lane == 0) win_v[r] = bv, win_i[r] = bi;
+    }
+    __syncwarp();
+    if (lane == 0) moe_topk_probs(&ctx, logits, base, win_v, win_i, win_p);
+    __syncwarp();
+    for (int64_t j = lane; j < k; j += 32) {
+        moe_store(topk_probs, ctx.dtype, t * k + j, win_p[j]);
+        topk_indices[t * k + j] = win_i[j];
+    }
+}
+
+/* grad_probs [T, k] → grad_logits [T, E]; one warp per token, coalesced row writes.
+ * Shared memory: 3·k + 1 words per warp. Rows with an out-of-range index are left unwritten. */
+template <int VPL>
+__global__ void __launch_bounds__(32 * MOE_ROUTER_WARPS)
+moe_router_topk_bwd_warp_kernel(void *grad_logits, const void *grad_probs, const void *logits,
+                                const int64_t *topk_indices, int64_t num_tokens,
+                                moe_topk_ctx_t ctx) {
+    extern __shared__ double moe_router_smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t t = (int64_t)blockIdx.x * MOE_ROUTER_WARPS + warp;
+    if (t >= num_tokens) return;
+    const int64_t E = ctx.num_experts, k = ctx.topk, base = t * E;
+    const int64_t *idx = topk_indices + t * k;
+    double *scratch = moe_router_smem + (int64_t)warp * (3 * k + 1);
+    double *gsel = scratch + 2 * k, *dot = scratch + 3 * k;
+    int bad = 0;
+    for (int64_t j = lane; j < k; j += 32) bad |= idx[j] < 0 || idx[j] >= E;
+    if (__any_sync(MOE_FULL_MASK, bad)) return;
+
+    moe_topk_ctx_t c64 = ctx;
+    c64.fp64 = 1;
+    double m = 0.0, inv = 0.0;
+    const int pre = ctx.score_function == MOE_SCORE_SOFTMAX && ctx.pre_softmax;
+    if (pre) warp_softmax_stats<VPL>(&c64, logits, base, lane, &m, &inv);
+    if (lane == 0) moe_topk_bwd_selected(&ctx, logits, grad_probs, t, idx, m, inv, scratch, gsel, dot);
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+        int64_t e = lane + 32 * i;
+        if (e >= E) continue;
+        int64_t hit = -1;
+        for (int64_t j = 0; j < k; ++j) hit = idx[j] == e ? j : hit;
+        double gl = hit >= 0 ? gsel[hit] : moe_topk_bwd_unpicked(&c64, logits, base + e, m, inv, *dot);
+        moe_store(grad_logits, ctx.dtype, base + e, gl);
+    }
+}
+
+typedef void (*moe_topk_fwd_warp_fn)(void *, int64_t *, const void *, const float *, int64_t,
+                                     moe_topk_ctx_t);
+typedef void (*moe_topk_bwd_warp_fn)(void *, const void *, const void *, const int64_t *, int64_t,
+                                     moe_topk_ctx_t);
+
+static moe_topk_fwd_warp_fn fwd_warp_kernel(int vpl) {
+    switch (vpl) {
+    case 1: return moe_router_topk_fwd_warp_kernel<1>;
+    case 2: return moe_router_topk_fwd_warp_kernel<2>;
+    case 4: return moe_router_topk_fwd_warp_kernel<4>;
+    case 8: return moe_router_topk_fwd_warp_kernel<8>;
+    case 16: return moe_router_topk_fwd_warp_kernel<16>;
+    default: return moe_router_topk_fwd_warp_kernel<32>;
+    }
+}
+
+static moe_topk_bwd_warp_fn bwd_warp_kernel(int vpl) {
+    switch (vpl) {
+    case 1: return moe_router_topk_bwd_warp_kernel<1>;
+    case 2: return moe_router_topk_bwd_warp_kernel<2>;
+    case 4: return moe_router_topk_bwd_warp_kernel<4>;
+    case 8: return moe_router_topk_bwd_warp_kernel<8>;
+    case 16: return moe_router_topk_bwd_warp_kernel<16>;
+    default: return moe_router_topk_bwd_warp_kernel<32>;
+    }
+}
+
+/* Dynamic shared memory of the warp kernels, opted in above the 48 KiB default when needed. */
+static moe_status_t warp_smem(const void *kernel, size_t bytes) {
+    if (bytes <= 48 * 1024) return MOE_OK;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)bytes);
+    if (err != cudaSuccess)
+        return moe_fail(MOE_ERR_UNSUPPORTED, "router_topk: topk too large for shared memory (%zu "
+                        "bytes): %s", bytes, cudaGetErrorString(err));
+    return MOE_OK;
+}
+
+/* Fallback, one thread per token: logits [T, E] → topk_probs [T, k], topk_indices [T, k] */
 __global__ void moe_router_topk_fwd_kernel(void *topk_probs, int64_t *topk_indices,
                                            const void *logits, const float *expert_bias,
                                            int64_t num_tokens, moe_topk_ctx_t ctx,
@@ -30,7 +257,8 @@ __global__ void moe_router_topk_fwd_kernel(void *topk_probs, int64_t *topk_indic
     for (int64_t j = 0; j < k; ++j) moe_store(topk_probs, ctx.dtype, t * k + j, probs[j]);
 }
 
-/* grad_probs [T, k] → grad_logits [T, E]; out-of-range indices are skipped, not followed */
+/* Fallback backward: grad_probs [T, k] → grad_logits [T, E]; rows with an out-of-range index are
+ * skipped, not followed */
 __global__ void moe_router_topk_bwd_kernel(void *grad_logits, const void *grad_probs,
                                            const void *logits, const int64_t *topk_indices,
                                            int64_t num_tokens, moe_topk_ctx_t ctx,
@@ -45,8 +273,7 @@ __global__ void moe_router_topk_bwd_kernel(void *grad_logits, const void *grad_p
 
 extern "C" size_t moe_cuda_router_topk_workspace_size(int64_t num_tokens, int64_t num_experts,
                                                       const moe_router_topk_params_t *params) {
-    (void)num_experts;
-    if (!params || num_tokens <= 0) return 0;
+    if (!params || num_tokens <= 0 || warp_vpl(num_experts, params->num_groups) > 0) return 0;
     return (size_t)num_tokens * (size_t)row_words(params) * sizeof(double);
 }
 
@@ -74,6 +301,17 @@ extern "C" moe_status_t moe_cuda_router_topk_fwd(void *topk_probs, int64_t *topk
                          workspace_bytes));
     if (num_tokens == 0) return MOE_OK;
     const moe_topk_ctx_t ctx = moe_topk_ctx_make(params, num_experts, logits_dtype);
+    const int vpl = warp_vpl(num_experts, params->num_groups);
+    if (vpl > 0) {
+        const size_t smem = (size_t)MOE_ROUTER_WARPS * 3 * (size_t)params->topk * sizeof(double);
+        moe_topk_fwd_warp_fn kernel = fwd_warp_kernel(vpl);
+        MOE_TRY(warp_smem((const void *)kernel, smem));
+        kernel<<<moe_blocks_for(num_tokens, MOE_ROUTER_WARPS), 32 * MOE_ROUTER_WARPS, smem,
+                 (cudaStream_t)stream>>>(topk_probs, topk_indices, logits, expert_bias, num_tokens,
+                                         ctx);
+        MOE_CHECK_LAUNCH("moe_router_topk_fwd_warp_kernel");
+        return MOE_OK;
+    }
     moe_router_topk_fwd_kernel<<<moe_blocks_for(num_tokens, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0,
                                  (cudaStream_t)stream>>>(topk_probs, topk_indices, logits,
                                                          expert_bias, num_tokens, ctx,
@@ -93,6 +331,17 @@ extern "C" moe_status_t moe_cuda_router_topk_bwd(void *grad_logits, const void *
     MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, params, 0, workspace_bytes));
     if (num_tokens == 0) return MOE_OK;
     const moe_topk_ctx_t ctx = moe_topk_ctx_make(params, num_experts, logits_dtype);
+    const int vpl = warp_vpl(num_experts, params->num_groups);
+    if (vpl > 0) {
+        const size_t smem = (size_t)MOE_ROUTER_WARPS * (3 * (size_t)params->topk + 1) * sizeof(double);
+        moe_topk_bwd_warp_fn kernel = bwd_warp_kernel(vpl);
+        MOE_TRY(warp_smem((const void *)kernel, smem));
+        kernel<<<moe_blocks_for(num_tokens, MOE_ROUTER_WARPS), 32 * MOE_ROUTER_WARPS, smem,
+                 (cudaStream_t)stream>>>(grad_logits, grad_probs, logits, topk_indices, num_tokens,
+                                         ctx);
+        MOE_CHECK_LAUNCH("moe_router_topk_bwd_warp_kernel");
+        return MOE_OK;
+    }
     moe_router_topk_bwd_kernel<<<moe_blocks_for(num_tokens, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0,
                                  (cudaStream_t)stream>>>(grad_logits, grad_probs, logits,
                                                          topk_indices, num_tokens, ctx,

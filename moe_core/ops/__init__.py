@@ -8,6 +8,10 @@ op with a fake (meta) kernel and a registered autograd formula, so it traces und
 from moe_core.ops.router_gating_linear import router_gating_linear
 from moe_core.ops.router_topk import group_limited_topk, router_topk, topk_routing_with_score_function
 from moe_core.ops.topk_to_dense import topk_to_dense
+from moe_core.ops.token_dropping import apply_router_token_dropping, get_capacity
+from moe_core.ops.permute import permute
+from moe_core.ops.unpermute import unpermute
+from moe_core.ops.sort_chunks_by_idxs import sort_chunks_by_idxs
 # load balancing (issue 4)
 from moe_core.ops.aux_loss_autoscaler import AuxLossScale, MoEAuxLossAutoScaler
 from moe_core.ops.aux_loss_scores import compute_routing_scores_for_aux_loss
@@ -30,6 +34,11 @@ __all__ = [
     "topk_routing_with_score_function",
     "group_limited_topk",
     "topk_to_dense",
+    "get_capacity",
+    "apply_router_token_dropping",
+    "permute",
+    "unpermute",
+    "sort_chunks_by_idxs",
     # load balancing (issue 4)
     "compute_routing_scores_for_aux_loss",
     "switch_load_balancing_loss_func",

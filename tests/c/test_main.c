@@ -16,11 +16,13 @@ void ctest_add(const char *name, ctest_fn fn) {
 
 void ctest_register_router(void);
 void ctest_register_common(void);
+void ctest_register_layout(void);
 void ctest_register_balancing(void);
 
 int main(void) {
     ctest_register_common();
     ctest_register_router();
+    ctest_register_layout();
     ctest_register_balancing();
     int passed = 0, failed = 0;
     for (int i = 0; i < num_cases; ++i) {

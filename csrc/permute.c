@@ -1,0 +1,157 @@
+/*
+ * permute.c: tokens → the expert-grouped row layout (forward), and its backward.
+ *
+ * The layout is planned per expert before any data moves: a count per expert column, block sizes
+ * (padded to align_size or fixed at the capacity), an exclusive scan into expert_offsets. Then each
+ * expert fills its own block by one ascending walk of its column, so the row order (expert
+ * ascending, token ascending) is Megatron's argsort order without sorting anything, and every
+ * output row has one writer. The backward is the combine's gather over the token → rows map.
+ */
+#include "layout.h"
+
+static int64_t round_up(int64_t x, int64_t m) { return m > 1 ? (x + m - 1) / m * m : x; }
+
+int64_t moe_permute_num_rows(int64_t num_tokens, int64_t num_experts,
+                             const moe_permute_params_t *p) {
+    if (!p || num_tokens < 0 || num_experts < 1 || p->num_out_tokens < 0 || p->align_size < 0)
+        return -1;
+    if (p->drop_and_pad)
+        return num_experts * round_up(p->num_out_tokens / num_experts, p->align_size);
+    return p->num_out_tokens + (p->align_size > 1 ? num_experts * (p->align_size - 1) : 0);
+}
+
+static moe_status_t check_params(int64_t num_tokens, int64_t hidden, int64_t num_experts,
+                                 const moe_permute_params_t *p) {
+    MOE_CHECK(p != NULL, "params must not be NULL");
+    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
+    MOE_CHECK(hidden >= 1, "hidden must be >= 1, got %lld", (long long)hidden);
+    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
+    MOE_CHECK(p->num_out_tokens >= 0, "num_out_tokens must be >= 0, got %lld",
+              (long long)p->num_out_tokens);
+    MOE_CHECK(p->align_size >= 0, "align_size must be >= 0, got %lld", (long long)p->align_size);
+    return MOE_OK;
+}
+
+moe_status_t moe_permute_fwd(void *permuted_tokens, void *permuted_probs, int64_t *sorted_indices,
+                             int64_t *expert_offsets, int64_t *tokens_per_expert,
+                             const void *tokens, const uint8_t *routing_map, const void *probs,
+                             int64_t num_tokens, int64_t hidden, int64_t num_experts,
+                             moe_dtype_t dtype, moe_dtype_t probs_dtype,
+                             const moe_permute_params_t *params, void *workspace,
+                             size_t workspace_bytes, void *stream) {
+    (void)workspace, (void)workspace_bytes, (void)stream;
+    moe_clear_error();
+    MOE_TRY(check_params(num_tokens, hidden, num_experts, params));
+    const size_t esize = moe_dtype_size(dtype);
+    MOE_CHECK(esize > 0, "tokens has an unknown dtype (%d)", (int)dtype);
+    MOE_CHECK(!permuted_probs || moe_is_float_dtype(probs_dtype),
+              "probs must be a float dtype, got %s", moe_dtype_name(probs_dtype));
+    MOE_CHECK(!permuted_probs || num_tokens == 0 || probs,
+              "probs must not be NULL when permuted_probs is requested");
+    MOE_CHECK(expert_offsets && tokens_per_expert,
+              "expert_offsets and tokens_per_expert must not be NULL");
+    const int64_t T = num_tokens, E = num_experts, R = moe_permute_num_rows(T, E, params);
+    MOE_CHECK(R == 0 || (permuted_tokens && sorted_indices),
+              "permuted_tokens and sorted_indices must not be NULL");
+    MOE_CHECK(T == 0 || (tokens && routing_map), "tokens and routing_map must not be NULL");
+    const int dap = params->drop_and_pad != 0;
+    const int64_t align = params->align_size > 1 ? params->align_size : 1;
+    const int64_t capacity = dap ? params->num_out_tokens / E : 0;
+
+    /* 1. plan: rows each expert takes (its block), cut off at the row bound R */
+#pragma omp parallel for schedule(static)
+    for (int64_t e = 0; e < E; ++e) {
+        int64_t count = 0;
+        for (int64_t t = 0; t < T; ++t) count += routing_map[t * E + e] != 0;
+        tokens_per_expert[e] = dap ? round_up(capacity, align) : round_up(count, align);
+    }
+    expert_offsets[0] = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        const int64_t room = R - expert_offsets[e];
+        if (tokens_per_expert[e] > room) tokens_per_expert[e] = room;
+        expert_offsets[e + 1] = expert_offsets[e] + tokens_per_expert[e];
+    }
+
+    /* 2. fill each block's indices and probs: routed tokens ascending; drop_and_pad then takes
+     *    unrouted tokens ascending (Megatron's stable argsort of the column); -1 for the rest */
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t e = 0; e < E; ++e) {
+        const int64_t begin = expert_offsets[e], n = tokens_per_expert[e];
+        const int64_t real = dap ? (capacity < T ? capacity : T) : n;
+        int64_t j = 0;
+        for (int64_t t = 0; t < T && j < real; ++t)
+            if (routing_map[t * E + e]) sorted_indices[begin + j++] = t;
+        for (int64_t t = 0; dap && t < T && j < real; ++t)
+            if (!routing_map[t * E + e]) sorted_indices[begin + j++] = t;
+        for (; j < n; ++j) sorted_indices[begin + j] = -1;
+        if (permuted_probs)
+            for (j = 0; j < n; ++j) {
+                const int64_t t = sorted_indices[begin + j];
+                moe_store(permuted_probs, probs_dtype, begin + j,
+                          t >= 0 ? moe_load(probs, probs_dtype, t * E + e) : 0.0);
+            }
+    }
+    for (int64_t r = expert_offsets[E]; r < R; ++r) {
+        sorted_indices[r] = -1;
+        if (permuted_probs) moe_store(permuted_probs, probs_dtype, r, 0.0);
+    }
+
+    /* 3. move the rows (int64 offsets: R × hidden passes 2^31) */
+    const size_t row_bytes = (size_t)hidden * esize;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < R; ++r) {
+        char *dst = moe_row_ptr(permuted_tokens, r, hidden, esize);
+        const int64_t t = sorted_indices[r];
+        if (t >= 0) memcpy(dst, moe_row_ptr(tokens, t, hidden, esize), row_bytes);
+        else memset(dst, 0, row_bytes);
+    }
+    return MOE_OK;
+}
+
+moe_status_t moe_permute_bwd(void *grad_tokens, void *grad_probs, const void *grad_permuted_tokens,
+                             const void *grad_permuted_probs, const int64_t *sorted_indices,
+                             const int64_t *expert_offsets, int64_t num_tokens, int64_t hidden,
+                             int64_t num_experts, int64_t num_rows, moe_dtype_t dtype,
+                             moe_dtype_t probs_dtype, void *workspace, size_t workspace_bytes,
+                             void *stream) {
+    (void)stream;
+    moe_clear_error();
+    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
+    MOE_CHECK(hidden >= 1, "hidden must be >= 1, got %lld", (long long)hidden);
+    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
+    MOE_CHECK(num_rows >= 0, "num_rows must be >= 0, got %lld", (long long)num_rows);
+    MOE_CHECK(moe_is_float_dtype(dtype), "grad_permuted_tokens must be a float dtype, got %s",
+              moe_dtype_name(dtype));
+    MOE_CHECK(!grad_probs || moe_is_float_dtype(probs_dtype),
+              "grad_permuted_probs must be a float dtype, got %s", moe_dtype_name(probs_dtype));
+    MOE_CHECK(!grad_probs || num_rows == 0 || grad_permuted_probs,
+              "grad_permuted_probs must not be NULL when grad_probs is requested");
+    MOE_CHECK(num_tokens == 0 || grad_tokens, "grad_tokens must not be NULL");
+    MOE_CHECK(num_rows == 0 || grad_permuted_tokens, "grad_permuted_tokens must not be NULL");
+    moe_token_rows_t map;
+    MOE_TRY(moe_token_rows_build(&map, sorted_indices, num_tokens, num_rows, workspace,
+                                 workspace_bytes));
+    if (grad_probs)
+        MOE_TRY(moe_check_expert_offsets(expert_offsets, num_experts, sorted_indices, num_rows));
+    const size_t esize = moe_dtype_size(dtype);
+
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t *rows = map.rows + map.start[t];
+        const int64_t n = map.start[t + 1] - map.start[t];
+        moe_gather_sum_token(moe_row_ptr(grad_tokens, t, hidden, esize), grad_permuted_tokens,
+                             rows, n, hidden, dtype, NULL, dtype, NULL, num_experts, t);
+        if (grad_probs) {
+            for (int64_t e = 0; e < num_experts; ++e)
+                moe_store(grad_probs, probs_dtype, t * num_experts + e, 0.0);
+            for (int64_t i = 0; i < n; ++i) {
+                const int64_t at = t * num_experts + moe_row_expert(expert_offsets, num_experts,
+                                                                    rows[i]);
+                moe_store(grad_probs, probs_dtype, at,
+                          moe_load(grad_probs, probs_dtype, at) +
+                              moe_load(grad_permuted_probs, probs_dtype, rows[i]));
+            }
+        }
+    }
+    return MOE_OK;
+}

@@ -1,0 +1,91 @@
+/*
+ * sort_chunks_by_idxs.c: reorder the row chunks of a buffer (expert parallelism's local regroup).
+ *
+ * The input is split into chunks of split_sizes rows; the output is the chunks in sorted_idxs
+ * order. The split sizes stay in memory the core reads (on the GPU: device memory), so no host
+ * round trip is needed: the start of every chunk on both sides comes from two running sums, then
+ * whole chunks move with memcpy. The backward is the same move in the other direction.
+ */
+#include "layout.h"
+
+static moe_status_t check_args(const void *dst, const void *src, const int64_t *split_sizes,
+                               const int64_t *sorted_idxs, int64_t num_rows, int64_t row_elems,
+                               int64_t num_chunks, moe_dtype_t dtype) {
+    MOE_CHECK(num_rows >= 0, "num_rows must be >= 0, got %lld", (long long)num_rows);
+    MOE_CHECK(row_elems >= 0, "row_elems must be >= 0, got %lld", (long long)row_elems);
+    MOE_CHECK(num_chunks >= 0, "num_chunks must be >= 0, got %lld", (long long)num_chunks);
+    MOE_CHECK(moe_dtype_size(dtype) > 0, "input has an unknown dtype (%d)", (int)dtype);
+    MOE_CHECK(num_chunks == 0 || (split_sizes && sorted_idxs),
+              "split_sizes and sorted_idxs must not be NULL");
+    MOE_CHECK(num_rows * row_elems == 0 || (dst && src), "input and output must not be NULL");
+    int64_t total = 0;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+        MOE_CHECK(split_sizes[c] >= 0, "split_sizes[%lld] = %lld must be >= 0", (long long)c,
+                  (long long)split_sizes[c]);
+        total += split_sizes[c];
+    }
+    MOE_CHECK(total == num_rows, "split_sizes must sum to the rows of input (%lld), got %lld",
+              (long long)num_rows, (long long)total);
+    /* a permutation: every index in range and none twice (a bitmap over the chunks would need
+     * scratch; an O(C^2) scan is fine for the few dozen chunks of expert parallelism) */
+    for (int64_t j = 0; j < num_chunks; ++j) {
+        MOE_CHECK(sorted_idxs[j] >= 0 && sorted_idxs[j] < num_chunks,
+                  "sorted_idxs[%lld] = %lld is outside [0, num_chunks=%lld)", (long long)j,
+                  (long long)sorted_idxs[j], (long long)num_chunks);
+        for (int64_t i = 0; i < j; ++i)
+            MOE_CHECK(sorted_idxs[i] != sorted_idxs[j],
+                      "sorted_idxs must be a permutation of [0, %lld), but %lld appears twice",
+                      (long long)num_chunks, (long long)sorted_idxs[j]);
+    }
+    return MOE_OK;
+}
+
+/* Forward: input chunk sorted_idxs[j] goes to the j-th output slot; `inverse` moves it back. Each
+ * thread finds its chunk's two starts by running sums: O(C^2) adds, nothing for small C. */
+static void move_chunks(void *dst, const void *src, const int64_t *split_sizes,
+                        const int64_t *sorted_idxs, int64_t row_elems, int64_t num_chunks,
+                        size_t esize, int inverse) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t j = 0; j < num_chunks; ++j) {
+        const int64_t c = sorted_idxs[j];
+        int64_t unsorted_start = 0, sorted_start = 0;
+        for (int64_t i = 0; i < c; ++i) unsorted_start += split_sizes[i];
+        for (int64_t i = 0; i < j; ++i) sorted_start += split_sizes[sorted_idxs[i]];
+        const size_t bytes = (size_t)(split_sizes[c] * row_elems) * esize;
+        if (bytes == 0) continue;
+        if (inverse)
+            memcpy(moe_row_ptr(dst, unsorted_start, row_elems, esize),
+                   moe_row_ptr(src, sorted_start, row_elems, esize), bytes);
+        else
+            memcpy(moe_row_ptr(dst, sorted_start, row_elems, esize),
+                   moe_row_ptr(src, unsorted_start, row_elems, esize), bytes);
+    }
+}
+
+moe_status_t moe_sort_chunks_by_idxs_fwd(void *output, const void *input,
+                                         const int64_t *split_sizes, const int64_t *sorted_idxs,
+                                         int64_t num_rows, int64_t row_elems, int64_t num_chunks,
+                                         moe_dtype_t dtype, void *workspace,
+                                         size_t workspace_bytes, void *stream) {
+    (void)workspace, (void)workspace_bytes, (void)stream;
+    moe_clear_error();
+    MOE_TRY(check_args(output, input, split_sizes, sorted_idxs, num_rows, row_elems, num_chunks,
+                       dtype));
+    move_chunks(output, input, split_sizes, sorted_idxs, row_elems, num_chunks,
+                moe_dtype_size(dtype), 0);
+    return MOE_OK;
+}
+
+moe_status_t moe_sort_chunks_by_idxs_bwd(void *grad_input, const void *grad_output,
+                                         const int64_t *split_sizes, const int64_t *sorted_idxs,
+                                         int64_t num_rows, int64_t row_elems, int64_t num_chunks,
+                                         moe_dtype_t dtype, void *workspace,
+                                         size_t workspace_bytes, void *stream) {
+    (void)workspace, (void)workspace_bytes, (void)stream;
+    moe_clear_error();
+    MOE_TRY(check_args(grad_input, grad_output, split_sizes, sorted_idxs, num_rows, row_elems,
+                       num_chunks, dtype));
+    move_chunks(grad_input, grad_output, split_sizes, sorted_idxs, row_elems, num_chunks,
+                moe_dtype_size(dtype), 1);
+    return MOE_OK;
+}

@@ -1,0 +1,195 @@
+"""MoEConfig: the MoE fields of Megatron-Core's TransformerConfig, same names, same defaults.
+
+A Megatron user can build one from an existing config (``MoEConfig.from_megatron(cfg)``) or
+write the same keyword arguments. ``__post_init__`` rejects, with a message naming the field and
+its value, every combination Megatron rejects, plus the features moe-core does not implement yet
+(so nothing is silently ignored). Defaults that differ from Megatron's: none.
+"""
+import dataclasses
+import math
+from typing import Callable, List, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+@dataclasses.dataclass
+class MoEConfig:
+    # ---- the model around the layer (TransformerConfig fields the MoE layer reads) ----
+    hidden_size: int = 0
+    ffn_hidden_size: Optional[int] = None
+    num_moe_experts: Optional[int] = None
+    add_bias_linear: bool = True
+    gated_linear_unit: bool = False
+    activation_func: Callable = F.gelu
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None
+    params_dtype: torch.dtype = torch.float32
+    init_method_std: float = 0.02
+    calculate_per_token_loss: bool = False
+    tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+
+    # ---- MoE fields ----
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
+    moe_shared_expert_overlap: bool = False
+    moe_layer_freq: Union[int, List[int]] = 1
+    moe_router_load_balancing_type: Union[str, List[str]] = "aux_loss"
+    moe_router_topk: int = 2
+    moe_router_topk_limited_devices: Optional[int] = None
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_score_function: str = "softmax"
+    moe_router_dtype: Optional[str] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_force_load_balancing: bool = False
+    moe_router_padding_for_quantization: Optional[bool] = False
+    moe_grouped_gemm: bool = False
+    moe_aux_loss_coeff: Union[float, List[float]] = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_input_jitter_eps: Optional[float] = None
+    moe_token_dropping: bool = False
+    moe_token_dispatcher_type: str = "allgather"
+    moe_per_layer_logging: bool = False
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
+    moe_permute_fusion: bool = False
+    moe_router_fusion: bool = False
+    moe_apply_probs_on_input: bool = False
+    moe_latent_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> None:
+            raise ValueError(f"{field}={getattr(self, field)!r}: {why}")
+
+        if self.num_moe_experts is None or self.num_moe_experts <= 0:
+            bad("num_moe_experts", "must be a positive number of experts")
+        if self.hidden_size <= 0:
+            bad("hidden_size", "must be > 0")
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.moe_ffn_hidden_size <= 0:
+            bad("moe_ffn_hidden_size", "must be > 0")
+        E, k = self.num_moe_experts, self.moe_router_topk
+        if not 1 <= k <= E:
+            bad("moe_router_topk", f"must be in [1, num_moe_experts={E}]")
+        if self.moe_router_score_function not in SCORE_FUNCTIONS:
+            bad("moe_router_score_function", f"must be one of {SCORE_FUNCTIONS}")
+        if self.moe_router_dtype not in (None, "fp32", "fp64"):
+            bad("moe_router_dtype", "must be None, 'fp32' or 'fp64'")
+        types = self.load_balancing_types
+        for t in types:
+            if t == "quantile_balancing":
+                bad("moe_router_load_balancing_type", "quantile balancing is not implemented in moe-core yet")
+            if t not in LOAD_BALANCING_TYPES:
+                bad("moe_router_load_balancing_type", f"each entry must be one of {LOAD_BALANCING_TYPES}")
+        if isinstance(self.moe_router_load_balancing_type, list):
+            if not isinstance(self.moe_aux_loss_coeff, list) or len(self.moe_aux_loss_coeff) != len(types):
+                bad("moe_aux_loss_coeff", "must be a list of the same length as moe_router_load_balancing_type")
+        elif isinstance(self.moe_aux_loss_coeff, list):
+            bad("moe_aux_loss_coeff", "a list needs moe_router_load_balancing_type to be a list too")
+        if "sinkhorn" in types and any(c != 0 for c in self.aux_loss_coeffs):
+            bad("moe_aux_loss_coeff", "sinkhorn balancing requires the aux-loss coefficient to be 0")
+        if k == 1 and self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax \
+                and "sinkhorn" not in types:
+            bad("moe_router_topk", "top-1 softmax routing needs moe_router_pre_softmax=True "
+                "(a softmax over one expert is always 1, so the router would get no gradient)")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function == "softmax":
+            bad("moe_router_enable_expert_bias", "expert bias needs moe_router_score_function "
+                "'sigmoid' or 'sqrtsoftplus'")
+        if self.moe_router_topk_limited_devices:
+            if self.moe_router_group_topk:
+                bad("moe_router_topk_limited_devices", "is deprecated and replaced by "
+                    "moe_router_group_topk; set only one")
+            self.moe_router_group_topk = self.moe_router_topk_limited_devices
+            self.moe_router_num_groups = self.expert_model_parallel_size
+        if self.moe_router_group_topk:
+            G, gk = self.moe_router_num_groups, self.moe_router_group_topk
+            if not G:
+                bad("moe_router_num_groups", "must be set when moe_router_group_topk is")
+            if E % G != 0:
+                bad("moe_router_num_groups", f"must divide num_moe_experts={E}")
+            if not 1 <= gk <= G:
+                bad("moe_router_group_topk", f"must be in [1, moe_router_num_groups={G}]")
+            if gk > k or gk * (E // G) < k:
+                bad("moe_router_group_topk", f"must keep enough experts for moe_router_topk={k} "
+                    f"(group_topk <= topk <= group_topk x {E // G} experts per group)")
+        cf = self.moe_expert_capacity_factor
+        if cf is not None and cf < 0:
+            self.moe_expert_capacity_factor = cf = None
+        if cf is not None and any(t not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+                                  for t in types):
+            bad("moe_expert_capacity_factor", "token dropping works only with aux_loss, "
+                "seq_aux_loss, global_aux_loss or none balancing")
+        if self.moe_pad_expert_input_to_capacity and cf is None:
+            bad("moe_pad_expert_input_to_capacity", "needs moe_expert_capacity_factor")
+        if self.moe_token_drop_policy not in ("probs", "position"):
+            bad("moe_token_drop_policy", "must be 'probs' or 'position'")
+        if self.moe_token_dropping:
+            bad("moe_token_dropping", "is not supported (as in Megatron); use moe_expert_capacity_factor")
+        if self.moe_apply_probs_on_input and k != 1:
+            bad("moe_apply_probs_on_input", f"needs moe_router_topk=1, got {k}")
+        if self.moe_shared_expert_intermediate_size is not None:
+            if self.moe_shared_expert_intermediate_size <= 0:
+                bad("moe_shared_expert_intermediate_size", "must be > 0")
+            if self.add_bias_linear:
+                bad("add_bias_linear", "the shared expert does not support biases (as in Megatron)")
+        if self.moe_shared_expert_overlap:
+            bad("moe_shared_expert_overlap", "needs the alltoall or flex dispatcher (expert "
+                "parallelism), which moe-core does not implement yet")
+        if self.moe_latent_size is not None and self.moe_latent_size <= 0:
+            bad("moe_latent_size", "must be > 0")
+        if self.moe_router_padding_for_quantization:
+            bad("moe_router_padding_for_quantization", "needs fp8/fp4 training, not supported yet")
+        if self.moe_router_force_load_balancing:
+            bad("moe_router_force_load_balancing", "is a benchmarking mode moe-core does not implement")
+        if self.moe_token_dispatcher_type not in ("allgather", "alltoall", "flex"):
+            bad("moe_token_dispatcher_type", "must be 'allgather', 'alltoall' or 'flex'")
+        for field in ("tensor_model_parallel_size", "expert_model_parallel_size"):
+            if getattr(self, field) != 1:
+                bad(field, "model parallelism is not implemented in moe-core yet (single device)")
+        if self.expert_tensor_parallel_size not in (None, 1):
+            bad("expert_tensor_parallel_size", "model parallelism is not implemented yet")
+        if self.moe_input_jitter_eps is not None and not 0 <= self.moe_input_jitter_eps < 1:
+            bad("moe_input_jitter_eps", "must be in [0, 1)")
+        if not math.isfinite(self.moe_router_bias_update_rate):
+            bad("moe_router_bias_update_rate", "must be finite")
+
+    # ---- derived values ----
+    @property
+    def load_balancing_types(self) -> List[str]:
+        t = self.moe_router_load_balancing_type
+        return list(t) if isinstance(t, (list, tuple)) else [t]
+
+    @property
+    def aux_loss_coeffs(self) -> List[float]:
+        c = self.moe_aux_loss_coeff
+        return list(c) if isinstance(c, (list, tuple)) else [c] * len(self.load_balancing_types)
+
+    @property
+    def router_dtype(self) -> Optional[torch.dtype]:
+        """torch dtype of the logits: None means the input's dtype (Megatron's default)."""
+        return {None: None, "fp32": torch.float32, "fp64": torch.float64}[self.moe_router_dtype]
+
+    @classmethod
+    def from_megatron(cls, transformer_config) -> "MoEConfig":
+        """The MoEConfig equal to a Megatron ``TransformerConfig`` (fields it has, by name)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {n: getattr(transformer_config, n) for n in names if hasattr(transformer_config, n)}
+        if kwargs.get("moe_router_topk_limited_devices"):
+            # Megatron's __post_init__ already translated it into group settings
+            kwargs["moe_router_topk_limited_devices"] = None
+        return cls(**kwargs)

@@ -1,0 +1,130 @@
+"""permute: tokens → rows grouped by expert (Megatron's ``permute``), with counts and offsets.
+
+Precision contract
+------------------
+A pure data movement: rows and probs are copied bit for bit. Row order is Megatron's: experts in
+ascending id, tokens ascending within an expert; the drop-and-pad layout ``[E * capacity]`` takes
+each expert's first ``capacity`` tokens of a stable descending sort of its map column (routed
+tokens ascending, then unrouted ones), exactly as Megatron. The backward sums each token's row
+gradients in ascending row order in fp32 (fp64 for fp64) and rounds once: bitwise Megatron's for
+up to two rows per token, deterministic always. No host synchronisation: the row count is a
+static bound from the arguments; the used count lives in ``expert_offsets[-1]`` on the device.
+
+Returns Megatron's 5-tuple ``(permuted_tokens, permuted_probs, sorted_indices, pad_offsets,
+tokens_per_expert)``, with these deliberate differences:
+
+* the 4th output is always ``expert_offsets`` ``[E + 1]`` int64 (block starts; the last entry is
+  the used row count), and the 5th is always ``tokens_per_expert`` ``[E]`` int64 (rows of each
+  block, padding included), both computed here on the tokens' device for the grouped GEMM.
+  Megatron returns ``None`` and the ``tokens_per_expert`` it was given; that argument is ignored.
+* ``num_out_tokens`` is a row *bound*: when the map has fewer routed pairs (capacity dropping
+  without padding, buffers sized ``T * topk``), the rows past the used count are zero and their
+  ``sorted_indices`` are -1 (Megatron fills them with unrouted tokens and needs the exact count,
+  a host sync). When it has more, the rows past the bound are cut off, as in Megatron.
+* ``align_size > 1`` pads every expert block with zero rows (index -1) to a multiple of
+  ``align_size`` (Megatron does this only in its fused TE kernel); the buffer then has
+  ``num_out_tokens + E * (align_size - 1)`` rows. Pass ``expert_offsets`` to ``unpermute`` as
+  ``pad_offsets`` when combining with probs.
+* ``drop_and_pad`` with ``capacity > T`` (Megatron crashes): each block holds all T tokens then
+  ``capacity - T`` zero rows with index -1.
+* ``fused`` is accepted and ignored (this is the fused kernel). ``num_out_tokens`` is required, as
+  in Megatron's unfused path.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+_OP = torch.ops.moe_core.permute
+_BWD = torch.ops.moe_core.permute_bwd
+
+
+def num_permuted_rows(num_experts: int, num_out_tokens: int, drop_and_pad: bool = False,
+                      align_size: int = 0) -> int:
+    """Rows of permute's output buffer (the static bound), as ``moe_permute_num_rows`` in C."""
+    if drop_and_pad:
+        block = num_out_tokens // num_experts
+        if align_size > 1:
+            block = (block + align_size - 1) // align_size * align_size
+        return num_experts * block
+    return num_out_tokens + (num_experts * (align_size - 1) if align_size > 1 else 0)
+
+
+def permute(
+    tokens: torch.Tensor,
+    routing_map: torch.Tensor,
+    probs: Optional[torch.Tensor] = None,
+    num_out_tokens: Optional[int] = None,
+    fused: bool = False,
+    drop_and_pad: bool = False,
+    tokens_per_expert: Optional[torch.Tensor] = None,
+    align_size: int = 0,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the tokens' rows by expert.
+
+    Args:
+        tokens: ``[num_tokens, hidden]`` float.
+        routing_map: ``[num_tokens, num_experts]`` bool.
+        probs: ``[num_tokens, num_experts]`` float, or None.
+        num_out_tokens: dropless: the row bound (``num_tokens * topk``, or the exact routed count);
+            drop_and_pad: ``num_experts * capacity``. A Python int (a 0-d tensor is accepted and
+            read with ``int()``, a host sync, as Megatron does).
+        fused: ignored.
+        drop_and_pad: the ``[E * capacity]`` layout, ``capacity = num_out_tokens // E``.
+        tokens_per_expert: ignored (the counts are computed and returned).
+        align_size: 0/1 for none, else pad each expert block to a multiple of it.
+
+    Returns:
+        ``(permuted_tokens [R, hidden] tokens.dtype, permuted_probs [R] probs.dtype or None,
+        sorted_indices [R] int64 (-1: padding row), expert_offsets [E + 1] int64,
+        tokens_per_expert [E] int64)`` with ``R = num_permuted_rows(...)``.
+    """
+    del fused, tokens_per_expert
+    if num_out_tokens is None:
+        raise ValueError("num_out_tokens is required (as in Megatron's argsort-based permute): "
+                         "pass num_tokens * topk for dropless routing, E * capacity with "
+                         "drop_and_pad")
+    if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size < 0:
+        raise ValueError(f"align_size must be an int >= 0, got {align_size!r}")
+    pt, pp, idx, offsets, counts = _OP(tokens, routing_map, probs, int(num_out_tokens),
+                                       bool(drop_and_pad), align_size)
+    return pt, (pp if probs is not None else None), idx, offsets, counts
+
+
+@torch.library.register_fake("moe_core::permute")
+def _(tokens, routing_map, probs, num_out_tokens, drop_and_pad, align_size):
+    E = routing_map.shape[1]
+    R = num_permuted_rows(E, num_out_tokens, drop_and_pad, align_size)
+    pp = probs.new_empty((R,)) if probs is not None else tokens.new_empty((0,))
+    idx = tokens.new_empty((R,), dtype=torch.long)
+    return (tokens.new_empty((R, tokens.shape[1])), pp, idx,
+            tokens.new_empty((E + 1,), dtype=torch.long), tokens.new_empty((E,), dtype=torch.long))
+
+
+@torch.library.register_fake("moe_core::permute_bwd")
+def _(grad_permuted_tokens, grad_permuted_probs, sorted_indices, expert_offsets, num_tokens):
+    grad_tokens = grad_permuted_tokens.new_empty((num_tokens, grad_permuted_tokens.shape[1]))
+    if grad_permuted_probs is None:
+        return grad_tokens, grad_permuted_tokens.new_empty((0,))
+    return grad_tokens, grad_permuted_probs.new_empty((num_tokens, expert_offsets.shape[0] - 1))
+
+
+def _setup_context(ctx, inputs, output):
+    tokens, _map, probs, _n, _dap, _align = inputs
+    ctx.num_tokens = tokens.shape[0]
+    ctx.has_probs = probs is not None
+    ctx.save_for_backward(output[2], output[3])
+
+
+def _backward(ctx, grad_tokens, grad_probs, _gi, _go, _gc):
+    sorted_indices, expert_offsets = ctx.saved_tensors
+    want_probs = ctx.has_probs and ctx.needs_input_grad[2]
+    if grad_probs is not None and want_probs:
+        grad_probs = grad_probs.contiguous()
+    else:
+        grad_probs = None
+    g_tokens, g_probs = _BWD(grad_tokens.contiguous(), grad_probs, sorted_indices,
+                             expert_offsets, ctx.num_tokens)
+    return g_tokens, None, (g_probs if want_probs else None), None, None, None
+
+
+torch.library.register_autograd("moe_core::permute", _backward, setup_context=_setup_context)
