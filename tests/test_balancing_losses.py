@@ -470,3 +470,22 @@ def test_losses_compile_fullgraph():
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(logits, pad)
     (g_comp,) = torch.autograd.grad(compiled, logits)
     assert torch.equal(eager, compiled) and torch.equal(g_eager, g_comp)
+
+
+def test_autoscaler_compiles_fullgraph_with_a_scale_holder():
+    def fn(x, w, scale):
+        logits = x @ w.t()
+        z = ops.z_loss_func(logits, 1e-2)
+        return ops.MoEAuxLossAutoScaler.apply(logits, z, scale).sum()
+
+    x = torch.randn(8, 4)
+    scale = ops.AuxLossScale()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for value in (2.0, 5.0):  # the holder's current value is used, not a traced constant
+        scale.set(value)
+        w = torch.randn(6, 4, requires_grad=True)
+        compiled(x, w, scale).backward()
+        g_compiled = w.grad
+        w.grad = None
+        fn(x, w, scale).backward()
+        assert torch.equal(g_compiled, w.grad)

@@ -20,9 +20,12 @@ at forward time:
 3. otherwise the process default holder, which only Megatron-style code touches: the unscoped
    ``MoEAuxLossAutoScaler.set_loss_scale(t)`` writes it and ``reset_loss_scale()`` restores 1.
 
-The backward reads the bound holder's value when it runs, so setting the scale after the
-forward and before the backward (Megatron's schedule) works. Scoped and explicit holders never
-read or write the default, so they cannot leak into, or be leaked into by, unrelated code.
+The backward reads the bound holder's value when it runs, so in eager mode setting the scale
+after the forward and before the backward (Megatron's schedule) works. Under ``torch.compile``
+the compiled graph takes the value when the forward runs: set the scale before the forward
+there (Megatron sets the same value every micro-batch, so the schedule is unaffected in
+practice). Scoped and explicit holders never read or write the default, so they cannot leak
+into, or be leaked into by, unrelated code.
 """
 import threading
 from typing import Optional, Union
