@@ -16,10 +16,12 @@ void ctest_add(const char *name, ctest_fn fn) {
 
 void ctest_register_router(void);
 void ctest_register_common(void);
+void ctest_register_grouped_gemm(void);
 
 int main(void) {
     ctest_register_common();
     ctest_register_router();
+    ctest_register_grouped_gemm();
     int passed = 0, failed = 0;
     for (int i = 0; i < num_cases; ++i) {
         int before = ctest_failures;
