@@ -8,6 +8,7 @@ op with a fake (meta) kernel and a registered autograd formula, so it traces und
 from moe_core.ops.router_gating_linear import router_gating_linear
 from moe_core.ops.router_topk import group_limited_topk, router_topk, topk_routing_with_score_function
 from moe_core.ops.topk_to_dense import topk_to_dense
+from moe_core.ops.grouped_gemm import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_wgrad
 
 __all__ = [
     "router_gating_linear",
@@ -15,4 +16,7 @@ __all__ = [
     "topk_routing_with_score_function",
     "group_limited_topk",
     "topk_to_dense",
+    "grouped_gemm",
+    "grouped_gemm_dgrad",
+    "grouped_gemm_wgrad",
 ]
