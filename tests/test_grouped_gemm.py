@@ -15,15 +15,15 @@ from tolerances import assert_error_at_most
 OPS = torch.ops.moe_core
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
-# counts per expert: zeros and ones, counts that are no multiple of any block (MR=8, MC=NC=KC=128),
-# one expert holding everything, no rows at all
+# counts per expert: zeros and ones, counts that are no multiple of any block (MR=8, NR=32,
+# MC=NC=256, KC=128), one expert holding everything (past one MC tile), no rows at all
 COUNTS = {
     "uneven": [0, 1, 37, 0, 130, 9, 1, 250],
     "one_expert": [0, 0, 300, 0],
     "random": None,  # drawn in the test: randint(0, 60) with two forced zeros
     "no_rows": [0, 0, 0],
 }
-SIZES = {"uneven": (45, 70), "one_expert": (129, 33), "random": (64, 200), "no_rows": (16, 24)}
+SIZES = {"uneven": (45, 70), "one_expert": (129, 33), "random": (64, 300), "no_rows": (16, 24)}
 
 
 @pytest.fixture

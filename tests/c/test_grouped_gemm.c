@@ -109,15 +109,19 @@ static void check_case(const int64_t *counts, int64_t E, int64_t K, int64_t N, i
 }
 
 static void test_grouped_gemm_matches_naive(void) {
-    /* zeros, ones, counts that are no multiple of MR/MC, and one above MC (128) */
+    /* zeros, ones, counts that are no multiple of MR or MC */
     static const int64_t counts[6] = {0, 1, 37, 0, 130, 9};
     static const moe_dtype_t dts[4] = {MOE_DTYPE_FP32, MOE_DTYPE_BF16, MOE_DTYPE_FP16, MOE_DTYPE_FP64};
     for (int d = 0; d < 4; ++d)
         for (int trans = 0; trans < 2; ++trans)
             check_case(counts, 6, 45, 70, trans, dts[d], dts[d], 7 + (unsigned)d);
-    /* narrow in, wide out and the reverse; K and N past one block (KC = NC = 128) */
+    /* narrow in, wide out and the reverse; K past one block (KC = 128) */
     check_case(counts, 6, 150, 33, 1, MOE_DTYPE_BF16, MOE_DTYPE_FP32, 11);
     check_case(counts, 6, 20, 140, 0, MOE_DTYPE_FP32, MOE_DTYPE_BF16, 12);
+    /* past one tile in every direction (MC = NC = 256, KC = 128) */
+    static const int64_t big[2] = {3, 270};
+    check_case(big, 2, 130, 260, 0, MOE_DTYPE_BF16, MOE_DTYPE_BF16, 13);
+    check_case(big, 2, 260, 130, 1, MOE_DTYPE_FP32, MOE_DTYPE_FP32, 14);
 }
 
 static void test_grouped_gemm_one_expert_holds_all(void) {
