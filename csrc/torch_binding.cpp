@@ -338,7 +338,8 @@ at::Tensor grouped_gemm(const at::Tensor &x_, const at::Tensor &weight_,
                                "weight.shape[0]", K, N, trans_w,
                                out_dtype.value_or(x_.scalar_type()));
   at::Tensor x = x_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
-  at::Tensor y = at::empty({p.num_rows, N}, x.options().dtype(out_dtype.value_or(x.scalar_type())));
+  at::Tensor y = at::empty({p.num_rows, N},
+                           x.options().dtype(out_dtype.value_or(x.scalar_type())));
   at::Tensor ws = grouped_gemm_workspace(x, p);
   check_status(moe_grouped_gemm_fwd(y.data_ptr(), x.data_ptr(), w.data_ptr(),
                                     off.data_ptr<int64_t>(), &p, ws.data_ptr(),
@@ -359,7 +360,8 @@ at::Tensor grouped_gemm_dgrad(const at::Tensor &grad_y_, const at::Tensor &weigh
                                "weight.shape[0]", K, N, trans_w,
                                out_dtype.value_or(grad_y_.scalar_type()));
   at::Tensor g = grad_y_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
-  at::Tensor dx = at::empty({p.num_rows, K}, g.options().dtype(out_dtype.value_or(g.scalar_type())));
+  at::Tensor dx = at::empty({p.num_rows, K},
+                            g.options().dtype(out_dtype.value_or(g.scalar_type())));
   at::Tensor ws = grouped_gemm_workspace(g, p);
   check_status(moe_grouped_gemm_dgrad(dx.data_ptr(), g.data_ptr(), w.data_ptr(),
                                       off.data_ptr<int64_t>(), &p, ws.data_ptr(),
@@ -380,8 +382,8 @@ at::Tensor grouped_gemm_wgrad(const at::Tensor &x_, const at::Tensor &grad_y_,
                                "expert_offsets.shape[0] - 1", K, N, trans_w,
                                out_dtype.value_or(x_.scalar_type()));
   at::Tensor x = x_.contiguous(), g = grad_y_.contiguous(), off = expert_offsets_.contiguous();
-  std::vector<int64_t> shape = trans_w ? std::vector<int64_t>{E, N, K} : std::vector<int64_t>{E, K, N};
-  at::Tensor dw = at::empty(shape, x.options().dtype(out_dtype.value_or(x.scalar_type())));
+  at::Tensor dw = at::empty(trans_w ? at::IntArrayRef({E, N, K}) : at::IntArrayRef({E, K, N}),
+                            x.options().dtype(out_dtype.value_or(x.scalar_type())));
   at::Tensor ws = grouped_gemm_workspace(x, p);
   check_status(moe_grouped_gemm_wgrad(dw.data_ptr(), x.data_ptr(), g.data_ptr(),
                                       off.data_ptr<int64_t>(), &p, ws.data_ptr(),

@@ -83,13 +83,15 @@ def _(x, weight, expert_offsets, trans_w=False, out_dtype=None):
 @torch.library.register_fake("moe_core::grouped_gemm_dgrad")
 def _(grad_y, weight, expert_offsets, trans_w=False, out_dtype=None):
     k = weight.shape[2] if trans_w else weight.shape[1]
-    return grad_y.new_empty((grad_y.shape[0], k), dtype=grad_y.dtype if out_dtype is None else out_dtype)
+    dtype = grad_y.dtype if out_dtype is None else out_dtype
+    return grad_y.new_empty((grad_y.shape[0], k), dtype=dtype)
 
 
 @torch.library.register_fake("moe_core::grouped_gemm_wgrad")
 def _(x, grad_y, expert_offsets, trans_w=False, out_dtype=None):
     e, k, n = expert_offsets.shape[0] - 1, x.shape[1], grad_y.shape[1]
-    return x.new_empty((e, n, k) if trans_w else (e, k, n), dtype=x.dtype if out_dtype is None else out_dtype)
+    dtype = x.dtype if out_dtype is None else out_dtype
+    return x.new_empty((e, n, k) if trans_w else (e, k, n), dtype=dtype)
 
 
 def _setup_context(ctx, inputs, output):

@@ -181,6 +181,52 @@ static void test_grouped_gemm_int64_index(void) {
     free(x), free(w), free(y);
 }
 
+/* The packing and store conversions (branch-free copies of common.h's) are exact: every fp16 and
+ * bf16 pattern times 1 comes out as moe_*_to_float, and fp32 → fp16 outputs round exactly like
+ * moe_float_to_fp16 over a sweep of fp32 patterns (subnormal ties, the overflow edge, inf, NaN). */
+static void test_grouped_gemm_conversions_exact(void) {
+    const int64_t R = 65536;
+    int64_t off[2] = {0, R};
+    uint16_t *h = malloc(sizeof(uint16_t) * R), one16[2] = {0x3c00, 0x3f80};
+    float *y = malloc(sizeof(float) * R), one = 1.0f;
+    for (int64_t i = 0; i < R; ++i) h[i] = (uint16_t)i;
+    for (int b = 0; b < 2; ++b) {
+        moe_dtype_t dt = b ? MOE_DTYPE_BF16 : MOE_DTYPE_FP16;
+        moe_grouped_gemm_params_t p = gg_params(R, 1, 1, 1, 0, dt, MOE_DTYPE_FP32);
+        CHECK(gg_call(0, y, h, &one16[b], off, &p) == MOE_OK, "%s", moe_last_error());
+        int bad = 0;
+        for (int64_t i = 0; i < R && bad < 3; ++i) {
+            float want = b ? moe_bf16_to_float(h[i]) : moe_fp16_to_float(h[i]);
+            int ok = (want != want) ? (y[i] != y[i]) : (y[i] == want);
+            bad += !ok;
+            CHECK(ok, "%s %04x: %g vs %g", b ? "bf16" : "fp16", (unsigned)h[i], y[i], want);
+        }
+    }
+    const uint32_t edges[] = {0x477ff000u, 0x477fefffu, 0x477fe000u, 0x38800000u, 0x387fffffu,
+                              0x33000000u, 0x33000001u, 0x33800000u, 0x33c00000u, 0x7f800000u,
+                              0x7fc00000u, 0x7f800001u, 0x00000001u, 0x80000000u, 0xc77ff000u};
+    const int64_t ne = (int64_t)(sizeof edges / sizeof edges[0]), n = ne + 1048576;
+    float *x = malloc(sizeof(float) * n);
+    uint16_t *out = malloc(sizeof(uint16_t) * n);
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t u = i < ne ? edges[i] : (uint32_t)((i - ne) * 4099u);
+        memcpy(&x[i], &u, sizeof u);
+    }
+    int64_t off2[2] = {0, n};
+    moe_grouped_gemm_params_t p = gg_params(n, 1, 1, 1, 0, MOE_DTYPE_FP32, MOE_DTYPE_FP16);
+    CHECK(gg_call(0, out, x, &one, off2, &p) == MOE_OK, "%s", moe_last_error());
+    int bad = 0;
+    for (int64_t i = 0; i < n && bad < 3; ++i) {
+        uint16_t want = moe_float_to_fp16(x[i] * 1.0f + 0.0f);
+        const int want_nan = (want & 0x7c00u) == 0x7c00u && (want & 0x3ffu);
+        const int got_nan = (out[i] & 0x7c00u) == 0x7c00u && (out[i] & 0x3ffu);
+        int ok = want_nan ? got_nan : out[i] == want;
+        bad += !ok;
+        CHECK(ok, "fp32 %a -> fp16 %04x, want %04x", (double)x[i], (unsigned)out[i], (unsigned)want);
+    }
+    free(h), free(y), free(x), free(out);
+}
+
 static void expect_error(moe_status_t st, const char *needle) {
     CHECK(st == MOE_ERR_INVALID_ARGUMENT, "status %s", moe_status_string(st));
     CHECK(strstr(moe_last_error(), needle) != NULL, "message '%s' lacks '%s'", moe_last_error(),
@@ -225,5 +271,6 @@ void ctest_register_grouped_gemm(void) {
     ctest_add("grouped_gemm_generic_kernel", test_grouped_gemm_generic_kernel);
     ctest_add("grouped_gemm_deterministic", test_grouped_gemm_deterministic);
     ctest_add("grouped_gemm_int64_index", test_grouped_gemm_int64_index);
+    ctest_add("grouped_gemm_conversions_exact", test_grouped_gemm_conversions_exact);
     ctest_add("grouped_gemm_bad_input", test_grouped_gemm_bad_input);
 }
