@@ -11,6 +11,8 @@
  * once from an fp32 tile buffer. So the dtype switch and the transposes live only in the O(n²)
  * packing and store loops, and the O(n³) micro-kernel is a single dtype-free, stride-free fp32 loop
  * (AVX-512 FMA where the CPU has it, picked at run time, so the build needs no -march flag).
+ * bf16 on a CPU with AVX512_BF16 goes one step further: pairs stay bf16 and the dot-product
+ * instruction does the widening, in an order chosen to give the FMA kernel's exact bits.
  *
  * Summation order is fixed by the blocking constants alone (ascending p, KC at a time, into the
  * same fp32 tile): results are bitwise the same for any thread count and run.
@@ -54,6 +56,13 @@ typedef struct {
 } gg_problem_t;
 
 typedef void (*gg_kernel_fn)(int64_t kc, const float *a, const float *b, float *c);
+/* bf16 pairs: kp = ceil(kc / 2) packed words, each two consecutive p of one row / column */
+typedef void (*gg_pair_kernel_fn)(int64_t kp, const uint32_t *a, const uint32_t *b, float *c);
+
+typedef struct {
+    gg_kernel_fn f32;        /* fp32 panels: every dtype */
+    gg_pair_kernel_fn bf16;  /* bf16 pair panels, or NULL where the CPU has no AVX512_BF16 */
+} gg_kernels_t;
 
 /* ---- packing: dtype conversion and transposition happen here, and only here ---------------- */
 
@@ -260,34 +269,145 @@ __attribute__((target("avx512f"))) static void kernel_avx512(int64_t kc, const f
 }
 #endif
 
-/* MOE_CORE_GEMM_KERNEL=generic forces the portable kernel (so tests cover it on any CPU). */
-static gg_kernel_fn pick_kernel(void) {
+/* ---- bf16 without widening: AVX512_BF16's dot product of pairs -------------------------------
+ *
+ * VDPBF16PS does acc += a[2j+1]·b[2j+1], then acc += a[2j]·b[2j], each product exact in fp32
+ * and each sum rounded once (so each step is an FMA), with bf16 subnormal inputs and fp32
+ * subnormal results flushed to zero. Packing element p into the high half and p + 1 into the low
+ * half makes it add p first: the same sums in the same order as the fp32 FMA kernel, bit for bit
+ * (tested), at twice the multiply-adds per instruction and half the packed bytes. */
+
+/* A(i, p) << 16 | A(i, p + 1), zero past kc. */
+static inline uint32_t pair_of(const uint16_t *src, int64_t p, int64_t stride, int64_t kc) {
+    const uint32_t lo = p + 1 < kc ? src[(p + 1) * stride] : 0u;
+    return (uint32_t)src[p * stride] << 16 | lo;
+}
+
+static void pack_a_pairs(uint32_t *restrict dst, const uint16_t *restrict a, int64_t rs,
+                         int64_t cs, int64_t mc, int64_t kc) {
+    const int64_t kp = (kc + 1) / 2;
+    for (int64_t r = 0; r < mc; r += MR) {
+        const int64_t mr = mc - r < MR ? mc - r : MR;
+        uint32_t *d = dst + r * kp;
+        if (cs == 1) {
+            for (int64_t ii = 0; ii < mr; ++ii)
+                for (int64_t q = 0; q < kp; ++q)
+                    d[q * MR + ii] = pair_of(a + (r + ii) * rs, 2 * q, 1, kc);
+        } else {
+            for (int64_t q = 0; q < kp; ++q)
+                for (int64_t ii = 0; ii < mr; ++ii)
+                    d[q * MR + ii] = pair_of(a + (r + ii) * rs, 2 * q, cs, kc);
+        }
+        for (int64_t ii = mr; ii < MR; ++ii)
+            for (int64_t q = 0; q < kp; ++q) d[q * MR + ii] = 0u;
+    }
+}
+
+static void pack_b_pairs(uint32_t *restrict dst, const uint16_t *restrict b, int64_t rs,
+                         int64_t cs, int64_t kc, int64_t nc) {
+    const int64_t kp = (kc + 1) / 2;
+    for (int64_t jr = 0; jr < nc; jr += NR) {
+        const int64_t nr = nc - jr < NR ? nc - jr : NR;
+        uint32_t *d = dst + jr * kp;
+        if (cs == 1) {
+            for (int64_t q = 0; q < kp; ++q) {
+                const uint16_t *r0 = b + 2 * q * rs + jr;
+                if (2 * q + 1 < kc) {
+                    for (int64_t jj = 0; jj < nr; ++jj)
+                        d[q * NR + jj] = (uint32_t)r0[jj] << 16 | r0[rs + jj];
+                } else {
+                    for (int64_t jj = 0; jj < nr; ++jj) d[q * NR + jj] = (uint32_t)r0[jj] << 16;
+                }
+            }
+        } else {
+            for (int64_t jj = 0; jj < nr; ++jj)
+                for (int64_t q = 0; q < kp; ++q)
+                    d[q * NR + jj] = pair_of(b + (jr + jj) * cs, 2 * q, rs, kc);
+        }
+        for (int64_t q = 0; q < kp; ++q)
+            for (int64_t jj = nr; jj < NR; ++jj) d[q * NR + jj] = 0u;
+    }
+}
+
+#ifdef MOE_GG_X86
+__attribute__((target("avx512f,avx512bf16"))) static void kernel_bf16_avx512(
+    int64_t kp, const uint32_t *restrict a, const uint32_t *restrict b, float *restrict c) {
+#define GG_LOAD_ROW(i)                              \
+    __m512 c##i##0 = _mm512_loadu_ps(c + (i) * NC); \
+    __m512 c##i##1 = _mm512_loadu_ps(c + (i) * NC + 16);
+    GG_LOAD_ROW(0) GG_LOAD_ROW(1) GG_LOAD_ROW(2) GG_LOAD_ROW(3)
+    GG_LOAD_ROW(4) GG_LOAD_ROW(5) GG_LOAD_ROW(6) GG_LOAD_ROW(7)
+#undef GG_LOAD_ROW
+    for (int64_t q = 0; q < kp; ++q) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 16);
+#define GG_DP_ROW(i)                                                   \
+    {                                                                  \
+        const __m512bh ai = (__m512bh)_mm512_set1_epi32((int)a[i]);    \
+        c##i##0 = _mm512_dpbf16_ps(c##i##0, ai, b0);                   \
+        c##i##1 = _mm512_dpbf16_ps(c##i##1, ai, b1);                   \
+    }
+        GG_DP_ROW(0) GG_DP_ROW(1) GG_DP_ROW(2) GG_DP_ROW(3)
+        GG_DP_ROW(4) GG_DP_ROW(5) GG_DP_ROW(6) GG_DP_ROW(7)
+#undef GG_DP_ROW
+        a += MR;
+        b += NR;
+    }
+#define GG_STORE_ROW(i)                        \
+    _mm512_storeu_ps(c + (i) * NC, c##i##0);   \
+    _mm512_storeu_ps(c + (i) * NC + 16, c##i##1);
+    GG_STORE_ROW(0) GG_STORE_ROW(1) GG_STORE_ROW(2) GG_STORE_ROW(3)
+    GG_STORE_ROW(4) GG_STORE_ROW(5) GG_STORE_ROW(6) GG_STORE_ROW(7)
+#undef GG_STORE_ROW
+}
+#endif
+
+/* By the CPU's features. MOE_CORE_GEMM_KERNEL=generic forces the portable fp32 kernel and
+ * =avx512 the fp32 AVX-512 one for every dtype, so tests cover each path on one machine. */
+static gg_kernels_t pick_kernels(void) {
     const char *force = getenv("MOE_CORE_GEMM_KERNEL");
-    if (force && strcmp(force, "generic") == 0) return kernel_generic;
+    gg_kernels_t k = {kernel_generic, NULL};
+    if (force && strcmp(force, "generic") == 0) return k;
 #ifdef MOE_GG_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return kernel_avx512;
+    if (__builtin_cpu_supports("avx512f")) k.f32 = kernel_avx512;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16") &&
+        !(force && strcmp(force, "avx512") == 0))
+        k.bf16 = kernel_bf16_avx512;
 #endif
-    return kernel_generic;
+    return k;
 }
 
 /* ---- one output tile ------------------------------------------------------------------------ */
 
 static void tile_fp32(const gg_problem_t *pr, moe_dtype_t dt, moe_dtype_t out_dt,
-                      gg_kernel_fn kernel, float *scratch, int64_t i0, int64_t j0) {
+                      const gg_kernels_t *kernels, float *scratch, int64_t i0, int64_t j0) {
     float *ap = scratch, *bp = ap + (int64_t)MC * KC, *cb = bp + (int64_t)KC * NC;
     const int64_t mc = pr->m - i0 < MC ? pr->m - i0 : MC;
     const int64_t nc = pr->n - j0 < NC ? pr->n - j0 : NC;
     const int64_t mc_pad = (mc + MR - 1) / MR * MR, nc_pad = (nc + NR - 1) / NR * NR;
+    const int pairs = dt == MOE_DTYPE_BF16 && kernels->bf16 != NULL;
     memset(cb, 0, sizeof(float) * MC * NC);
     for (int64_t p0 = 0; p0 < pr->k; p0 += KC) {
         const int64_t kc = pr->k - p0 < KC ? pr->k - p0 : KC;
+        if (pairs) {
+            const int64_t kp = (kc + 1) / 2;
+            uint32_t *ap2 = (uint32_t *)ap, *bp2 = (uint32_t *)bp;
+            pack_a_pairs(ap2, (const uint16_t *)pr->a + i0 * pr->a_rs + p0 * pr->a_cs, pr->a_rs,
+                         pr->a_cs, mc, kc);
+            pack_b_pairs(bp2, (const uint16_t *)pr->b + p0 * pr->b_rs + j0 * pr->b_cs, pr->b_rs,
+                         pr->b_cs, kc, nc);
+            for (int64_t jr = 0; jr < nc_pad; jr += NR)
+                for (int64_t ir = 0; ir < mc_pad; ir += MR)
+                    kernels->bf16(kp, ap2 + ir * kp, bp2 + jr * kp, cb + ir * NC + jr);
+            continue;
+        }
         pack_a(ap, dt, pr, i0, p0, mc, kc);
         pack_b(bp, dt, pr, p0, j0, kc, nc);
         /* jr outer: one B micro-panel stays in L1 while the A panels stream from L2 */
         for (int64_t jr = 0; jr < nc_pad; jr += NR)
             for (int64_t ir = 0; ir < mc_pad; ir += MR)
-                kernel(kc, ap + ir * kc, bp + jr * kc, cb + ir * NC + jr);
+                kernels->f32(kc, ap + ir * kc, bp + jr * kc, cb + ir * NC + jr);
     }
     store_c(pr, out_dt, cb, i0, j0, mc, nc);
 }
@@ -418,7 +538,7 @@ static moe_status_t run(const gg_call_t *call, void *workspace, size_t workspace
     if (macs < ((int64_t)1 << 18)) nthreads = 1;
     const uintptr_t align_mask = (uintptr_t)(ALIGN_BYTES - 1);
     float *base = (float *)(((uintptr_t)workspace + align_mask) & ~align_mask);
-    const gg_kernel_fn kernel = pick_kernel();
+    const gg_kernels_t kernels = pick_kernels();
     const int fp64 = p->dtype == MOE_DTYPE_FP64;
 
     /* Tiles go to threads round-robin in one fixed enumeration (expert, row tile, column tile):
@@ -435,7 +555,7 @@ static moe_status_t run(const gg_call_t *call, void *workspace, size_t workspace
                 for (int64_t j0 = 0; j0 < pr.n; j0 += NC, ++t) {
                     if (t % nth != tid) continue;
                     if (fp64) tile_fp64(&pr, p->out_dtype, i0, j0);
-                    else tile_fp32(&pr, p->dtype, p->out_dtype, kernel, scratch, i0, j0);
+                    else tile_fp32(&pr, p->dtype, p->out_dtype, &kernels, scratch, i0, j0);
                 }
             }
         }

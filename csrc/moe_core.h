@@ -255,7 +255,9 @@ moe_status_t moe_topk_to_dense_bwd(void *grad_topk_probs, const void *grad_probs
  * is summed in one fixed order (ascending along the reduction, in blocks of a fixed size that
  * depends on no size and no thread count): bitwise reproducible run to run. No atomics. The CPU
  * picks an AVX-512 (fused multiply-add) or a portable kernel by the CPU's features, so bits may
- * differ between machines, never between runs.
+ * differ between machines, never between runs. bf16 on a CPU with AVX512_BF16 uses its pair dot
+ * product: the same sums in the same order, bit for bit, except that bf16 subnormal inputs
+ * (|x| < 2^-126) and fp32 subnormal partial sums are flushed to zero.
  * ------------------------------------------------------------------------------------------- */
 
 /** Sizes and options shared by the three grouped GEMM products. */

@@ -21,7 +21,11 @@ Precision contract
   error against an fp64 truth by 2x torch's own per-expert matmul error in the same dtype.
 * Deterministic: each output element is summed by one thread in a fixed order (ascending along the
   reduction, in blocks of fixed size), whatever the thread count; no atomics. wgrad is parallel
-  over (expert, output tile), never over rows.
+  over (expert, output tile), never over rows. The CPU kernel is picked by the CPU's features
+  (AVX-512 FMA or portable), so bits can differ between machines, never between runs.
+* bf16 on a CPU with AVX512_BF16 uses its bf16 dot-product instruction: bit for bit the same sums
+  as the fp32 kernel, except that bf16 subnormal inputs (``|x| < 2**-126``) and fp32 subnormal
+  partial sums are flushed to zero.
 * Backward (registered autograd): ``grad_y`` is cast to the input dtype (as a same-dtype GEMM's
   backward sees it), then ``dx = grouped_gemm_dgrad(grad_y, weight)`` in ``x.dtype`` and
   ``dW = grouped_gemm_wgrad(x, grad_y)`` in ``weight.dtype`` (fp32 accumulation over all of an

@@ -138,6 +138,39 @@ static void test_grouped_gemm_generic_kernel(void) {
     unsetenv("MOE_CORE_GEMM_KERNEL");
 }
 
+/* bf16 through AVX512_BF16's pair dot product equals the fp32 FMA kernel bit for bit (same
+ * products, same order) on normal numbers; odd K exercises the half-filled last pair. Skipped
+ * where the CPU lacks either. */
+static void test_grouped_gemm_bf16_pairs_match_fma(void) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16")) return;
+    const int64_t E = 3, K = 301, N = 45, R = 420;
+    int64_t off[4] = {0, 7, 7, R};
+    for (int trans = 0; trans < 2; ++trans) {
+        unsigned long long s = 77 + (unsigned)trans;
+        void *x = rand_buf(&s, MOE_DTYPE_BF16, R * K), *w = rand_buf(&s, MOE_DTYPE_BF16, E * K * N);
+        void *dy = rand_buf(&s, MOE_DTYPE_BF16, R * N);
+        moe_grouped_gemm_params_t p = gg_params(R, E, K, N, trans, MOE_DTYPE_BF16, MOE_DTYPE_FP32);
+        float *out[2][3];
+        for (int v = 0; v < 2; ++v) {
+            if (v) setenv("MOE_CORE_GEMM_KERNEL", "avx512", 1);
+            out[v][0] = malloc(sizeof(float) * R * N), out[v][1] = malloc(sizeof(float) * R * K);
+            out[v][2] = malloc(sizeof(float) * E * K * N);
+            CHECK(gg_call(0, out[v][0], x, w, off, &p) == MOE_OK, "%s", moe_last_error());
+            CHECK(gg_call(1, out[v][1], dy, w, off, &p) == MOE_OK, "%s", moe_last_error());
+            CHECK(gg_call(2, out[v][2], x, dy, off, &p) == MOE_OK, "%s", moe_last_error());
+            if (v) unsetenv("MOE_CORE_GEMM_KERNEL");
+        }
+        CHECK(memcmp(out[0][0], out[1][0], sizeof(float) * R * N) == 0, "fwd trans %d", trans);
+        CHECK(memcmp(out[0][1], out[1][1], sizeof(float) * R * K) == 0, "dgrad trans %d", trans);
+        CHECK(memcmp(out[0][2], out[1][2], sizeof(float) * E * K * N) == 0, "wgrad trans %d", trans);
+        for (int v = 0; v < 2; ++v) free(out[v][0]), free(out[v][1]), free(out[v][2]);
+        free(x), free(w), free(dy);
+    }
+#endif
+}
+
 /* Same inputs twice → the same bits (fixed summation order, no atomics). */
 static void test_grouped_gemm_deterministic(void) {
     const int64_t E = 3, K = 300, N = 70, R = 500;
@@ -193,7 +226,10 @@ static void test_grouped_gemm_conversions_exact(void) {
     for (int b = 0; b < 2; ++b) {
         moe_dtype_t dt = b ? MOE_DTYPE_BF16 : MOE_DTYPE_FP16;
         moe_grouped_gemm_params_t p = gg_params(R, 1, 1, 1, 0, dt, MOE_DTYPE_FP32);
+        /* the widening path (the AVX512_BF16 path flushes bf16 subnormals, as documented) */
+        setenv("MOE_CORE_GEMM_KERNEL", "avx512", 1);
         CHECK(gg_call(0, y, h, &one16[b], off, &p) == MOE_OK, "%s", moe_last_error());
+        unsetenv("MOE_CORE_GEMM_KERNEL");
         int bad = 0;
         for (int64_t i = 0; i < R && bad < 3; ++i) {
             float want = b ? moe_bf16_to_float(h[i]) : moe_fp16_to_float(h[i]);
@@ -269,6 +305,7 @@ void ctest_register_grouped_gemm(void) {
     ctest_add("grouped_gemm_matches_naive", test_grouped_gemm_matches_naive);
     ctest_add("grouped_gemm_one_expert_holds_all", test_grouped_gemm_one_expert_holds_all);
     ctest_add("grouped_gemm_generic_kernel", test_grouped_gemm_generic_kernel);
+    ctest_add("grouped_gemm_bf16_pairs_match_fma", test_grouped_gemm_bf16_pairs_match_fma);
     ctest_add("grouped_gemm_deterministic", test_grouped_gemm_deterministic);
     ctest_add("grouped_gemm_int64_index", test_grouped_gemm_int64_index);
     ctest_add("grouped_gemm_conversions_exact", test_grouped_gemm_conversions_exact);
