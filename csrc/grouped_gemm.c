@@ -387,9 +387,11 @@ static void tile_fp32(const gg_problem_t *pr, moe_dtype_t dt, moe_dtype_t out_dt
     const int64_t nc = pr->n - j0 < NC ? pr->n - j0 : NC;
     const int64_t mc_pad = (mc + MR - 1) / MR * MR, nc_pad = (nc + NR - 1) / NR * NR;
     const int pairs = dt == MOE_DTYPE_BF16 && kernels->bf16 != NULL;
+    /* a pair word holds two elements, so the same buffers take twice the depth in bf16 pairs */
+    const int64_t kc_max = pairs ? 2 * KC : KC;
     memset(cb, 0, sizeof(float) * MC * NC);
-    for (int64_t p0 = 0; p0 < pr->k; p0 += KC) {
-        const int64_t kc = pr->k - p0 < KC ? pr->k - p0 : KC;
+    for (int64_t p0 = 0; p0 < pr->k; p0 += kc_max) {
+        const int64_t kc = pr->k - p0 < kc_max ? pr->k - p0 : kc_max;
         if (pairs) {
             const int64_t kp = (kc + 1) / 2;
             uint32_t *ap2 = (uint32_t *)ap, *bp2 = (uint32_t *)bp;
