@@ -710,6 +710,97 @@ moe_status_t moe_topk_overlap_fwd(float *overlap, const int64_t *indices_a,
                                   void *workspace, size_t workspace_bytes, void *stream);
 
 /* ---------------------------------------------------------------------------------------------
+ * grouped_gemm: the experts' GEMMs, one per expert, over contiguous row ranges of one buffer
+ *
+ * Rows of x (tokens already permuted so that each expert's rows are contiguous) are split by
+ * expert_offsets: expert e owns rows [expert_offsets[e], expert_offsets[e + 1]). With K the
+ * in_features and N the out_features of every expert:
+ *
+ *   trans_w = 0   weight [E, K, N]   fwd   y_e  = x_e · W_e        dgrad  dx_e = dy_e · W_eᵀ
+ *                                    wgrad dW_e = x_eᵀ · dy_e    ([K, N])
+ *   trans_w = 1   weight [E, N, K]   fwd   y_e  = x_e · W_eᵀ       dgrad  dx_e = dy_e · W_e
+ *                 (nn.Linear layout: Megatron's SequentialMLP / TEGroupedMLP weights stacked)
+ *                                    wgrad dW_e = dy_eᵀ · x_e    ([N, K])
+ *
+ * x is [num_rows, K], y and dy are [num_rows, N], dx is [num_rows, K]; all row-major, contiguous.
+ * An expert with no rows writes nothing in fwd/dgrad and writes dW_e = 0 in wgrad.
+ *
+ * expert_offsets: int64, num_experts + 1 entries, offsets[0] = 0, non-decreasing, last =
+ * num_rows. It is read where the kernel runs: host memory for moe_*, device memory for the CUDA
+ * entry points (which never copy it to the host). The CPU entry points validate it; a CUDA
+ * implementation cannot without a sync, so there it is the caller's contract.
+ *
+ * Precision: both operands have one dtype (fp32, fp16, bf16, or fp64); elements are widened
+ * exactly to fp32 (fp64 for fp64 operands), products are summed in an fp32 (fp64) accumulator,
+ * and each output element is rounded once to out_dtype (any float type). Every output element
+ * is summed in one fixed order (ascending along the reduction, in blocks of a fixed size that
+ * depends on no size and no thread count): bitwise reproducible run to run. No atomics. The CPU
+ * picks an AVX-512 (fused multiply-add) or a portable kernel by the CPU's features, so bits may
+ * differ between machines, never between runs. bf16 on a CPU with AVX512_BF16 uses its pair dot
+ * product: the same sums in the same order, bit for bit, except that bf16 subnormal inputs
+ * (|x| < 2^-126) and fp32 subnormal partial sums are flushed to zero.
+ * ------------------------------------------------------------------------------------------- */
+
+/** Sizes and options shared by the three grouped GEMM products. */
+typedef struct moe_grouped_gemm_params {
+    int64_t num_rows;      /**< rows of x, y, dy, dx (all experts together), >= 0 */
+    int64_t num_experts;   /**< E: groups, >= 1; expert_offsets has E + 1 entries */
+    int64_t in_features;   /**< K: columns of x and dx, >= 0 */
+    int64_t out_features;  /**< N: columns of y and dy, >= 0 */
+    int trans_w;           /**< 0: weight is [E, K, N]; 1: weight is [E, N, K] (nn.Linear) */
+    moe_dtype_t dtype;     /**< element type of both operands: fp32, fp16, bf16 or fp64 */
+    moe_dtype_t out_dtype; /**< element type of the output: fp32, fp16, bf16 or fp64 */
+} moe_grouped_gemm_params_t;
+
+/**
+ * Workspace bytes moe_grouped_gemm_fwd / _dgrad / _wgrad need on the CPU: fp32 packing buffers
+ * of a fixed size for each OpenMP thread (so it depends on the calling process's thread count).
+ */
+size_t moe_grouped_gemm_workspace_size(const moe_grouped_gemm_params_t *params);
+
+/**
+ * Forward: y_e = x_e · W_e (trans_w = 0) or x_e · W_eᵀ (trans_w = 1), for every expert e.
+ * \param[out] y               [num_rows, N], `params->out_dtype`
+ * \param[in]  x               [num_rows, K], `params->dtype`
+ * \param[in]  weight          [E, K, N] (trans_w = 0) or [E, N, K] (trans_w = 1), `params->dtype`
+ * \param[in]  expert_offsets  [E + 1], int64, as described above
+ * \param[in]  params          sizes, layout and dtypes
+ * \param[in]  workspace       moe_grouped_gemm_workspace_size(params) bytes
+ * \param[in]  workspace_bytes its size
+ * \param[in]  stream          CUDA stream for moe_cuda_*, ignored on the CPU (NULL)
+ */
+moe_status_t moe_grouped_gemm_fwd(void *y, const void *x, const void *weight,
+                                  const int64_t *expert_offsets,
+                                  const moe_grouped_gemm_params_t *params, void *workspace,
+                                  size_t workspace_bytes, void *stream);
+
+/**
+ * Gradient of x: dx_e = dy_e · W_eᵀ (trans_w = 0) or dy_e · W_e (trans_w = 1).
+ * \param[out] grad_x          [num_rows, K], `params->out_dtype`
+ * \param[in]  grad_y          [num_rows, N], `params->dtype`
+ * \param[in]  weight          [E, K, N] (trans_w = 0) or [E, N, K] (trans_w = 1), `params->dtype`
+ * (expert_offsets, params, workspace and stream as in the forward)
+ */
+moe_status_t moe_grouped_gemm_dgrad(void *grad_x, const void *grad_y, const void *weight,
+                                    const int64_t *expert_offsets,
+                                    const moe_grouped_gemm_params_t *params, void *workspace,
+                                    size_t workspace_bytes, void *stream);
+
+/**
+ * Gradient of the weight: dW_e = x_eᵀ · dy_e (trans_w = 0, [K, N]) or dy_eᵀ · x_e (trans_w = 1,
+ * [N, K]); zero for an expert with no rows. Parallel over (expert, output tile), never over rows:
+ * each element is one thread's fixed-order sum.
+ * \param[out] grad_weight     [E, K, N] (trans_w = 0) or [E, N, K] (trans_w = 1), `out_dtype`
+ * \param[in]  x               [num_rows, K], `params->dtype`
+ * \param[in]  grad_y          [num_rows, N], `params->dtype`
+ * (expert_offsets, params, workspace and stream as in the forward)
+ */
+moe_status_t moe_grouped_gemm_wgrad(void *grad_weight, const void *x, const void *grad_y,
+                                    const int64_t *expert_offsets,
+                                    const moe_grouped_gemm_params_t *params, void *workspace,
+                                    size_t workspace_bytes, void *stream);
+
+/* ---------------------------------------------------------------------------------------------
  * CUDA entry points: same signatures and semantics as the CPU ones above, on device pointers,
  * asynchronous on `stream` (a cudaStream_t). Declared always, defined only with CUDA.
  * ------------------------------------------------------------------------------------------- */

@@ -900,6 +900,111 @@ at::Tensor topk_overlap(const at::Tensor &indices_a_, const at::Tensor &indices_
   return overlap;
 }
 
+// ---- grouped GEMM (issue 5) -------------------------------------------------------------------
+
+// Shared checks of the three products: ranks, one operand dtype, offsets [E + 1] int64 on the
+// same device. Returns the params; the C core validates the offsets' values (on the CPU).
+moe_grouped_gemm_params_t grouped_gemm_params(const at::Tensor &a, const char *a_name,
+                                              const at::Tensor &b, const char *b_name,
+                                              const at::Tensor &offsets, int64_t num_experts,
+                                              const char *experts_from,
+                                              int64_t in_features, int64_t out_features,
+                                              bool trans_w, at::ScalarType out_dtype) {
+  check_float(a, a_name);
+  TORCH_CHECK_TYPE(b.scalar_type() == a.scalar_type(), b_name, " must have the same dtype as ",
+                   a_name, " (", a.scalar_type(), "), got ", b.scalar_type());
+  check_dtype(offsets, at::kLong, "expert_offsets");
+  check_dim(offsets, 1, "expert_offsets");
+  TORCH_CHECK_VALUE(num_experts >= 1, "num_experts (", experts_from, ") must be >= 1, got ",
+                    num_experts);
+  check_size(offsets, 0, num_experts + 1, "expert_offsets", "num_experts + 1");
+  check_same_device(b, a, b_name, a_name);
+  check_same_device(offsets, a, "expert_offsets", a_name);
+  TORCH_CHECK_TYPE(at::isFloatingType(out_dtype) && out_dtype != at::kFloat8_e4m3fn &&
+                       out_dtype != at::kFloat8_e5m2,
+                   "out_dtype must be float32, float64, float16 or bfloat16, got ", out_dtype);
+  moe_grouped_gemm_params_t p;
+  p.num_rows = a.size(0);
+  p.num_experts = num_experts;
+  p.in_features = in_features;
+  p.out_features = out_features;
+  p.trans_w = trans_w ? 1 : 0;
+  p.dtype = to_moe_dtype(a.scalar_type(), a_name);
+  p.out_dtype = to_moe_dtype(out_dtype, "out_dtype");
+  return p;
+}
+
+at::Tensor grouped_gemm_workspace(const at::Tensor &like, const moe_grouped_gemm_params_t &p) {
+  return at::empty({(int64_t)moe_grouped_gemm_workspace_size(&p)},
+                   like.options().dtype(at::kByte));
+}
+
+at::Tensor grouped_gemm(const at::Tensor &x_, const at::Tensor &weight_,
+                        const at::Tensor &expert_offsets_, bool trans_w,
+                        c10::optional<at::ScalarType> out_dtype) {
+  check_dim(x_, 2, "x");
+  check_dim(weight_, 3, "weight");
+  const int64_t E = weight_.size(0), K = x_.size(1);
+  const int64_t N = trans_w ? weight_.size(1) : weight_.size(2);
+  check_size(weight_, trans_w ? 2 : 1, K, "weight", "x.shape[1] (in_features)");
+  auto p = grouped_gemm_params(x_, "x", weight_, "weight", expert_offsets_, E,
+                               "weight.shape[0]", K, N, trans_w,
+                               out_dtype.value_or(x_.scalar_type()));
+  at::Tensor x = x_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
+  at::Tensor y = at::empty({p.num_rows, N},
+                           x.options().dtype(out_dtype.value_or(x.scalar_type())));
+  at::Tensor ws = grouped_gemm_workspace(x, p);
+  check_status(moe_grouped_gemm_fwd(y.data_ptr(), x.data_ptr(), w.data_ptr(),
+                                    off.data_ptr<int64_t>(), &p, ws.data_ptr(),
+                                    (size_t)ws.numel(), nullptr),
+               "grouped_gemm");
+  return y;
+}
+
+at::Tensor grouped_gemm_dgrad(const at::Tensor &grad_y_, const at::Tensor &weight_,
+                              const at::Tensor &expert_offsets_, bool trans_w,
+                              c10::optional<at::ScalarType> out_dtype) {
+  check_dim(grad_y_, 2, "grad_y");
+  check_dim(weight_, 3, "weight");
+  const int64_t E = weight_.size(0), N = grad_y_.size(1);
+  const int64_t K = trans_w ? weight_.size(2) : weight_.size(1);
+  check_size(weight_, trans_w ? 1 : 2, N, "weight", "grad_y.shape[1] (out_features)");
+  auto p = grouped_gemm_params(grad_y_, "grad_y", weight_, "weight", expert_offsets_, E,
+                               "weight.shape[0]", K, N, trans_w,
+                               out_dtype.value_or(grad_y_.scalar_type()));
+  at::Tensor g = grad_y_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
+  at::Tensor dx = at::empty({p.num_rows, K},
+                            g.options().dtype(out_dtype.value_or(g.scalar_type())));
+  at::Tensor ws = grouped_gemm_workspace(g, p);
+  check_status(moe_grouped_gemm_dgrad(dx.data_ptr(), g.data_ptr(), w.data_ptr(),
+                                      off.data_ptr<int64_t>(), &p, ws.data_ptr(),
+                                      (size_t)ws.numel(), nullptr),
+               "grouped_gemm_dgrad");
+  return dx;
+}
+
+at::Tensor grouped_gemm_wgrad(const at::Tensor &x_, const at::Tensor &grad_y_,
+                              const at::Tensor &expert_offsets_, bool trans_w,
+                              c10::optional<at::ScalarType> out_dtype) {
+  check_dim(x_, 2, "x");
+  check_dim(grad_y_, 2, "grad_y");
+  check_dim(expert_offsets_, 1, "expert_offsets");
+  check_size(grad_y_, 0, x_.size(0), "grad_y", "x.shape[0] (num_rows)");
+  const int64_t E = expert_offsets_.size(0) - 1, K = x_.size(1), N = grad_y_.size(1);
+  auto p = grouped_gemm_params(x_, "x", grad_y_, "grad_y", expert_offsets_, E,
+                               "expert_offsets.shape[0] - 1", K, N, trans_w,
+                               out_dtype.value_or(x_.scalar_type()));
+  at::Tensor x = x_.contiguous(), g = grad_y_.contiguous(), off = expert_offsets_.contiguous();
+  at::Tensor dw = at::empty(trans_w ? at::IntArrayRef({E, N, K}) : at::IntArrayRef({E, K, N}),
+                            x.options().dtype(out_dtype.value_or(x.scalar_type())));
+  at::Tensor ws = grouped_gemm_workspace(x, p);
+  check_status(moe_grouped_gemm_wgrad(dw.data_ptr(), x.data_ptr(), g.data_ptr(),
+                                      off.data_ptr<int64_t>(), &p, ws.data_ptr(),
+                                      (size_t)ws.numel(), nullptr),
+               "grouped_gemm_wgrad");
+  return dw;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(moe_core, m) {
@@ -955,6 +1060,12 @@ TORCH_LIBRARY(moe_core, m) {
         "-> (Tensor, Tensor)");
   m.def("topk_overlap(Tensor indices_a, Tensor indices_b, int num_experts, "
         "Tensor? padding_mask) -> Tensor");
+  m.def("grouped_gemm(Tensor x, Tensor weight, Tensor expert_offsets, bool trans_w=False, "
+        "ScalarType? out_dtype=None) -> Tensor");
+  m.def("grouped_gemm_dgrad(Tensor grad_y, Tensor weight, Tensor expert_offsets, "
+        "bool trans_w=False, ScalarType? out_dtype=None) -> Tensor");
+  m.def("grouped_gemm_wgrad(Tensor x, Tensor grad_y, Tensor expert_offsets, bool trans_w=False, "
+        "ScalarType? out_dtype=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moe_core, CPU, m) {
@@ -986,6 +1097,9 @@ TORCH_LIBRARY_IMPL(moe_core, CPU, m) {
   m.impl("sinkhorn_routing_bwd", &sinkhorn_routing_bwd);
   m.impl("routing_metrics", &routing_metrics);
   m.impl("topk_overlap", &topk_overlap);
+  m.impl("grouped_gemm", &grouped_gemm);
+  m.impl("grouped_gemm_dgrad", &grouped_gemm_dgrad);
+  m.impl("grouped_gemm_wgrad", &grouped_gemm_wgrad);
 }
 
 #ifdef MOE_CORE_WITH_CUDA

@@ -27,6 +27,7 @@ from moe_core.ops.switch_aux_loss import (
 )
 from moe_core.ops.tokens_per_expert import tokens_per_expert
 from moe_core.ops.z_loss import z_loss_func
+from moe_core.ops.grouped_gemm import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_wgrad
 
 __all__ = [
     "router_gating_linear",
@@ -59,4 +60,7 @@ __all__ = [
     "routing_metrics",
     "RoutingMetrics",
     "topk_overlap",
+    "grouped_gemm",
+    "grouped_gemm_dgrad",
+    "grouped_gemm_wgrad",
 ]

@@ -18,12 +18,14 @@ void ctest_register_router(void);
 void ctest_register_common(void);
 void ctest_register_layout(void);
 void ctest_register_balancing(void);
+void ctest_register_grouped_gemm(void);
 
 int main(void) {
     ctest_register_common();
     ctest_register_router();
     ctest_register_layout();
     ctest_register_balancing();
+    ctest_register_grouped_gemm();
     int passed = 0, failed = 0;
     for (int i = 0; i < num_cases; ++i) {
         int before = ctest_failures;
