@@ -510,11 +510,22 @@ static moe_status_t check_offsets(const int64_t *off, const moe_grouped_gemm_par
                   "expert_offsets must be non-decreasing, got expert_offsets[%lld]=%lld < "
                   "expert_offsets[%lld]=%lld",
                   (long long)e, (long long)off[e], (long long)(e - 1), (long long)off[e - 1]);
-    MOE_CHECK(off[p->num_experts] == p->num_rows,
-              "expert_offsets[num_experts=%lld] must equal num_rows=%lld, got %lld",
+    MOE_CHECK(off[p->num_experts] <= p->num_rows,
+              "expert_offsets[num_experts=%lld] must be <= num_rows=%lld, got %lld",
               (long long)p->num_experts, (long long)p->num_rows,
               (long long)off[p->num_experts]);
     return MOE_OK;
+}
+
+/* Rows past the last expert (a buffer sized by a static bound, with the kept count on the
+ * device) belong to no expert: their fwd/dgrad output is zero. */
+static void zero_tail(void *out, const int64_t *off, const moe_grouped_gemm_params_t *p,
+                      int64_t row_elems) {
+    const int64_t first = off[p->num_experts];
+    const size_t esize = moe_dtype_size(p->out_dtype);
+    if (first < p->num_rows)
+        memset((char *)out + (size_t)first * (size_t)row_elems * esize, 0,
+               (size_t)(p->num_rows - first) * (size_t)row_elems * esize);
 }
 
 size_t moe_grouped_gemm_workspace_size(const moe_grouped_gemm_params_t *params) {
@@ -577,6 +588,7 @@ moe_status_t moe_grouped_gemm_fwd(void *y, const void *x, const void *weight,
     MOE_CHECK(y && x && weight, "y, x and weight must not be NULL");
     const gg_call_t call = {GG_FWD, params, (const char *)x, (const char *)weight, (char *)y,
                             expert_offsets};
+    zero_tail(y, expert_offsets, params, params->out_features);
     return run(&call, workspace, workspace_bytes);
 }
 
@@ -592,6 +604,7 @@ moe_status_t moe_grouped_gemm_dgrad(void *grad_x, const void *grad_y, const void
     MOE_CHECK(grad_x && grad_y && weight, "grad_x, grad_y and weight must not be NULL");
     const gg_call_t call = {GG_DGRAD, params, (const char *)grad_y, (const char *)weight,
                             (char *)grad_x, expert_offsets};
+    zero_tail(grad_x, expert_offsets, params, params->in_features);
     return run(&call, workspace, workspace_bytes);
 }
 

@@ -725,8 +725,9 @@ moe_status_t moe_topk_overlap_fwd(float *overlap, const int64_t *indices_a,
  * x is [num_rows, K], y and dy are [num_rows, N], dx is [num_rows, K]; all row-major, contiguous.
  * An expert with no rows writes nothing in fwd/dgrad and writes dW_e = 0 in wgrad.
  *
- * expert_offsets: int64, num_experts + 1 entries, offsets[0] = 0, non-decreasing, last =
- * num_rows. It is read where the kernel runs: host memory for moe_*, device memory for the CUDA
+ * expert_offsets: int64, num_experts + 1 entries, offsets[0] = 0, non-decreasing, last <=
+ * num_rows. Rows past the last offset belong to no expert (a buffer sized by a static bound, as
+ * permute's with token dropping): fwd/dgrad write zeros there, wgrad ignores them. It is read where the kernel runs: host memory for moe_*, device memory for the CUDA
  * entry points (which never copy it to the host). The CPU entry points validate it; a CUDA
  * implementation cannot without a sync, so there it is the caller's contract.
  *

@@ -322,9 +322,29 @@ def test_offsets_first_not_zero():
         ops.grouped_gemm_dgrad(torch.randn(6, 5), W, torch.tensor([1, 2, 2, 6]))
 
 
-def test_offsets_last_not_rows():
-    with pytest.raises(ValueError, match=r"expert_offsets\[num_experts=3\] must equal num_rows=6, got 5"):
-        ops.grouped_gemm_wgrad(X, torch.randn(6, 5), torch.tensor([0, 2, 2, 5]))
+def test_offsets_last_above_rows():
+    with pytest.raises(ValueError, match=r"expert_offsets\[num_experts=3\] must be <= num_rows=6, got 7"):
+        ops.grouped_gemm_wgrad(X, torch.randn(6, 5), torch.tensor([0, 2, 2, 7]))
+
+
+@pytest.mark.parametrize("trans_w", [False, True])
+def test_rows_past_the_last_expert(trans_w):
+    """A buffer sized by a static bound (permute with token dropping): rows past
+    expert_offsets[-1] belong to no expert; fwd/dgrad give zeros there, wgrad ignores them."""
+    E, K, N, rows, kept = 3, 8, 5, 12, 7
+    off = torch.tensor([0, 3, 3, kept])
+    x = torch.randn(rows, K)
+    w = torch.randn(E, N, K) if trans_w else torch.randn(E, K, N)
+    dy = torch.randn(rows, N)
+    y = ops.grouped_gemm(x, w, off, trans_w=trans_w)
+    dx = ops.grouped_gemm_dgrad(dy, w, off, trans_w=trans_w)
+    dw = ops.grouped_gemm_wgrad(x, dy, off, trans_w=trans_w)
+    assert torch.equal(y[kept:], torch.zeros(rows - kept, N))
+    assert torch.equal(dx[kept:], torch.zeros(rows - kept, K))
+    y_ref = ops.grouped_gemm(x[:kept], w, off, trans_w=trans_w)
+    assert torch.equal(y[:kept], y_ref)
+    assert torch.equal(dx[:kept], ops.grouped_gemm_dgrad(dy[:kept], w, off, trans_w=trans_w))
+    assert torch.equal(dw, ops.grouped_gemm_wgrad(x[:kept], dy[:kept], off, trans_w=trans_w))
 
 
 def test_no_experts():
