@@ -1,18 +1,27 @@
 """moe-core: a Mixture-of-Experts layer for PyTorch on an ATen-free C/CUDA core.
 
-`moe_core.ops` is the functional API (names and argument order of Megatron-Core's moe_utils).
+``moe_core.ops`` is the functional API (names and argument order of Megatron-Core's moe_utils);
+``moe_core.MoELayer(MoEConfig(...))`` is the layer.
 """
 import torch  # noqa: F401  (loads libc10 and friends, which _C links against)
 
 from moe_core import _C  # noqa: F401,E402  (loads the library; registers torch.ops.moe_core.*)
-from moe_core import ops
+from moe_core import ops  # noqa: E402
+from moe_core.config import MoEConfig  # noqa: E402
+from moe_core.layer import (  # noqa: E402
+    MoELayer,
+    finalize_step,
+    load_megatron_state_dict,
+    moe_layers,
+    reset_global_aux_loss,
+    update_expert_bias,
+)
 
-__all__ = ["ops", "has_cuda"]
+__all__ = ["ops", "has_cuda", "MoEConfig", "MoELayer", "load_megatron_state_dict",
+           "update_expert_bias", "reset_global_aux_loss", "finalize_step", "moe_layers"]
 __version__ = "0.1.0"
 
 
 def has_cuda() -> bool:
     """True when this build has the CUDA kernels registered."""
-    import torch
-
     return torch._C._dispatch_has_kernel_for_dispatch_key("moe_core::router_topk", "CUDA")

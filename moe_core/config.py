@@ -20,6 +20,7 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 class MoEConfig:
     # ---- the model around the layer (TransformerConfig fields the MoE layer reads) ----
     hidden_size: int = 0
+    num_layers: int = 1  # only for the init of output projections: std / sqrt(2 num_layers)
     ffn_hidden_size: Optional[int] = None
     num_moe_experts: Optional[int] = None
     add_bias_linear: bool = True
@@ -77,6 +78,8 @@ class MoEConfig:
             bad("num_moe_experts", "must be a positive number of experts")
         if self.hidden_size <= 0:
             bad("hidden_size", "must be > 0")
+        if self.num_layers <= 0:
+            bad("num_layers", "must be > 0")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.moe_ffn_hidden_size is None:

@@ -1,0 +1,145 @@
+"""GroupedMLP: all local experts' MLPs as two grouped GEMMs over expert-sorted rows.
+
+Numerics follow Megatron's expert MLP (SequentialMLP / TEGroupedMLP, unfused path), step by step:
+
+    [x <- (p * x).to(x.dtype); p <- 1]          if moe_apply_probs_on_input (topk = 1)
+    a = x @ W1_eᵀ (+ b1_e)                       grouped GEMM, fp32 accumulation, x.dtype out
+    h = act(a), or act(a_gate) * (a_lin + glu_linear_offset) with gated_linear_unit
+        (gate half clamped to max=v, linear half to [-v, v] with activation_func_clamp_value)
+    h = (h * p).to(h.dtype)                      the router probs, multiplied in the router dtype
+    y = h @ W2_eᵀ (+ b2_e * p)                   grouped GEMM
+
+Weights are stored per expert in Megatron's ``nn.Linear`` layout (``[E, out, in]``), so a stack of
+Megatron's per-expert ``linear_fc1.weight`` / ``linear_fc2.weight`` loads as is.
+"""
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_core import ops
+from moe_core.config import MoEConfig
+
+
+def apply_activation(config: MoEConfig, a: torch.Tensor) -> torch.Tensor:
+    """Megatron's MLP activation (unfused path), GLU-aware. a: ``[rows, F or 2F]``."""
+    if not config.gated_linear_unit:
+        return config.activation_func(a)
+    a_glu, a_linear = torch.chunk(a, 2, dim=-1)
+    v = config.activation_func_clamp_value
+    if v is not None:
+        a_glu = a_glu.clamp(min=None, max=v)
+        a_linear = a_linear.clamp(min=-v, max=v)
+    return config.activation_func(a_glu) * (a_linear + config.glu_linear_offset)
+
+
+class GroupedMLP(nn.Module):
+    """The routed experts.
+
+    Parameters (``E`` experts, ``H`` = hidden or latent size, ``F`` = moe_ffn_hidden_size,
+    ``F1`` = 2F with GLU else F), in ``config.params_dtype``:
+        weight1 ``[E, F1, H]``, weight2 ``[E, H, F]``; bias1 ``[E, F1]``, bias2 ``[E, H]`` when
+        ``add_bias_linear``.
+    """
+
+    def __init__(self, config: MoEConfig, input_size: Optional[int] = None):
+        super().__init__()
+        self.config = config
+        E, F_ = config.num_moe_experts, config.moe_ffn_hidden_size
+        H = input_size or config.hidden_size
+        F1 = 2 * F_ if config.gated_linear_unit else F_
+        dt = config.params_dtype
+        self.weight1 = nn.Parameter(torch.empty(E, F1, H, dtype=dt))
+        self.weight2 = nn.Parameter(torch.empty(E, H, F_, dtype=dt))
+        if config.add_bias_linear:
+            self.bias1 = nn.Parameter(torch.zeros(E, F1, dtype=dt))
+            self.bias2 = nn.Parameter(torch.zeros(E, H, dtype=dt))
+        else:
+            self.register_parameter("bias1", None)
+            self.register_parameter("bias2", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Megatron's init: N(0, std) for fc1, N(0, std / sqrt(2 num_layers)) for fc2, zero bias."""
+        std = self.config.init_method_std
+        with torch.no_grad():
+            nn.init.normal_(self.weight1, 0.0, std)
+            nn.init.normal_(self.weight2, 0.0, std / math.sqrt(2.0 * self.config.num_layers))
+            if self.bias1 is not None:
+                self.bias1.zero_()
+                self.bias2.zero_()
+
+    def forward(self, x: torch.Tensor, expert_offsets: torch.Tensor,
+                probs: torch.Tensor) -> torch.Tensor:
+        """Expert outputs.
+
+        Args:
+            x: ``[rows, H]`` expert-sorted tokens (activation dtype).
+            expert_offsets: ``[E + 1]`` int64 row offsets on x's device.
+            probs: ``[rows]`` router probs of each row (router dtype).
+
+        Returns:
+            ``[rows, H]`` in x's dtype.
+        """
+        cfg = self.config
+        if cfg.moe_apply_probs_on_input:
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)
+            probs = torch.ones_like(probs)
+        a = ops.grouped_gemm(x, self.weight1, expert_offsets, trans_w=True)
+        row_expert = None
+        if self.bias1 is not None:
+            row_expert = self._row_expert(expert_offsets, x.shape[0])
+            a = a + self.bias1[row_expert]
+        h = apply_activation(cfg, a)
+        h = (h * probs.unsqueeze(-1)).to(h.dtype)
+        y = ops.grouped_gemm(h, self.weight2, expert_offsets, trans_w=True)
+        if self.bias2 is not None:
+            y = y + (self.bias2[row_expert] * probs.unsqueeze(-1)).to(y.dtype)
+        return y
+
+    @staticmethod
+    def _row_expert(expert_offsets: torch.Tensor, rows: int) -> torch.Tensor:
+        """Expert id of every row, on the device (rows past the last offset get the last id)."""
+        ids = torch.searchsorted(expert_offsets[1:], torch.arange(rows, device=expert_offsets.device),
+                                 right=True)
+        return ids.clamp_max(expert_offsets.numel() - 2)
+
+
+class SharedExpertMLP(nn.Module):
+    """Megatron's shared expert: a dense MLP on every token, with an optional sigmoid gate.
+
+    Parameters (Megatron's names): linear_fc1.weight ``[F1, H]``, linear_fc2.weight ``[H, F]``
+    with ``F`` = moe_shared_expert_intermediate_size (no biases, as Megatron requires);
+    gate_weight ``[1, H]`` when ``moe_shared_expert_gate``.
+    """
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        H, F_ = config.hidden_size, config.moe_shared_expert_intermediate_size
+        F1 = 2 * F_ if config.gated_linear_unit else F_
+        dt = config.params_dtype
+        self.linear_fc1 = nn.Linear(H, F1, bias=False, dtype=dt)
+        self.linear_fc2 = nn.Linear(F_, H, bias=False, dtype=dt)
+        if config.moe_shared_expert_gate:
+            self.gate_weight = nn.Parameter(torch.empty(1, H, dtype=dt))
+        else:
+            self.register_parameter("gate_weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.config.init_method_std
+        with torch.no_grad():
+            nn.init.normal_(self.linear_fc1.weight, 0.0, std)
+            nn.init.normal_(self.linear_fc2.weight, 0.0, std / math.sqrt(2.0 * self.config.num_layers))
+            if self.gate_weight is not None:
+                nn.init.normal_(self.gate_weight, 0.0, std)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[..., H]`` → ``[..., H]`` in hidden's dtype."""
+        out = self.linear_fc2(apply_activation(self.config, self.linear_fc1(hidden)))
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(F.linear(hidden, self.gate_weight))
+        return out

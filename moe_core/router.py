@@ -1,0 +1,191 @@
+"""TopKRouter: Megatron's router as a module that holds parameters and composes moe_core.ops.
+
+forward(hidden [S, B, H] or [T, H], padding_mask) -> (probs [T, E], routing_map [T, E] bool):
+input jitter -> gating linear (router dtype) -> z-loss attached to the logits -> top-k routing
+(or Sinkhorn) -> capacity dropping -> aux losses attached to the probs -> expert-bias counting.
+The same order, formulas and switches as Megatron's TopKRouter (megatron-moe-spec §2), at a
+world size of 1 (tensor, context and data parallel groups of one).
+
+Aux-loss gradients reach the parameters through MoEAuxLossAutoScaler (no extra backward). The
+scale they are multiplied by is ``self.aux_loss_scale`` when set (an AuxLossScale holder, e.g.
+1 / num_microbatches), else the innermost ``with AuxLossScale(...)`` block, else 1.0: never a
+process-wide class attribute. The last values of the losses are kept, detached, in
+``self.last_losses`` (divided by their coefficients, as Megatron logs them), and each expert's
+share of the routed tokens in ``self.last_routing_load``, with no host sync.
+"""
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from moe_core import ops
+from moe_core.config import MoEConfig
+from moe_core.ops.aux_loss_autoscaler import AuxLossScale, MoEAuxLossAutoScaler
+
+
+class TopKRouter(nn.Module):
+    """Parameters (Megatron's names, ``config.params_dtype``): weight ``[E, H]``, bias ``[E]``
+    when ``add_bias_linear``. Buffers: expert_bias ``[E]`` fp32 (persistent) and
+    local_tokens_per_expert ``[E]`` fp32 (not persistent) with ``moe_router_enable_expert_bias``.
+    """
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        E, H = config.num_moe_experts, config.hidden_size
+        self.topk = config.moe_router_topk
+        self.weight = nn.Parameter(torch.empty(E, H, dtype=config.params_dtype))
+        if config.add_bias_linear:
+            self.bias = nn.Parameter(torch.empty(E, dtype=config.params_dtype))
+        else:
+            self.register_parameter("bias", None)
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(E, dtype=torch.float32),
+                                 persistent=False)
+        else:
+            self.expert_bias = None
+            self.local_tokens_per_expert = None
+        self.global_aux_buffer = None
+        if "global_aux_loss" in config.load_balancing_types:
+            self.global_aux_buffer = ops.GlobalAuxLossBuffer(E)
+        self.aux_loss_scale: Optional[AuxLossScale] = None
+        self.last_losses: Dict[str, torch.Tensor] = {}
+        self.last_routing_load: Optional[torch.Tensor] = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Megatron's init: weight and bias ~ N(0, init_method_std), drawn in fp32."""
+        std = self.config.init_method_std
+        with torch.no_grad():
+            w = torch.empty(self.weight.shape, dtype=torch.float32)
+            nn.init.normal_(w, 0.0, std)
+            self.weight.copy_(w)
+            if self.bias is not None:
+                b = torch.empty(self.bias.shape, dtype=torch.float32)
+                nn.init.normal_(b, 0.0, std)
+                self.bias.copy_(b)
+
+    def _apply(self, fn, *args, **kwargs):
+        # The global aux-loss buffer is plain state, not a registered buffer: move it along.
+        out = super()._apply(fn, *args, **kwargs)
+        if self.global_aux_buffer is not None:
+            buf = self.global_aux_buffer
+            buf.tokens_per_expert = fn(buf.tokens_per_expert).float()
+            buf.steps = fn(buf.steps).float()
+        return out
+
+    # ---- pieces -----------------------------------------------------------------------------
+    def router_dtype(self, inp: torch.Tensor) -> torch.dtype:
+        return self.config.router_dtype or inp.dtype
+
+    def gating(self, inp: torch.Tensor) -> torch.Tensor:
+        """Logits ``[..., E]`` in the router dtype."""
+        return ops.router_gating_linear(inp, self.weight, self.bias, self.router_dtype(inp))
+
+    def apply_input_jitter(self, inp: torch.Tensor) -> torch.Tensor:
+        eps = self.config.moe_input_jitter_eps
+        if eps is None:
+            return inp
+        low = torch.tensor(1.0 - eps, dtype=inp.dtype, device=inp.device)
+        high = torch.tensor(1.0 + eps, dtype=inp.dtype, device=inp.device)
+        return inp * torch.distributions.uniform.Uniform(low, high).rsample(inp.shape)
+
+    def _attach(self, activation: torch.Tensor, loss: torch.Tensor, name: str, coeff: float,
+                num_valid: Optional[torch.Tensor]) -> torch.Tensor:
+        self.last_losses[name] = (loss / coeff).detach()
+        if self.config.calculate_per_token_loss:
+            loss = loss * (num_valid if num_valid is not None else activation.shape[0])
+        return MoEAuxLossAutoScaler.apply(activation, loss, self.aux_loss_scale)
+
+    # ---- forward ----------------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor,
+                padding_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Route the tokens.
+
+        Args:
+            hidden: ``[S, B, H]`` or ``[T, H]`` activations.
+            padding_mask: bool, True = padding, shaped like hidden's leading dims (``[S, B]`` or
+                ``[T]``), or None.
+
+        Returns:
+            ``(probs [T, E] in the router dtype, routing_map [T, E] bool)``, T = S·B.
+        """
+        cfg = self.config
+        E, k = cfg.num_moe_experts, self.topk
+        seq_length = hidden.shape[0]
+        bsz = hidden.shape[1] if hidden.dim() == 3 else 1
+        self.last_losses = {}
+        logits = self.gating(self.apply_input_jitter(hidden)).reshape(-1, E)
+        mask = padding_mask.reshape(-1) if padding_mask is not None else None
+        num_valid = (~mask).sum() if mask is not None else None
+        train = self.training and torch.is_grad_enabled()
+
+        if cfg.moe_z_loss_coeff is not None and train:
+            z = ops.z_loss_func(logits, cfg.moe_z_loss_coeff, padding_mask=mask)
+            logits = self._attach(logits, z, "z_loss", cfg.moe_z_loss_coeff, num_valid)
+
+        if "sinkhorn" in cfg.load_balancing_types:
+            probs, routing_map = ops.sinkhorn_load_balancing(logits, k, training=self.training)
+        else:
+            probs, routing_map = ops.topk_routing_with_score_function(
+                logits, k,
+                use_pre_softmax=cfg.moe_router_pre_softmax,
+                num_groups=cfg.moe_router_num_groups,
+                group_topk=cfg.moe_router_group_topk,
+                scaling_factor=cfg.moe_router_topk_scaling_factor,
+                score_function=cfg.moe_router_score_function,
+                expert_bias=self.expert_bias,
+            )
+        if cfg.moe_expert_capacity_factor is not None:
+            probs, routing_map = ops.apply_router_token_dropping(
+                probs, routing_map, router_topk=k,
+                capacity_factor=cfg.moe_expert_capacity_factor,
+                drop_policy=cfg.moe_token_drop_policy,
+                pad_to_capacity=cfg.moe_pad_expert_input_to_capacity,
+            )
+
+        coeffs = dict(zip(cfg.load_balancing_types, cfg.aux_loss_coeffs))
+        aux_types = [t for t in ("aux_loss", "seq_aux_loss", "global_aux_loss") if coeffs.get(t, 0)]
+        if train and aux_types:
+            aux_map, scores = ops.compute_routing_scores_for_aux_loss(
+                logits, k, cfg.moe_router_score_function, padding_mask=mask)
+            if "aux_loss" in aux_types:
+                c = coeffs["aux_loss"]
+                loss = ops.load_balancing_loss(scores, aux_map, k, E, c, padding_mask=mask)
+                probs = self._attach(probs, loss, "load_balancing_loss", c, num_valid)
+            if "seq_aux_loss" in aux_types:
+                c = coeffs["seq_aux_loss"]
+                loss = ops.seq_load_balancing_loss(scores, aux_map, seq_length, bsz, k, E, c,
+                                                   padding_mask=mask)
+                probs = self._attach(probs, loss, "seq_load_balancing_loss", c, num_valid)
+            if "global_aux_loss" in aux_types:
+                c = coeffs["global_aux_loss"]
+                loss = ops.global_load_balancing_loss(scores, aux_map, k, E, c,
+                                                      self.global_aux_buffer, padding_mask=mask)
+                probs = self._attach(probs, loss, "global_load_balancing_loss", c, num_valid)
+
+        if self.local_tokens_per_expert is not None:
+            ops.accumulate_tokens_per_expert(self.local_tokens_per_expert, routing_map, mask)
+        with torch.no_grad():  # for logging: each expert's share of the routed tokens, on device
+            counts = routing_map.sum(0, dtype=torch.float32)
+            self.last_routing_load = counts / counts.sum().clamp_min(1.0)
+        return probs, routing_map
+
+    # ---- between steps ----------------------------------------------------------------------
+    @torch.no_grad()
+    def update_expert_bias(self, group=None) -> None:
+        """Aux-loss-free balancing step (after the optimizer step): bias += rate·sign(mean - count)
+        from the counts since the last call (all-reduced over ``group`` if given), then zero them.
+        """
+        if self.expert_bias is None:
+            return
+        new_bias = ops.get_updated_expert_bias(self.local_tokens_per_expert, self.expert_bias,
+                                               self.config.moe_router_bias_update_rate, group)
+        self.expert_bias.copy_(new_bias)
+        self.local_tokens_per_expert.zero_()
+
+    def reset_global_aux_loss(self) -> None:
+        """Zero the global aux-loss counts: once per global batch."""
+        if self.global_aux_buffer is not None:
+            self.global_aux_buffer.reset()
