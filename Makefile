@@ -69,7 +69,7 @@ pytest: build
 test: ctest pytest
 
 demo: build
-	$(PY) examples/route_tokens.py
+	$(PY) examples/train_tiny_moe.py
 
 bench: build
 	$(PY) benchmarks/bench_ops.py
