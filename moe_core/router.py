@@ -165,7 +165,9 @@ class TopKRouter(nn.Module):
                                                       self.global_aux_buffer, padding_mask=mask)
                 probs = self._attach(probs, loss, "global_load_balancing_loss", c, num_valid)
 
-        if self.local_tokens_per_expert is not None:
+        if self.local_tokens_per_expert is not None and self.training:
+            # Megatron also counts in eval mode when grad is on; evaluation should not move
+            # the training statistics, so we count only in training mode (a documented choice).
             ops.accumulate_tokens_per_expert(self.local_tokens_per_expert, routing_map, mask)
         with torch.no_grad():  # for logging: each expert's share of the routed tokens, on device
             counts = routing_map.sum(0, dtype=torch.float32)

@@ -1,0 +1,273 @@
+"""MoELayer features beyond the Megatron parity grid: compile, training, balancing state, latent
+MoE, expert biases (where Megatron's own local path crashes), state-dict naming, bad input."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megatron_layer
+from moe_core import MoEConfig, MoELayer, finalize_step, load_megatron_state_dict, ops
+from moe_core.experts import apply_activation
+from moe_core.ops import AuxLossScale
+
+H = 32
+
+
+def config(**kw):
+    base = dict(hidden_size=H, moe_ffn_hidden_size=48, num_moe_experts=8, moe_router_topk=2,
+                add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+                moe_router_dtype="fp32", moe_aux_loss_coeff=1e-2)
+    base.update(kw)
+    return MoEConfig(**base)
+
+
+def reference_layer(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """The layer written out per token and expert, in fp64 (no permute, no grouped GEMM)."""
+    cfg = layer.config
+    x2 = x.reshape(-1, cfg.hidden_size).double()
+    probs, routing_map = layer.router(x.detach())
+    out = torch.zeros_like(x2)
+    e1, e2 = layer.experts.weight1.double(), layer.experts.weight2.double()
+    for t in range(x2.shape[0]):
+        for e in routing_map[t].nonzero().flatten().tolist():
+            p = probs[t, e].double()
+            a = e1[e] @ x2[t]
+            if layer.experts.bias1 is not None:
+                a = a + layer.experts.bias1[e].double()
+            h = apply_activation(cfg, a.unsqueeze(0)).squeeze(0) * p
+            y = e2[e] @ h
+            if layer.experts.bias2 is not None:
+                y = y + layer.experts.bias2[e].double() * p
+            out[t] += y
+    return out.reshape(x.shape)
+
+
+def test_expert_biases_against_reference():
+    """Megatron's local experts cannot run with biases (an in-place add on a custom Function's
+    view); ours against the per-token fp64 reference."""
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        meg = megatron_layer.build(hidden_size=H, moe_ffn_hidden_size=48, num_moe_experts=8,
+                                   add_bias_linear=True, gated_linear_unit=False,
+                                   activation_func=F.gelu, moe_router_dtype="fp32")
+        meg(torch.randn(4, 2, H, requires_grad=True))[0].sum().backward()
+    layer = MoELayer(config(add_bias_linear=True, gated_linear_unit=False, activation_func=F.gelu))
+    with torch.no_grad():
+        for p in (layer.experts.bias1, layer.experts.bias2, layer.router.bias):
+            p.copy_(torch.randn_like(p) * 0.1)
+    x = torch.randn(6, 2, H)
+    ours = layer(x)
+    ref = reference_layer(layer, x)
+    assert torch.allclose(ours.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_latent_with_identity_projections_equals_plain_layer():
+    plain = MoELayer(config())
+    latent = MoELayer(config(moe_latent_size=H))
+    latent.load_state_dict({**plain.state_dict(),
+                            "fc1_latent_proj.weight": torch.eye(H),
+                            "fc2_latent_proj.weight": torch.eye(H)})
+    x = torch.randn(5, 3, H)
+    assert torch.equal(latent(x), plain(x))
+
+
+def test_latent_projects_into_the_experts_size():
+    layer = MoELayer(config(moe_latent_size=12))
+    assert tuple(layer.experts.weight1.shape) == (8, 96, 12)
+    assert tuple(layer.experts.weight2.shape) == (8, 12, 48)
+    x = torch.randn(4, 2, H, requires_grad=True)
+    out = layer(x)
+    out.sum().backward()
+    assert out.shape == x.shape and layer.fc1_latent_proj.weight.grad.abs().sum() > 0
+
+
+def test_compile_fullgraph_forward_backward():
+    torch._dynamo.reset()
+    layer = MoELayer(config(moe_z_loss_coeff=1e-3, moe_shared_expert_intermediate_size=32,
+                            moe_shared_expert_gate=True))
+    x = torch.randn(8, 2, H, requires_grad=True)
+    eager_out = layer(x)
+    eager_out.sum().backward()
+    eager_grads = [p.grad.clone() for p in layer.parameters()] + [x.grad.clone()]
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    out.sum().backward()
+    assert torch.equal(out, eager_out)
+    for a, b in zip([p.grad for p in layer.parameters()] + [x.grad], eager_grads):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_short_training_run_loss_falls():
+    """Fit a fixed random target with the layer: the loss must fall well below its start."""
+    torch.manual_seed(0)
+    layer = MoELayer(config(moe_z_loss_coeff=1e-3))
+    x = torch.randn(64, H)
+    target = torch.tanh(x @ torch.randn(H, H) / math.sqrt(H))
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(40):
+        loss = F.mse_loss(layer(x), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        finalize_step(layer)
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses[::8]
+
+
+def test_eval_and_no_grad_update_no_statistics():
+    layer = MoELayer(config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                            moe_router_load_balancing_type="global_aux_loss"))
+    x = torch.randn(8, 2, H)
+    with torch.no_grad():
+        layer(x)
+    layer.eval()
+    layer(x)
+    assert layer.router.local_tokens_per_expert.sum() == 0
+    assert layer.router.global_aux_buffer.steps == 0
+    assert layer.router.last_losses == {}
+    layer.train()
+    layer(x)
+    assert layer.router.local_tokens_per_expert.sum() == 16 * 2
+    assert layer.router.global_aux_buffer.steps == 1
+
+
+def test_expert_bias_update_matches_megatron_over_steps():
+    """Three steps of routing + bias update, ours vs Megatron's counts and get_updated_expert_bias."""
+    kw = dict(hidden_size=H, moe_ffn_hidden_size=48, num_moe_experts=8, moe_router_topk=2,
+              add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+              moe_router_dtype="fp32", moe_router_score_function="sigmoid",
+              moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2,
+              moe_router_load_balancing_type="none")
+    meg = megatron_layer.build(**kw)
+    ours = MoELayer(MoEConfig.from_megatron(meg.config))
+    load_megatron_state_dict(ours, meg.state_dict())
+    for step in range(3):
+        x = torch.randn(8, 2, H)
+        meg(x)
+        ours(x)
+        assert torch.equal(ours.router.local_tokens_per_expert, meg.router.local_tokens_per_expert)
+        counts = meg.router.local_tokens_per_expert.clone()
+        new = megatron_layer.moe_utils.get_updated_expert_bias(
+            counts, meg.router.expert_bias, 1e-2, megatron_layer.dist.group.WORLD)
+        meg.router.expert_bias.copy_(new)
+        meg.router.local_tokens_per_expert.zero_()
+        finalize_step(ours)
+        assert torch.equal(ours.router.expert_bias, meg.router.expert_bias), step
+        assert ours.router.local_tokens_per_expert.sum() == 0
+    assert ours.router.expert_bias.abs().sum() > 0
+
+
+def test_input_jitter_matches_megatron():
+    kw = dict(hidden_size=H, moe_ffn_hidden_size=48, num_moe_experts=8, moe_router_topk=2,
+              add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+              moe_router_dtype="fp32", moe_input_jitter_eps=0.1, moe_aux_loss_coeff=0.0)
+    meg = megatron_layer.build(**kw)
+    ours = MoELayer(MoEConfig.from_megatron(meg.config))
+    load_megatron_state_dict(ours, meg.state_dict())
+    x = torch.randn(8, 2, H)
+    torch.manual_seed(7)
+    out_meg, _ = meg(x)
+    torch.manual_seed(7)
+    out_ours = ours(x)
+    assert (out_ours - out_meg).abs().max() <= 2 * 2.0**-23 * out_meg.abs().max() * 8
+
+
+def test_te_grouped_state_dict_naming():
+    layer = MoELayer(config())
+    sd = {"router.weight": torch.randn(8, H)}
+    for i in range(8):
+        sd[f"experts.linear_fc1.weight{i}"] = torch.randn(96, H)
+        sd[f"experts.linear_fc2.weight{i}"] = torch.randn(H, 48)
+        sd[f"experts.linear_fc1._extra_state{i}"] = None
+    load_megatron_state_dict(layer, sd)
+    assert torch.equal(layer.experts.weight1[3], sd["experts.linear_fc1.weight3"])
+    assert torch.equal(layer.experts.weight2[7], sd["experts.linear_fc2.weight7"])
+
+
+def test_aux_loss_scale_is_per_layer():
+    """Two layers with different scales: each router's gradient gets its own aux scale."""
+    torch.manual_seed(0)
+    a, b = MoELayer(config()), MoELayer(config())
+    b.load_state_dict(a.state_dict())
+    a.router.aux_loss_scale = AuxLossScale(0.0)
+    b.router.aux_loss_scale = AuxLossScale(100.0)
+    x = torch.randn(8, 2, H)
+    a(x).sum().backward()
+    b(x).sum().backward()
+    assert not torch.allclose(a.router.weight.grad, b.router.weight.grad)
+    c = MoELayer(config(moe_aux_loss_coeff=0.0))
+    c.load_state_dict(a.state_dict())
+    c(x).sum().backward()
+    assert torch.allclose(a.router.weight.grad, c.router.weight.grad, atol=1e-7)
+
+
+# ---- bad input: one test per case -------------------------------------------------------------
+
+def test_hidden_states_wrong_width():
+    with pytest.raises(ValueError, match=r"hidden_states must be \[S, B, 32\] or \[T, 32\], got \(4, 2, 31\)"):
+        MoELayer(config())(torch.randn(4, 2, 31))
+
+
+def test_hidden_states_wrong_rank():
+    with pytest.raises(ValueError, match=r"hidden_states must be .* got \(32,\)"):
+        MoELayer(config())(torch.randn(32))
+
+
+def test_padding_mask_wrong_shape():
+    with pytest.raises(ValueError, match=r"padding_mask must be \[B, S\] = \[2, 4\] .* got \(4, 2\)"):
+        MoELayer(config())(torch.randn(4, 2, H), padding_mask=torch.zeros(4, 2, dtype=torch.bool))
+
+
+def test_padding_mask_not_bool():
+    with pytest.raises(TypeError, match="padding_mask must be bool .* got torch.int64"):
+        MoELayer(config())(torch.randn(6, H), padding_mask=torch.zeros(6, dtype=torch.long))
+
+
+BAD_CONFIGS = {
+    "no_experts": (dict(num_moe_experts=None), "num_moe_experts=None"),
+    "zero_hidden": (dict(hidden_size=0), "hidden_size=0"),
+    "topk_above_experts": (dict(moe_router_topk=9), r"moe_router_topk=9: must be in \[1, num_moe_experts=8\]"),
+    "score_function": (dict(moe_router_score_function="relu"), "moe_router_score_function='relu'"),
+    "router_dtype": (dict(moe_router_dtype="bf16"), "moe_router_dtype='bf16'"),
+    "balancing_type": (dict(moe_router_load_balancing_type="magic"), "moe_router_load_balancing_type='magic'"),
+    "quantile_balancing": (dict(moe_router_load_balancing_type="quantile_balancing"), "quantile balancing"),
+    "coeff_list_mismatch": (dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=0.1),
+                            "moe_aux_loss_coeff=0.1: must be a list"),
+    "sinkhorn_with_coeff": (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.1),
+                            "sinkhorn balancing requires"),
+    "top1_softmax_post": (dict(moe_router_topk=1), "moe_router_topk=1: top-1 softmax routing needs"),
+    "expert_bias_softmax": (dict(moe_router_enable_expert_bias=True), "moe_router_enable_expert_bias=True"),
+    "groups_not_dividing": (dict(moe_router_num_groups=3, moe_router_group_topk=1), "moe_router_num_groups=3: must divide"),
+    "group_topk_without_groups": (dict(moe_router_group_topk=2), "moe_router_num_groups=None: must be set"),
+    "group_topk_too_large": (dict(moe_router_num_groups=4, moe_router_group_topk=5), "moe_router_group_topk=5"),
+    "capacity_with_sinkhorn": (dict(moe_expert_capacity_factor=1.0, moe_router_load_balancing_type="sinkhorn",
+                                    moe_aux_loss_coeff=0.0), "moe_expert_capacity_factor=1.0: token dropping"),
+    "pad_without_capacity": (dict(moe_pad_expert_input_to_capacity=True), "moe_pad_expert_input_to_capacity=True"),
+    "drop_policy": (dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="random"), "moe_token_drop_policy='random'"),
+    "token_dropping_flag": (dict(moe_token_dropping=True), "moe_token_dropping=True"),
+    "probs_on_input_topk2": (dict(moe_apply_probs_on_input=True), "moe_apply_probs_on_input=True: needs moe_router_topk=1"),
+    "shared_expert_with_bias": (dict(moe_shared_expert_intermediate_size=16, add_bias_linear=True), "add_bias_linear=True"),
+    "shared_expert_size": (dict(moe_shared_expert_intermediate_size=0), "moe_shared_expert_intermediate_size=0"),
+    "shared_expert_overlap": (dict(moe_shared_expert_overlap=True), "moe_shared_expert_overlap=True"),
+    "latent_size": (dict(moe_latent_size=-4), "moe_latent_size=-4"),
+    "expert_parallel": (dict(expert_model_parallel_size=2), "expert_model_parallel_size=2"),
+    "tensor_parallel": (dict(tensor_model_parallel_size=2), "tensor_model_parallel_size=2"),
+    "jitter_eps": (dict(moe_input_jitter_eps=1.5), "moe_input_jitter_eps=1.5"),
+    "dispatcher": (dict(moe_token_dispatcher_type="mpi"), "moe_token_dispatcher_type='mpi'"),
+    "fp8_padding": (dict(moe_router_padding_for_quantization=True), "moe_router_padding_for_quantization=True"),
+    "num_layers": (dict(num_layers=0), "num_layers=0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_config(case):
+    kw, message = BAD_CONFIGS[case]
+    with pytest.raises(ValueError, match=message):
+        config(**kw)
+
+
+def test_negative_capacity_factor_means_dropless():
+    assert config(moe_expert_capacity_factor=-1.0).moe_expert_capacity_factor is None
