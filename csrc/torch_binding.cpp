@@ -12,11 +12,59 @@
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
+#include <cinttypes>
+#include <cstdio>
 #include <string>
 
 #include "moe_core.h"
 
 namespace {
+
+// ---- messages ---------------------------------------------------------------------------------
+// Error messages are assembled with plain string appends and snprintf, never through an ostream
+// (c10::str): on a machine whose torch was built with another libstdc++ than this extension, a
+// numeric ostream insertion instantiated here crashed inside the locale machinery. So every
+// check below builds its text with moe_cat() and throws c10's typed error directly.
+
+void put(std::string &s, const char *v) { s += v; }
+void put(std::string &s, const std::string &v) { s += v; }
+void put(std::string &s, c10::string_view v) { s.append(v.data(), v.size()); }
+void put(std::string &s, int v) { s += std::to_string(v); }
+void put(std::string &s, long v) { s += std::to_string(v); }
+void put(std::string &s, long long v) { s += std::to_string(v); }
+void put(std::string &s, unsigned long v) { s += std::to_string(v); }
+void put(std::string &s, unsigned long long v) { s += std::to_string(v); }
+void put(std::string &s, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  s += buf;
+}
+void put(std::string &s, at::IntArrayRef v) {
+  s += "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  s += "]";
+}
+void put(std::string &s, at::ScalarType v) { s += c10::toString(v); }
+void put(std::string &s, const at::Device &d) {
+  s += c10::DeviceTypeName(d.type(), /*lower_case=*/true);
+  if (d.has_index()) s += ":" + std::to_string((int)d.index());
+}
+
+template <typename... Args>
+std::string moe_cat(const Args &...args) {
+  std::string s;
+  (put(s, args), ...);
+  return s;
+}
+
+#define MOE_LOC \
+  c10::SourceLocation { __func__, __FILE__, static_cast<uint32_t>(__LINE__) }
+#define MOE_CHECK_VALUE(cond, ...) \
+  do { if (!(cond)) throw c10::ValueError(MOE_LOC, moe_cat(__VA_ARGS__)); } while (0)
+#define MOE_CHECK_TYPE(cond, ...) \
+  do { if (!(cond)) throw c10::TypeError(MOE_LOC, moe_cat(__VA_ARGS__)); } while (0)
+#define MOE_CHECK_RUNTIME(cond, ...) \
+  do { if (!(cond)) throw c10::Error(MOE_LOC, moe_cat(__VA_ARGS__)); } while (0)
 
 // ---- validation -------------------------------------------------------------------------------
 
@@ -29,35 +77,35 @@ moe_dtype_t to_moe_dtype(at::ScalarType st, const char *name) {
     case at::kInt: return MOE_DTYPE_INT32;
     case at::kLong: return MOE_DTYPE_INT64;
     case at::kBool: return MOE_DTYPE_BOOL;
-    default: TORCH_CHECK_TYPE(false, name, " has unsupported dtype ", st);
+    default: MOE_CHECK_TYPE(false, name, " has unsupported dtype ", st);
   }
   return MOE_DTYPE_FP32;
 }
 
 void check_float(const at::Tensor &t, const char *name) {
-  TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kFloat8_e4m3fn &&
+  MOE_CHECK_TYPE(at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kFloat8_e4m3fn &&
                        t.scalar_type() != at::kFloat8_e5m2,
                    name, " must be float32, float64, float16 or bfloat16, got ", t.scalar_type());
 }
 
 void check_dtype(const at::Tensor &t, at::ScalarType st, const char *name) {
-  TORCH_CHECK_TYPE(t.scalar_type() == st, name, " must be ", st, ", got ", t.scalar_type());
+  MOE_CHECK_TYPE(t.scalar_type() == st, name, " must be ", st, ", got ", t.scalar_type());
 }
 
 void check_dim(const at::Tensor &t, int64_t dim, const char *name) {
-  TORCH_CHECK_VALUE(t.dim() == dim, name, " must be ", dim, "-D, got a ", t.dim(),
+  MOE_CHECK_VALUE(t.dim() == dim, name, " must be ", dim, "-D, got a ", t.dim(),
                     "-D tensor of shape ", t.sizes());
 }
 
 void check_size(const at::Tensor &t, int64_t dim, int64_t size, const char *name,
                 const char *what) {
-  TORCH_CHECK_VALUE(t.size(dim) == size, name, ".shape[", dim, "] must equal ", what, " (", size,
+  MOE_CHECK_VALUE(t.size(dim) == size, name, ".shape[", dim, "] must equal ", what, " (", size,
                     "), got shape ", t.sizes());
 }
 
 void check_same_device(const at::Tensor &t, const at::Tensor &ref, const char *name,
                        const char *ref_name) {
-  TORCH_CHECK_VALUE(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name,
+  MOE_CHECK_VALUE(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name,
                     " is on ", ref.device(), "; all tensors must be on one device");
 }
 
@@ -65,15 +113,15 @@ void check_same_device(const at::Tensor &t, const at::Tensor &ref, const char *n
 void check_status(moe_status_t status, const char *op) {
   if (status == MOE_OK) return;
   std::string msg = std::string(op) + ": " + moe_last_error();
-  TORCH_CHECK_VALUE(status != MOE_ERR_INVALID_ARGUMENT, msg);
-  TORCH_CHECK(false, msg, " (", moe_status_string(status), ")");
+  MOE_CHECK_VALUE(status != MOE_ERR_INVALID_ARGUMENT, msg);
+  MOE_CHECK_RUNTIME(false, msg, " (", moe_status_string(status), ")");
 }
 
 moe_score_function_t to_score_function(c10::string_view name) {
   if (name == "softmax") return MOE_SCORE_SOFTMAX;
   if (name == "sigmoid") return MOE_SCORE_SIGMOID;
   if (name == "sqrtsoftplus") return MOE_SCORE_SQRTSOFTPLUS;
-  TORCH_CHECK_VALUE(false, "score_function must be 'softmax', 'sigmoid' or 'sqrtsoftplus', got '",
+  MOE_CHECK_VALUE(false, "score_function must be 'softmax', 'sigmoid' or 'sqrtsoftplus', got '",
                     std::string(name), "'");
   return MOE_SCORE_SOFTMAX;
 }
@@ -119,7 +167,7 @@ at::Tensor router_gating_linear(const at::Tensor &inp_, const at::Tensor &weight
   check_dim(weight_, 2, "weight");
   check_float(inp_, "inp");
   check_float(weight_, "weight");
-  TORCH_CHECK_TYPE(at::isFloatingType(router_dtype), "router_dtype must be a float dtype, got ",
+  MOE_CHECK_TYPE(at::isFloatingType(router_dtype), "router_dtype must be a float dtype, got ",
                    router_dtype);
   check_same_device(weight_, inp_, "weight", "inp");
   check_size(weight_, 1, inp_.size(1), "weight", "inp.shape[1] (hidden)");
@@ -187,7 +235,7 @@ std::tuple<at::Tensor, at::Tensor> router_topk(const at::Tensor &logits_, int64_
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
-  TORCH_CHECK_VALUE(E >= 1, "logits must have at least one expert column, got shape ",
+  MOE_CHECK_VALUE(E >= 1, "logits must have at least one expert column, got shape ",
                     logits_.sizes());
   at::Tensor logits = logits_.contiguous(), bias;
   if (expert_bias_.has_value()) {
@@ -252,7 +300,7 @@ std::tuple<at::Tensor, at::Tensor> topk_to_dense(const at::Tensor &topk_probs_,
   check_dim(topk_indices_, 2, "topk_indices");
   check_float(topk_probs_, "topk_probs");
   check_dtype(topk_indices_, at::kLong, "topk_indices");
-  TORCH_CHECK_VALUE(topk_probs_.sizes() == topk_indices_.sizes(), "topk_probs shape ",
+  MOE_CHECK_VALUE(topk_probs_.sizes() == topk_indices_.sizes(), "topk_probs shape ",
                     topk_probs_.sizes(), " must equal topk_indices shape ", topk_indices_.sizes());
   check_same_device(topk_indices_, topk_probs_, "topk_indices", "topk_probs");
   const int64_t T = topk_probs_.size(0), k = topk_probs_.size(1);
@@ -309,7 +357,7 @@ at::Tensor workspace_bytes(const at::Tensor &like, size_t bytes) {
 moe_drop_policy_t to_drop_policy(c10::string_view name) {
   if (name == "probs") return MOE_DROP_PROBS;
   if (name == "position") return MOE_DROP_POSITION;
-  TORCH_CHECK_VALUE(false, "drop_policy must be 'probs' or 'position', got '", std::string(name),
+  MOE_CHECK_VALUE(false, "drop_policy must be 'probs' or 'position', got '", std::string(name),
                     "'");
   return MOE_DROP_PROBS;
 }
@@ -321,14 +369,14 @@ std::tuple<at::Tensor, at::Tensor> token_dropping(const at::Tensor &routing_prob
   check_dim(routing_probs_, 2, "routing_probs");
   check_float(routing_probs_, "routing_probs");
   check_routing_map(routing_map_, "routing_map");
-  TORCH_CHECK_VALUE(routing_map_.sizes() == routing_probs_.sizes(), "routing_map shape ",
+  MOE_CHECK_VALUE(routing_map_.sizes() == routing_probs_.sizes(), "routing_map shape ",
                     routing_map_.sizes(), " must equal routing_probs shape ",
                     routing_probs_.sizes());
   check_same_device(routing_map_, routing_probs_, "routing_map", "routing_probs");
-  TORCH_CHECK_VALUE(capacity >= 0, "capacity must be >= 0, got ", capacity);
+  MOE_CHECK_VALUE(capacity >= 0, "capacity must be >= 0, got ", capacity);
   const moe_drop_policy_t policy = to_drop_policy(drop_policy);
   const int64_t T = routing_probs_.size(0), E = routing_probs_.size(1);
-  TORCH_CHECK_VALUE(E >= 1, "routing_probs must have at least one expert column, got shape ",
+  MOE_CHECK_VALUE(E >= 1, "routing_probs must have at least one expert column, got shape ",
                     routing_probs_.sizes());
   at::Tensor probs = routing_probs_.contiguous(), map = routing_map_.contiguous();
   at::Tensor final_probs = at::empty_like(probs), final_map = at::empty_like(map);
@@ -346,7 +394,7 @@ at::Tensor token_dropping_bwd(const at::Tensor &grad_final_probs_, const at::Ten
   check_dim(grad_final_probs_, 2, "grad_final_probs");
   check_float(grad_final_probs_, "grad_final_probs");
   check_routing_map(final_map_, "final_map");
-  TORCH_CHECK_VALUE(final_map_.sizes() == grad_final_probs_.sizes(), "final_map shape ",
+  MOE_CHECK_VALUE(final_map_.sizes() == grad_final_probs_.sizes(), "final_map shape ",
                     final_map_.sizes(), " must equal grad_final_probs shape ",
                     grad_final_probs_.sizes());
   check_same_device(final_map_, grad_final_probs_, "final_map", "grad_final_probs");
@@ -370,17 +418,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute(
   check_size(routing_map_, 0, tokens_.size(0), "routing_map", "tokens.shape[0] (num_tokens)");
   check_same_device(routing_map_, tokens_, "routing_map", "tokens");
   const int64_t T = tokens_.size(0), H = tokens_.size(1), E = routing_map_.size(1);
-  TORCH_CHECK_VALUE(H >= 1, "tokens must have hidden >= 1, got shape ", tokens_.sizes());
-  TORCH_CHECK_VALUE(E >= 1, "routing_map must have at least one expert column, got shape ",
+  MOE_CHECK_VALUE(H >= 1, "tokens must have hidden >= 1, got shape ", tokens_.sizes());
+  MOE_CHECK_VALUE(E >= 1, "routing_map must have at least one expert column, got shape ",
                     routing_map_.sizes());
-  TORCH_CHECK_VALUE(num_out_tokens >= 0, "num_out_tokens must be >= 0, got ", num_out_tokens);
-  TORCH_CHECK_VALUE(align_size >= 0, "align_size must be >= 0, got ", align_size);
+  MOE_CHECK_VALUE(num_out_tokens >= 0, "num_out_tokens must be >= 0, got ", num_out_tokens);
+  MOE_CHECK_VALUE(align_size >= 0, "align_size must be >= 0, got ", align_size);
   at::Tensor tokens = tokens_.contiguous(), map = routing_map_.contiguous(), probs;
   if (probs_.has_value()) {
     probs = probs_->contiguous();
     check_dim(probs, 2, "probs");
     check_float(probs, "probs");
-    TORCH_CHECK_VALUE(probs.sizes() == map.sizes(), "probs shape ", probs.sizes(),
+    MOE_CHECK_VALUE(probs.sizes() == map.sizes(), "probs shape ", probs.sizes(),
                       " must equal routing_map shape ", map.sizes());
     check_same_device(probs, tokens, "probs", "tokens");
   }
@@ -419,9 +467,9 @@ std::tuple<at::Tensor, at::Tensor> permute_bwd(
   check_index_vector(expert_offsets_, -1, "expert_offsets", "", grad_permuted_tokens_,
                      "grad_permuted_tokens");
   const int64_t E = expert_offsets_.size(0) - 1;
-  TORCH_CHECK_VALUE(E >= 1, "expert_offsets must have num_experts + 1 >= 2 entries, got shape ",
+  MOE_CHECK_VALUE(E >= 1, "expert_offsets must have num_experts + 1 >= 2 entries, got shape ",
                     expert_offsets_.sizes());
-  TORCH_CHECK_VALUE(num_tokens >= 0, "num_tokens must be >= 0, got ", num_tokens);
+  MOE_CHECK_VALUE(num_tokens >= 0, "num_tokens must be >= 0, got ", num_tokens);
   at::Tensor g = grad_permuted_tokens_.contiguous(), idx = sorted_indices_.contiguous();
   at::Tensor offsets = expert_offsets_.contiguous(), gp;
   if (grad_permuted_probs_.has_value()) {
@@ -453,17 +501,17 @@ int64_t check_unpermute_args(const at::Tensor &ref, const char *ref_name, int64_
                              const c10::optional<at::Tensor> &probs,
                              const c10::optional<at::Tensor> &expert_offsets) {
   check_index_vector(sorted_indices, rows, "sorted_indices", "the permuted rows", ref, ref_name);
-  TORCH_CHECK_VALUE(num_tokens >= 0, "num_tokens must be >= 0, got ", num_tokens);
-  TORCH_CHECK_VALUE(ref.size(1) >= 1, ref_name, " must have hidden >= 1, got shape ", ref.sizes());
+  MOE_CHECK_VALUE(num_tokens >= 0, "num_tokens must be >= 0, got ", num_tokens);
+  MOE_CHECK_VALUE(ref.size(1) >= 1, ref_name, " must have hidden >= 1, got shape ", ref.sizes());
   if (!probs.has_value()) return 1;
   check_dim(*probs, 2, "probs");
   check_float(*probs, "probs");
   check_size(*probs, 0, num_tokens, "probs", "restore_shape[0] (num_tokens)");
   check_same_device(*probs, ref, "probs", ref_name);
   const int64_t E = probs->size(1);
-  TORCH_CHECK_VALUE(E >= 1, "probs must have at least one expert column, got shape ",
+  MOE_CHECK_VALUE(E >= 1, "probs must have at least one expert column, got shape ",
                     probs->sizes());
-  TORCH_CHECK_VALUE(expert_offsets.has_value(), "expert_offsets is required when probs are given");
+  MOE_CHECK_VALUE(expert_offsets.has_value(), "expert_offsets is required when probs are given");
   check_index_vector(*expert_offsets, E + 1, "expert_offsets", "probs.shape[1] + 1", ref,
                      ref_name);
   return E;
@@ -509,7 +557,7 @@ std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor &grad_output_,
                                          probs_, expert_offsets_);
   at::Tensor x;
   if (permuted_tokens_.has_value()) {
-    TORCH_CHECK_VALUE(probs_.has_value(), "permuted_tokens is given (grad of probs requested) but "
+    MOE_CHECK_VALUE(probs_.has_value(), "permuted_tokens is given (grad of probs requested) but "
                       "probs is None");
     x = permuted_tokens_->contiguous();
     check_dim(x, 2, "permuted_tokens");
@@ -541,7 +589,7 @@ std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor &grad_output_,
 at::Tensor sort_chunks_impl(const at::Tensor &input_, const at::Tensor &split_sizes_,
                             const at::Tensor &sorted_idxs_, bool backward) {
   const char *in_name = backward ? "grad_output" : "input";
-  TORCH_CHECK_VALUE(input_.dim() >= 1, in_name, " must be at least 1-D, got a 0-D tensor");
+  MOE_CHECK_VALUE(input_.dim() >= 1, in_name, " must be at least 1-D, got a 0-D tensor");
   check_index_vector(split_sizes_, -1, "split_sizes", "", input_, in_name);
   check_index_vector(sorted_idxs_, split_sizes_.size(0), "sorted_idxs",
                      "split_sizes.shape[0] (num_chunks)", input_, in_name);
@@ -575,7 +623,7 @@ const uint8_t *padding_mask_ptr(const c10::optional<at::Tensor> &mask_, at::Tens
   if (!mask_.has_value()) return nullptr;
   check_dim(*mask_, 1, "padding_mask");
   check_dtype(*mask_, at::kBool, "padding_mask");
-  TORCH_CHECK_VALUE(mask_->size(0) == num_tokens, "padding_mask.shape[0] must equal ", ref_name,
+  MOE_CHECK_VALUE(mask_->size(0) == num_tokens, "padding_mask.shape[0] must equal ", ref_name,
                     ".shape[0] (num_tokens=", num_tokens, "), got shape ", mask_->sizes());
   check_same_device(*mask_, ref, "padding_mask", ref_name);
   keep = mask_->contiguous();
@@ -588,7 +636,7 @@ at::ScalarType compute_type(const at::Tensor &t) {
 }
 
 void check_no_cuda(const at::Tensor &t, const char *op) {
-  TORCH_CHECK(!on_cuda(t), op, " has no CUDA kernel yet; got a tensor on ", t.device());
+  MOE_CHECK_RUNTIME(!on_cuda(t), op, " has no CUDA kernel yet; got a tensor on ", t.device());
 }
 
 std::tuple<at::Tensor, at::Tensor> aux_loss_scores(const at::Tensor &logits_, int64_t topk,
@@ -644,10 +692,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> switch_inputs(const at::Tensor &p
   check_no_cuda(probs_, "switch_aux_loss");
   check_dim(tokens_per_expert, 1, "tokens_per_expert");
   check_size(tokens_per_expert, 0, probs_.size(1), "tokens_per_expert", "probs.shape[1]");
-  TORCH_CHECK_TYPE(!tokens_per_expert.is_complex() && tokens_per_expert.scalar_type() != at::kBool,
+  MOE_CHECK_TYPE(!tokens_per_expert.is_complex() && tokens_per_expert.scalar_type() != at::kBool,
                    "tokens_per_expert must be a real number dtype, got ",
                    tokens_per_expert.scalar_type());
-  TORCH_CHECK_VALUE(total_num_tokens.numel() == 1,
+  MOE_CHECK_VALUE(total_num_tokens.numel() == 1,
                     "total_num_tokens must have one element, got shape ", total_num_tokens.sizes());
   check_same_device(tokens_per_expert, probs_, "tokens_per_expert", "probs");
   check_same_device(total_num_tokens, probs_, "total_num_tokens", "probs");
@@ -688,7 +736,7 @@ at::Tensor switch_aux_loss_bwd(const at::Tensor &grad_loss_, const at::Tensor &p
                                int64_t num_experts, double coeff,
                                const c10::optional<at::Tensor> &padding_mask) {
   auto [probs, tpe, total] = switch_inputs(probs_, tokens_per_expert_, total_num_tokens_);
-  TORCH_CHECK_VALUE(grad_loss_.numel() == 1, "grad_loss must have one element, got shape ",
+  MOE_CHECK_VALUE(grad_loss_.numel() == 1, "grad_loss must have one element, got shape ",
                     grad_loss_.sizes());
   check_same_device(grad_loss_, probs, "grad_loss", "probs");
   const int64_t T = probs.size(0), C = probs.size(1);
@@ -727,7 +775,7 @@ at::Tensor z_loss_bwd(const at::Tensor &grad_loss_, const at::Tensor &logits_, d
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   check_no_cuda(logits_, "z_loss_bwd");
-  TORCH_CHECK_VALUE(grad_loss_.numel() == 1, "grad_loss must have one element, got shape ",
+  MOE_CHECK_VALUE(grad_loss_.numel() == 1, "grad_loss must have one element, got shape ",
                     grad_loss_.sizes());
   check_same_device(grad_loss_, logits_, "grad_loss", "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
@@ -764,21 +812,21 @@ at::Tensor tokens_per_expert(const at::Tensor &routing_map_,
 
 at::Tensor expert_bias_update(const at::Tensor &tokens_per_expert_,
                               const at::Tensor &expert_bias_, double update_rate) {
-  TORCH_CHECK_VALUE(expert_bias_.dim() == 1 || expert_bias_.dim() == 2,
+  MOE_CHECK_VALUE(expert_bias_.dim() == 1 || expert_bias_.dim() == 2,
                     "expert_bias must be 1-D [num_experts] or 2-D [num_layers, num_experts], got "
                     "a ", expert_bias_.dim(), "-D tensor of shape ", expert_bias_.sizes());
   check_dtype(expert_bias_, at::kFloat, "expert_bias");
   check_no_cuda(expert_bias_, "expert_bias_update");
-  TORCH_CHECK_VALUE(tokens_per_expert_.sizes() == expert_bias_.sizes(),
+  MOE_CHECK_VALUE(tokens_per_expert_.sizes() == expert_bias_.sizes(),
                     "tokens_per_expert shape ", tokens_per_expert_.sizes(),
                     " must equal expert_bias shape ", expert_bias_.sizes());
-  TORCH_CHECK_TYPE(!tokens_per_expert_.is_complex() &&
+  MOE_CHECK_TYPE(!tokens_per_expert_.is_complex() &&
                        tokens_per_expert_.scalar_type() != at::kBool,
                    "tokens_per_expert must be a real number dtype, got ",
                    tokens_per_expert_.scalar_type());
   check_same_device(tokens_per_expert_, expert_bias_, "tokens_per_expert", "expert_bias");
   const int64_t E = expert_bias_.size(-1), L = expert_bias_.numel() / (E > 0 ? E : 1);
-  TORCH_CHECK_VALUE(E >= 1, "expert_bias must have at least one expert, got shape ",
+  MOE_CHECK_VALUE(E >= 1, "expert_bias must have at least one expert, got shape ",
                     expert_bias_.sizes());
   // Megatron's counts are fp32 tensors; integer counts promote to fp32 in its arithmetic too.
   at::Tensor counts = tokens_per_expert_.to(at::kFloat).contiguous();
@@ -833,9 +881,9 @@ at::Tensor sinkhorn_routing_bwd(const at::Tensor &grad_probs_, const at::Tensor 
   check_float(logits_, "logits");
   check_no_cuda(logits_, "sinkhorn_routing_bwd");
   check_cpu_routing_map(routing_map_, "sinkhorn_routing_bwd");
-  TORCH_CHECK_VALUE(grad_probs_.sizes() == logits_.sizes(), "grad_probs shape ",
+  MOE_CHECK_VALUE(grad_probs_.sizes() == logits_.sizes(), "grad_probs shape ",
                     grad_probs_.sizes(), " must equal logits shape ", logits_.sizes());
-  TORCH_CHECK_VALUE(routing_map_.sizes() == logits_.sizes(), "routing_map shape ",
+  MOE_CHECK_VALUE(routing_map_.sizes() == logits_.sizes(), "routing_map shape ",
                     routing_map_.sizes(), " must equal logits shape ", logits_.sizes());
   check_same_device(grad_probs_, logits_, "grad_probs", "logits");
   check_same_device(routing_map_, logits_, "routing_map", "logits");
@@ -859,7 +907,7 @@ std::tuple<at::Tensor, at::Tensor> routing_metrics(const at::Tensor &routing_map
   at::Tensor map = routing_map_.contiguous(), scores, mask;
   if (scores_.has_value()) {
     check_float(*scores_, "scores");
-    TORCH_CHECK_VALUE(scores_->sizes() == map.sizes(), "scores shape ", scores_->sizes(),
+    MOE_CHECK_VALUE(scores_->sizes() == map.sizes(), "scores shape ", scores_->sizes(),
                       " must equal routing_map shape ", map.sizes());
     check_same_device(*scores_, map, "scores", "routing_map");
     scores = scores_->contiguous();
@@ -886,7 +934,7 @@ at::Tensor topk_overlap(const at::Tensor &indices_a_, const at::Tensor &indices_
   check_dtype(indices_a_, at::kLong, "indices_a");
   check_dtype(indices_b_, at::kLong, "indices_b");
   check_no_cuda(indices_a_, "topk_overlap");
-  TORCH_CHECK_VALUE(indices_a_.sizes() == indices_b_.sizes(), "indices_b shape ",
+  MOE_CHECK_VALUE(indices_a_.sizes() == indices_b_.sizes(), "indices_b shape ",
                     indices_b_.sizes(), " must equal indices_a shape ", indices_a_.sizes());
   check_same_device(indices_b_, indices_a_, "indices_b", "indices_a");
   const int64_t T = indices_a_.size(0), k = indices_a_.size(1);
@@ -911,16 +959,16 @@ moe_grouped_gemm_params_t grouped_gemm_params(const at::Tensor &a, const char *a
                                               int64_t in_features, int64_t out_features,
                                               bool trans_w, at::ScalarType out_dtype) {
   check_float(a, a_name);
-  TORCH_CHECK_TYPE(b.scalar_type() == a.scalar_type(), b_name, " must have the same dtype as ",
+  MOE_CHECK_TYPE(b.scalar_type() == a.scalar_type(), b_name, " must have the same dtype as ",
                    a_name, " (", a.scalar_type(), "), got ", b.scalar_type());
   check_dtype(offsets, at::kLong, "expert_offsets");
   check_dim(offsets, 1, "expert_offsets");
-  TORCH_CHECK_VALUE(num_experts >= 1, "num_experts (", experts_from, ") must be >= 1, got ",
+  MOE_CHECK_VALUE(num_experts >= 1, "num_experts (", experts_from, ") must be >= 1, got ",
                     num_experts);
   check_size(offsets, 0, num_experts + 1, "expert_offsets", "num_experts + 1");
   check_same_device(b, a, b_name, a_name);
   check_same_device(offsets, a, "expert_offsets", a_name);
-  TORCH_CHECK_TYPE(at::isFloatingType(out_dtype) && out_dtype != at::kFloat8_e4m3fn &&
+  MOE_CHECK_TYPE(at::isFloatingType(out_dtype) && out_dtype != at::kFloat8_e4m3fn &&
                        out_dtype != at::kFloat8_e5m2,
                    "out_dtype must be float32, float64, float16 or bfloat16, got ", out_dtype);
   moe_grouped_gemm_params_t p;
