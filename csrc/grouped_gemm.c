@@ -14,8 +14,8 @@
  * bf16 on a CPU with AVX512_BF16 goes one step further: pairs stay bf16 and the dot-product
  * instruction does the widening, in an order chosen to give the FMA kernel's exact bits.
  *
- * Summation order is fixed by the blocking constants alone (ascending p, KC at a time, into the
- * same fp32 tile): results are bitwise the same for any thread count and run.
+ * Summation order: each output element is one running fp32 sum in ascending p (the C tile keeps
+ * the partial sum between K blocks), so neither the blocking nor the thread count changes a bit.
  */
 #include <stdlib.h>
 
@@ -30,7 +30,7 @@
  * stays in L1; the packed A and B blocks (128 KiB each) and the fp32 C tile (256 KiB) share L2
  * (1 MiB per core here). Large MC/NC matter more than cache tightness: every (MC × NC) tile
  * repacks its A and B blocks, so bigger tiles convert fewer elements per multiply-add (measured:
- * 256/256/128 beat 128/128/128 by ~15% on a Zen 4 core). */
+ * 256/256/128 beat 128/128/128 by ~15% on one core of an AVX-512 AMD EPYC). */
 #define MR 8
 #define NR 32
 #define MC 256
