@@ -574,7 +574,8 @@ moe_status_t moe_grouped_gemm_fwd(void *y, const void *x, const void *weight,
     MOE_TRY(check_params(params));
     MOE_TRY(check_offsets(expert_offsets, params));
     if (params->num_rows == 0 || params->out_features == 0) return MOE_OK;
-    MOE_CHECK(y && x && weight, "y, x and weight must not be NULL");
+    MOE_CHECK(y != NULL, "y must not be NULL");
+    MOE_CHECK(params->in_features == 0 || (x && weight), "x and weight must not be NULL");
     const gg_call_t call = {GG_FWD, params, (const char *)x, (const char *)weight, (char *)y,
                             expert_offsets};
     return run(&call, workspace, workspace_bytes);
@@ -589,7 +590,9 @@ moe_status_t moe_grouped_gemm_dgrad(void *grad_x, const void *grad_y, const void
     MOE_TRY(check_params(params));
     MOE_TRY(check_offsets(expert_offsets, params));
     if (params->num_rows == 0 || params->in_features == 0) return MOE_OK;
-    MOE_CHECK(grad_x && grad_y && weight, "grad_x, grad_y and weight must not be NULL");
+    MOE_CHECK(grad_x != NULL, "grad_x must not be NULL");
+    MOE_CHECK(params->out_features == 0 || (grad_y && weight),
+              "grad_y and weight must not be NULL");
     const gg_call_t call = {GG_DGRAD, params, (const char *)grad_y, (const char *)weight,
                             (char *)grad_x, expert_offsets};
     return run(&call, workspace, workspace_bytes);
