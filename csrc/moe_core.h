@@ -733,13 +733,14 @@ moe_status_t moe_topk_overlap_fwd(float *overlap, const int64_t *indices_a,
  *
  * Precision: both operands have one dtype (fp32, fp16, bf16, or fp64); elements are widened
  * exactly to fp32 (fp64 for fp64 operands), products are summed in an fp32 (fp64) accumulator,
- * and each output element is rounded once to out_dtype (any float type). Every output element
- * is summed in one fixed order (ascending along the reduction, in blocks of a fixed size that
- * depends on no size and no thread count): bitwise reproducible run to run. No atomics. The CPU
- * picks an AVX-512 (fused multiply-add) or a portable kernel by the CPU's features, so bits may
- * differ between machines, never between runs. bf16 on a CPU with AVX512_BF16 uses its pair dot
- * product: the same sums in the same order, bit for bit, except that bf16 subnormal inputs
- * (|x| < 2^-126) and fp32 subnormal partial sums are flushed to zero.
+ * and each output element is rounded once to out_dtype (any float type). No atomics: every
+ * output element has one writer and a fixed summation order, so results are bitwise
+ * reproducible run to run. On the CPU that order is one running sum in ascending order along
+ * the reduction, whatever the blocking and the thread count; the kernel (AVX-512 fused
+ * multiply-add, or portable) is picked by the CPU's features, so bits may differ between
+ * machines, never between runs. bf16 on a CPU with AVX512_BF16 uses its pair dot product: the
+ * same sums in the same order, bit for bit, except that bf16 subnormal inputs (|x| < 2^-126)
+ * and fp32 subnormal partial sums are flushed to zero.
  * ------------------------------------------------------------------------------------------- */
 
 /** Sizes and options shared by the three grouped GEMM products. */

@@ -217,6 +217,22 @@ def test_deterministic_and_thread_count_invariant():
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+@pytest.mark.parametrize("trans_w", [False, True])
+def test_zero_width(trans_w):
+    """K = 0: y is zeros (an empty sum); N = 0: dx is zeros; both: wgrad is an empty tensor."""
+    off = offsets_of([2, 0, 3])
+    w = torch.randn((3, 4, 0) if trans_w else (3, 0, 4))
+    y = ops.grouped_gemm(torch.randn(5, 0), w, off, trans_w)
+    assert torch.equal(y, torch.zeros(5, 4))
+    dx = ops.grouped_gemm_dgrad(torch.randn(5, 4), w, off, trans_w)
+    assert dx.shape == (5, 0)
+    w2 = torch.randn((3, 0, 6) if trans_w else (3, 6, 0))
+    dx2 = ops.grouped_gemm_dgrad(torch.randn(5, 0), w2, off, trans_w)
+    assert torch.equal(dx2, torch.zeros(5, 6))
+    dw = ops.grouped_gemm_wgrad(torch.randn(5, 0), torch.randn(5, 4), off, trans_w)
+    assert dw.shape == ((3, 4, 0) if trans_w else (3, 0, 4))
+
+
 def test_noncontiguous_inputs():
     x, weight, dy, off = make_inputs([3, 0, 8], 10, 6, False, torch.float32)
     xt = x.t().contiguous().t()  # same values, column-major

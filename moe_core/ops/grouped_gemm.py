@@ -19,8 +19,8 @@ Precision contract
   accumulator, and each output element is rounded once to ``out_dtype`` (default: the input dtype).
   That is the contract of a bf16 tensor-core GEMM with fp32 accumulation, and the tests bound our
   error against an fp64 truth by 2x torch's own per-expert matmul error in the same dtype.
-* Deterministic: each output element is summed by one thread in a fixed order (ascending along the
-  reduction, in blocks of fixed size), whatever the thread count; no atomics. wgrad is parallel
+* Deterministic: each output element is one running fp32 sum by one thread in ascending order
+  along the reduction, whatever the blocking and the thread count; no atomics. wgrad is parallel
   over (expert, output tile), never over rows. The CPU kernel is picked by the CPU's features
   (AVX-512 FMA or portable), so bits can differ between machines, never between runs.
 * bf16 on a CPU with AVX512_BF16 uses its bf16 dot-product instruction: bit for bit the same sums

@@ -185,6 +185,35 @@ static void test_grouped_gemm_deterministic(void) {
     free(x), free(dy), free(a), free(b);
 }
 
+/* Re-entrant: called from inside a parallel region (the nested team has one thread) by two
+ * threads at once, each with its own workspace and output, it gives the serial result. */
+static void test_grouped_gemm_reentrant(void) {
+    const int64_t E = 4, K = 70, N = 90, R = 600;
+    int64_t off[5] = {0, 300, 301, 301, R};
+    unsigned long long s = 8;
+    void *x = rand_buf(&s, MOE_DTYPE_BF16, R * K), *w = rand_buf(&s, MOE_DTYPE_BF16, E * K * N);
+    float *ref = malloc(sizeof(float) * R * N), *out[2];
+    moe_grouped_gemm_params_t p = gg_params(R, E, K, N, 1, MOE_DTYPE_BF16, MOE_DTYPE_FP32);
+    CHECK(gg_call(0, ref, x, w, off, &p) == MOE_OK, "%s", moe_last_error());
+    moe_status_t st[2] = {MOE_ERR_INTERNAL, MOE_ERR_INTERNAL};
+    out[0] = malloc(sizeof(float) * R * N), out[1] = malloc(sizeof(float) * R * N);
+#pragma omp parallel num_threads(2)
+    {
+#ifdef _OPENMP
+        const int id = omp_get_thread_num();
+#else
+        const int id = 0;
+#endif
+        st[id] = gg_call(0, out[id], x, w, off, &p);
+    }
+    for (int i = 0; i < 2; ++i) {
+        if (st[i] == MOE_ERR_INTERNAL) continue; /* a team of one: only thread 0 ran */
+        CHECK(st[i] == MOE_OK, "thread %d: %s", i, moe_status_string(st[i]));
+        CHECK(memcmp(out[i], ref, sizeof(float) * R * N) == 0, "thread %d differs", i);
+    }
+    free(x), free(w), free(ref), free(out[0]), free(out[1]);
+}
+
 /* rows × K > 2^31 elements: x is calloc'd (untouched pages are the shared zero page, so this
  * needs no real memory) and only the last expert's rows hold data. */
 static void test_grouped_gemm_int64_index(void) {
@@ -307,6 +336,7 @@ void ctest_register_grouped_gemm(void) {
     ctest_add("grouped_gemm_generic_kernel", test_grouped_gemm_generic_kernel);
     ctest_add("grouped_gemm_bf16_pairs_match_fma", test_grouped_gemm_bf16_pairs_match_fma);
     ctest_add("grouped_gemm_deterministic", test_grouped_gemm_deterministic);
+    ctest_add("grouped_gemm_reentrant", test_grouped_gemm_reentrant);
     ctest_add("grouped_gemm_int64_index", test_grouped_gemm_int64_index);
     ctest_add("grouped_gemm_conversions_exact", test_grouped_gemm_conversions_exact);
     ctest_add("grouped_gemm_bad_input", test_grouped_gemm_bad_input);
