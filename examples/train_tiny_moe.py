@@ -3,7 +3,8 @@
 The text is real and on every machine: the Python standard library's own source files, read as
 bytes (a 256-symbol vocabulary), so nothing is downloaded. Each block is pre-norm causal
 self-attention followed by an MoELayer (top-2 of 8 SwiGLU experts, aux loss and z-loss attached
-through the autoscaler). It runs on the CPU by default and on a GPU when one is present, prints a
+through the autoscaler). It runs on the CPU by default, and on a GPU when one is present and this
+build has CUDA kernels for every op of the layer (moe_core.layer_runs_on_cuda()). It prints a
 progress line with the loss, the aux loss and the load imbalance, saves a checkpoint, and writes
 a PNG of every layer's per-expert load over the steps.
 
@@ -118,7 +119,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if moe_core.layer_runs_on_cuda() else "cpu")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     args = ap.parse_args()
     torch.manual_seed(0)

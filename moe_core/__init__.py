@@ -17,11 +17,24 @@ from moe_core.layer import (  # noqa: E402
     update_expert_bias,
 )
 
-__all__ = ["ops", "has_cuda", "MoEConfig", "MoELayer", "load_megatron_state_dict",
+__all__ = ["ops", "has_cuda", "layer_runs_on_cuda", "MoEConfig", "MoELayer", "load_megatron_state_dict",
            "update_expert_bias", "reset_global_aux_loss", "finalize_step", "moe_layers"]
 __version__ = "0.1.0"
 
 
 def has_cuda() -> bool:
-    """True when this build has the CUDA kernels registered."""
+    """True when this build has CUDA kernels registered (at least the router's)."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("moe_core::router_topk", "CUDA")
+
+
+# The ops a training step of MoELayer calls (forward and backward).
+LAYER_OPS = ("router_gating_linear", "router_topk", "topk_to_dense", "permute", "unpermute",
+             "grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad", "aux_loss_scores",
+             "switch_aux_loss", "z_loss", "tokens_per_expert", "token_dropping")
+
+
+def layer_runs_on_cuda() -> bool:
+    """True when a GPU is present and every op of MoELayer's training step has a CUDA kernel in
+    this build (the CPU kernels cover everything; the CUDA ones are being filled in)."""
+    return torch.cuda.is_available() and all(
+        torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_core::{op}", "CUDA") for op in LAYER_OPS)

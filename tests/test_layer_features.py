@@ -204,6 +204,17 @@ def test_aux_loss_scale_is_per_layer():
     assert torch.allclose(a.router.weight.grad, c.router.weight.grad, atol=1e-7)
 
 
+def test_layer_ops_list_names_registered_ops():
+    """layer_runs_on_cuda() checks CUDA kernels by name: every name must be a real op (a typo would
+    make the check vacuous), and on this build the layer's CPU kernels all exist."""
+    import moe_core
+
+    for op in moe_core.LAYER_OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_core::{op}", "CPU"), op
+    if not torch.cuda.is_available():
+        assert moe_core.layer_runs_on_cuda() is False
+
+
 # ---- bad input: one test per case -------------------------------------------------------------
 
 def test_hidden_states_wrong_width():
