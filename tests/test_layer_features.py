@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 import megatron_layer
 from moe_core import MoEConfig, MoELayer, finalize_step, load_megatron_state_dict, ops
-from moe_core.experts import apply_activation
 from moe_core.ops import AuxLossScale
 
 H = 32
@@ -20,6 +19,19 @@ def config(**kw):
                 moe_router_dtype="fp32", moe_aux_loss_coeff=1e-2)
     base.update(kw)
     return MoEConfig(**base)
+
+
+def reference_activation(cfg: MoEConfig, a: torch.Tensor) -> torch.Tensor:
+    """Megatron's MLP activation from the spec: act(gate) * (linear + offset), gate half clamped
+    to max=v and linear half to [-v, v]; or plain act(a)."""
+    if not cfg.gated_linear_unit:
+        return cfg.activation_func(a)
+    half = a.shape[-1] // 2
+    gate, linear = a[..., :half], a[..., half:]
+    v = cfg.activation_func_clamp_value
+    if v is not None:
+        gate, linear = torch.clamp(gate, max=v), torch.clamp(linear, -v, v)
+    return cfg.activation_func(gate) * (linear + cfg.glu_linear_offset)
 
 
 def reference_layer(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
@@ -35,7 +47,7 @@ def reference_layer(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
             a = e1[e] @ x2[t]
             if layer.experts.bias1 is not None:
                 a = a + layer.experts.bias1[e].double()
-            h = apply_activation(cfg, a.unsqueeze(0)).squeeze(0) * p
+            h = reference_activation(cfg, a) * p
             y = e2[e] @ h
             if layer.experts.bias2 is not None:
                 y = y + layer.experts.bias2[e].double() * p
@@ -59,6 +71,32 @@ def test_expert_biases_against_reference():
     ours = layer(x)
     ref = reference_layer(layer, x)
     assert torch.allclose(ours.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def squared_relu(x):
+    return torch.pow(F.relu(x), 2)
+
+
+@pytest.mark.parametrize("act,glu", [(F.silu, True), (F.gelu, True), (F.gelu, False),
+                                     (F.silu, False), (F.relu, False), (squared_relu, False)],
+                         ids=["swiglu", "geglu", "gelu", "silu", "relu", "squared_relu"])
+def test_activations_against_reference(act, glu):
+    layer = MoELayer(config(gated_linear_unit=glu, activation_func=act, glu_linear_offset=0.5 if glu else 0.0,
+                            activation_func_clamp_value=2.0 if glu else None))
+    x = torch.randn(5, 2, H)
+    assert torch.allclose(layer(x).double(), reference_layer(layer, x), rtol=1e-5, atol=1e-6)
+
+
+def test_parameter_init_follows_megatron():
+    """Router and fc1 ~ N(0, std); fc2 (an output projection) ~ N(0, std / sqrt(2 num_layers))."""
+    torch.manual_seed(0)
+    cfg = config(hidden_size=256, moe_ffn_hidden_size=512, num_layers=8, init_method_std=0.02,
+                 moe_shared_expert_intermediate_size=256)
+    layer = MoELayer(cfg)
+    for p, std in ((layer.router.weight, 0.02), (layer.experts.weight1, 0.02),
+                   (layer.experts.weight2, 0.02 / 4.0), (layer.shared_experts.linear_fc1.weight, 0.02),
+                   (layer.shared_experts.linear_fc2.weight, 0.02 / 4.0)):
+        assert abs(p.float().std().item() - std) < 0.05 * std and abs(p.float().mean().item()) < 0.1 * std
 
 
 def test_latent_with_identity_projections_equals_plain_layer():
