@@ -5,6 +5,7 @@
 #   make demo    the main job (examples/)
 #   make ctest   the C core alone: static library + C test program, no Python or torch
 #   make build   (re)build the extension into the virtual environment
+#   make bench   the benchmarks (on a GPU machine: benchmarks/gpu_session.sh does it all)
 #
 # Variables: PYTHON (the interpreter that makes the venv), VENV, TORCH_VERSION, MOE_CORE_CUDA.
 
@@ -72,7 +73,8 @@ demo: build
 	$(PY) examples/train_tiny_moe.py
 
 bench: build
-	$(PY) benchmarks/bench_ops.py
+	$(PY) benchmarks/bench_router.py
+	PYTHONPATH=. $(PY) benchmarks/bench_grouped_gemm_cpu.py
 
 clean:
 	rm -rf $(BUILD) moe_core/*.so *.egg-info
