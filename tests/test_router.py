@@ -343,3 +343,22 @@ def test_router_cuda_graph_capture_and_replay():
     torch.cuda.synchronize()
     for a, b in zip(outs, step(new_x)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_cuda_ties_signed_zeros_and_nan_like_cpu(dtype):
+    """The fp32 CUDA kernel ranks by packed keys: ties (including -0 vs +0) go to the lower id and
+    NaN ranks first, exactly as on the CPU."""
+    x = torch.zeros(64, 40, dtype=dtype)
+    x[::2, ::3] = -0.0
+    x[1::4, 7] = float("nan")
+    x[2::4, 5:9] = 1.0
+    x[3::4] = torch.randint(-3, 3, (16, 40)).to(dtype)
+    for opts in (dict(), dict(use_pre_softmax=True), dict(score_function="sigmoid"),
+                 dict(num_groups=8, group_topk=3), dict(score_function="sqrtsoftplus", num_groups=4, group_topk=2)):
+        p_cpu, i_cpu = ops.router_topk(x, 6, **opts)
+        p_gpu, i_gpu = ops.router_topk(x.cuda(), 6, **opts)
+        assert torch.equal(i_cpu, i_gpu.cpu()), opts
+        assert torch.equal(p_cpu.isnan(), p_gpu.cpu().isnan())
+        assert_close_ulps(p_gpu, p_cpu, n_ulps=1, floor=1e-30, dtype=dtype)

@@ -205,6 +205,121 @@ moe_router_topk_bwd_warp_kernel(void *grad_logits, const void *grad_probs, const
     }
 }
 
+/* ---- the fp32 fast path ---------------------------------------------------------------------
+ * Below fp64 every selection score is an fp32 value (Megatron's rounding points), so a score and
+ * its expert id pack into one 64-bit key whose unsigned order is exactly moe_topk_before's: the
+ * score's bits made monotone in the high word (NaN above +inf), the complement of the id in the
+ * low word (ties to the lower id). An arg-max round is then two 32-bit warp max reductions
+ * (redux.sync) instead of five double+int64 shuffle-and-compare steps. */
+
+__device__ __forceinline__ uint32_t order_bits(float v) {
+    uint32_t u = __float_as_uint(v);
+    if (v != v) return 0xffffffffu;
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float from_order_bits(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+__device__ __forceinline__ uint64_t make_key(double v, int64_t e) {
+    float f = (float)v;
+    if (f == 0.0f) f = 0.0f; /* -0 and +0 are equal scores: one key, so the lower id wins */
+    return ((uint64_t)order_bits(f) << 32) | (uint64_t)(0xffffffffu - (uint32_t)e);
+}
+
+/* Warp-wide maximum key; every lane gets it. 0 is below every real key. */
+__device__ __forceinline__ uint64_t warp_max_key(uint64_t key) {
+    const uint32_t hi = (uint32_t)(key >> 32);
+    const uint32_t top = __reduce_max_sync(MOE_FULL_MASK, hi);
+    const uint32_t lo = __reduce_max_sync(MOE_FULL_MASK, hi == top ? (uint32_t)key : 0u);
+    return ((uint64_t)top << 32) | lo;
+}
+
+__device__ __forceinline__ int64_t key_expert(uint64_t key) {
+    return (int64_t)(0xffffffffu - (uint32_t)key);
+}
+
+__device__ __forceinline__ double key_value(uint64_t key) {
+    return (double)from_order_bits((uint32_t)(key >> 32));
+}
+
+/* logits [T, E] (fp32 / bf16 / fp16) → topk_probs [T, k], topk_indices [T, k]; one warp per
+ * token. Shared memory: 3·k words per warp, as the fp64 kernel. */
+template <int VPL>
+__global__ void __launch_bounds__(32 * MOE_ROUTER_WARPS)
+moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, const void *logits,
+                                  const float *expert_bias, int64_t num_tokens,
+                                  moe_topk_ctx_t ctx) {
+    extern __shared__ double moe_router_smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t t = (int64_t)blockIdx.x * MOE_ROUTER_WARPS + warp;
+    if (t >= num_tokens) return;
+    const int64_t E = ctx.num_experts, k = ctx.topk, base = t * E;
+    double *win_v = moe_router_smem + (int64_t)warp * 3 * k;
+    int64_t *win_i = (int64_t *)(win_v + k);
+    double *win_p = win_v + 2 * k;
+    const int softmax = ctx.score_function == MOE_SCORE_SOFTMAX;
+
+    double m = 0.0, inv = 0.0;
+    if (softmax && ctx.pre_softmax) warp_softmax_stats<VPL>(&ctx, logits, base, lane, &m, &inv);
+    uint64_t key[VPL];
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+        const int64_t e = lane + 32 * i;
+        key[i] = e < E ? make_key(moe_topk_selection(&ctx, logits, base, e, expert_bias, m, inv), e)
+                       : 0u;
+    }
+
+    if (ctx.num_groups > 0) {
+        const int64_t P = ctx.per_group;
+        uint64_t my_group = 0; /* lane g holds group g's key */
+        for (int64_t g = 0; g < ctx.num_groups; ++g) {
+            uint32_t taken = 0;
+            double acc = 0.0;
+            for (int64_t r = 0; r < ctx.group_n; ++r) {
+                uint64_t best = 0;
+#pragma unroll
+                for (int i = 0; i < VPL; ++i)
+                    if (!(taken >> i & 1u) && (lane + 32 * i) / P == g && key[i] > best) best = key[i];
+                best = warp_max_key(best);
+                if (key_expert(best) % 32 == lane) taken |= 1u << (key_expert(best) / 32);
+                acc = moe_cround(&ctx, acc + key_value(best));
+            }
+            if (softmax && !ctx.pre_softmax) acc = moe_round_to(ctx.dtype, acc);
+            if (lane == g) my_group = make_key(acc, g);
+        }
+        uint32_t kept = 0;
+        for (int64_t r = 0; r < ctx.group_topk; ++r) {
+            const uint64_t best = warp_max_key(kept >> lane & 1u ? 0u : my_group);
+            kept |= 1u << key_expert(best);
+        }
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+            const int64_t e = lane + 32 * i;
+            if (e < E && !(kept >> (e / P) & 1u)) key[i] = 0u;
+        }
+    }
+
+    for (int64_t r = 0; r < k; ++r) {
+        uint64_t best = 0;
+        int slot = -1;
+#pragma unroll
+        for (int i = 0; i < VPL; ++i)
+            if (key[i] > best) best = key[i], slot = i;
+        const uint64_t win = warp_max_key(best);
+        if (slot >= 0 && best == win) key[slot] = 0u;
+        if (lane == 0) win_v[r] = key_value(win), win_i[r] = key_expert(win);
+    }
+    __syncwarp();
+    if (lane == 0) moe_topk_probs(&ctx, logits, base, win_v, win_i, win_p);
+    __syncwarp();
+    for (int64_t j = lane; j < k; j += 32) {
+        moe_store(topk_probs, ctx.dtype, t * k + j, win_p[j]);
+        topk_indices[t * k + j] = win_i[j];
+    }
+}
+
 typedef void (*moe_topk_fwd_warp_fn)(void *, int64_t *, const void *, const float *, int64_t,
                                      moe_topk_ctx_t);
 typedef void (*moe_topk_bwd_warp_fn)(void *, const void *, const void *, const int64_t *, int64_t,
@@ -218,6 +333,17 @@ static moe_topk_fwd_warp_fn fwd_warp_kernel(int vpl) {
     case 8: return moe_router_topk_fwd_warp_kernel<8>;
     case 16: return moe_router_topk_fwd_warp_kernel<16>;
     default: return moe_router_topk_fwd_warp_kernel<32>;
+    }
+}
+
+static moe_topk_fwd_warp_fn fwd_warp32_kernel(int vpl) {
+    switch (vpl) {
+    case 1: return moe_router_topk_fwd_warp32_kernel<1>;
+    case 2: return moe_router_topk_fwd_warp32_kernel<2>;
+    case 4: return moe_router_topk_fwd_warp32_kernel<4>;
+    case 8: return moe_router_topk_fwd_warp32_kernel<8>;
+    case 16: return moe_router_topk_fwd_warp32_kernel<16>;
+    default: return moe_router_topk_fwd_warp32_kernel<32>;
     }
 }
 
@@ -304,7 +430,8 @@ extern "C" moe_status_t moe_cuda_router_topk_fwd(void *topk_probs, int64_t *topk
     const int vpl = warp_vpl(num_experts, params->num_groups);
     if (vpl > 0) {
         const size_t smem = (size_t)MOE_ROUTER_WARPS * 3 * (size_t)params->topk * sizeof(double);
-        moe_topk_fwd_warp_fn kernel = fwd_warp_kernel(vpl);
+        moe_topk_fwd_warp_fn kernel =
+            logits_dtype == MOE_DTYPE_FP64 ? fwd_warp_kernel(vpl) : fwd_warp32_kernel(vpl);
         MOE_TRY(warp_smem((const void *)kernel, smem));
         kernel<<<moe_blocks_for(num_tokens, MOE_ROUTER_WARPS), 32 * MOE_ROUTER_WARPS, smem,
                  (cudaStream_t)stream>>>(topk_probs, topk_indices, logits, expert_bias, num_tokens,
