@@ -143,3 +143,34 @@ def test_layer_matches_megatron(case):
         want = (seen_ours["map"] & ~pad_t).sum(0).float()
         assert torch.equal(ours.router.local_tokens_per_expert, want)
         assert not torch.equal(meg.router.local_tokens_per_expert, want), "Megatron fixed its mask?"
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("S,B,E,k,hidden", [(7, 3, 1, 1, 16), (5, 1, 4, 4, 24), (1, 1, 8, 2, 32),
+                                            (9, 2, 6, 3, 40), (33, 1, 16, 8, 64)])
+@pytest.mark.parametrize("variant", ["softmax", "sigmoid_capacity"])
+def test_layer_odd_sizes_match_megatron(S, B, E, k, hidden, variant):
+    """One expert, topk = E, a single token, sizes that are no multiple of anything."""
+    kw = dict(BASE)
+    kw.update(hidden_size=hidden, num_moe_experts=E, moe_router_topk=k)
+    if variant == "softmax" and k == 1:
+        kw["moe_router_pre_softmax"] = True
+    if variant == "sigmoid_capacity":
+        kw.update(moe_router_score_function="sigmoid", moe_expert_capacity_factor=1.5)
+    torch.manual_seed(S * 100 + E)
+    meg = megatron_layer.build(**kw)
+    ours = MoELayer(MoEConfig.from_megatron(meg.config))
+    load_megatron_state_dict(ours, meg.state_dict())
+    x = torch.randn(S, B, hidden).to(torch.bfloat16)
+    x_meg, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    megatron_layer.set_loss_scale(1.0)
+    out_meg, _ = meg(x_meg)
+    with AuxLossScale(1.0):
+        out_ours = ours(x_ours)
+    g = torch.randn_like(out_meg)
+    out_meg.backward(g)
+    out_ours.backward(g)
+    check_close(out_ours, out_meg, "output")
+    check_close(x_ours.grad, x_meg.grad, "input grad")
+    check_close(ours.router.weight.grad, meg.router.weight.grad, "router weight grad")
+    check_close(ours.experts.weight1.grad, megatron_expert_grads(meg, "weight1"), "fc1 grad")
