@@ -325,38 +325,22 @@ typedef void (*moe_topk_fwd_warp_fn)(void *, int64_t *, const void *, const floa
 typedef void (*moe_topk_bwd_warp_fn)(void *, const void *, const void *, const int64_t *, int64_t,
                                      moe_topk_ctx_t);
 
-static moe_topk_fwd_warp_fn fwd_warp_kernel(int vpl) {
-    switch (vpl) {
-    case 1: return moe_router_topk_fwd_warp_kernel<1>;
-    case 2: return moe_router_topk_fwd_warp_kernel<2>;
-    case 4: return moe_router_topk_fwd_warp_kernel<4>;
-    case 8: return moe_router_topk_fwd_warp_kernel<8>;
-    case 16: return moe_router_topk_fwd_warp_kernel<16>;
-    default: return moe_router_topk_fwd_warp_kernel<32>;
+/* The instantiation of a warp kernel for a row of `vpl` values per lane (1, 2, 4, ..., 32). */
+#define MOE_VPL_SELECTOR(name, fn_t, kernel)          \
+    static fn_t name(int vpl) {                       \
+        switch (vpl) {                                \
+        case 1: return kernel<1>;                     \
+        case 2: return kernel<2>;                     \
+        case 4: return kernel<4>;                     \
+        case 8: return kernel<8>;                     \
+        case 16: return kernel<16>;                   \
+        default: return kernel<32>;                   \
+        }                                             \
     }
-}
-
-static moe_topk_fwd_warp_fn fwd_warp32_kernel(int vpl) {
-    switch (vpl) {
-    case 1: return moe_router_topk_fwd_warp32_kernel<1>;
-    case 2: return moe_router_topk_fwd_warp32_kernel<2>;
-    case 4: return moe_router_topk_fwd_warp32_kernel<4>;
-    case 8: return moe_router_topk_fwd_warp32_kernel<8>;
-    case 16: return moe_router_topk_fwd_warp32_kernel<16>;
-    default: return moe_router_topk_fwd_warp32_kernel<32>;
-    }
-}
-
-static moe_topk_bwd_warp_fn bwd_warp_kernel(int vpl) {
-    switch (vpl) {
-    case 1: return moe_router_topk_bwd_warp_kernel<1>;
-    case 2: return moe_router_topk_bwd_warp_kernel<2>;
-    case 4: return moe_router_topk_bwd_warp_kernel<4>;
-    case 8: return moe_router_topk_bwd_warp_kernel<8>;
-    case 16: return moe_router_topk_bwd_warp_kernel<16>;
-    default: return moe_router_topk_bwd_warp_kernel<32>;
-    }
-}
+MOE_VPL_SELECTOR(fwd_warp_kernel, moe_topk_fwd_warp_fn, moe_router_topk_fwd_warp_kernel)
+MOE_VPL_SELECTOR(fwd_warp32_kernel, moe_topk_fwd_warp_fn, moe_router_topk_fwd_warp32_kernel)
+MOE_VPL_SELECTOR(bwd_warp_kernel, moe_topk_bwd_warp_fn, moe_router_topk_bwd_warp_kernel)
+#undef MOE_VPL_SELECTOR
 
 /* Dynamic shared memory of the warp kernels, opted in above the 48 KiB default when needed. */
 static moe_status_t warp_smem(const void *kernel, size_t bytes) {
