@@ -198,6 +198,35 @@ moe_status_t moe_router_topk_bwd(void *grad_logits, const void *grad_probs, cons
                                  const moe_router_topk_params_t *params, void *workspace,
                                  size_t workspace_bytes, void *stream);
 
+/**
+ * The fused router in Megatron's default layout: the same routing as moe_router_topk_fwd, written
+ * straight to the dense [T, E] probs (zero off the top-k) and boolean routing map, plus the
+ * [T, topk] expert ids the backward needs. One pass over the logits on CUDA.
+ * \param[out] probs         [num_tokens, num_experts], `logits_dtype`; every element written
+ * \param[out] routing_map   [num_tokens, num_experts], bool (uint8 0/1); every element written
+ * \param[out] topk_indices  [num_tokens, topk], int64, best first (as moe_router_topk_fwd)
+ * (inputs, sizes, params as moe_router_topk_fwd; workspace: moe_router_topk_workspace_size on
+ * the CPU, moe_cuda_router_topk_dense_workspace_size on CUDA)
+ */
+moe_status_t moe_router_topk_dense_fwd(void *probs, uint8_t *routing_map, int64_t *topk_indices,
+                                       const void *logits, const float *expert_bias,
+                                       int64_t num_tokens, int64_t num_experts,
+                                       moe_dtype_t logits_dtype,
+                                       const moe_router_topk_params_t *params, void *workspace,
+                                       size_t workspace_bytes, void *stream);
+
+/**
+ * Backward of moe_router_topk_dense_fwd: as moe_router_topk_bwd, reading the gradient of the
+ * dense probs ([num_tokens, num_experts], `logits_dtype`) at the picked experts only (the probs
+ * are zero elsewhere whatever the logits, so the rest carries no gradient).
+ */
+moe_status_t moe_router_topk_dense_bwd(void *grad_logits, const void *grad_probs,
+                                       const void *logits, const int64_t *topk_indices,
+                                       int64_t num_tokens, int64_t num_experts,
+                                       moe_dtype_t logits_dtype,
+                                       const moe_router_topk_params_t *params, void *workspace,
+                                       size_t workspace_bytes, void *stream);
+
 /* ---------------------------------------------------------------------------------------------
  * topk_to_dense: compact [T, topk] routing → Megatron's [T, E] probs and boolean routing map
  * ------------------------------------------------------------------------------------------- */
@@ -820,6 +849,21 @@ moe_status_t moe_cuda_router_topk_bwd(void *grad_logits, const void *grad_probs,
                                       moe_dtype_t logits_dtype,
                                       const moe_router_topk_params_t *params, void *workspace,
                                       size_t workspace_bytes, void *stream);
+size_t moe_cuda_router_topk_dense_workspace_size(int64_t num_tokens, int64_t num_experts,
+                                                 const moe_router_topk_params_t *params,
+                                                 moe_dtype_t logits_dtype);
+moe_status_t moe_cuda_router_topk_dense_fwd(void *probs, uint8_t *routing_map,
+                                            int64_t *topk_indices, const void *logits,
+                                            const float *expert_bias, int64_t num_tokens,
+                                            int64_t num_experts, moe_dtype_t logits_dtype,
+                                            const moe_router_topk_params_t *params,
+                                            void *workspace, size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_router_topk_dense_bwd(void *grad_logits, const void *grad_probs,
+                                            const void *logits, const int64_t *topk_indices,
+                                            int64_t num_tokens, int64_t num_experts,
+                                            moe_dtype_t logits_dtype,
+                                            const moe_router_topk_params_t *params,
+                                            void *workspace, size_t workspace_bytes, void *stream);
 moe_status_t moe_cuda_topk_to_dense_fwd(void *probs, uint8_t *routing_map, const void *topk_probs,
                                         const int64_t *topk_indices, int64_t num_tokens,
                                         int64_t num_experts, int64_t topk, moe_dtype_t dtype,

@@ -71,23 +71,23 @@ static moe_status_t check_common(int64_t num_tokens, int64_t num_experts, moe_dt
     return moe_router_topk_check(p, num_experts, has_bias);
 }
 
-moe_status_t moe_router_topk_fwd(void *topk_probs, int64_t *topk_indices, const void *logits,
-                                 const float *expert_bias, int64_t num_tokens,
-                                 int64_t num_experts, moe_dtype_t logits_dtype,
-                                 const moe_router_topk_params_t *params, void *workspace,
-                                 size_t workspace_bytes, void *stream) {
-    (void)stream;
+/* The forward of both layouts: compact topk_probs [T, k] and/or dense probs + map [T, E]. */
+static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *probs,
+                             uint8_t *routing_map, const void *logits, const float *expert_bias,
+                             int64_t num_tokens, int64_t num_experts, moe_dtype_t logits_dtype,
+                             const moe_router_topk_params_t *params, void *workspace,
+                             size_t workspace_bytes) {
     moe_clear_error();
     MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, params, expert_bias != NULL));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(topk_probs && topk_indices && logits, "topk_probs, topk_indices and logits must "
-                                                    "not be NULL");
+    MOE_CHECK(topk_indices && logits && (topk_probs || probs || routing_map),
+              "topk_indices, logits and an output for the probs must not be NULL");
     const int64_t words = thread_words(params->topk, params->num_groups);
     const int64_t nthreads = (int64_t)(workspace_bytes / ((size_t)words * sizeof(double)));
     MOE_CHECK(workspace != NULL && nthreads >= 1,
               "workspace too small: %zu bytes, need at least %zu (moe_router_topk_workspace_size)",
               workspace_bytes, (size_t)words * sizeof(double));
-    const int64_t k = params->topk;
+    const int64_t k = params->topk, E = num_experts;
     const moe_topk_ctx_t ctx = moe_topk_ctx_make(params, num_experts, logits_dtype);
 
 #pragma omp parallel num_threads((int)nthreads)
@@ -96,19 +96,52 @@ moe_status_t moe_router_topk_fwd(void *topk_probs, int64_t *topk_indices, const 
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_tokens; ++t) {
             double *p = scratch + moe_topk_scratch_words(k, params->num_groups);
+            const int64_t *idx = topk_indices + t * k;
             moe_topk_row_fwd(&ctx, logits, t, expert_bias, scratch, topk_indices + t * k, p);
-            for (int64_t j = 0; j < k; ++j) moe_store(topk_probs, logits_dtype, t * k + j, p[j]);
+            if (topk_probs)
+                for (int64_t j = 0; j < k; ++j) moe_store(topk_probs, logits_dtype, t * k + j, p[j]);
+            if (probs) {
+                for (int64_t e = 0; e < E; ++e) moe_store(probs, logits_dtype, t * E + e, 0.0);
+                for (int64_t j = 0; j < k; ++j) moe_store(probs, logits_dtype, t * E + idx[j], p[j]);
+            }
+            if (routing_map) {
+                for (int64_t e = 0; e < E; ++e) routing_map[t * E + e] = 0;
+                for (int64_t j = 0; j < k; ++j) routing_map[t * E + idx[j]] = 1;
+            }
         }
     }
     return MOE_OK;
 }
 
-moe_status_t moe_router_topk_bwd(void *grad_logits, const void *grad_probs, const void *logits,
-                                 const int64_t *topk_indices, int64_t num_tokens,
+moe_status_t moe_router_topk_fwd(void *topk_probs, int64_t *topk_indices, const void *logits,
+                                 const float *expert_bias, int64_t num_tokens,
                                  int64_t num_experts, moe_dtype_t logits_dtype,
                                  const moe_router_topk_params_t *params, void *workspace,
                                  size_t workspace_bytes, void *stream) {
     (void)stream;
+    moe_clear_error();
+    MOE_CHECK(num_tokens <= 0 || topk_probs, "topk_probs must not be NULL");
+    return topk_fwd(topk_probs, topk_indices, NULL, NULL, logits, expert_bias, num_tokens,
+                    num_experts, logits_dtype, params, workspace, workspace_bytes);
+}
+
+moe_status_t moe_router_topk_dense_fwd(void *probs, uint8_t *routing_map, int64_t *topk_indices,
+                                       const void *logits, const float *expert_bias,
+                                       int64_t num_tokens, int64_t num_experts,
+                                       moe_dtype_t logits_dtype,
+                                       const moe_router_topk_params_t *params, void *workspace,
+                                       size_t workspace_bytes, void *stream) {
+    (void)stream;
+    moe_clear_error();
+    MOE_CHECK(num_tokens <= 0 || (probs && routing_map), "probs and routing_map must not be NULL");
+    return topk_fwd(NULL, topk_indices, probs, routing_map, logits, expert_bias, num_tokens,
+                    num_experts, logits_dtype, params, workspace, workspace_bytes);
+}
+
+static moe_status_t topk_bwd(void *grad_logits, const void *grad_probs, const void *logits,
+                             const int64_t *topk_indices, int64_t num_tokens, int64_t num_experts,
+                             moe_dtype_t logits_dtype, const moe_router_topk_params_t *params,
+                             int grad_dense, void *workspace, size_t workspace_bytes) {
     moe_clear_error();
     MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, params, 0));
     if (num_tokens == 0) return MOE_OK;
@@ -125,7 +158,8 @@ moe_status_t moe_router_topk_bwd(void *grad_logits, const void *grad_probs, cons
         bad |= topk_indices[i] < 0 || topk_indices[i] >= num_experts;
     MOE_CHECK(!bad, "topk_indices has an entry outside [0, num_experts=%lld)",
               (long long)num_experts);
-    const moe_topk_ctx_t ctx = moe_topk_ctx_make(params, num_experts, logits_dtype);
+    moe_topk_ctx_t ctx = moe_topk_ctx_make(params, num_experts, logits_dtype);
+    ctx.grad_dense = grad_dense;
 
 #pragma omp parallel num_threads((int)nthreads)
     {
@@ -137,4 +171,25 @@ moe_status_t moe_router_topk_bwd(void *grad_logits, const void *grad_probs, cons
         }
     }
     return MOE_OK;
+}
+
+moe_status_t moe_router_topk_bwd(void *grad_logits, const void *grad_probs, const void *logits,
+                                 const int64_t *topk_indices, int64_t num_tokens,
+                                 int64_t num_experts, moe_dtype_t logits_dtype,
+                                 const moe_router_topk_params_t *params, void *workspace,
+                                 size_t workspace_bytes, void *stream) {
+    (void)stream;
+    return topk_bwd(grad_logits, grad_probs, logits, topk_indices, num_tokens, num_experts,
+                    logits_dtype, params, 0, workspace, workspace_bytes);
+}
+
+moe_status_t moe_router_topk_dense_bwd(void *grad_logits, const void *grad_probs,
+                                       const void *logits, const int64_t *topk_indices,
+                                       int64_t num_tokens, int64_t num_experts,
+                                       moe_dtype_t logits_dtype,
+                                       const moe_router_topk_params_t *params, void *workspace,
+                                       size_t workspace_bytes, void *stream) {
+    (void)stream;
+    return topk_bwd(grad_logits, grad_probs, logits, topk_indices, num_tokens, num_experts,
+                    logits_dtype, params, 1, workspace, workspace_bytes);
 }

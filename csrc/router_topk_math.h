@@ -16,6 +16,7 @@
 typedef struct moe_topk_ctx {
     int64_t num_experts, topk, num_groups, group_topk, per_group, group_n;
     int score_function, pre_softmax, fp64, has_scaling;
+    int grad_dense; /* backward: grad_probs is the dense [T, E] gradient, not [T, topk] */
     moe_dtype_t dtype;
     double scaling_factor; /* rounded to the compute precision */
 } moe_topk_ctx_t;
@@ -44,6 +45,7 @@ MOE_HD static inline moe_topk_ctx_t moe_topk_ctx_make(const moe_router_topk_para
     c.fp64 = dtype == MOE_DTYPE_FP64;
     c.dtype = dtype;
     c.has_scaling = p->scaling_factor != 0.0;
+    c.grad_dense = 0;
     c.scaling_factor = c.fp64 ? p->scaling_factor : (double)(float)p->scaling_factor;
     return c;
 }
@@ -221,7 +223,7 @@ MOE_HD static inline void moe_topk_bwd_selected(const moe_topk_ctx_t *ctx, const
     const int64_t E = c->num_experts, k = c->topk, base = t * E;
     double *g = scratch, *v = scratch + k;
     for (int64_t j = 0; j < k; ++j) {
-        g[j] = moe_load(grad_probs, c->dtype, t * k + j);
+        g[j] = moe_load(grad_probs, c->dtype, c->grad_dense ? t * E + idx[j] : t * k + j);
         if (c->has_scaling) g[j] = g[j] * c->scaling_factor;
     }
     *dot_out = 0.0;
@@ -280,7 +282,8 @@ MOE_HD static inline double moe_topk_bwd_unpicked(const moe_topk_ctx_t *c, const
 
 /*
  * One token's backward: stores d(loss)/d(logits[t, :]) in the logits dtype through moe_store.
- * grad_probs is [T, topk] in the logits dtype; idx the forward's indices for this row.
+ * grad_probs is [T, topk] in the logits dtype ([T, E] with ctx->grad_dense); idx the forward's
+ * indices for this row.
  * scratch: 3·topk words.
  */
 MOE_HD static inline void moe_topk_row_bwd(const moe_topk_ctx_t *c, const void *logits,

@@ -291,6 +291,80 @@ at::Tensor router_topk_bwd(const at::Tensor &grad_probs_, const at::Tensor &logi
   return grad_logits;
 }
 
+// The fused router in Megatron's dense layout: (probs [T, E], routing_map [T, E], indices [T, k]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> router_topk_dense(
+    const at::Tensor &logits_, int64_t topk, bool use_pre_softmax, int64_t num_groups,
+    int64_t group_topk, double scaling_factor, c10::string_view score_function,
+    const c10::optional<at::Tensor> &expert_bias_) {
+  check_dim(logits_, 2, "logits");
+  check_float(logits_, "logits");
+  const int64_t T = logits_.size(0), E = logits_.size(1);
+  MOE_CHECK_VALUE(E >= 1, "logits must have at least one expert column, got shape ",
+                    logits_.sizes());
+  at::Tensor logits = logits_.contiguous(), bias;
+  if (expert_bias_.has_value()) {
+    bias = expert_bias_->contiguous();
+    check_dim(bias, 1, "expert_bias");
+    check_size(bias, 0, E, "expert_bias", "logits.shape[1] (num_experts)");
+    check_dtype(bias, at::kFloat, "expert_bias");
+    check_same_device(bias, logits, "expert_bias", "logits");
+  }
+  moe_router_topk_params_t p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk,
+                                                scaling_factor, score_function);
+  check_status(moe_router_topk_check(&p, E, bias.defined()), "router_topk");
+  MOE_DEVICE_GUARD(logits);
+  at::Tensor probs = at::empty({T, E}, logits.options());
+  at::Tensor routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
+  at::Tensor indices = at::empty({T, topk}, logits.options().dtype(at::kLong));
+  const moe_dtype_t dt = to_moe_dtype(logits.scalar_type(), "logits");
+  size_t bytes = on_cuda(logits) ?
+#ifdef MOE_CORE_WITH_CUDA
+                                 moe_cuda_router_topk_dense_workspace_size(T, E, &p, dt)
+#else
+                                 0
+#endif
+                                 : moe_router_topk_workspace_size(T, E, &p);
+  at::Tensor ws = bytes ? at::empty({(int64_t)bytes}, logits.options().dtype(at::kByte))
+                        : at::Tensor();
+  check_status(MOE_CALL(logits, router_topk_dense_fwd, probs.data_ptr(),
+                        (uint8_t *)routing_map.data_ptr(), indices.data_ptr<int64_t>(),
+                        logits.data_ptr(), bias.defined() ? bias.data_ptr<float>() : nullptr, T, E,
+                        dt, &p, ws.defined() ? ws.data_ptr() : nullptr, bytes, stream_of(logits)),
+               "router_topk_dense");
+  return {probs, routing_map, indices};
+}
+
+at::Tensor router_topk_dense_bwd(const at::Tensor &grad_probs_, const at::Tensor &logits_,
+                                 const at::Tensor &topk_indices_, int64_t topk,
+                                 bool use_pre_softmax, int64_t num_groups, int64_t group_topk,
+                                 double scaling_factor, c10::string_view score_function) {
+  check_dim(logits_, 2, "logits");
+  check_float(logits_, "logits");
+  const int64_t T = logits_.size(0), E = logits_.size(1);
+  check_dim(grad_probs_, 2, "grad_probs");
+  check_dim(topk_indices_, 2, "topk_indices");
+  check_size(grad_probs_, 0, T, "grad_probs", "logits.shape[0] (num_tokens)");
+  check_size(grad_probs_, 1, E, "grad_probs", "logits.shape[1] (num_experts)");
+  check_size(topk_indices_, 0, T, "topk_indices", "logits.shape[0] (num_tokens)");
+  check_size(topk_indices_, 1, topk, "topk_indices", "topk");
+  check_dtype(topk_indices_, at::kLong, "topk_indices");
+  check_same_device(grad_probs_, logits_, "grad_probs", "logits");
+  check_same_device(topk_indices_, logits_, "topk_indices", "logits");
+  at::Tensor logits = logits_.contiguous(), indices = topk_indices_.contiguous();
+  at::Tensor grad_probs = grad_probs_.to(logits.scalar_type()).contiguous();
+  moe_router_topk_params_t p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk,
+                                                scaling_factor, score_function);
+  MOE_DEVICE_GUARD(logits);
+  at::Tensor grad_logits = at::empty_like(logits);
+  at::Tensor ws = topk_workspace(logits, p);
+  check_status(MOE_CALL(logits, router_topk_dense_bwd, grad_logits.data_ptr(),
+                        grad_probs.data_ptr(), logits.data_ptr(), indices.data_ptr<int64_t>(), T,
+                        E, to_moe_dtype(logits.scalar_type(), "logits"), &p, ws.data_ptr(),
+                        (size_t)ws.numel(), stream_of(logits)),
+               "router_topk_dense_bwd");
+  return grad_logits;
+}
+
 // ---- topk_to_dense ----------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> topk_to_dense(const at::Tensor &topk_probs_,
@@ -1066,6 +1140,12 @@ TORCH_LIBRARY(moe_core, m) {
   m.def("router_topk_bwd(Tensor grad_probs, Tensor logits, Tensor topk_indices, int topk, "
         "bool use_pre_softmax, int num_groups, int group_topk, float scaling_factor, "
         "str score_function) -> Tensor");
+  m.def("router_topk_dense(Tensor logits, int topk, bool use_pre_softmax, int num_groups, "
+        "int group_topk, float scaling_factor, str score_function, Tensor? expert_bias) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("router_topk_dense_bwd(Tensor grad_probs, Tensor logits, Tensor topk_indices, int topk, "
+        "bool use_pre_softmax, int num_groups, int group_topk, float scaling_factor, "
+        "str score_function) -> Tensor");
   m.def("topk_to_dense(Tensor topk_probs, Tensor topk_indices, int num_experts) "
         "-> (Tensor, Tensor)");
   m.def("topk_to_dense_bwd(Tensor grad_probs, Tensor topk_indices) -> Tensor");
@@ -1121,6 +1201,8 @@ TORCH_LIBRARY_IMPL(moe_core, CPU, m) {
   m.impl("router_gating_linear_bwd", &router_gating_linear_bwd);
   m.impl("router_topk", &router_topk);
   m.impl("router_topk_bwd", &router_topk_bwd);
+  m.impl("router_topk_dense", &router_topk_dense);
+  m.impl("router_topk_dense_bwd", &router_topk_dense_bwd);
   m.impl("topk_to_dense", &topk_to_dense);
   m.impl("topk_to_dense_bwd", &topk_to_dense_bwd);
   m.impl("token_dropping", &token_dropping);
@@ -1154,6 +1236,8 @@ TORCH_LIBRARY_IMPL(moe_core, CPU, m) {
 TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("router_topk", &router_topk);
   m.impl("router_topk_bwd", &router_topk_bwd);
+  m.impl("router_topk_dense", &router_topk_dense);
+  m.impl("router_topk_dense_bwd", &router_topk_dense_bwd);
   m.impl("topk_to_dense", &topk_to_dense);
   m.impl("topk_to_dense_bwd", &topk_to_dense_bwd);
 }

@@ -28,7 +28,7 @@ def has_cuda() -> bool:
 
 
 # The ops a training step of MoELayer calls (forward and backward).
-LAYER_OPS = ("router_gating_linear", "router_topk", "topk_to_dense", "permute", "unpermute",
+LAYER_OPS = ("router_gating_linear", "router_topk_dense", "permute", "unpermute",
              "grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad", "aux_loss_scores",
              "switch_aux_loss", "z_loss", "tokens_per_expert", "token_dropping")
 

@@ -23,6 +23,14 @@ def samples(device):
     yield OPS.router_topk, (logits, k, False, 0, 0, 0.0, "sqrtsoftplus", None)
     yield OPS.router_topk_bwd, (torch.randn(T, k, device=device), logits.detach(), idx, k, False,
                                 0, 0, 1.5, "sigmoid")
+    yield OPS.router_topk_dense, (logits, k, False, 0, 0, 0.0, "softmax", None)
+    yield OPS.router_topk_dense, (logits, k, True, 4, 2, 2.5, "softmax", None)
+    yield OPS.router_topk_dense, (logits, k, False, 4, 2, 2.5, "sigmoid",
+                                  torch.randn(E, device=device))
+    yield OPS.router_topk_dense, (logits.detach().double().requires_grad_(), k, False, 0, 0, 0.0,
+                                  "sqrtsoftplus", None)
+    yield OPS.router_topk_dense_bwd, (torch.randn(T, E, device=device), logits.detach(), idx, k,
+                                      False, 0, 0, 1.5, "sigmoid")
     yield OPS.topk_to_dense, (torch.randn(T, k, device=device, requires_grad=True), idx, E)
     yield OPS.topk_to_dense_bwd, (torch.randn(T, E, device=device), idx)
     if device == "cpu":

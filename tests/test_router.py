@@ -362,3 +362,25 @@ def test_cuda_ties_signed_zeros_and_nan_like_cpu(dtype):
         assert torch.equal(i_cpu, i_gpu.cpu()), opts
         assert torch.equal(p_cpu.isnan(), p_gpu.cpu().isnan())
         assert_close_ulps(p_gpu, p_cpu, n_ulps=1, floor=1e-30, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("score,pre", MODES)
+@pytest.mark.parametrize("T,E,k", [(0, 8, 2), (5, 3, 3), (300, 64, 6), (129, 256, 8), (33, 2048, 4)])
+def test_dense_router_equals_compact_then_dense(device, dtype, score, pre, T, E, k):
+    """router_topk_dense (one fused kernel on CUDA) gives bitwise what router_topk followed by
+    topk_to_dense gives, on every kernel path (fp64, > 1024 experts), with gradients."""
+    logits, opts = make_case(T, E, k, score, pre, "full" if E <= 256 else "plain", dtype, device)
+    x1 = logits.clone().requires_grad_()
+    x2 = logits.clone().requires_grad_()
+    p1, m1, i1 = ops.router_topk_dense(x1, **opts)
+    tp, i2 = ops.router_topk(x2, **opts)
+    p2, m2 = ops.topk_to_dense(tp, i2, E)
+    assert torch.equal(i1, i2) and torch.equal(m1, m2)
+    assert torch.equal(p1, p2) and not p1.isnan().any()
+    g = torch.randn(T, E, dtype=dtype, device=device)
+    (p1 * g).sum().backward()
+    (p2 * g).sum().backward()
+    if T:
+        assert torch.equal(x1.grad, x2.grad)

@@ -22,6 +22,7 @@ static int64_t row_words(const moe_router_topk_params_t *p) {
 
 #define MOE_FULL_MASK 0xffffffffu
 #define MOE_ROUTER_WARPS 4 /* tokens per block */
+#define MOE_ROUTER32_WARPS 8 /* tokens per block of the fused fp32 kernel */
 #define MOE_ROUTER_MAX_VPL 32
 
 /* Values per lane for a row of num_experts: the smallest power of two >= E / 32, or 0 when the
@@ -103,16 +104,17 @@ moe_router_topk_fwd_warp_kernel(void *topk_probs, int64_t *topk_indices, const v
     double m = 0.0, inv = 0.0;
     if (softmax && ctx.pre_softmax) warp_softmax_stats<VPL>(&ctx, logits, base, lane, &m, &inv);
     double sel[VPL];
+    int grp[VPL]; /* group of each value, hoisted: a 64-bit division per compare was the cost */
     uint32_t out = 0; /* bit i: expert lane + 32 i is absent, excluded by its group, or taken */
 #pragma unroll
     for (int i = 0; i < VPL; ++i) {
         int64_t e = lane + 32 * i;
+        grp[i] = ctx.num_groups > 0 && e < E ? (int)(e / ctx.per_group) : 0;
         if (e < E) sel[i] = moe_topk_selection(&ctx, logits, base, e, expert_bias, m, inv);
         else out |= 1u << i, sel[i] = 0.0;
     }
 
     if (ctx.num_groups > 0) {
-        const int64_t P = ctx.per_group;
         double my_group = -INFINITY; /* lane g holds the score of group g */
         for (int64_t g = 0; g < ctx.num_groups; ++g) {
             uint32_t taken = 0;
@@ -123,7 +125,7 @@ moe_router_topk_fwd_warp_kernel(void *topk_probs, int64_t *topk_indices, const v
 #pragma unroll
                 for (int i = 0; i < VPL; ++i) {
                     int64_t e = lane + 32 * i;
-                    if (!((out | taken) >> i & 1u) && e / P == g && moe_topk_before(sel[i], e, bv, bi))
+                    if (!((out | taken) >> i & 1u) && grp[i] == g && moe_topk_before(sel[i], e, bv, bi))
                         bv = sel[i], bi = e;
                 }
                 warp_best(&bv, &bi);
@@ -144,7 +146,7 @@ moe_router_topk_fwd_warp_kernel(void *topk_probs, int64_t *topk_indices, const v
 #pragma unroll
         for (int i = 0; i < VPL; ++i) {
             int64_t e = lane + 32 * i;
-            if (e < E && !(kept >> (e / P) & 1u)) out |= 1u << i;
+            if (e < E && !(kept >> grp[i] & 1u)) out |= 1u << i;
         }
     }
 
@@ -244,84 +246,166 @@ __device__ __forceinline__ double key_value(uint64_t key) {
     return (double)from_order_bits((uint32_t)(key >> 32));
 }
 
-/* logits [T, E] (fp32 / bf16 / fp16) → topk_probs [T, k], topk_indices [T, k]; one warp per
- * token. Shared memory: 3·k words per warp, as the fp64 kernel. */
+/* The fused fp32 router. logits [T, E] (fp32 / bf16 / fp16) → topk_indices [T, k], and any of
+ * topk_probs [T, k], probs [T, E], routing_map [T, E] (dense: every element written, so the
+ * output needs no zero-fill pass). One warp per token in a grid-stride loop, so each lane's
+ * expert ids, group ids and bias are loaded once per kernel, not per token; every integer
+ * division is hoisted out of the token loop.
+ * Each expert's selection key and its "prob source" (softmax-pre: its softmax value, softmax:
+ * its logit, sigmoid / sqrtsoftplus: its unbiased score) stay in registers; a winner's lane parks
+ * the source in shared memory at the winner's rank, the k probs are then finished in parallel
+ * across lanes, and only the order-dependent sums run on one lane (the CPU's rounding points).
+ * Shared memory: 2k + 1 words per warp. */
 template <int VPL>
-__global__ void __launch_bounds__(32 * MOE_ROUTER_WARPS)
-moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, const void *logits,
+__global__ void __launch_bounds__(32 * MOE_ROUTER32_WARPS)
+moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void *probs,
+                                  uint8_t *routing_map, const void *logits,
                                   const float *expert_bias, int64_t num_tokens,
                                   moe_topk_ctx_t ctx) {
     extern __shared__ double moe_router_smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int64_t t = (int64_t)blockIdx.x * MOE_ROUTER_WARPS + warp;
-    if (t >= num_tokens) return;
-    const int64_t E = ctx.num_experts, k = ctx.topk, base = t * E;
-    double *win_v = moe_router_smem + (int64_t)warp * 3 * k;
-    int64_t *win_i = (int64_t *)(win_v + k);
-    double *win_p = win_v + 2 * k;
-    const int softmax = ctx.score_function == MOE_SCORE_SOFTMAX;
-
-    double m = 0.0, inv = 0.0;
-    if (softmax && ctx.pre_softmax) warp_softmax_stats<VPL>(&ctx, logits, base, lane, &m, &inv);
-    uint64_t key[VPL];
+    const int E = (int)ctx.num_experts, k = (int)ctx.topk;
+    double *win_p = moe_router_smem + (int64_t)warp * (2 * k + 1);
+    int *win_i = (int *)(win_p + k);
+    double *norm = win_p + 2 * k;
+    const int softmax = ctx.score_function == MOE_SCORE_SOFTMAX, pre = ctx.pre_softmax;
+    const int G = (int)ctx.num_groups, P = (int)ctx.per_group, gn = (int)ctx.group_n;
+    int grp[VPL];
+    float bias[VPL];
 #pragma unroll
     for (int i = 0; i < VPL; ++i) {
-        const int64_t e = lane + 32 * i;
-        key[i] = e < E ? make_key(moe_topk_selection(&ctx, logits, base, e, expert_bias, m, inv), e)
-                       : 0u;
+        const int e = lane + 32 * i;
+        grp[i] = G > 0 && e < E ? e / P : 0;
+        bias[i] = expert_bias && e < E ? expert_bias[e] : 0.0f;
     }
-
-    if (ctx.num_groups > 0) {
-        const int64_t P = ctx.per_group;
-        uint64_t my_group = 0; /* lane g holds group g's key */
-        for (int64_t g = 0; g < ctx.num_groups; ++g) {
-            uint32_t taken = 0;
-            double acc = 0.0;
-            for (int64_t r = 0; r < ctx.group_n; ++r) {
-                uint64_t best = 0;
-#pragma unroll
-                for (int i = 0; i < VPL; ++i)
-                    if (!(taken >> i & 1u) && (lane + 32 * i) / P == g && key[i] > best) best = key[i];
-                best = warp_max_key(best);
-                if (key_expert(best) % 32 == lane) taken |= 1u << (key_expert(best) / 32);
-                acc = moe_cround(&ctx, acc + key_value(best));
-            }
-            if (softmax && !ctx.pre_softmax) acc = moe_round_to(ctx.dtype, acc);
-            if (lane == g) my_group = make_key(acc, g);
-        }
-        uint32_t kept = 0;
-        for (int64_t r = 0; r < ctx.group_topk; ++r) {
-            const uint64_t best = warp_max_key(kept >> lane & 1u ? 0u : my_group);
-            kept |= 1u << key_expert(best);
-        }
+    const int64_t stride = (int64_t)gridDim.x * MOE_ROUTER32_WARPS;
+    for (int64_t t = (int64_t)blockIdx.x * MOE_ROUTER32_WARPS + warp; t < num_tokens; t += stride) {
+        const int64_t base = t * E;
+        float x[VPL];
 #pragma unroll
         for (int i = 0; i < VPL; ++i) {
-            const int64_t e = lane + 32 * i;
-            if (e < E && !(kept >> (e / P) & 1u)) key[i] = 0u;
+            const int e = lane + 32 * i;
+            x[i] = e < E ? (float)moe_load(logits, ctx.dtype, base + e) : 0.0f;
         }
-    }
-
-    for (int64_t r = 0; r < k; ++r) {
-        uint64_t best = 0;
-        int slot = -1;
+        double m = 0.0, inv = 0.0;
+        if (softmax && pre) { /* row stats from registers: max (NaN wins), then fp32-rounded terms */
+            m = -INFINITY;
 #pragma unroll
-        for (int i = 0; i < VPL; ++i)
-            if (key[i] > best) best = key[i], slot = i;
-        const uint64_t win = warp_max_key(best);
-        if (slot >= 0 && best == win) key[slot] = 0u;
-        if (lane == 0) win_v[r] = key_value(win), win_i[r] = key_expert(win);
-    }
-    __syncwarp();
-    if (lane == 0) moe_topk_probs(&ctx, logits, base, win_v, win_i, win_p);
-    __syncwarp();
-    for (int64_t j = lane; j < k; j += 32) {
-        moe_store(topk_probs, ctx.dtype, t * k + j, win_p[j]);
-        topk_indices[t * k + j] = win_i[j];
+            for (int i = 0; i < VPL; ++i)
+                if (lane + 32 * i < E) m = (x[i] != x[i] || x[i] > m) ? (double)x[i] : m;
+            m = warp_max_nan(m);
+            double sum = 0.0;
+#pragma unroll
+            for (int i = 0; i < VPL; ++i)
+                if (lane + 32 * i < E) sum += moe_cround(&ctx, exp(moe_cround(&ctx, x[i] - m)));
+            sum = warp_sum(sum);
+            inv = moe_cround(&ctx, 1.0 / moe_cround(&ctx, sum));
+        }
+        uint64_t key[VPL];
+        float src[VPL];
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+            const int e = lane + 32 * i;
+            double s, sel;
+            if (softmax) {
+                s = pre ? moe_topk_softmax_at(&ctx, x[i], m, inv) : (double)x[i];
+                sel = s;
+            } else {
+                s = moe_topk_score(&ctx, x[i]);
+                sel = expert_bias ? moe_cround(&ctx, s + (double)bias[i]) : s;
+            }
+            src[i] = (float)s;
+            key[i] = e < E ? make_key(sel, e) : 0u;
+        }
+
+        if (G > 0) {
+            uint64_t my_group = 0; /* lane g holds group g's key */
+            for (int g = 0; g < G; ++g) {
+                uint32_t taken = 0;
+                double acc = 0.0;
+                for (int r = 0; r < gn; ++r) {
+                    uint64_t best = 0;
+#pragma unroll
+                    for (int i = 0; i < VPL; ++i)
+                        if (!(taken >> i & 1u) && grp[i] == g && key[i] > best) best = key[i];
+                    best = warp_max_key(best);
+#pragma unroll
+                    for (int i = 0; i < VPL; ++i)
+                        if (key[i] == best) taken |= 1u << i;
+                    acc = moe_cround(&ctx, acc + key_value(best));
+                }
+                if (softmax && !pre) acc = moe_round_to(ctx.dtype, acc);
+                if (lane == g) my_group = make_key(acc, g);
+            }
+            uint32_t kept = 0;
+            for (int r = 0; r < (int)ctx.group_topk; ++r) {
+                const uint64_t best = warp_max_key(kept >> lane & 1u ? 0u : my_group);
+                kept |= 1u << key_expert(best);
+            }
+#pragma unroll
+            for (int i = 0; i < VPL; ++i)
+                if (!(kept >> grp[i] & 1u)) key[i] = 0u;
+        }
+
+        int rank[VPL];
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) rank[i] = -1;
+        for (int r = 0; r < k; ++r) {
+            uint64_t best = 0;
+#pragma unroll
+            for (int i = 0; i < VPL; ++i) best = key[i] > best ? key[i] : best;
+            const uint64_t win = warp_max_key(best);
+#pragma unroll
+            for (int i = 0; i < VPL; ++i)
+                if (key[i] == win) { /* keys are unique (the id is in them): one lane, one slot */
+                    key[i] = 0u;
+                    rank[i] = r;
+                    win_p[r] = (double)src[i];
+                    win_i[r] = lane + 32 * i;
+                }
+        }
+        __syncwarp();
+        /* moe_topk_probs, with its sequential sums on lane 0 and the rest spread over lanes */
+        if (softmax && !pre)
+            for (int j = lane; j < k; j += 32)
+                win_p[j] = moe_cround(&ctx, exp(moe_cround(&ctx, win_p[j] - win_p[0])));
+        __syncwarp();
+        if (lane == 0 && !(softmax && pre)) {
+            double sum = 0.0;
+            if (softmax) {
+                for (int j = 0; j < k; ++j) sum += win_p[j];
+                *norm = moe_cround(&ctx, 1.0 / moe_cround(&ctx, sum));
+            } else {
+                for (int j = 0; j < k; ++j) sum = moe_cround(&ctx, sum + win_p[j]);
+                *norm = moe_cround(&ctx, sum + moe_cround(&ctx, 1e-20));
+            }
+        }
+        __syncwarp();
+        for (int j = lane; j < k; j += 32) {
+            double p = win_p[j];
+            if (softmax && !pre) p = moe_cround(&ctx, p * *norm);
+            else if (!softmax && k > 1) p = moe_cround(&ctx, p / *norm);
+            if (ctx.has_scaling) p = moe_cround(&ctx, p * ctx.scaling_factor);
+            win_p[j] = p;
+            topk_indices[t * k + j] = win_i[j];
+            if (topk_probs) moe_store(topk_probs, ctx.dtype, t * k + j, p);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+            const int e = lane + 32 * i;
+            if (e >= E) continue;
+            if (routing_map) routing_map[base + e] = rank[i] >= 0;
+            if (probs) moe_store(probs, ctx.dtype, base + e, rank[i] >= 0 ? win_p[rank[i]] : 0.0);
+        }
+        __syncwarp(); /* the next token reuses this warp's shared slots */
     }
 }
 
 typedef void (*moe_topk_fwd_warp_fn)(void *, int64_t *, const void *, const float *, int64_t,
                                      moe_topk_ctx_t);
+typedef void (*moe_topk_fwd_warp32_fn)(void *, int64_t *, void *, uint8_t *, const void *,
+                                       const float *, int64_t, moe_topk_ctx_t);
 typedef void (*moe_topk_bwd_warp_fn)(void *, const void *, const void *, const int64_t *, int64_t,
                                      moe_topk_ctx_t);
 
@@ -338,7 +422,7 @@ typedef void (*moe_topk_bwd_warp_fn)(void *, const void *, const void *, const i
         }                                             \
     }
 MOE_VPL_SELECTOR(fwd_warp_kernel, moe_topk_fwd_warp_fn, moe_router_topk_fwd_warp_kernel)
-MOE_VPL_SELECTOR(fwd_warp32_kernel, moe_topk_fwd_warp_fn, moe_router_topk_fwd_warp32_kernel)
+MOE_VPL_SELECTOR(fwd_warp32_kernel, moe_topk_fwd_warp32_fn, moe_router_topk_fwd_warp32_kernel)
 MOE_VPL_SELECTOR(bwd_warp_kernel, moe_topk_bwd_warp_fn, moe_router_topk_bwd_warp_kernel)
 #undef MOE_VPL_SELECTOR
 
@@ -399,6 +483,77 @@ static moe_status_t check_common(int64_t num_tokens, int64_t num_experts, moe_dt
     return MOE_OK;
 }
 
+/* Blocks for the fused kernel's grid-stride loop: enough to fill the device, no more. */
+static unsigned warp32_blocks(int64_t num_tokens) {
+    int dev = 0, sms = 132;
+    if (cudaGetDevice(&dev) == cudaSuccess)
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    const int64_t need = (num_tokens + MOE_ROUTER32_WARPS - 1) / MOE_ROUTER32_WARPS;
+    const int64_t full = (int64_t)sms * (2048 / (32 * MOE_ROUTER32_WARPS));
+    return (unsigned)(need < full ? need : full);
+}
+
+/* The forward behind both layouts: compact topk_probs and/or dense probs + map. fp32/bf16/fp16
+ * rows up to 1024 experts take the fused kernel; fp64 rows take the fp64 warp kernel, wider rows
+ * or more than 32 groups the thread-per-token fallback, and those two write the dense layout with
+ * a second kernel from compact probs kept in the workspace. */
+static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *probs,
+                             uint8_t *routing_map, const void *logits, const float *expert_bias,
+                             int64_t num_tokens, int64_t num_experts, moe_dtype_t dt,
+                             const moe_router_topk_params_t *params, void *workspace,
+                             void *stream) {
+    const moe_topk_ctx_t ctx = moe_topk_ctx_make(params, num_experts, dt);
+    const int vpl = warp_vpl(num_experts, params->num_groups);
+    const int64_t k = params->topk;
+    if (vpl > 0 && dt != MOE_DTYPE_FP64) {
+        const size_t smem = (size_t)MOE_ROUTER32_WARPS * (2 * (size_t)k + 1) * sizeof(double);
+        moe_topk_fwd_warp32_fn kernel = fwd_warp32_kernel(vpl);
+        MOE_TRY(warp_smem((const void *)kernel, smem));
+        kernel<<<warp32_blocks(num_tokens), 32 * MOE_ROUTER32_WARPS, smem, (cudaStream_t)stream>>>(
+            topk_probs, topk_indices, probs, routing_map, logits, expert_bias, num_tokens, ctx);
+        MOE_CHECK_LAUNCH("moe_router_topk_fwd_warp32_kernel");
+        return MOE_OK;
+    }
+    char *ws = (char *)workspace;
+    void *compact = topk_probs;
+    if (!compact) { /* dense only: compact probs go to the front of the workspace */
+        compact = ws;
+        const size_t bytes = (size_t)(num_tokens * k) * moe_dtype_size(dt);
+        ws += (bytes + 255) / 256 * 256;
+    }
+    if (vpl > 0) {
+        const size_t smem = (size_t)MOE_ROUTER_WARPS * 3 * (size_t)k * sizeof(double);
+        moe_topk_fwd_warp_fn kernel = fwd_warp_kernel(vpl);
+        MOE_TRY(warp_smem((const void *)kernel, smem));
+        kernel<<<moe_blocks_for(num_tokens, MOE_ROUTER_WARPS), 32 * MOE_ROUTER_WARPS, smem,
+                 (cudaStream_t)stream>>>(compact, topk_indices, logits, expert_bias, num_tokens,
+                                         ctx);
+        MOE_CHECK_LAUNCH("moe_router_topk_fwd_warp_kernel");
+    } else {
+        moe_router_topk_fwd_kernel<<<moe_blocks_for(num_tokens, MOE_CUDA_THREADS),
+                                     MOE_CUDA_THREADS, 0, (cudaStream_t)stream>>>(
+            compact, topk_indices, logits, expert_bias, num_tokens, ctx, (double *)ws,
+            row_words(params));
+        MOE_CHECK_LAUNCH("moe_router_topk_fwd_kernel");
+    }
+    if (probs || routing_map)
+        MOE_TRY(moe_cuda_topk_to_dense_fwd(probs, routing_map, compact, topk_indices, num_tokens,
+                                           num_experts, k, dt, NULL, 0, stream));
+    return MOE_OK;
+}
+
+extern "C" size_t moe_cuda_router_topk_dense_workspace_size(int64_t num_tokens,
+                                                            int64_t num_experts,
+                                                            const moe_router_topk_params_t *params,
+                                                            moe_dtype_t logits_dtype) {
+    if (!params || num_tokens <= 0) return 0;
+    const int vpl = warp_vpl(num_experts, params->num_groups);
+    if (vpl > 0 && logits_dtype != MOE_DTYPE_FP64) return 0;
+    const size_t compact = (size_t)(num_tokens * params->topk) * moe_dtype_size(logits_dtype);
+    return (compact + 255) / 256 * 256 +
+           moe_cuda_router_topk_workspace_size(num_tokens, num_experts, params);
+}
+
 extern "C" moe_status_t moe_cuda_router_topk_fwd(void *topk_probs, int64_t *topk_indices,
                                                  const void *logits, const float *expert_bias,
                                                  int64_t num_tokens, int64_t num_experts,
@@ -410,38 +565,40 @@ extern "C" moe_status_t moe_cuda_router_topk_fwd(void *topk_probs, int64_t *topk
     MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, params, expert_bias != NULL,
                          workspace_bytes));
     if (num_tokens == 0) return MOE_OK;
-    const moe_topk_ctx_t ctx = moe_topk_ctx_make(params, num_experts, logits_dtype);
-    const int vpl = warp_vpl(num_experts, params->num_groups);
-    if (vpl > 0) {
-        const size_t smem = (size_t)MOE_ROUTER_WARPS * 3 * (size_t)params->topk * sizeof(double);
-        moe_topk_fwd_warp_fn kernel =
-            logits_dtype == MOE_DTYPE_FP64 ? fwd_warp_kernel(vpl) : fwd_warp32_kernel(vpl);
-        MOE_TRY(warp_smem((const void *)kernel, smem));
-        kernel<<<moe_blocks_for(num_tokens, MOE_ROUTER_WARPS), 32 * MOE_ROUTER_WARPS, smem,
-                 (cudaStream_t)stream>>>(topk_probs, topk_indices, logits, expert_bias, num_tokens,
-                                         ctx);
-        MOE_CHECK_LAUNCH("moe_router_topk_fwd_warp_kernel");
-        return MOE_OK;
-    }
-    moe_router_topk_fwd_kernel<<<moe_blocks_for(num_tokens, MOE_CUDA_THREADS), MOE_CUDA_THREADS, 0,
-                                 (cudaStream_t)stream>>>(topk_probs, topk_indices, logits,
-                                                         expert_bias, num_tokens, ctx,
-                                                         (double *)workspace, row_words(params));
-    MOE_CHECK_LAUNCH("moe_router_topk_fwd_kernel");
-    return MOE_OK;
+    return topk_fwd(topk_probs, topk_indices, NULL, NULL, logits, expert_bias, num_tokens,
+                    num_experts, logits_dtype, params, workspace, stream);
 }
 
-extern "C" moe_status_t moe_cuda_router_topk_bwd(void *grad_logits, const void *grad_probs,
-                                                 const void *logits, const int64_t *topk_indices,
-                                                 int64_t num_tokens, int64_t num_experts,
-                                                 moe_dtype_t logits_dtype,
-                                                 const moe_router_topk_params_t *params,
-                                                 void *workspace, size_t workspace_bytes,
-                                                 void *stream) {
+extern "C" moe_status_t moe_cuda_router_topk_dense_fwd(void *probs, uint8_t *routing_map,
+                                                       int64_t *topk_indices, const void *logits,
+                                                       const float *expert_bias,
+                                                       int64_t num_tokens, int64_t num_experts,
+                                                       moe_dtype_t logits_dtype,
+                                                       const moe_router_topk_params_t *params,
+                                                       void *workspace, size_t workspace_bytes,
+                                                       void *stream) {
+    moe_clear_error();
+    MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, params, expert_bias != NULL, 0));
+    const size_t need = moe_cuda_router_topk_dense_workspace_size(num_tokens, num_experts, params,
+                                                                  logits_dtype);
+    MOE_CHECK(workspace_bytes >= need, "workspace too small: %zu bytes, need %zu", workspace_bytes,
+              need);
+    if (num_tokens == 0) return MOE_OK;
+    MOE_CHECK(probs && routing_map, "probs and routing_map must not be NULL");
+    return topk_fwd(NULL, topk_indices, probs, routing_map, logits, expert_bias, num_tokens,
+                    num_experts, logits_dtype, params, workspace, stream);
+}
+
+static moe_status_t topk_bwd(void *grad_logits, const void *grad_probs, const void *logits,
+                             const int64_t *topk_indices, int64_t num_tokens, int64_t num_experts,
+                             moe_dtype_t logits_dtype, const moe_router_topk_params_t *params,
+                             int grad_dense, void *workspace, size_t workspace_bytes,
+                             void *stream) {
     moe_clear_error();
     MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, params, 0, workspace_bytes));
     if (num_tokens == 0) return MOE_OK;
-    const moe_topk_ctx_t ctx = moe_topk_ctx_make(params, num_experts, logits_dtype);
+    moe_topk_ctx_t ctx = moe_topk_ctx_make(params, num_experts, logits_dtype);
+    ctx.grad_dense = grad_dense;
     const int vpl = warp_vpl(num_experts, params->num_groups);
     if (vpl > 0) {
         const size_t smem = (size_t)MOE_ROUTER_WARPS * (3 * (size_t)params->topk + 1) * sizeof(double);
@@ -459,4 +616,27 @@ extern "C" moe_status_t moe_cuda_router_topk_bwd(void *grad_logits, const void *
                                                          (double *)workspace, row_words(params));
     MOE_CHECK_LAUNCH("moe_router_topk_bwd_kernel");
     return MOE_OK;
+}
+
+extern "C" moe_status_t moe_cuda_router_topk_bwd(void *grad_logits, const void *grad_probs,
+                                                 const void *logits, const int64_t *topk_indices,
+                                                 int64_t num_tokens, int64_t num_experts,
+                                                 moe_dtype_t logits_dtype,
+                                                 const moe_router_topk_params_t *params,
+                                                 void *workspace, size_t workspace_bytes,
+                                                 void *stream) {
+    return topk_bwd(grad_logits, grad_probs, logits, topk_indices, num_tokens, num_experts,
+                    logits_dtype, params, 0, workspace, workspace_bytes, stream);
+}
+
+extern "C" moe_status_t moe_cuda_router_topk_dense_bwd(void *grad_logits, const void *grad_probs,
+                                                       const void *logits,
+                                                       const int64_t *topk_indices,
+                                                       int64_t num_tokens, int64_t num_experts,
+                                                       moe_dtype_t logits_dtype,
+                                                       const moe_router_topk_params_t *params,
+                                                       void *workspace, size_t workspace_bytes,
+                                                       void *stream) {
+    return topk_bwd(grad_logits, grad_probs, logits, topk_indices, num_tokens, num_experts,
+                    logits_dtype, params, 1, workspace, workspace_bytes, stream);
 }

@@ -6,7 +6,12 @@ op with a fake (meta) kernel and a registered autograd formula, so it traces und
 ``torch.compile(fullgraph=True)`` and passes ``torch.library.opcheck``.
 """
 from moe_core.ops.router_gating_linear import router_gating_linear
-from moe_core.ops.router_topk import group_limited_topk, router_topk, topk_routing_with_score_function
+from moe_core.ops.router_topk import (
+    group_limited_topk,
+    router_topk,
+    router_topk_dense,
+    topk_routing_with_score_function,
+)
 from moe_core.ops.topk_to_dense import topk_to_dense
 from moe_core.ops.token_dropping import apply_router_token_dropping, get_capacity
 from moe_core.ops.permute import permute
@@ -32,6 +37,7 @@ from moe_core.ops.grouped_gemm import grouped_gemm, grouped_gemm_dgrad, grouped_
 __all__ = [
     "router_gating_linear",
     "router_topk",
+    "router_topk_dense",
     "topk_routing_with_score_function",
     "group_limited_topk",
     "topk_to_dense",

@@ -21,10 +21,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_core.ops.topk_to_dense import topk_to_dense
 
 _OP = torch.ops.moe_core.router_topk
 _BWD = torch.ops.moe_core.router_topk_bwd
+_DENSE = torch.ops.moe_core.router_topk_dense
+_DENSE_BWD = torch.ops.moe_core.router_topk_dense_bwd
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
@@ -97,13 +98,55 @@ def topk_routing_with_score_function(
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"logits must be 2-D [num_tokens, num_experts], got {shape}")
-    probs, indices = router_topk(
+    if dense_output:
+        return router_topk(
+            logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
+            expert_bias,
+        )
+    probs, routing_map, _indices = router_topk_dense(
         logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
         expert_bias,
     )
-    if dense_output:
-        return probs, indices
-    return topk_to_dense(probs, indices, logits.shape[1])
+    return probs, routing_map
+
+
+def router_topk_dense(
+    logits: torch.Tensor,
+    topk: int,
+    use_pre_softmax: bool = False,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+    scaling_factor: Optional[float] = None,
+    score_function: str = "softmax",
+    expert_bias: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused router in Megatron's dense layout: one kernel from logits to the outputs.
+
+    Same routing, probs and gradients as :func:`router_topk` followed by ``topk_to_dense``, but
+    the [T, E] probs and map are written by the routing kernel itself (every element, zeros off
+    the top-k), and the backward reads the dense gradient at the picked experts only.
+
+    Args: as :func:`router_topk`.
+
+    Returns:
+        ``(probs [num_tokens, num_experts] in logits.dtype, routing_map [num_tokens, num_experts]
+        bool, indices [num_tokens, topk] int64 best first)``; only ``probs`` is differentiable.
+    """
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+    if not isinstance(topk, int) or isinstance(topk, bool):
+        raise TypeError(f"topk must be an int, got {topk!r}")
+    grouped = bool(group_topk)
+    return _DENSE(
+        logits,
+        topk,
+        bool(use_pre_softmax),
+        int(num_groups or 0) if grouped else 0,
+        int(group_topk) if grouped else 0,
+        float(scaling_factor or 0.0),
+        score_function,
+        expert_bias,
+    )
 
 
 def group_limited_topk(
@@ -166,3 +209,34 @@ def _backward(ctx, grad_probs, _grad_indices):
 
 
 torch.library.register_autograd("moe_core::router_topk", _backward, setup_context=_setup_context)
+
+
+@torch.library.register_fake("moe_core::router_topk_dense")
+def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
+      expert_bias):
+    T, E = logits.shape
+    return (logits.new_empty((T, E)), logits.new_empty((T, E), dtype=torch.bool),
+            logits.new_empty((T, topk), dtype=torch.long))
+
+
+@torch.library.register_fake("moe_core::router_topk_dense_bwd")
+def _(grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups, group_topk,
+      scaling_factor, score_function):
+    return torch.empty_like(logits)
+
+
+def _dense_setup_context(ctx, inputs, output):
+    logits, topk, pre, num_groups, group_topk, scaling, score_function, _bias = inputs
+    _probs, _map, indices = output
+    ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function)
+    ctx.save_for_backward(logits, indices)
+
+
+def _dense_backward(ctx, grad_probs, _grad_map, _grad_indices):
+    logits, indices = ctx.saved_tensors
+    grad_logits = _DENSE_BWD(grad_probs.contiguous(), logits, indices, *ctx.options)
+    return grad_logits, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("moe_core::router_topk_dense", _dense_backward,
+                                setup_context=_dense_setup_context)
