@@ -1,0 +1,219 @@
+"""Op benchmark (issue 6): each moe-core CUDA op vs megatron-core's own function, same GPU, same run.
+
+For the reference shapes of shared/DESIGN.md (plus dsv3 at T=16384), times every op of the
+routing and token-layout path with CUDA events (warm-up, median of many, inputs rotated through
+copies larger than L2 so no run reads a warm cache), after measuring the device-to-device copy
+bandwidth. Per op and shape it prints: our time, Megatron-Core's, the speed-up, the bytes the op
+must move at least, the achieved TB/s and its % of the copy bandwidth (TFLOP/s for the gating
+GEMM). Both sides are called eagerly through their Python API, as a training step calls them.
+
+    python benchmarks/bench_ops.py [--iters N] [--shapes mixtral,qwen3_30b_a3b,...] [--ops ...]
+"""
+import argparse
+import math
+import statistics
+import warnings
+
+import torch
+
+import moe_core
+from moe_core import ops
+
+warnings.filterwarnings("ignore")
+from megatron.core.transformer.moe import moe_utils as mcore  # noqa: E402
+
+# name, tokens, hidden, experts, topk, router options
+SHAPES = [
+    ("mixtral", 8192, 4096, 8, 2, dict(score_function="softmax")),
+    ("qwen3_30b_a3b", 16384, 2048, 128, 8, dict(score_function="softmax")),
+    ("dsv3_like", 8192, 7168, 256, 8, dict(score_function="sigmoid", num_groups=8, group_topk=4,
+                                           scaling_factor=2.5, bias=True)),
+    ("dsv3_T16k", 16384, 7168, 256, 8, dict(score_function="sigmoid", num_groups=8, group_topk=4,
+                                           scaling_factor=2.5, bias=True)),
+]
+L2_ROTATE_BYTES = 256 << 20
+
+
+def timer(fn, args_list, iters):
+    """Median seconds of fn(*args) over iters runs, cycling through args_list (cold L2)."""
+    for a in args_list[:3]:
+        fn(*a)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        a = args_list[i % len(args_list)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copies(make, nbytes):
+    """Enough independent copies of an input tuple to overflow L2 when cycled."""
+    n = max(1, min(8, math.ceil(L2_ROTATE_BYTES / max(nbytes, 1))))
+    return [make() for _ in range(n)]
+
+
+def copy_bandwidth(iters):
+    a = torch.randn(1 << 28, device="cuda")  # 1 GiB
+    b = torch.empty_like(a)
+    t = timer(lambda: b.copy_(a), [()], iters)
+    return 2 * a.numel() * 4 / t
+
+
+def has_cuda_kernel(op):
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_core::{op}", "CUDA")
+
+
+def routing(T, E, k, o, dev="cuda"):
+    logits = torch.randn(T, E, device=dev)
+    bias = torch.randn(E, device=dev) * 0.1 if o.get("bias") else None
+    kw = {key: v for key, v in o.items() if key != "bias"}
+    return logits, dict(topk=k, expert_bias=bias, **kw)
+
+
+def cases(name, T, H, E, k, o):
+    """(op label, moe-core op name, ours(*a), megatron(*a), arg-maker, bytes, flops)."""
+    bf = torch.bfloat16
+    logits0, rkw = routing(T, E, k, o)
+    probs0, map0 = mcore.topk_routing_with_score_function(logits0, **rkw)
+    R = T * k
+
+    def mk_logits():
+        return (torch.randn(T, E, device="cuda"),)
+
+    yield ("router fwd (fused, dense)", "router_topk_dense",
+           lambda x: ops.topk_routing_with_score_function(x, **rkw),
+           lambda x: mcore.topk_routing_with_score_function(x, **rkw),
+           mk_logits, T * E * (4 + 4 + 1), 0)
+
+    def mk_tokens():
+        return (torch.randn(T, H, device="cuda", dtype=bf), map0, probs0)
+
+    yield ("permute fwd (dropless, probs)", "permute",
+           lambda x, m, p: ops.permute(x, m, p, num_out_tokens=R),
+           lambda x, m, p: mcore.permute(x, m, p, num_out_tokens=R),
+           mk_tokens, (T + R) * H * 2 + T * E * (1 + 4) + R * (4 + 8), 0)
+
+    pt0, _, idx0, off0, _ = ops.permute(torch.randn(T, H, device="cuda", dtype=bf), map0, None,
+                                        num_out_tokens=R)
+    _, _, midx0, _, _ = mcore.permute(torch.randn(T, H, device="cuda", dtype=bf), map0, None,
+                                      num_out_tokens=R)
+
+    def mk_rows():
+        return (torch.randn(R, H, device="cuda", dtype=bf),)
+
+    yield ("unpermute fwd (combine)", "unpermute",
+           lambda x: ops.unpermute(x, idx0, (T, H)),
+           lambda x: mcore.unpermute(x, midx0, torch.Size((T, H)), routing_map=map0),
+           mk_rows, (T + R) * H * 2 + R * 8, 0)
+
+    def mk_rows_grad():
+        x = torch.randn(R, H, device="cuda", dtype=bf, requires_grad=True)
+        return (x, torch.randn(T, H, device="cuda", dtype=bf))
+
+    def ours_unperm_fb(x, g):
+        ops.unpermute(x, idx0, (T, H)).backward(g)
+
+    def mcore_unperm_fb(x, g):
+        mcore.unpermute(x, midx0, torch.Size((T, H)), routing_map=map0).backward(g)
+
+    yield ("unpermute fwd+bwd", "unpermute_bwd", ours_unperm_fb, mcore_unperm_fb, mk_rows_grad,
+           2 * (T + R) * H * 2 + 2 * R * 8, 0)
+
+    sc = o["score_function"]
+    yield ("aux-loss scores", "aux_loss_scores",
+           lambda x: ops.compute_routing_scores_for_aux_loss(x, k, sc),
+           lambda x: mcore.compute_routing_scores_for_aux_loss(x, k, sc),
+           mk_logits, T * E * (4 + 4 + 1), 0)
+
+    def mk_probs():
+        return (torch.rand(T, E, device="cuda"), map0.sum(0))
+
+    yield ("switch aux loss", "switch_aux_loss",
+           lambda p, c: ops.switch_load_balancing_loss_func(p, c, T, k, E, 1e-2),
+           lambda p, c: mcore.switch_load_balancing_loss_func(p, c, T, k, E, 1e-2),
+           mk_probs, T * E * 4, 0)
+    yield ("z-loss", "z_loss", lambda x: ops.z_loss_func(x, 1e-3),
+           lambda x: mcore.z_loss_func(x, 1e-3), mk_logits, T * E * 4, 0)
+
+    def mk_map():
+        return (map0,)
+
+    yield ("tokens per expert", "tokens_per_expert",
+           lambda m: ops.tokens_per_expert(m), lambda m: m.sum(dim=0), mk_map, T * E, 0)
+
+    def mk_drop():
+        return (torch.rand(T, E, device="cuda") * map0, map0)
+
+    yield ("token dropping (cf 1.0, probs)", "token_dropping",
+           lambda p, m: ops.apply_router_token_dropping(p, m, k, 1.0),
+           lambda p, m: mcore.apply_router_token_dropping(p, m, k, 1.0),
+           mk_drop, T * E * 2 * (4 + 1), 0)
+
+    split_cpu = torch.full((E,), R // E, dtype=torch.long)
+    split_cpu[-1] += R - split_cpu.sum()
+    order = torch.randperm(E)
+    split_dev, order_dev = split_cpu.cuda(), order.cuda()
+    yield ("sort_chunks_by_idxs", "sort_chunks_by_idxs",
+           lambda x: ops.sort_chunks_by_idxs(x, split_dev, order_dev),
+           lambda x: mcore.sort_chunks_by_idxs(x, split_cpu, order),
+           mk_rows, 2 * R * H * 2, 0)
+
+    wg = torch.randn(E, H, device="cuda", dtype=bf)
+
+    def mk_hidden():
+        return (torch.randn(T, H, device="cuda", dtype=bf),)
+
+    yield ("gating GEMM (fp32 router)", "router_gating_linear",
+           lambda x: ops.router_gating_linear(x, wg, None, torch.float32),
+           lambda x: mcore.router_gating_linear(x, wg, None, torch.float32),
+           mk_hidden, T * H * 2 + T * E * 4, 2 * T * H * E)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--ops", default="", help="comma-separated substrings of op labels")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bw = copy_bandwidth(args.iters)
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"moe_core {moe_core.__version__}, copy bandwidth {bw / 1e12:.3f} TB/s")
+    want = set(args.shapes.split(","))
+    filters = [f for f in args.ops.split(",") if f]
+    rows = []
+    for name, T, H, E, k, o in SHAPES:
+        if name not in want:
+            continue
+        torch.manual_seed(0)
+        for label, op, ours, theirs, make, nbytes, flops in cases(name, T, H, E, k, o):
+            if filters and not any(f in label for f in filters):
+                continue
+            if not has_cuda_kernel(op):
+                rows.append((name, label, None, None, nbytes, flops))
+                continue
+            inputs = copies(make, nbytes)
+            t_ours = timer(ours, inputs, args.iters)
+            t_meg = timer(theirs, inputs, args.iters)
+            rows.append((name, label, t_ours, t_meg, nbytes, flops))
+            del inputs
+            torch.cuda.empty_cache()
+    print(f"\n{'shape':<14} {'op':<31} {'ours ms':>9} {'mcore ms':>9} {'speed-up':>9} "
+          f"{'TB/s':>6} {'% copy bw':>9} {'TFLOP/s':>8}")
+    for name, label, t_ours, t_meg, nbytes, flops in rows:
+        if t_ours is None:
+            print(f"{name:<14} {label:<31} {'(no CUDA kernel in this build)':>40}")
+            continue
+        tbs = nbytes / t_ours / 1e12
+        tfl = f"{flops / t_ours / 1e12:8.1f}" if flops else ""
+        print(f"{name:<14} {label:<31} {t_ours * 1e3:9.3f} {t_meg * 1e3:9.3f} "
+              f"{t_meg / t_ours:8.2f}x {tbs:6.2f} {tbs * 1e12 / bw * 100:8.1f}% {tfl}")
+
+
+if __name__ == "__main__":
+    main()
