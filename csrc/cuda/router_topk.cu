@@ -366,9 +366,12 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
         }
         __syncwarp();
         /* moe_topk_probs, with its sequential sums on lane 0 and the rest spread over lanes */
-        if (softmax && !pre)
+        if (softmax && !pre) {
+            const double top = win_p[0]; /* read by every lane before lane 0 overwrites it */
+            __syncwarp();
             for (int j = lane; j < k; j += 32)
-                win_p[j] = moe_cround(&ctx, exp(moe_cround(&ctx, win_p[j] - win_p[0])));
+                win_p[j] = moe_cround(&ctx, exp(moe_cround(&ctx, win_p[j] - top)));
+        }
         __syncwarp();
         if (lane == 0 && !(softmax && pre)) {
             double sum = 0.0;
