@@ -873,6 +873,85 @@ moe_status_t moe_cuda_topk_to_dense_bwd(void *grad_topk_probs, const void *grad_
                                         int64_t num_experts, int64_t topk, moe_dtype_t dtype,
                                         void *workspace, size_t workspace_bytes, void *stream);
 
+/* ---- CUDA token layout (issue 6): permute, unpermute, chunk sorting, capacity, counts ---------
+ * Same semantics as the CPU entry points, with these differences, all forced by "no host sync":
+ * - Arguments that live in device memory (sorted_indices, expert_offsets, split_sizes,
+ *   sorted_idxs) are not validated; out-of-range values are the caller's contract (the kernels
+ *   skip an index outside [-1, num_tokens) / [0, num_chunks) rather than write out of bounds).
+ * - Integer outputs (indices, offsets, counts, maps) are bitwise the CPU's; so are permute's
+ *   rows and probs, unpermute's output, permute_bwd's grads, unpermute_bwd's
+ *   grad_permuted_tokens and token dropping's outputs. unpermute_bwd's grad_probs sums its
+ *   hidden-length dot products in a fixed tree order (per thread, then warp, then block) instead
+ *   of ascending h: deterministic run to run, not bitwise the CPU's.
+ * - The workspaces differ from the CPU's: use the moe_cuda_*_workspace_size functions below. */
+
+/** Workspace bytes of moe_cuda_permute_fwd: per-chunk ranks and the [T, E] int32 row map. */
+size_t moe_cuda_permute_workspace_size(int64_t num_tokens, int64_t num_experts,
+                                       const moe_permute_params_t *params);
+moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permuted_probs,
+                                  int64_t *sorted_indices, int64_t *expert_offsets,
+                                  int64_t *tokens_per_expert, const void *tokens,
+                                  const uint8_t *routing_map, const void *probs,
+                                  int64_t num_tokens, int64_t hidden, int64_t num_experts,
+                                  moe_dtype_t dtype, moe_dtype_t probs_dtype,
+                                  const moe_permute_params_t *params, void *workspace,
+                                  size_t workspace_bytes, void *stream);
+/** Workspace bytes of moe_cuda_permute_bwd / moe_cuda_unpermute_fwd / _bwd: the token → rows
+ * map with each row's expert and one fp64 word per row, (2·num_tokens + 1 + 3·num_rows) int64. */
+size_t moe_cuda_unpermute_workspace_size(int64_t num_tokens, int64_t num_rows);
+moe_status_t moe_cuda_permute_bwd(void *grad_tokens, void *grad_probs,
+                                  const void *grad_permuted_tokens,
+                                  const void *grad_permuted_probs, const int64_t *sorted_indices,
+                                  const int64_t *expert_offsets, int64_t num_tokens,
+                                  int64_t hidden, int64_t num_experts, int64_t num_rows,
+                                  moe_dtype_t dtype, moe_dtype_t probs_dtype, void *workspace,
+                                  size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_unpermute_fwd(void *output, const void *permuted_tokens,
+                                    const int64_t *sorted_indices, const void *probs,
+                                    const int64_t *expert_offsets, int64_t num_tokens,
+                                    int64_t hidden, int64_t num_experts, int64_t num_rows,
+                                    moe_dtype_t dtype, moe_dtype_t probs_dtype, void *workspace,
+                                    size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_unpermute_bwd(void *grad_permuted_tokens, void *grad_probs,
+                                    const void *grad_output, const void *permuted_tokens,
+                                    const int64_t *sorted_indices, const void *probs,
+                                    const int64_t *expert_offsets, int64_t num_tokens,
+                                    int64_t hidden, int64_t num_experts, int64_t num_rows,
+                                    moe_dtype_t dtype, moe_dtype_t probs_dtype, void *workspace,
+                                    size_t workspace_bytes, void *stream);
+/** Workspace bytes of moe_cuda_sort_chunks_by_idxs_fwd / _bwd: 3·num_chunks + 2 int64. */
+size_t moe_cuda_sort_chunks_by_idxs_workspace_size(int64_t num_chunks);
+moe_status_t moe_cuda_sort_chunks_by_idxs_fwd(void *output, const void *input,
+                                              const int64_t *split_sizes,
+                                              const int64_t *sorted_idxs, int64_t num_rows,
+                                              int64_t row_elems, int64_t num_chunks,
+                                              moe_dtype_t dtype, void *workspace,
+                                              size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_sort_chunks_by_idxs_bwd(void *grad_input, const void *grad_output,
+                                              const int64_t *split_sizes,
+                                              const int64_t *sorted_idxs, int64_t num_rows,
+                                              int64_t row_elems, int64_t num_chunks,
+                                              moe_dtype_t dtype, void *workspace,
+                                              size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_tokens_per_expert_fwd(int64_t *counts, const uint8_t *routing_map,
+                                            const uint8_t *padding_mask, int64_t num_tokens,
+                                            int64_t num_experts, void *workspace,
+                                            size_t workspace_bytes, void *stream);
+/** Workspace bytes of moe_cuda_token_dropping_fwd: the columns' sort keys transposed to
+ * [E, T] (4 bytes each, 8 for fp64 probs) and two int64 per column. */
+size_t moe_cuda_token_dropping_workspace_size(int64_t num_tokens, int64_t num_experts,
+                                              moe_drop_policy_t policy, moe_dtype_t dtype);
+moe_status_t moe_cuda_token_dropping_fwd(void *final_probs, uint8_t *final_map,
+                                         const void *routing_probs, const uint8_t *routing_map,
+                                         int64_t num_tokens, int64_t num_experts,
+                                         int64_t capacity, moe_drop_policy_t policy,
+                                         int pad_to_capacity, moe_dtype_t dtype, void *workspace,
+                                         size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_token_dropping_bwd(void *grad_routing_probs, const void *grad_final_probs,
+                                         const uint8_t *final_map, int64_t num_tokens,
+                                         int64_t num_experts, moe_dtype_t dtype, void *workspace,
+                                         size_t workspace_bytes, void *stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

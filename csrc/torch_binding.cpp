@@ -411,6 +411,13 @@ at::Tensor topk_to_dense_bwd(const at::Tensor &grad_probs_, const at::Tensor &to
 
 // ---- permute / unpermute / capacity (issue 3) -------------------------------------------------
 
+// A CUDA workspace size where the build has CUDA (a CPU-only build never calls it).
+#ifdef MOE_CORE_WITH_CUDA
+#define MOE_CUDA_SIZE(expr) (expr)
+#else
+#define MOE_CUDA_SIZE(expr) ((size_t)0)
+#endif
+
 void check_routing_map(const at::Tensor &routing_map, const char *name) {
   check_dim(routing_map, 2, name);
   check_dtype(routing_map, at::kBool, name);
@@ -454,12 +461,16 @@ std::tuple<at::Tensor, at::Tensor> token_dropping(const at::Tensor &routing_prob
                     routing_probs_.sizes());
   at::Tensor probs = routing_probs_.contiguous(), map = routing_map_.contiguous();
   at::Tensor final_probs = at::empty_like(probs), final_map = at::empty_like(map);
-  at::Tensor ws = workspace_bytes(probs, moe_token_dropping_workspace_size(T, E, policy));
-  check_status(moe_token_dropping_fwd(final_probs.data_ptr(), (uint8_t *)final_map.data_ptr(),
-                                      probs.data_ptr(), (const uint8_t *)map.data_ptr(), T, E,
-                                      capacity, policy, pad_to_capacity ? 1 : 0,
-                                      to_moe_dtype(probs.scalar_type(), "routing_probs"),
-                                      ws.data_ptr(), (size_t)ws.numel(), nullptr),
+  const moe_dtype_t dt = to_moe_dtype(probs.scalar_type(), "routing_probs");
+  MOE_DEVICE_GUARD(probs);
+  at::Tensor ws = workspace_bytes(
+      probs, on_cuda(probs) ? MOE_CUDA_SIZE(moe_cuda_token_dropping_workspace_size(T, E, policy, dt))
+                            : moe_token_dropping_workspace_size(T, E, policy));
+  check_status(MOE_CALL(probs, token_dropping_fwd, final_probs.data_ptr(),
+                        (uint8_t *)final_map.data_ptr(), probs.data_ptr(),
+                        (const uint8_t *)map.data_ptr(), T, E, capacity, policy,
+                        pad_to_capacity ? 1 : 0, dt, ws.data_ptr(), (size_t)ws.numel(),
+                        stream_of(probs)),
                "token_dropping");
   return {final_probs, final_map};
 }
@@ -474,10 +485,11 @@ at::Tensor token_dropping_bwd(const at::Tensor &grad_final_probs_, const at::Ten
   check_same_device(final_map_, grad_final_probs_, "final_map", "grad_final_probs");
   at::Tensor g = grad_final_probs_.contiguous(), map = final_map_.contiguous();
   at::Tensor out = at::empty_like(g);
-  check_status(moe_token_dropping_bwd(out.data_ptr(), g.data_ptr(), (const uint8_t *)map.data_ptr(),
-                                      g.size(0), g.size(1),
-                                      to_moe_dtype(g.scalar_type(), "grad_final_probs"), nullptr,
-                                      0, nullptr),
+  MOE_DEVICE_GUARD(g);
+  check_status(MOE_CALL(g, token_dropping_bwd, out.data_ptr(), g.data_ptr(),
+                        (const uint8_t *)map.data_ptr(), g.size(0), g.size(1),
+                        to_moe_dtype(g.scalar_type(), "grad_final_probs"), nullptr, 0,
+                        stream_of(g)),
                "token_dropping_bwd");
   return out;
 }
@@ -517,17 +529,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute(
   at::Tensor idx = at::empty({R}, tokens.options().dtype(at::kLong));
   at::Tensor offsets = at::empty({E + 1}, idx.options());
   at::Tensor counts = at::empty({E}, idx.options());
-  check_status(moe_permute_fwd(out.data_ptr(), probs.defined() ? out_probs.data_ptr() : nullptr,
-                               idx.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
-                               counts.data_ptr<int64_t>(), tokens.data_ptr(),
-                               (const uint8_t *)map.data_ptr(),
-                               probs.defined() ? probs.data_ptr() : nullptr, T, H, E,
-                               to_moe_dtype(tokens.scalar_type(), "tokens"),
-                               probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs")
-                                               : MOE_DTYPE_FP32,
-                               &p, nullptr, 0, nullptr),
+  MOE_DEVICE_GUARD(tokens);
+  at::Tensor ws = workspace_bytes(tokens,
+                                  on_cuda(tokens) ? MOE_CUDA_SIZE(moe_cuda_permute_workspace_size(T, E, &p)) : 0);
+  check_status(MOE_CALL(tokens, permute_fwd, out.data_ptr(),
+                        probs.defined() ? out_probs.data_ptr() : nullptr, idx.data_ptr<int64_t>(),
+                        offsets.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
+                        tokens.data_ptr(), (const uint8_t *)map.data_ptr(),
+                        probs.defined() ? probs.data_ptr() : nullptr, T, H, E,
+                        to_moe_dtype(tokens.scalar_type(), "tokens"),
+                        probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs")
+                                        : MOE_DTYPE_FP32,
+                        &p, ws.numel() ? ws.data_ptr() : nullptr, (size_t)ws.numel(),
+                        stream_of(tokens)),
                "permute");
   return {out, out_probs, idx, offsets, counts};
+}
+
+// The token → rows map's scratch: the CUDA kernels also keep each row's expert and a dot.
+size_t unpermute_workspace(const at::Tensor &t, int64_t num_tokens, int64_t rows) {
+  return on_cuda(t) ? MOE_CUDA_SIZE(moe_cuda_unpermute_workspace_size(num_tokens, rows))
+                    : moe_unpermute_workspace_size(num_tokens, rows);
 }
 
 std::tuple<at::Tensor, at::Tensor> permute_bwd(
@@ -556,14 +578,16 @@ std::tuple<at::Tensor, at::Tensor> permute_bwd(
   at::Tensor grad_tokens = at::empty({num_tokens, H}, g.options());
   at::Tensor grad_probs = gp.defined() ? at::empty({num_tokens, E}, gp.options())
                                        : at::empty({0}, g.options());
-  at::Tensor ws = workspace_bytes(g, moe_unpermute_workspace_size(num_tokens, R));
-  check_status(moe_permute_bwd(grad_tokens.data_ptr(), gp.defined() ? grad_probs.data_ptr() : nullptr,
-                               g.data_ptr(), gp.defined() ? gp.data_ptr() : nullptr,
-                               idx.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), num_tokens,
-                               H, E, R, to_moe_dtype(g.scalar_type(), "grad_permuted_tokens"),
-                               gp.defined() ? to_moe_dtype(gp.scalar_type(), "grad_permuted_probs")
-                                            : MOE_DTYPE_FP32,
-                               ws.data_ptr(), (size_t)ws.numel(), nullptr),
+  MOE_DEVICE_GUARD(g);
+  at::Tensor ws = workspace_bytes(g, unpermute_workspace(g, num_tokens, R));
+  check_status(MOE_CALL(g, permute_bwd, grad_tokens.data_ptr(),
+                        gp.defined() ? grad_probs.data_ptr() : nullptr, g.data_ptr(),
+                        gp.defined() ? gp.data_ptr() : nullptr, idx.data_ptr<int64_t>(),
+                        offsets.data_ptr<int64_t>(), num_tokens, H, E, R,
+                        to_moe_dtype(g.scalar_type(), "grad_permuted_tokens"),
+                        gp.defined() ? to_moe_dtype(gp.scalar_type(), "grad_permuted_probs")
+                                     : MOE_DTYPE_FP32,
+                        ws.data_ptr(), (size_t)ws.numel(), stream_of(g)),
                "permute_bwd");
   return {grad_tokens, grad_probs};
 }
@@ -603,15 +627,15 @@ at::Tensor unpermute(const at::Tensor &permuted_tokens_, const at::Tensor &sorte
   at::Tensor x = permuted_tokens_.contiguous(), idx = sorted_indices_.contiguous(), probs, offsets;
   if (probs_.has_value()) probs = probs_->contiguous(), offsets = expert_offsets_->contiguous();
   at::Tensor out = at::empty({num_tokens, H}, x.options());
-  at::Tensor ws = workspace_bytes(x, moe_unpermute_workspace_size(num_tokens, R));
-  check_status(moe_unpermute_fwd(out.data_ptr(), x.data_ptr(), idx.data_ptr<int64_t>(),
-                                 probs.defined() ? probs.data_ptr() : nullptr,
-                                 offsets.defined() ? offsets.data_ptr<int64_t>() : nullptr,
-                                 num_tokens, H, E, R,
-                                 to_moe_dtype(x.scalar_type(), "permuted_tokens"),
-                                 probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs")
-                                                 : MOE_DTYPE_FP32,
-                                 ws.data_ptr(), (size_t)ws.numel(), nullptr),
+  MOE_DEVICE_GUARD(x);
+  at::Tensor ws = workspace_bytes(x, unpermute_workspace(x, num_tokens, R));
+  check_status(MOE_CALL(x, unpermute_fwd, out.data_ptr(), x.data_ptr(), idx.data_ptr<int64_t>(),
+                        probs.defined() ? probs.data_ptr() : nullptr,
+                        offsets.defined() ? offsets.data_ptr<int64_t>() : nullptr, num_tokens, H,
+                        E, R, to_moe_dtype(x.scalar_type(), "permuted_tokens"),
+                        probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs")
+                                        : MOE_DTYPE_FP32,
+                        ws.data_ptr(), (size_t)ws.numel(), stream_of(x)),
                "unpermute");
   return out;
 }
@@ -645,16 +669,17 @@ std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor &grad_output_,
   at::Tensor grad_x = at::empty({R, H}, g.options());
   at::Tensor grad_probs = x.defined() ? at::empty({T, E}, probs.options())
                                       : at::empty({0}, g.options());
-  at::Tensor ws = workspace_bytes(g, moe_unpermute_workspace_size(T, R));
-  check_status(moe_unpermute_bwd(grad_x.data_ptr(), x.defined() ? grad_probs.data_ptr() : nullptr,
-                                 g.data_ptr(), x.defined() ? x.data_ptr() : nullptr,
-                                 idx.data_ptr<int64_t>(),
-                                 probs.defined() ? probs.data_ptr() : nullptr,
-                                 offsets.defined() ? offsets.data_ptr<int64_t>() : nullptr, T, H,
-                                 E, R, to_moe_dtype(g.scalar_type(), "grad_output"),
-                                 probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs")
-                                                 : MOE_DTYPE_FP32,
-                                 ws.data_ptr(), (size_t)ws.numel(), nullptr),
+  MOE_DEVICE_GUARD(g);
+  at::Tensor ws = workspace_bytes(g, unpermute_workspace(g, T, R));
+  check_status(MOE_CALL(g, unpermute_bwd, grad_x.data_ptr(),
+                        x.defined() ? grad_probs.data_ptr() : nullptr, g.data_ptr(),
+                        x.defined() ? x.data_ptr() : nullptr, idx.data_ptr<int64_t>(),
+                        probs.defined() ? probs.data_ptr() : nullptr,
+                        offsets.defined() ? offsets.data_ptr<int64_t>() : nullptr, T, H, E, R,
+                        to_moe_dtype(g.scalar_type(), "grad_output"),
+                        probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs")
+                                        : MOE_DTYPE_FP32,
+                        ws.data_ptr(), (size_t)ws.numel(), stream_of(g)),
                "unpermute_bwd");
   return {grad_x, grad_probs};
 }
@@ -671,10 +696,17 @@ at::Tensor sort_chunks_impl(const at::Tensor &input_, const at::Tensor &split_si
   at::Tensor order = sorted_idxs_.contiguous();
   const int64_t rows = x.size(0), row_elems = rows > 0 ? x.numel() / rows : 0;
   at::Tensor out = at::empty_like(x);
-  auto fn = backward ? &moe_sort_chunks_by_idxs_bwd : &moe_sort_chunks_by_idxs_fwd;
-  check_status(fn(out.data_ptr(), x.data_ptr(), sizes.data_ptr<int64_t>(),
-                  order.data_ptr<int64_t>(), rows, row_elems, sizes.size(0),
-                  to_moe_dtype(x.scalar_type(), in_name), nullptr, 0, nullptr),
+  const int64_t C = sizes.size(0);
+  const moe_dtype_t dt = to_moe_dtype(x.scalar_type(), in_name);
+  MOE_DEVICE_GUARD(x);
+  at::Tensor ws = workspace_bytes(x, on_cuda(x) ? MOE_CUDA_SIZE(moe_cuda_sort_chunks_by_idxs_workspace_size(C)) : 0);
+  void *w = ws.numel() ? ws.data_ptr() : nullptr;
+  check_status(backward ? MOE_CALL(x, sort_chunks_by_idxs_bwd, out.data_ptr(), x.data_ptr(),
+                                   sizes.data_ptr<int64_t>(), order.data_ptr<int64_t>(), rows,
+                                   row_elems, C, dt, w, (size_t)ws.numel(), stream_of(x))
+                        : MOE_CALL(x, sort_chunks_by_idxs_fwd, out.data_ptr(), x.data_ptr(),
+                                   sizes.data_ptr<int64_t>(), order.data_ptr<int64_t>(), rows,
+                                   row_elems, C, dt, w, (size_t)ws.numel(), stream_of(x)),
                backward ? "sort_chunks_by_idxs_bwd" : "sort_chunks_by_idxs");
   return out;
 }
@@ -872,14 +904,14 @@ void check_cpu_routing_map(const at::Tensor &routing_map, const char *op) {
 
 at::Tensor tokens_per_expert(const at::Tensor &routing_map_,
                              const c10::optional<at::Tensor> &padding_mask) {
-  check_cpu_routing_map(routing_map_, "tokens_per_expert");
+  check_routing_map(routing_map_, "routing_map");
   const int64_t T = routing_map_.size(0), E = routing_map_.size(1);
   at::Tensor map = routing_map_.contiguous(), mask;
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, map, "routing_map");
   at::Tensor counts = at::empty({E}, map.options().dtype(at::kLong));
-  check_status(moe_tokens_per_expert_fwd(counts.data_ptr<int64_t>(),
-                                         (const uint8_t *)map.data_ptr(), m, T, E, nullptr, 0,
-                                         nullptr),
+  MOE_DEVICE_GUARD(map);
+  check_status(MOE_CALL(map, tokens_per_expert_fwd, counts.data_ptr<int64_t>(),
+                        (const uint8_t *)map.data_ptr(), m, T, E, nullptr, 0, stream_of(map)),
                "tokens_per_expert");
   return counts;
 }
@@ -1240,6 +1272,21 @@ TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("router_topk_dense_bwd", &router_topk_dense_bwd);
   m.impl("topk_to_dense", &topk_to_dense);
   m.impl("topk_to_dense_bwd", &topk_to_dense_bwd);
+}
+#endif
+
+#ifdef MOE_CORE_WITH_CUDA
+// token layout (issue 6)
+TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
+  m.impl("token_dropping", &token_dropping);
+  m.impl("token_dropping_bwd", &token_dropping_bwd);
+  m.impl("permute", &permute);
+  m.impl("permute_bwd", &permute_bwd);
+  m.impl("unpermute", &unpermute);
+  m.impl("unpermute_bwd", &unpermute_bwd);
+  m.impl("sort_chunks_by_idxs", &sort_chunks_by_idxs);
+  m.impl("sort_chunks_by_idxs_bwd", &sort_chunks_by_idxs_bwd);
+  m.impl("tokens_per_expert", &tokens_per_expert);
 }
 #endif
 

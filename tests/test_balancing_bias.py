@@ -115,9 +115,9 @@ def test_counts_exclude_padding():
     assert counts.tolist() == [2.0, 1.0, 1.0]
 
 
-def test_tokens_per_expert_matches_torch():
-    routing_map = torch.rand(40, 9) < 0.3
-    pad = torch.rand(40) < 0.25
+def test_tokens_per_expert_matches_torch(device):
+    routing_map = (torch.rand(40, 9) < 0.3).to(device)
+    pad = (torch.rand(40) < 0.25).to(device)
     assert torch.equal(ops.tokens_per_expert(routing_map), routing_map.sum(0))
     assert torch.equal(ops.tokens_per_expert(routing_map, pad), routing_map[~pad].sum(0))
 

@@ -24,6 +24,18 @@ ALL_FLOATS = FLOATS + [torch.float64]
 
 # ---- inputs -------------------------------------------------------------------------------------
 
+def on(device, *tensors):
+    """Copies of the tensors on `device` (None stays None; a copy, so a leaf for autograd even
+    on the CPU): the op runs there, the references on the CPU originals."""
+    out = tuple(t.to(device, copy=True) if isinstance(t, torch.Tensor) else t for t in tensors)
+    return out if len(out) > 1 else out[0]
+
+
+def cpu(*tensors):
+    out = tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in tensors)
+    return out if len(out) > 1 else out[0]
+
+
 def random_map(T, E, k):
     """[T, E] bool with exactly k experts per token, chosen uniformly."""
     m = torch.zeros(T, E, dtype=torch.bool)
@@ -68,11 +80,11 @@ FACTORS = [0.0, 0.5, 1.0, 1.7, 10.0]
 @pytest.mark.parametrize("pad", [False, True])
 @pytest.mark.parametrize("dtype", ALL_FLOATS)
 @pytest.mark.parametrize("T,E,k", DROP_SIZES)
-def test_token_dropping_vs_reference(policy, pad, dtype, T, E, k):
+def test_token_dropping_vs_reference(policy, pad, dtype, T, E, k, device):
     m = random_map(T, E, k)
     p = distinct_probs(m, dtype)
     for cf in FACTORS:
-        fp, fm = ops.apply_router_token_dropping(p, m, k, cf, policy, pad)
+        fp, fm = cpu(*ops.apply_router_token_dropping(*on(device, p, m), k, cf, policy, pad))
         rp, rm = ref.token_dropping(p, m, k, cf, policy, pad)
         assert torch.equal(fm, rm), (cf, fm, rm)
         assert torch.equal(fp, rp)
@@ -82,17 +94,19 @@ def test_token_dropping_vs_reference(policy, pad, dtype, T, E, k):
 @pytest.mark.parametrize("pad", [False, True])
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("T,E,k", DROP_SIZES)
-def test_token_dropping_probs_vs_megatron(pad, dtype, T, E, k):
+def test_token_dropping_probs_vs_megatron(pad, dtype, T, E, k, device):
     """Tie-free probs: without padding everything is defined; with padding the filler tokens
     (prob 0) are Megatron's arbitrary choice, so the map is compared on routed entries and by
     column counts, the probs exactly."""
     m = random_map(T, E, k)
     p = distinct_probs(m, dtype)
     for cf in FACTORS:
-        p1 = p.clone().requires_grad_()
+        p1 = on(device, p).requires_grad_()
         p2 = p.clone().requires_grad_()
-        fp, fm = ops.apply_router_token_dropping(p1, m, k, cf, "probs", pad)
+        fp, fm = ops.apply_router_token_dropping(p1, on(device, m), k, cf, "probs", pad)
         mp, mm = mcore.apply_router_token_dropping(p2, m, k, cf, "probs", pad)
+        fp_dev = fp
+        fp, fm = cpu(fp, fm)
         assert torch.equal(fp, mp)
         if pad:
             assert torch.equal(fm & m, mm & m)
@@ -100,18 +114,18 @@ def test_token_dropping_probs_vs_megatron(pad, dtype, T, E, k):
         else:
             assert torch.equal(fm, mm)
         g = torch.randn(T, E, dtype=torch.float64).to(dtype)
-        (fp * g).sum().backward()
+        (fp_dev * on(device, g)).sum().backward()
         (mp * g).sum().backward()
         if not pad:
-            assert torch.equal(p1.grad, p2.grad)
+            assert torch.equal(p1.grad.cpu(), p2.grad)
         else:  # the gradient is grad * final_map: equal on the routed part
-            assert torch.equal(p1.grad * m, p2.grad * m)
+            assert torch.equal(p1.grad.cpu() * m, p2.grad * m)
 
 
 @pytest.mark.parametrize("pad", [False, True])
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("T,E,k", DROP_SIZES)
-def test_token_dropping_position_vs_megatron(pad, dtype, T, E, k):
+def test_token_dropping_position_vs_megatron(pad, dtype, T, E, k, device):
     """Megatron's CPU "position" keeps an unspecified subset of an over-full column (its CUDA
     path keeps the first ones, as we do). Defined and compared: columns that fit, the kept
     count of every column, kept ⊆ routed, and everything when capacity > T."""
@@ -119,7 +133,7 @@ def test_token_dropping_position_vs_megatron(pad, dtype, T, E, k):
     p = distinct_probs(m, dtype)
     for cf in FACTORS:
         cap = ops.get_capacity(T * k, E, cf)
-        fp, fm = ops.apply_router_token_dropping(p, m, k, cf, "position", pad)
+        fp, fm = cpu(*ops.apply_router_token_dropping(*on(device, p, m), k, cf, "position", pad))
         mp, mm = mcore.apply_router_token_dropping(p, m, k, cf, "position", pad)
         counts = m.sum(0)
         fits = counts <= cap if not pad else counts == cap
@@ -131,9 +145,9 @@ def test_token_dropping_position_vs_megatron(pad, dtype, T, E, k):
         assert torch.equal((fm & m).sum(0), (mm & m).sum(0))
 
 
-def test_position_keeps_first_routed_tokens_in_order():
+def test_position_keeps_first_routed_tokens_in_order(device):
     T, E = 40, 3
-    m = torch.zeros(T, E, dtype=torch.bool)
+    m = torch.zeros(T, E, dtype=torch.bool, device=device)
     m[5::2, 0] = True            # 18 routed tokens into expert 0
     m[[1, 3, 30], 1] = True      # 3 into expert 1, expert 2 gets nothing
     p = m.float() * 0.5
@@ -148,22 +162,22 @@ def test_position_keeps_first_routed_tokens_in_order():
     assert fm[:, 2].nonzero().flatten().tolist() == [0, 1, 2, 3]
 
 
-def test_probs_policy_ties_go_to_lower_token_and_nan_first():
-    p = torch.tensor([[0.5], [0.7], [0.5], [float("nan")], [0.5]])
-    m = torch.ones(5, 1, dtype=torch.bool)
+def test_probs_policy_ties_go_to_lower_token_and_nan_first(device):
+    p = torch.tensor([[0.5], [0.7], [0.5], [float("nan")], [0.5]], device=device)
+    m = torch.ones(5, 1, dtype=torch.bool, device=device)
     # capacity = ceil(5 / 1 * 0.6) = 3: NaN, 0.7, then the first 0.5 (token 0)
     fp, fm = ops.apply_router_token_dropping(p, m, 1, 0.6, "probs", False)
     assert fm.flatten().tolist() == [True, True, False, True, False]
     assert fp[3, 0].isnan()
 
 
-def test_everything_to_one_expert_and_empty_experts():
+def test_everything_to_one_expert_and_empty_experts(device):
     T, E = 33, 6
     m = torch.zeros(T, E, dtype=torch.bool)
     m[:, 2] = True
     p = distinct_probs(m, torch.float32)
     for policy, pad in itertools.product(["probs", "position"], [False, True]):
-        fp, fm = ops.apply_router_token_dropping(p, m, 1, 1.0, policy, pad)
+        fp, fm = cpu(*ops.apply_router_token_dropping(*on(device, p, m), 1, 1.0, policy, pad))
         rp, rm = ref.token_dropping(p, m, 1, 1.0, policy, pad)
         assert torch.equal(fm, rm) and torch.equal(fp, rp)
         assert fm[:, 2].sum() == ops.get_capacity(T, E, 1.0)
@@ -177,11 +191,11 @@ PERMUTE_SIZES = [(0, 4, 2, 8), (1, 4, 2, 8), (1, 1, 1, 1), (17, 8, 2, 16), (64, 
 
 @pytest.mark.parametrize("dtype", ALL_FLOATS)
 @pytest.mark.parametrize("T,E,k,H", PERMUTE_SIZES)
-def test_permute_dropless_vs_megatron(dtype, T, E, k, H):
+def test_permute_dropless_vs_megatron(dtype, T, E, k, H, device):
     probs, m = router_output(T, E, k, dtype)
     x = torch.randn(T, H, dtype=torch.float64).to(dtype)
     n = T * k
-    ours = ops.permute(x, m, probs, num_out_tokens=n)
+    ours = cpu(*ops.permute(*on(device, x, m, probs), num_out_tokens=n))
     theirs = mcore.permute(x, m, probs, num_out_tokens=n)
     assert torch.equal(ours[0], theirs[0])
     assert torch.equal(ours[1], theirs[1])
@@ -198,26 +212,26 @@ def test_permute_dropless_vs_megatron(dtype, T, E, k, H):
 @pytest.mark.parametrize("T,E,k,H", [(0, 4, 2, 8), (1, 4, 2, 8), (17, 8, 2, 16), (64, 16, 4, 32),
                                      (40, 4, 2, 8)])
 @pytest.mark.parametrize("cf", [0.5, 1.0, 1.5])
-def test_permute_drop_and_pad_vs_megatron(dtype, T, E, k, H, cf):
+def test_permute_drop_and_pad_vs_megatron(dtype, T, E, k, H, cf, device):
     probs, m = router_output(T, E, k, dtype)
     probs, m = mcore.apply_router_token_dropping(probs, m, k, cf, "probs", True)
     cap = ops.get_capacity(T * k, E, cf)
     assert cap <= T  # Megatron crashes beyond: see test_drop_and_pad_capacity_over_tokens
     x = torch.randn(T, H, dtype=torch.float64).to(dtype)
-    ours = ops.permute(x, m, probs, num_out_tokens=cap * E, drop_and_pad=True)
+    ours = cpu(*ops.permute(*on(device, x, m, probs), num_out_tokens=cap * E, drop_and_pad=True))
     theirs = mcore.permute(x, m, probs, num_out_tokens=cap * E, drop_and_pad=True)
     for i in range(3):
         assert torch.equal(ours[i], theirs[i])
     assert torch.equal(ours[4], torch.full((E,), cap))
     # an arbitrary map (columns shorter or longer than the capacity): Megatron's stable order
     m2 = random_map(T, E, k)
-    ours = ops.permute(x, m2, probs, num_out_tokens=cap * E, drop_and_pad=True)
+    ours = cpu(*ops.permute(*on(device, x, m2, probs), num_out_tokens=cap * E, drop_and_pad=True))
     theirs = mcore.permute(x, m2, probs, num_out_tokens=cap * E, drop_and_pad=True)
     for i in range(3):
         assert torch.equal(ours[i], theirs[i])
 
 
-def test_drop_and_pad_capacity_over_tokens():
+def test_drop_and_pad_capacity_over_tokens(device):
     """Megatron crashes here (view of E*T indices as [E, cap]); ours: all T tokens per block in
     Megatron's order, then capacity - T zero rows with index -1 that unpermute skips."""
     T, E, H, cap = 3, 4, 5, 7
@@ -226,42 +240,46 @@ def test_drop_and_pad_capacity_over_tokens():
     x = torch.randn(T, H)
     with pytest.raises(RuntimeError):
         mcore.permute(x, m, p, num_out_tokens=cap * E, drop_and_pad=True)
-    rows, pp, idx, off, cnt = ops.permute(x, m, p, num_out_tokens=cap * E, drop_and_pad=True)
+    rows, pp, idx, off, cnt = cpu(*ops.permute(*on(device, x, m, p), num_out_tokens=cap * E,
+                                               drop_and_pad=True))
     got = ref.permute(x, m, p, cap * E, drop_and_pad=True)
     for a, b in zip((rows, pp, idx, off, cnt), got):
         assert torch.equal(a, b)
     assert rows.shape == (E * cap, H)
     assert (idx.view(E, cap)[:, T:] == -1).all() and (rows.view(E, cap, H)[:, T:] == 0).all()
     assert (pp.view(E, cap)[:, T:] == 0).all()
-    out = ops.unpermute(rows, idx, x.shape, probs=p, routing_map=m, drop_and_pad=True)
-    assert torch.equal(out, ref.unpermute(rows, idx, T, p, off))
+    out = ops.unpermute(*on(device, rows, idx), x.shape, probs=on(device, p),
+                        routing_map=on(device, m), drop_and_pad=True)
+    assert torch.equal(out.cpu(), ref.unpermute(rows, idx, T, p, off))
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_permute_static_bound_with_dropping(dtype):
+def test_permute_static_bound_with_dropping(dtype, device):
     """Dropping without padding, buffers sized T*topk: the used rows are Megatron's (called with
     the exact count), the rest are zero with index -1, and the kept count is on the device."""
     T, E, k, H = 64, 8, 2, 16
     probs, m = router_output(T, E, k, dtype)
     probs, m = ops.apply_router_token_dropping(probs, m, k, 0.6, "probs", False)
     x = torch.randn(T, H, dtype=torch.float64).to(dtype)
-    rows, pp, idx, off, cnt = ops.permute(x, m, probs, num_out_tokens=T * k)
+    rows, pp, idx, off, cnt = cpu(*ops.permute(*on(device, x, m, probs), num_out_tokens=T * k))
     kept = int(m.sum())
     assert kept < T * k and off[-1] == kept and torch.equal(cnt, m.sum(0))
     theirs = mcore.permute(x, m, probs, num_out_tokens=kept)
     assert torch.equal(rows[:kept], theirs[0]) and torch.equal(pp[:kept], theirs[1])
     assert torch.equal(idx[:kept], theirs[2])
     assert (idx[kept:] == -1).all() and (rows[kept:] == 0).all() and (pp[kept:] == 0).all()
-    out = ops.unpermute(rows, idx, x.shape, probs=probs, routing_map=m)
-    assert torch.equal(out, mcore.unpermute(theirs[0], theirs[2], x.shape, probs=probs, routing_map=m))
+    out = ops.unpermute(*on(device, rows, idx), x.shape, probs=on(device, probs),
+                        routing_map=on(device, m))
+    assert torch.equal(out.cpu(), mcore.unpermute(theirs[0], theirs[2], x.shape, probs=probs,
+                                                  routing_map=m))
 
 
-def test_permute_truncates_past_num_out_tokens_like_megatron():
+def test_permute_truncates_past_num_out_tokens_like_megatron(device):
     T, E, k, H = 20, 4, 2, 3
     probs, m = router_output(T, E, k, torch.float32)
     x = torch.randn(T, H)
     n = T * k - 7
-    ours = ops.permute(x, m, probs, num_out_tokens=n)
+    ours = cpu(*ops.permute(*on(device, x, m, probs), num_out_tokens=n))
     theirs = mcore.permute(x, m, probs, num_out_tokens=n)
     for i in range(3):
         assert torch.equal(ours[i], theirs[i])
@@ -270,7 +288,7 @@ def test_permute_truncates_past_num_out_tokens_like_megatron():
 
 @pytest.mark.parametrize("align", [1, 4, 16])
 @pytest.mark.parametrize("drop_and_pad", [False, True])
-def test_permute_align(align, drop_and_pad):
+def test_permute_align(align, drop_and_pad, device):
     T, E, k, H = 37, 8, 2, 8
     probs, m = router_output(T, E, k, torch.bfloat16)
     cap = ops.get_capacity(T * k, E, 1.0)
@@ -278,8 +296,8 @@ def test_permute_align(align, drop_and_pad):
         probs, m = ops.apply_router_token_dropping(probs, m, k, 1.0, "probs", True)
     n = cap * E if drop_and_pad else T * k
     x = torch.randn(T, H).to(torch.bfloat16)
-    rows, pp, idx, off, cnt = ops.permute(x, m, probs, num_out_tokens=n,
-                                          drop_and_pad=drop_and_pad, align_size=align)
+    rows, pp, idx, off, cnt = cpu(*ops.permute(*on(device, x, m, probs), num_out_tokens=n,
+                                               drop_and_pad=drop_and_pad, align_size=align))
     got = ref.permute(x, m, probs, n, drop_and_pad, align)
     for a, b in zip((rows, pp, idx, off, cnt), got):
         assert torch.equal(a, b)
@@ -288,32 +306,36 @@ def test_permute_align(align, drop_and_pad):
     pad = idx < 0
     assert (rows[pad] == 0).all() and (pp[pad] == 0).all()
     # the unaligned permutation's rows, in the same order, are the non-padding rows
-    plain = ops.permute(x, m, probs, num_out_tokens=n, drop_and_pad=drop_and_pad)
+    plain = cpu(*ops.permute(*on(device, x, m, probs), num_out_tokens=n,
+                             drop_and_pad=drop_and_pad))
     assert torch.equal(rows[~pad], plain[0][plain[2] >= 0])
     # unpermute skips the padding rows: same combine as without alignment
     y = torch.randn(rows.shape).to(torch.bfloat16)
     y_plain = y[~pad]
-    out = ops.unpermute(y, idx, x.shape, probs=probs, routing_map=m, pad_offsets=off)
+    out = ops.unpermute(*on(device, y, idx), x.shape, probs=on(device, probs),
+                        routing_map=on(device, m), pad_offsets=on(device, off)).cpu()
     plain_y = torch.zeros(plain[0].shape, dtype=y.dtype)
     plain_y[plain[2] >= 0] = y_plain
-    out_plain = ops.unpermute(plain_y, plain[2], x.shape, probs=probs, routing_map=m,
-                              drop_and_pad=drop_and_pad)
+    out_plain = ops.unpermute(*on(device, plain_y, plain[2]), x.shape, probs=on(device, probs),
+                              routing_map=on(device, m), drop_and_pad=drop_and_pad).cpu()
     assert torch.equal(out, out_plain)
 
 
-def test_all_tokens_to_one_expert_and_empty_experts():
+def test_all_tokens_to_one_expert_and_empty_experts(device):
     T, E, H = 25, 5, 4
     m = torch.zeros(T, E, dtype=torch.bool)
     m[:, 3] = True
     p = distinct_probs(m, torch.float32)
     x = torch.randn(T, H)
-    ours = ops.permute(x, m, p, num_out_tokens=T)
+    ours = cpu(*ops.permute(*on(device, x, m, p), num_out_tokens=T))
     theirs = mcore.permute(x, m, p, num_out_tokens=T)
     for i in range(3):
         assert torch.equal(ours[i], theirs[i])
     assert ours[4].tolist() == [0, 0, 0, T, 0] and ours[3].tolist() == [0, 0, 0, 0, T, T]
-    out = ops.unpermute(ours[0], ours[2], x.shape, probs=p, routing_map=m)
-    assert torch.equal(out, mcore.unpermute(theirs[0], theirs[2], x.shape, probs=p, routing_map=m))
+    out = ops.unpermute(*on(device, ours[0], ours[2]), x.shape, probs=on(device, p),
+                        routing_map=on(device, m))
+    assert torch.equal(out.cpu(), mcore.unpermute(theirs[0], theirs[2], x.shape, probs=p,
+                                                  routing_map=m))
 
 
 # ---- unpermute ----------------------------------------------------------------------------------
@@ -323,17 +345,18 @@ def test_all_tokens_to_one_expert_and_empty_experts():
                           (torch.float32, torch.float64), (torch.bfloat16, torch.float16)])
 @pytest.mark.parametrize("with_probs", [False, True])
 @pytest.mark.parametrize("T,E,k,H", PERMUTE_SIZES)
-def test_unpermute_vs_megatron(dtype, probs_dtype, with_probs, T, E, k, H):
+def test_unpermute_vs_megatron(dtype, probs_dtype, with_probs, T, E, k, H, device):
     probs, m = router_output(T, E, k, probs_dtype)
     x = torch.randn(T, H, dtype=torch.float64).to(dtype)
     rows, _, idx, off, _ = ops.permute(x, m, None, num_out_tokens=T * k)
     y = torch.randn(rows.shape, dtype=torch.float64).to(dtype)  # the "expert outputs"
     p = probs if with_probs else None
-    y1 = y.clone().requires_grad_()
+    y1 = on(device, y).requires_grad_()
     y2 = y.clone().requires_grad_()
-    p1 = p.clone().requires_grad_() if with_probs else None
+    p1 = on(device, p).requires_grad_() if with_probs else None
     p2 = p.clone().requires_grad_() if with_probs else None
-    ours = ops.unpermute(y1, idx, x.shape, probs=p1, routing_map=m)
+    ours_dev = ops.unpermute(y1, on(device, idx), x.shape, probs=p1, routing_map=on(device, m))
+    ours = ours_dev.detach().cpu()
     theirs = mcore.unpermute(y2, idx, x.shape, probs=p2, routing_map=m)
     assert ours.dtype == theirs.dtype == dtype
     assert torch.equal(ours, ref.unpermute(y, idx, T, p, off))
@@ -343,9 +366,9 @@ def test_unpermute_vs_megatron(dtype, probs_dtype, with_probs, T, E, k, H):
     else:  # Megatron rounds every add to P; ours sums in fp32 (fp64) and rounds to P once
         assert_close_ulps(ours, theirs, n_ulps=k, floor=1.0, dtype=P)
     g = torch.randn(T, H, dtype=torch.float64).to(dtype)
-    ours.backward(g)
+    ours_dev.backward(on(device, g))
     theirs.backward(g)
-    assert torch.equal(y1.grad, y2.grad)  # g[t] * prob, rounded as Megatron: no sum involved
+    assert torch.equal(y1.grad.cpu(), y2.grad)  # g[t] * prob, rounded as Megatron: no sum involved
     if with_probs:
         # a length-H dot product: compare against the exact value, error within H·eps(P)·Σ|terms|
         exact = torch.zeros(T, E, dtype=torch.float64)
@@ -355,12 +378,12 @@ def test_unpermute_vs_megatron(dtype, probs_dtype, with_probs, T, E, k, H):
             terms = g[t].double() * y[r].double()
             exact[t, e], scale[t, e] = terms.sum(), terms.abs().sum()
         tol = (H + 2) * max(eps(P), eps(probs_dtype)) * scale + 1e-300
-        for grad in (p1.grad, p2.grad):
+        for grad in (p1.grad.cpu(), p2.grad):
             assert ((grad.double() - exact).abs() <= tol).all()
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_unpermute_drop_and_pad_vs_megatron(dtype):
+def test_unpermute_drop_and_pad_vs_megatron(dtype, device):
     T, E, k, H = 48, 8, 2, 16
     probs, m = router_output(T, E, k, dtype)
     probs, m = mcore.apply_router_token_dropping(probs, m, k, 1.0, "probs", True)
@@ -369,57 +392,59 @@ def test_unpermute_drop_and_pad_vs_megatron(dtype):
     rows, _, idx, off, _ = ops.permute(x, m, None, num_out_tokens=cap * E, drop_and_pad=True)
     y = torch.randn(rows.shape, dtype=torch.float64).to(dtype)
     for p in (None, probs):
-        ours = ops.unpermute(y, idx, x.shape, probs=p, routing_map=m, drop_and_pad=True)
+        ours = ops.unpermute(*on(device, y, idx), x.shape, probs=on(device, p),
+                             routing_map=on(device, m), drop_and_pad=True)
         theirs = mcore.unpermute(y, idx, x.shape, probs=p, routing_map=m, drop_and_pad=True)
-        assert torch.equal(ours, theirs)
+        assert torch.equal(ours.cpu(), theirs)
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_permute_backward_vs_megatron(dtype):
+def test_permute_backward_vs_megatron(dtype, device):
     for T, E, k, H in [(31, 8, 2, 16), (1, 4, 1, 8), (40, 16, 6, 8)]:
         probs, m = router_output(T, E, k, dtype)
         x = torch.randn(T, H, dtype=torch.float64).to(dtype)
-        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-        p1, p2 = probs.clone().requires_grad_(), probs.clone().requires_grad_()
-        a = ops.permute(x1, m, p1, num_out_tokens=T * k)
+        x1, x2 = on(device, x).requires_grad_(), x.clone().requires_grad_()
+        p1, p2 = on(device, probs).requires_grad_(), probs.clone().requires_grad_()
+        a = ops.permute(x1, on(device, m), p1, num_out_tokens=T * k)
         b = mcore.permute(x2, m, p2, num_out_tokens=T * k)
         gr = torch.randn(a[0].shape, dtype=torch.float64).to(dtype)
         gp = torch.randn(a[1].shape, dtype=torch.float64).to(dtype)
-        ((a[0] * gr).sum() + (a[1] * gp).sum()).backward()
+        ((a[0] * on(device, gr)).sum() + (a[1] * on(device, gp)).sum()).backward()
         ((b[0] * gr).sum() + (b[1] * gp).sum()).backward()
-        assert torch.equal(p1.grad, p2.grad)
+        assert torch.equal(p1.grad.cpu(), p2.grad)
         if k <= 2:
-            assert torch.equal(x1.grad, x2.grad)
+            assert torch.equal(x1.grad.cpu(), x2.grad)
         else:
             assert_close_ulps(x1.grad, x2.grad, n_ulps=k, floor=1.0)
 
 
-def test_combine_is_deterministic_bitwise():
+def test_combine_is_deterministic_bitwise(device):
     T, E, k, H = 257, 32, 8, 64
-    probs, m = router_output(T, E, k, torch.bfloat16)
-    x = torch.randn(T, H).to(torch.bfloat16)
+    probs, m = on(device, *router_output(T, E, k, torch.bfloat16))
+    x = torch.randn(T, H).to(torch.bfloat16).to(device)
     rows, _, idx, _, _ = ops.permute(x, m, None, num_out_tokens=T * k)
-    y = torch.randn(rows.shape).to(torch.bfloat16)
+    y = torch.randn(rows.shape).to(torch.bfloat16).to(device)
     outs = [ops.unpermute(y, idx, x.shape, probs=probs, routing_map=m) for _ in range(3)]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-def test_unpermute_int64_offsets():
+def test_unpermute_int64_offsets(device):
     """rows × hidden = 2^31 + 3·2^19 elements: a row offset computed in int32 would wrap. The rows
     buffer is torch.empty (untouched pages are never allocated); only the last rows are written
     and referenced, the rest are -1 (skipped), so the test is cheap."""
     H = 1 << 19
     R = (1 << 12) + 3                      # R·H > 2^31
     T = 3
-    big = torch.empty(R, H, dtype=torch.bfloat16)
+    big = torch.empty(R, H, dtype=torch.bfloat16, device=device)
     last = torch.arange(3 * H, dtype=torch.float32).remainder(251).view(3, H).to(torch.bfloat16)
+    last = last.to(device)
     big[R - 3:] = last
-    idx = torch.full((R,), -1, dtype=torch.long)
-    idx[R - 3:] = torch.tensor([2, 0, 1])
+    idx = torch.full((R,), -1, dtype=torch.long, device=device)
+    idx[R - 3:] = torch.tensor([2, 0, 1], device=device)
     out = ops.unpermute(big, idx, (T, H))
     assert torch.equal(out, last[[1, 2, 0]])
     # the backward of permute gathers from the same kind of buffer (the gradient of the rows)
-    off = torch.tensor([R - 3, R])
+    off = torch.tensor([R - 3, R], device=device)
     grad_tokens, _ = torch.ops.moe_core.permute_bwd(big, None, idx, off, T)
     assert torch.equal(grad_tokens, last[[1, 2, 0]])
     del big
@@ -429,24 +454,24 @@ def test_unpermute_int64_offsets():
 
 @pytest.mark.parametrize("dtype", ALL_FLOATS)
 @pytest.mark.parametrize("sizes", [[3, 0, 5, 2], [0], [7], [1, 1, 1, 1, 1, 1], [0, 0, 4, 0]])
-def test_sort_chunks_vs_megatron(dtype, sizes):
+def test_sort_chunks_vs_megatron(dtype, sizes, device):
     split = torch.tensor(sizes)
     order = torch.randperm(len(sizes))
     n = sum(sizes)
     x = torch.randn(n, 3, 2, dtype=torch.float64).to(dtype)
     p = torch.randn(n, dtype=torch.float64).to(dtype)
-    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    p1, p2 = p.clone().requires_grad_(), p.clone().requires_grad_()
-    o1, q1 = ops.sort_chunks_by_idxs(x1, split, order, probs=p1)
+    x1, x2 = on(device, x).requires_grad_(), x.clone().requires_grad_()
+    p1, p2 = on(device, p).requires_grad_(), p.clone().requires_grad_()
+    o1, q1 = ops.sort_chunks_by_idxs(x1, on(device, split), on(device, order), probs=p1)
     o2, q2 = mcore.sort_chunks_by_idxs(x2, split, order, probs=p2)
-    assert torch.equal(o1, o2) and torch.equal(q1, q2)
-    gx = torch.randn_like(o1)
-    gq = torch.randn_like(q1)
-    ((o1 * gx).sum() + (q1 * gq).sum()).backward()
+    assert torch.equal(o1.cpu(), o2) and torch.equal(q1.cpu(), q2)
+    gx = torch.randn_like(o2)
+    gq = torch.randn_like(q2)
+    ((o1 * on(device, gx)).sum() + (q1 * on(device, gq)).sum()).backward()
     ((o2 * gx).sum() + (q2 * gq).sum()).backward()
-    assert torch.equal(x1.grad, x2.grad) and torch.equal(p1.grad, p2.grad)
-    o3, q3 = ops.sort_chunks_by_idxs(x, split, order)
-    assert q3 is None and torch.equal(o3, o2)
+    assert torch.equal(x1.grad.cpu(), x2.grad) and torch.equal(p1.grad.cpu(), p2.grad)
+    o3, q3 = ops.sort_chunks_by_idxs(on(device, x), split, order)
+    assert q3 is None and torch.equal(o3.cpu(), o2)
 
 
 # ---- opcheck and gradcheck ----------------------------------------------------------------------

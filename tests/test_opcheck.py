@@ -33,6 +33,33 @@ def samples(device):
                                       False, 0, 0, 1.5, "sigmoid")
     yield OPS.topk_to_dense, (torch.randn(T, k, device=device, requires_grad=True), idx, E)
     yield OPS.topk_to_dense_bwd, (torch.randn(T, E, device=device), idx)
+    # token layout (issues 3 and 6): every layout, with and without probs
+    m = torch.zeros(T, E, dtype=torch.bool, device=device).scatter_(1, idx, True)
+    probs = (torch.rand(T, E, device=device) * m).requires_grad_()
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16, requires_grad=True)
+    yield OPS.token_dropping, (probs, m, 3, "probs", False)
+    yield OPS.token_dropping, (probs, m, 3, "position", True)
+    yield OPS.token_dropping_bwd, (torch.randn(T, E, device=device), m)
+    yield OPS.tokens_per_expert, (m, torch.rand(T, device=device) < 0.3)
+    for n, dap, align in [(T * k, False, 0), (T * k - 5, False, 8), (2 * E, True, 0),
+                          (5 * E, True, 4)]:
+        yield OPS.permute, (x, m, probs, n, dap, align)
+        yield OPS.permute, (x, m, None, n, dap, align)
+    rows, _, sidx, off, _ = OPS.permute(x.detach(), m, None, T * k, False, 4)
+    R = rows.shape[0]
+    yield OPS.permute_bwd, (torch.randn(R, H, device=device), torch.randn(R, device=device), sidx,
+                            off, T)
+    yield OPS.permute_bwd, (torch.randn(R, H, device=device), None, sidx, off, T)
+    y = torch.randn(R, H, device=device, requires_grad=True)
+    yield OPS.unpermute, (y, sidx, T, probs, off)
+    yield OPS.unpermute, (y, sidx, T, None, None)
+    yield OPS.unpermute_bwd, (torch.randn(T, H, device=device), sidx, probs.detach(), off,
+                              y.detach())
+    yield OPS.unpermute_bwd, (torch.randn(T, H, device=device), sidx, None, None, None)
+    split = torch.tensor([2, 0, 4, 3, 3], device=device)
+    order = torch.tensor([2, 0, 4, 3, 1], device=device)
+    yield OPS.sort_chunks_by_idxs, (x, split, order)
+    yield OPS.sort_chunks_by_idxs_bwd, (torch.randn(T, H, device=device), split, order)
     if device == "cpu":
         yield OPS.router_gating_linear, (inp, w, None, torch.float32)
         yield OPS.router_gating_linear, (inp, w, bias, torch.float64)

@@ -1,0 +1,287 @@
+/*
+ * permute.cu: tokens → the expert-grouped row layout, on CUDA (the backward is in unpermute.cu).
+ *
+ * The layout is planned with integers only, then the data moves once. Plan: per chunk of
+ * MOE_PERM_CHUNK tokens × expert, the routed count; a scan over chunks (per expert) and over
+ * experts (the block sizes, padded and cut at the row bound) gives each expert's first row and
+ * each chunk's first rank inside its expert. A thread that walks its (chunk, expert) column in
+ * ascending token order then knows every token's rank: the row order is the CPU's (expert
+ * ascending, token ascending) with no sort and no atomics, so the integer outputs are the CPU's
+ * bit for bit. It also records row_of[t, e] (the row of pair (t, e), or -1).
+ *
+ * The one clever idea is the data pass: one thread group per TOKEN reads the token's row once,
+ * 16 bytes per access, and stores each vector to all of the token's rows (row_of), so the
+ * tokens are read T·H times, not T·topk·H times, and every output row still has one writer.
+ */
+#include "layout_cuda.cuh"
+
+#define MOE_PERM_CHUNK 256
+
+__device__ __forceinline__ int64_t d_round_up(int64_t x, int64_t m) {
+    return m > 1 ? (x + m - 1) / m * m : x;
+}
+
+/* Workspace sections (each 16-byte aligned). */
+typedef struct {
+    int32_t *chunk_rank; /* [nchunks, E]: routed count of the chunk, then its exclusive prefix */
+    int64_t *count;      /* [E]: routed tokens of each expert */
+    int32_t *row_of;     /* [T, E]: row of pair (t, e), or -1 */
+} perm_ws_t;
+
+static size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+static size_t perm_ws_layout(int64_t T, int64_t E, perm_ws_t *ws, void *base) {
+    const int64_t nchunks = (T + MOE_PERM_CHUNK - 1) / MOE_PERM_CHUNK;
+    size_t off = 0;
+    const size_t a = off;
+    off += align16((size_t)(nchunks * E) * sizeof(int32_t));
+    const size_t b = off;
+    off += align16((size_t)E * sizeof(int64_t));
+    const size_t c = off;
+    off += align16((size_t)(T * E) * sizeof(int32_t));
+    if (ws) {
+        ws->chunk_rank = (int32_t *)((char *)base + a);
+        ws->count = (int64_t *)((char *)base + b);
+        ws->row_of = (int32_t *)((char *)base + c);
+    }
+    return off;
+}
+
+extern "C" size_t moe_cuda_permute_workspace_size(int64_t num_tokens, int64_t num_experts,
+                                                  const moe_permute_params_t *params) {
+    (void)params;
+    if (num_tokens < 0 || num_experts < 1) return 0;
+    return perm_ws_layout(num_tokens, num_experts, NULL, NULL);
+}
+
+/* chunk_rank[c, e] = routed tokens of expert e in chunk c. Grid (nchunks, ceil(E / 128)). */
+__global__ void moe_permute_count_kernel(int32_t *chunk_rank, const uint8_t *routing_map,
+                                         int64_t T, int64_t E) {
+    const int64_t e = (int64_t)blockIdx.y * blockDim.x + threadIdx.x;
+    if (e >= E) return;
+    const int64_t t0 = (int64_t)blockIdx.x * MOE_PERM_CHUNK;
+    const int64_t t1 = t0 + MOE_PERM_CHUNK < T ? t0 + MOE_PERM_CHUNK : T;
+    int32_t n = 0;
+    for (int64_t t = t0; t < t1; ++t) n += routing_map[t * E + e] != 0;
+    chunk_rank[blockIdx.x * E + e] = n;
+}
+
+/* One block: per expert, the exclusive scan over chunks (→ each chunk's first rank) and the
+ * total; then the block sizes, their scan, and the cut at the row bound R:
+ * offsets[e + 1] = min(R, Σ_{e' <= e} block_e') (equivalent to the CPU's running "room" cut). */
+__global__ void __launch_bounds__(MOE_SCAN_THREADS)
+moe_permute_plan_kernel(int64_t *expert_offsets, int64_t *tokens_per_expert, int32_t *chunk_rank,
+                        int64_t *count, int64_t nchunks, int64_t E, int64_t R, int dap,
+                        int64_t capacity, int64_t align) {
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+        int64_t run = 0;
+        for (int64_t c = 0; c < nchunks; ++c) {
+            const int32_t v = chunk_rank[c * E + e];
+            chunk_rank[c * E + e] = (int32_t)run;
+            run += v;
+        }
+        count[e] = run;
+    }
+    __syncthreads();
+    /* each thread owns a contiguous run of experts */
+    const int64_t per = (E + blockDim.x - 1) / blockDim.x;
+    const int64_t e0 = threadIdx.x * per, e1 = e0 + per < E ? e0 + per : E;
+    int64_t local = 0;
+    for (int64_t e = e0; e < e1; ++e)
+        local += dap ? d_round_up(capacity, align) : d_round_up(count[e], align);
+    int64_t total;
+    int64_t run = moe_block_exclusive_scan(local, &total);
+    if (threadIdx.x == 0) expert_offsets[0] = 0;
+    for (int64_t e = e0; e < e1; ++e) {
+        const int64_t lo = run < R ? run : R;
+        run += dap ? d_round_up(capacity, align) : d_round_up(count[e], align);
+        const int64_t hi = run < R ? run : R;
+        expert_offsets[e + 1] = hi;
+        tokens_per_expert[e] = hi - lo;
+    }
+}
+
+/* Every row starts as padding: index -1, prob 0 (the rank pass overwrites the real ones). */
+__global__ void moe_permute_init_rows_kernel(int64_t *sorted_indices, void *permuted_probs,
+                                             int64_t R, moe_dtype_t probs_dtype) {
+    const int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= R) return;
+    sorted_indices[r] = -1;
+    if (permuted_probs) moe_store(permuted_probs, probs_dtype, r, 0.0);
+}
+
+/* Thread (chunk c, expert e) walks its column in ascending token order: a routed token takes the
+ * next rank; with drop_and_pad an unrouted token t takes rank count_e + (t − routed before t),
+ * which is the stable descending sort of the column. Ranks below the block's real length get a
+ * row. Grid (nchunks, ceil(E / 128)). */
+__global__ void moe_permute_rank_kernel(int64_t *sorted_indices, void *permuted_probs,
+                                        int32_t *row_of, const int32_t *chunk_rank,
+                                        const int64_t *count, const int64_t *expert_offsets,
+                                        const int64_t *tokens_per_expert,
+                                        const uint8_t *routing_map, const void *probs, int64_t T,
+                                        int64_t E, int dap, int64_t capacity,
+                                        moe_dtype_t probs_dtype) {
+    const int64_t e = (int64_t)blockIdx.y * blockDim.x + threadIdx.x;
+    if (e >= E) return;
+    const int64_t t0 = (int64_t)blockIdx.x * MOE_PERM_CHUNK;
+    const int64_t t1 = t0 + MOE_PERM_CHUNK < T ? t0 + MOE_PERM_CHUNK : T;
+    const int64_t n = tokens_per_expert[e], base = expert_offsets[e], count_e = count[e];
+    const int64_t real = dap ? (capacity < T ? capacity : T) : n;
+    const int64_t lim = real < n ? real : n;
+    int64_t routed = chunk_rank[blockIdx.x * E + e]; /* routed tokens before t */
+    for (int64_t t = t0; t < t1; ++t) {
+        const int64_t i = t * E + e;
+        int64_t pos = -1;
+        if (routing_map[i]) pos = routed++;
+        else if (dap) pos = count_e + (t - routed);
+        int32_t row = -1;
+        if (pos >= 0 && pos < lim) {
+            row = (int32_t)(base + pos);
+            sorted_indices[row] = t;
+            if (permuted_probs)
+                moe_store(permuted_probs, probs_dtype, row, moe_load(probs, probs_dtype, i));
+        }
+        row_of[i] = row;
+    }
+}
+
+/* The data pass. blockDim = (X, Y): Y tokens per block, X threads per token. Each thread group
+ * gathers its token's destination rows into shared memory (their order does not matter: each
+ * row has one writer), then streams the token's row once, storing each vector to every row. */
+template <int W>
+__global__ void moe_permute_scatter_kernel(void *__restrict__ permuted_tokens,
+                                           const void *__restrict__ tokens,
+                                           const int32_t *__restrict__ row_of, int64_t T,
+                                           int64_t E, int64_t nvec) {
+    typedef typename moe_vec_t<W>::type V;
+    extern __shared__ int32_t s_dst[]; /* [Y, E] */
+    __shared__ int s_n[32];
+    const int y = threadIdx.y, x = threadIdx.x;
+    const int64_t t = (int64_t)blockIdx.x * blockDim.y + y;
+    int32_t *dst = s_dst + (int64_t)y * E;
+    if (x == 0) s_n[y] = 0;
+    __syncthreads();
+    if (t < T)
+        for (int64_t e = x; e < E; e += blockDim.x) {
+            const int32_t r = row_of[t * E + e];
+            if (r >= 0) dst[atomicAdd(&s_n[y], 1)] = r;
+        }
+    __syncthreads();
+    if (t >= T) return;
+    const int n = s_n[y];
+    const V *src = (const V *)tokens + t * nvec;
+    V *out = (V *)permuted_tokens;
+    for (int64_t v = x; v < nvec; v += blockDim.x) {
+        const V val = src[v];
+        for (int k = 0; k < n; ++k) out[(int64_t)dst[k] * nvec + v] = val;
+    }
+}
+
+template <int W>
+static moe_status_t launch_data(void *permuted_tokens, const void *tokens, const int32_t *row_of,
+                                const int64_t *sorted_indices, int64_t T, int64_t E, int64_t R,
+                                size_t row_bytes, cudaStream_t stream) {
+    const int64_t nvec = (int64_t)(row_bytes / W);
+    if (T > 0) {
+        const int X = moe_pow2_clamp(nvec, 32, 256), Y = 256 / X;
+        const size_t smem = (size_t)Y * (size_t)E * sizeof(int32_t);
+        if (smem > 48 * 1024) {
+            cudaError_t err = cudaFuncSetAttribute(moe_permute_scatter_kernel<W>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   (int)smem);
+            if (err != cudaSuccess)
+                return moe_fail(MOE_ERR_UNSUPPORTED,
+                                "permute: num_experts=%lld needs %zu bytes of shared memory: %s",
+                                (long long)E, smem, cudaGetErrorString(err));
+        }
+        moe_permute_scatter_kernel<W><<<moe_blocks_for(T, Y), dim3(X, Y), smem, stream>>>(
+            permuted_tokens, tokens, row_of, T, E, nvec);
+        MOE_CHECK_LAUNCH("moe_permute_scatter_kernel");
+    }
+    if (R > 0) {
+        moe_zero_pad_rows_kernel<W><<<moe_blocks_for(R * 32, 256), 256, 0, stream>>>(
+            permuted_tokens, sorted_indices, R, T, nvec);
+        MOE_CHECK_LAUNCH("moe_zero_pad_rows_kernel");
+    }
+    return MOE_OK;
+}
+
+extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permuted_probs,
+                                             int64_t *sorted_indices, int64_t *expert_offsets,
+                                             int64_t *tokens_per_expert, const void *tokens,
+                                             const uint8_t *routing_map, const void *probs,
+                                             int64_t num_tokens, int64_t hidden,
+                                             int64_t num_experts, moe_dtype_t dtype,
+                                             moe_dtype_t probs_dtype,
+                                             const moe_permute_params_t *params, void *workspace,
+                                             size_t workspace_bytes, void *stream) {
+    moe_clear_error();
+    MOE_CHECK(params != NULL, "params must not be NULL");
+    const int64_t T = num_tokens, E = num_experts;
+    MOE_CHECK(T >= 0, "num_tokens must be >= 0, got %lld", (long long)T);
+    MOE_CHECK(hidden >= 1, "hidden must be >= 1, got %lld", (long long)hidden);
+    MOE_CHECK(E >= 1, "num_experts must be >= 1, got %lld", (long long)E);
+    MOE_CHECK(params->num_out_tokens >= 0, "num_out_tokens must be >= 0, got %lld",
+              (long long)params->num_out_tokens);
+    MOE_CHECK(params->align_size >= 0, "align_size must be >= 0, got %lld",
+              (long long)params->align_size);
+    const size_t esize = moe_dtype_size(dtype);
+    MOE_CHECK(esize > 0, "tokens has an unknown dtype (%d)", (int)dtype);
+    MOE_CHECK(!permuted_probs || moe_is_float_dtype(probs_dtype),
+              "probs must be a float dtype, got %s", moe_dtype_name(probs_dtype));
+    MOE_CHECK(!permuted_probs || T == 0 || probs,
+              "probs must not be NULL when permuted_probs is requested");
+    MOE_CHECK(expert_offsets && tokens_per_expert,
+              "expert_offsets and tokens_per_expert must not be NULL");
+    const int64_t R = moe_permute_num_rows(T, E, params);
+    MOE_CHECK(R == 0 || (permuted_tokens && sorted_indices),
+              "permuted_tokens and sorted_indices must not be NULL");
+    MOE_CHECK(T == 0 || (tokens && routing_map), "tokens and routing_map must not be NULL");
+    /* row_of and the per-chunk ranks are int32 */
+    MOE_CHECK(T <= INT32_MAX, "num_tokens=%lld; the CUDA kernel supports at most %d",
+              (long long)T, INT32_MAX);
+    MOE_CHECK(R <= INT32_MAX, "the permuted buffer has %lld rows; the CUDA kernel supports at "
+              "most %d", (long long)R, INT32_MAX);
+    const size_t need = moe_cuda_permute_workspace_size(T, E, params);
+    MOE_CHECK(workspace_bytes >= need && (need == 0 || workspace),
+              "workspace too small: %zu bytes, need at least %zu "
+              "(moe_cuda_permute_workspace_size)", workspace_bytes, need);
+    perm_ws_t ws;
+    perm_ws_layout(T, E, &ws, workspace);
+    cudaStream_t st = (cudaStream_t)stream;
+    const int dap = params->drop_and_pad != 0;
+    const int64_t align = params->align_size > 1 ? params->align_size : 1;
+    const int64_t capacity = dap ? params->num_out_tokens / E : 0;
+    const int64_t nchunks = (T + MOE_PERM_CHUNK - 1) / MOE_PERM_CHUNK;
+    const dim3 col_grid((unsigned)nchunks, moe_blocks_for(E, 128));
+
+    if (nchunks > 0) {
+        moe_permute_count_kernel<<<col_grid, 128, 0, st>>>(ws.chunk_rank, routing_map, T, E);
+        MOE_CHECK_LAUNCH("moe_permute_count_kernel");
+    }
+    moe_permute_plan_kernel<<<1, MOE_SCAN_THREADS, 0, st>>>(expert_offsets, tokens_per_expert,
+                                                             ws.chunk_rank, ws.count, nchunks, E,
+                                                             R, dap, capacity, align);
+    MOE_CHECK_LAUNCH("moe_permute_plan_kernel");
+    if (R > 0) {
+        moe_permute_init_rows_kernel<<<moe_blocks_for(R, 256), 256, 0, st>>>(
+            sorted_indices, permuted_probs, R, probs_dtype);
+        MOE_CHECK_LAUNCH("moe_permute_init_rows_kernel");
+    }
+    if (nchunks > 0) {
+        moe_permute_rank_kernel<<<col_grid, 128, 0, st>>>(
+            sorted_indices, permuted_probs, ws.row_of, ws.chunk_rank, ws.count, expert_offsets,
+            tokens_per_expert, routing_map, probs, T, E, dap, capacity, probs_dtype);
+        MOE_CHECK_LAUNCH("moe_permute_rank_kernel");
+    }
+    if (R == 0) return MOE_OK; /* no row to fill (the scatter would find no destination) */
+
+    const size_t row_bytes = (size_t)hidden * esize;
+    switch (moe_vec_bytes(row_bytes, permuted_tokens, tokens, NULL)) {
+    case 16: return launch_data<16>(permuted_tokens, tokens, ws.row_of, sorted_indices, T, E, R, row_bytes, st);
+    case 8: return launch_data<8>(permuted_tokens, tokens, ws.row_of, sorted_indices, T, E, R, row_bytes, st);
+    case 4: return launch_data<4>(permuted_tokens, tokens, ws.row_of, sorted_indices, T, E, R, row_bytes, st);
+    case 2: return launch_data<2>(permuted_tokens, tokens, ws.row_of, sorted_indices, T, E, R, row_bytes, st);
+    default: return launch_data<1>(permuted_tokens, tokens, ws.row_of, sorted_indices, T, E, R, row_bytes, st);
+    }
+}
