@@ -41,6 +41,36 @@ def want_cuda() -> bool:
     return have if flag == "" else flag == "1"
 
 
+def cublas_paths():
+    """(include dir, lib dir) of the cuBLAS that torch's pip wheels ship (nvidia/cu*/ beside torch),
+    or of the CUDA toolkit when it has cuBLAS itself. The router's gating GEMM links it."""
+    import torch
+
+    site = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
+    candidates = sorted(glob.glob(os.path.join(site, "nvidia", "cu*")), reverse=True)
+    candidates += [os.path.join(site, "nvidia", "cublas")]
+    if cpp_extension.CUDA_HOME:
+        candidates.append(cpp_extension.CUDA_HOME)
+    for root in candidates:
+        inc = os.path.join(root, "include")
+        for lib in (os.path.join(root, "lib"), os.path.join(root, "lib64")):
+            if os.path.exists(os.path.join(inc, "cublas_v2.h")) and glob.glob(
+                os.path.join(lib, "libcublas.so*")
+            ):
+                return inc, lib
+    raise RuntimeError("CUDA build: cuBLAS (cublas_v2.h and libcublas.so) not found beside torch "
+                       f"({site}/nvidia) nor in CUDA_HOME={cpp_extension.CUDA_HOME}")
+
+
+def cublas_link_name(lib_dir: str) -> str:
+    """-l argument for libcublas: the exact soname the wheel ships (libcublas.so.13), which has no
+    unversioned libcublas.so link; plain "cublas" where the toolkit has one."""
+    if os.path.exists(os.path.join(lib_dir, "libcublas.so")):
+        return "cublas"
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(lib_dir, "libcublas.so.*")))
+    return ":" + min(names, key=len)
+
+
 class BuildExt(cpp_extension.BuildExtension):
     """Compiles the C11 core with the C compiler and its own flags, then the binding and kernels.
 
@@ -68,12 +98,18 @@ def make_extension():
     sources = ["csrc/torch_binding.cpp"]
     cxx = ["-fopenmp"] + OPT
     define = []
+    link = ["-fopenmp"]
     if cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         define.append(("MOE_CORE_WITH_CUDA", "1"))
         ext_cls = cpp_extension.CUDAExtension
-        extra = {"cxx": cxx, "nvcc": ["--expt-relaxed-constexpr", "-lineinfo"] + OPT}
+        inc, lib = cublas_paths()
+        # -idirafter: the toolkit's own CUDA headers keep precedence over the wheel's copies; only
+        # what the toolkit lacks (cublas_v2.h) is found there.
+        extra = {"cxx": cxx, "nvcc": ["--expt-relaxed-constexpr", "-lineinfo",
+                                      "-Xcompiler", "-idirafter," + inc] + OPT}
+        link += [f"-L{lib}", f"-l{cublas_link_name(lib)}", f"-Wl,-rpath,{lib}"]
     else:
         ext_cls = cpp_extension.CppExtension
         extra = {"cxx": cxx}
@@ -83,7 +119,7 @@ def make_extension():
         include_dirs=[os.path.join(ROOT, "csrc")],
         define_macros=define,
         extra_compile_args=extra,
-        extra_link_args=["-fopenmp"],
+        extra_link_args=link,
     )
     return ext, cuda
 

@@ -12,13 +12,6 @@
 #include "balancing_math.h"
 #include "router_topk_math.h"
 
-/* sigmoid or sqrt(softplus) of one logit at compute precision (softplus: beta 1, threshold 20). */
-static inline double unnorm_score(int fp64, moe_score_function_t sf, double x) {
-    if (sf == MOE_SCORE_SIGMOID) return rnd(fp64, 1.0 / (1.0 + exp(-x)));
-    double sp = rnd(fp64, x > 20.0 ? x : log1p(exp(x)));
-    return rnd(fp64, sqrt(sp));
-}
-
 /* Softmax statistics of row t: max and 1/Σ exp(x − max), each step at compute precision. */
 static inline void softmax_stats(int fp64, const void *x, moe_dtype_t dt, int64_t base, int64_t n,
                                  double *max_out, double *inv_out) {
@@ -34,10 +27,6 @@ static inline void softmax_stats(int fp64, const void *x, moe_dtype_t dt, int64_
     for (int64_t e = 0; e < n; ++e) sum += rnd(fp64, exp(rnd(fp64, load_c(x, dt, base + e) - m)));
     *max_out = m;
     *inv_out = rnd(fp64, 1.0 / rnd(fp64, sum));
-}
-
-static inline double softmax_at(int fp64, double x, double m, double inv) {
-    return rnd(fp64, rnd(fp64, exp(rnd(fp64, x - m))) * inv);
 }
 
 size_t moe_aux_loss_scores_workspace_size(int64_t num_tokens, int64_t num_experts, int64_t topk) {
@@ -90,7 +79,7 @@ moe_status_t moe_aux_loss_scores_fwd(void *scores, uint8_t *routing_map, const v
                 double m, inv;
                 softmax_stats(fp64, logits, logits_dtype, base, E, &m, &inv);
                 for (int64_t e = 0; e < E; ++e) {
-                    double s = softmax_at(fp64, load_c(logits, logits_dtype, base + e), m, inv);
+                    double s = moe_bal_softmax_at(fp64, load_c(logits, logits_dtype, base + e), m, inv);
                     moe_store(scores, sdt, base + e, s);
                     moe_topk_insert(vals, idx, &len, k, s, e);
                 }
@@ -100,7 +89,7 @@ moe_status_t moe_aux_loss_scores_fwd(void *scores, uint8_t *routing_map, const v
                  * neighbours), so the map is the top-k of exactly the scores returned */
                 double sum = 0.0;
                 for (int64_t e = 0; e < E; ++e) {
-                    double s = unnorm_score(fp64, score_function,
+                    double s = moe_bal_unnorm_score(fp64, score_function,
                                             load_c(logits, logits_dtype, base + e));
                     moe_store(scores, sdt, base + e, s);
                     sum += s;
@@ -151,10 +140,10 @@ moe_status_t moe_aux_loss_scores_bwd(void *grad_logits, const void *grad_scores,
             softmax_stats(fp64, logits, logits_dtype, base, E, &m, &inv);
             for (int64_t e = 0; e < E; ++e)
                 dot += moe_load(grad_scores, sdt, base + e) *
-                       softmax_at(fp64, load_c(logits, logits_dtype, base + e), m, inv);
+                       moe_bal_softmax_at(fp64, load_c(logits, logits_dtype, base + e), m, inv);
             dot = rnd(fp64, dot);
             for (int64_t e = 0; e < E; ++e) {
-                double s = softmax_at(fp64, load_c(logits, logits_dtype, base + e), m, inv);
+                double s = moe_bal_softmax_at(fp64, load_c(logits, logits_dtype, base + e), m, inv);
                 double g = moe_load(grad_scores, sdt, base + e);
                 moe_store(grad_logits, logits_dtype, base + e, rnd(fp64, s * rnd(fp64, g - dot)));
             }
@@ -163,7 +152,7 @@ moe_status_t moe_aux_loss_scores_bwd(void *grad_logits, const void *grad_scores,
         /* n = s / d with d = Σ s + 1e-20: dL/ds_j = g_j / d − Σ_e g_e s_e / d² */
         double sum = 0.0, gs = 0.0;
         for (int64_t e = 0; e < E; ++e) {
-            double s = unnorm_score(fp64, score_function, load_c(logits, logits_dtype, base + e));
+            double s = moe_bal_unnorm_score(fp64, score_function, load_c(logits, logits_dtype, base + e));
             sum += s;
             gs += moe_load(grad_scores, sdt, base + e) * s;
         }
@@ -171,7 +160,7 @@ moe_status_t moe_aux_loss_scores_bwd(void *grad_logits, const void *grad_scores,
         double shared = rnd(fp64, -rnd(fp64, gs) / rnd(fp64, d * d));
         for (int64_t e = 0; e < E; ++e) {
             double x = load_c(logits, logits_dtype, base + e);
-            double s = unnorm_score(fp64, score_function, x);
+            double s = moe_bal_unnorm_score(fp64, score_function, x);
             double g = rnd(fp64, rnd(fp64, moe_load(grad_scores, sdt, base + e) / d) + shared);
             double gl;
             if (score_function == MOE_SCORE_SIGMOID) {

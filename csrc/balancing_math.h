@@ -5,6 +5,8 @@
  * The one idea: a kernel that follows Megatron's PyTorch code rounds every value Megatron
  * materialises as a tensor to that tensor's precision, and `rnd` is that rounding: fp32, or
  * fp64 when the input is fp64 (so fp64 gradcheck is meaningful). Sums are accumulated in fp64.
+ * The per-element helpers are MOE_HD: the CUDA kernels (csrc/cuda/) call the same functions, so
+ * both devices round at the same points by construction.
  */
 #ifndef MOE_CORE_BALANCING_MATH_H_
 #define MOE_CORE_BALANCING_MATH_H_
@@ -12,19 +14,31 @@
 #include "common.h"
 
 /* Rounds to the compute precision: fp64 for fp64 inputs, else fp32. */
-static inline double rnd(int fp64, double v) { return fp64 ? v : (double)(float)v; }
+MOE_HD static inline double rnd(int fp64, double v) { return fp64 ? v : (double)(float)v; }
 
 /* An input element as the compute-precision tensor Megatron makes of it (`x.float()`). */
-static inline double load_c(const void *p, moe_dtype_t dt, int64_t i) {
+MOE_HD static inline double load_c(const void *p, moe_dtype_t dt, int64_t i) {
     return rnd(dt == MOE_DTYPE_FP64, moe_load(p, dt, i));
 }
 
-static inline moe_dtype_t compute_dtype(moe_dtype_t dt) {
+MOE_HD static inline moe_dtype_t compute_dtype(moe_dtype_t dt) {
     return dt == MOE_DTYPE_FP64 ? MOE_DTYPE_FP64 : MOE_DTYPE_FP32;
 }
 
-static inline int is_pad(const uint8_t *padding_mask, int64_t t) {
+MOE_HD static inline int is_pad(const uint8_t *padding_mask, int64_t t) {
     return padding_mask != NULL && padding_mask[t] != 0;
+}
+
+/* sigmoid or sqrt(softplus) of one logit at compute precision (softplus: beta 1, threshold 20). */
+MOE_HD static inline double moe_bal_unnorm_score(int fp64, moe_score_function_t sf, double x) {
+    if (sf == MOE_SCORE_SIGMOID) return rnd(fp64, 1.0 / (1.0 + exp(-x)));
+    double sp = rnd(fp64, x > 20.0 ? x : log1p(exp(x)));
+    return rnd(fp64, sqrt(sp));
+}
+
+/* One softmax value from the row's max m and inv = 1/Σ exp(x − m), each step rounded. */
+MOE_HD static inline double moe_bal_softmax_at(int fp64, double x, double m, double inv) {
+    return rnd(fp64, rnd(fp64, exp(rnd(fp64, x - m))) * inv);
 }
 
 static inline moe_status_t check_sizes(int64_t num_tokens, int64_t num_experts, const char *cols) {

@@ -951,6 +951,108 @@ moe_status_t moe_cuda_token_dropping_bwd(void *grad_routing_probs, const void *g
                                          const uint8_t *final_map, int64_t num_tokens,
                                          int64_t num_experts, moe_dtype_t dtype, void *workspace,
                                          size_t workspace_bytes, void *stream);
+/* ---------------------------------------------------------------------------------------------
+ * CUDA entry points of the load-balancing ops and the router's gating linear (issue 6). Same
+ * arguments and semantics as the CPU functions above; losses and metrics are two-stage fixed-order
+ * reductions (bitwise reproducible, no floating-point atomics), maps and counts equal the CPU's.
+ * Where the CUDA scratch differs from the CPU's, a moe_cuda_*_workspace_size says how much to
+ * pass (bytes; 0 means none is needed). Differences from the CPU entry points:
+ *   - moe_cuda_z_loss_bwd needs moe_cuda_z_loss_workspace_size bytes (the padding count).
+ *   - moe_cuda_topk_overlap_fwd does not range-check the ids (that needs the host); it takes
+ *     moe_cuda_topk_overlap_workspace_size bytes.
+ *   - moe_cuda_sinkhorn_*: the whole iteration loop runs in one single-block kernel on the device
+ *     (no host sync, the convergence test evaluated there); see csrc/cuda/sinkhorn.cu.
+ *   - moe_cuda_router_gating_linear_*: cuBLAS GEMMs accumulating in fp32 (fp64 for an fp64 router
+ *     dtype) instead of the CPU's fp64 sums; the workspace holds cuBLAS's fixed scratch and any
+ *     operand conversions (`backward` selects the size for _bwd). A cuBLAS handle per device is
+ *     created on first use and cached for the life of the process.
+ * ------------------------------------------------------------------------------------------- */
+
+size_t moe_cuda_aux_loss_scores_workspace_size(int64_t num_tokens, int64_t num_experts,
+                                               int64_t topk);
+moe_status_t moe_cuda_aux_loss_scores_fwd(void *scores, uint8_t *routing_map, const void *logits,
+                                          const uint8_t *padding_mask, int64_t num_tokens,
+                                          int64_t num_experts, int64_t topk,
+                                          moe_dtype_t logits_dtype,
+                                          moe_score_function_t score_function, void *workspace,
+                                          size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_aux_loss_scores_bwd(void *grad_logits, const void *grad_scores,
+                                          const void *logits, const uint8_t *padding_mask,
+                                          int64_t num_tokens, int64_t num_experts,
+                                          moe_dtype_t logits_dtype,
+                                          moe_score_function_t score_function, void *workspace,
+                                          size_t workspace_bytes, void *stream);
+size_t moe_cuda_switch_aux_loss_workspace_size(int64_t num_tokens, int64_t num_columns);
+moe_status_t moe_cuda_switch_aux_loss_fwd(void *loss, const void *probs,
+                                          const float *tokens_per_expert,
+                                          const double *total_num_tokens,
+                                          const uint8_t *padding_mask, int64_t num_tokens,
+                                          int64_t num_columns, moe_dtype_t probs_dtype,
+                                          const moe_switch_aux_loss_params_t *params,
+                                          void *workspace, size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_switch_aux_loss_bwd(void *grad_probs, const void *grad_loss,
+                                          const float *tokens_per_expert,
+                                          const double *total_num_tokens,
+                                          const uint8_t *padding_mask, int64_t num_tokens,
+                                          int64_t num_columns, moe_dtype_t probs_dtype,
+                                          const moe_switch_aux_loss_params_t *params,
+                                          void *workspace, size_t workspace_bytes, void *stream);
+size_t moe_cuda_z_loss_workspace_size(int64_t num_tokens, int64_t num_experts);
+moe_status_t moe_cuda_z_loss_fwd(void *loss, const void *logits, const uint8_t *padding_mask,
+                                 int64_t num_tokens, int64_t num_experts, double coeff,
+                                 moe_dtype_t logits_dtype, void *workspace,
+                                 size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_z_loss_bwd(void *grad_logits, const void *grad_loss, const void *logits,
+                                 const uint8_t *padding_mask, int64_t num_tokens,
+                                 int64_t num_experts, double coeff, moe_dtype_t logits_dtype,
+                                 void *workspace, size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_expert_bias_update_fwd(float *updated_bias, const float *tokens_per_expert,
+                                             const float *expert_bias, int64_t num_rows,
+                                             int64_t num_experts, double update_rate,
+                                             void *workspace, size_t workspace_bytes,
+                                             void *stream);
+size_t moe_cuda_sinkhorn_workspace_size(int64_t num_tokens, int64_t num_experts, int64_t topk);
+moe_status_t moe_cuda_sinkhorn_fwd(void *out, const void *cost, int64_t num_tokens,
+                                   int64_t num_experts, moe_dtype_t cost_dtype, double tol,
+                                   int64_t max_iters, void *workspace, size_t workspace_bytes,
+                                   void *stream);
+moe_status_t moe_cuda_sinkhorn_routing_fwd(void *probs, uint8_t *routing_map, const void *logits,
+                                           int64_t num_tokens, int64_t num_experts, int64_t topk,
+                                           moe_dtype_t logits_dtype, int training, double tol,
+                                           void *workspace, size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_sinkhorn_routing_bwd(void *grad_logits, const void *grad_probs,
+                                           const void *logits, const uint8_t *routing_map,
+                                           int64_t num_tokens, int64_t num_experts, int64_t topk,
+                                           moe_dtype_t logits_dtype, void *workspace,
+                                           size_t workspace_bytes, void *stream);
+size_t moe_cuda_routing_metrics_workspace_size(int64_t num_tokens, int64_t num_experts);
+moe_status_t moe_cuda_routing_metrics_fwd(int64_t *tokens_per_expert, float *stats,
+                                          const uint8_t *routing_map, const void *scores,
+                                          const uint8_t *padding_mask, int64_t num_tokens,
+                                          int64_t num_experts, moe_dtype_t scores_dtype,
+                                          void *workspace, size_t workspace_bytes, void *stream);
+size_t moe_cuda_topk_overlap_workspace_size(int64_t num_tokens, int64_t topk);
+moe_status_t moe_cuda_topk_overlap_fwd(float *overlap, const int64_t *indices_a,
+                                       const int64_t *indices_b, const uint8_t *padding_mask,
+                                       int64_t num_tokens, int64_t topk, int64_t num_experts,
+                                       void *workspace, size_t workspace_bytes, void *stream);
+size_t moe_cuda_router_gating_linear_workspace_size(int64_t num_tokens, int64_t hidden,
+                                                    int64_t num_experts, moe_dtype_t inp_dtype,
+                                                    moe_dtype_t weight_dtype,
+                                                    moe_dtype_t router_dtype, int backward);
+moe_status_t moe_cuda_router_gating_linear_fwd(void *logits, const void *inp, const void *weight,
+                                               const void *bias, int64_t num_tokens,
+                                               int64_t hidden, int64_t num_experts,
+                                               moe_dtype_t inp_dtype, moe_dtype_t weight_dtype,
+                                               moe_dtype_t router_dtype, void *workspace,
+                                               size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_router_gating_linear_bwd(void *grad_inp, void *grad_weight, void *grad_bias,
+                                               const void *grad_logits, const void *inp,
+                                               const void *weight, int64_t num_tokens,
+                                               int64_t hidden, int64_t num_experts,
+                                               moe_dtype_t inp_dtype, moe_dtype_t weight_dtype,
+                                               moe_dtype_t router_dtype, void *workspace,
+                                               size_t workspace_bytes, void *stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

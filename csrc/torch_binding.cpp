@@ -158,6 +158,17 @@ void *stream_of(const at::Tensor &t) {
 #define MOE_CALL(t, fn, ...) moe_##fn(__VA_ARGS__)
 #endif
 
+// Workspace bytes: the CPU expression, or the CUDA one for a CUDA tensor (CUDA builds only).
+#ifdef MOE_CORE_WITH_CUDA
+#define MOE_WS_BYTES(t, cpu_bytes, cuda_bytes) (on_cuda(t) ? (size_t)(cuda_bytes) : (size_t)(cpu_bytes))
+#else
+#define MOE_WS_BYTES(t, cpu_bytes, cuda_bytes) ((size_t)(cpu_bytes))
+#endif
+
+at::Tensor workspace_for(const at::Tensor &like, size_t bytes) {
+  return at::empty({(int64_t)bytes}, like.options().dtype(at::kByte));
+}
+
 // ---- router_gating_linear ---------------------------------------------------------------------
 
 at::Tensor router_gating_linear(const at::Tensor &inp_, const at::Tensor &weight_,
@@ -180,13 +191,17 @@ at::Tensor router_gating_linear(const at::Tensor &inp_, const at::Tensor &weight
     check_dtype(bias, weight.scalar_type(), "bias");
     check_same_device(bias, inp, "bias", "inp");
   }
+  const moe_dtype_t id = to_moe_dtype(inp.scalar_type(), "inp");
+  const moe_dtype_t wd = to_moe_dtype(weight.scalar_type(), "weight");
+  const moe_dtype_t rd = to_moe_dtype(router_dtype, "router_dtype");
+  MOE_DEVICE_GUARD(inp);
   at::Tensor logits = at::empty({T, E}, inp.options().dtype(router_dtype));
-  check_status(moe_router_gating_linear_fwd(
-                   logits.data_ptr(), inp.data_ptr(), weight.data_ptr(),
-                   bias.defined() ? bias.data_ptr() : nullptr, T, H, E,
-                   to_moe_dtype(inp.scalar_type(), "inp"),
-                   to_moe_dtype(weight.scalar_type(), "weight"),
-                   to_moe_dtype(router_dtype, "router_dtype"), nullptr, 0, nullptr),
+  at::Tensor ws = workspace_for(
+      inp, T == 0 ? 0 : MOE_WS_BYTES(inp, 0, moe_cuda_router_gating_linear_workspace_size(
+                                              T, H, E, id, wd, rd, 0)));
+  check_status(MOE_CALL(inp, router_gating_linear_fwd, logits.data_ptr(), inp.data_ptr(),
+                        weight.data_ptr(), bias.defined() ? bias.data_ptr() : nullptr, T, H, E, id,
+                        wd, rd, ws.data_ptr(), (size_t)ws.numel(), stream_of(inp)),
                "router_gating_linear");
   return logits;
 }
@@ -200,15 +215,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_gating_linear_bwd(
   const int64_t T = inp_.size(0), H = inp_.size(1), E = weight_.size(0);
   check_size(grad_logits_, 0, T, "grad_logits", "inp.shape[0] (num_tokens)");
   check_size(grad_logits_, 1, E, "grad_logits", "weight.shape[0] (num_experts)");
+  check_same_device(inp_, grad_logits_, "inp", "grad_logits");
+  check_same_device(weight_, grad_logits_, "weight", "grad_logits");
   at::Tensor g = grad_logits_.contiguous(), inp = inp_.contiguous(), weight = weight_.contiguous();
+  const moe_dtype_t id = to_moe_dtype(inp.scalar_type(), "inp");
+  const moe_dtype_t wd = to_moe_dtype(weight.scalar_type(), "weight");
+  const moe_dtype_t rd = to_moe_dtype(g.scalar_type(), "grad_logits");
+  MOE_DEVICE_GUARD(g);
   at::Tensor grad_inp = at::empty_like(inp), grad_weight = at::empty_like(weight);
   at::Tensor grad_bias = at::empty({E}, weight.options());
-  check_status(moe_router_gating_linear_bwd(
-                   grad_inp.data_ptr(), grad_weight.data_ptr(), grad_bias.data_ptr(), g.data_ptr(),
-                   inp.data_ptr(), weight.data_ptr(), T, H, E,
-                   to_moe_dtype(inp.scalar_type(), "inp"),
-                   to_moe_dtype(weight.scalar_type(), "weight"),
-                   to_moe_dtype(g.scalar_type(), "grad_logits"), nullptr, 0, nullptr),
+  at::Tensor ws = workspace_for(
+      g, MOE_WS_BYTES(g, 0, moe_cuda_router_gating_linear_workspace_size(T, H, E, id, wd, rd, 1)));
+  check_status(MOE_CALL(g, router_gating_linear_bwd, grad_inp.data_ptr(), grad_weight.data_ptr(),
+                        grad_bias.data_ptr(), g.data_ptr(), inp.data_ptr(), weight.data_ptr(), T,
+                        H, E, id, wd, rd, ws.data_ptr(), (size_t)ws.numel(), stream_of(g)),
                "router_gating_linear_bwd");
   return {grad_inp, grad_weight, grad_bias};
 }
@@ -750,19 +770,20 @@ std::tuple<at::Tensor, at::Tensor> aux_loss_scores(const at::Tensor &logits_, in
                                                    const c10::optional<at::Tensor> &padding_mask) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
-  check_no_cuda(logits_, "aux_loss_scores");
   const int64_t T = logits_.size(0), E = logits_.size(1);
   at::Tensor logits = logits_.contiguous(), mask;
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
   moe_score_function_t sf = to_score_function(score_function);
+  MOE_DEVICE_GUARD(logits);
   at::Tensor scores = at::empty({T, E}, logits.options().dtype(compute_type(logits)));
   at::Tensor routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
-  at::Tensor ws = at::empty({(int64_t)moe_aux_loss_scores_workspace_size(T, E, topk)},
-                            logits.options().dtype(at::kByte));
-  check_status(moe_aux_loss_scores_fwd(scores.data_ptr(), (uint8_t *)routing_map.data_ptr(),
-                                       logits.data_ptr(), m, T, E, topk,
-                                       to_moe_dtype(logits.scalar_type(), "logits"), sf,
-                                       ws.data_ptr(), (size_t)ws.numel(), nullptr),
+  at::Tensor ws = workspace_for(logits, MOE_WS_BYTES(logits,
+                                                     moe_aux_loss_scores_workspace_size(T, E, topk),
+                                                     moe_cuda_aux_loss_scores_workspace_size(T, E, topk)));
+  check_status(MOE_CALL(logits, aux_loss_scores_fwd, scores.data_ptr(),
+                        (uint8_t *)routing_map.data_ptr(), logits.data_ptr(), m, T, E, topk,
+                        to_moe_dtype(logits.scalar_type(), "logits"), sf, ws.data_ptr(),
+                        (size_t)ws.numel(), stream_of(logits)),
                "aux_loss_scores");
   return {scores, routing_map};
 }
@@ -772,7 +793,6 @@ at::Tensor aux_loss_scores_bwd(const at::Tensor &grad_scores_, const at::Tensor 
                                const c10::optional<at::Tensor> &padding_mask) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
-  check_no_cuda(logits_, "aux_loss_scores_bwd");
   const int64_t T = logits_.size(0), E = logits_.size(1);
   check_dim(grad_scores_, 2, "grad_scores");
   check_size(grad_scores_, 0, T, "grad_scores", "logits.shape[0] (num_tokens)");
@@ -781,10 +801,11 @@ at::Tensor aux_loss_scores_bwd(const at::Tensor &grad_scores_, const at::Tensor 
   at::Tensor logits = logits_.contiguous(), mask;
   at::Tensor g = grad_scores_.to(compute_type(logits)).contiguous();
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
+  MOE_DEVICE_GUARD(logits);
   at::Tensor grad_logits = at::empty_like(logits);
-  check_status(moe_aux_loss_scores_bwd(grad_logits.data_ptr(), g.data_ptr(), logits.data_ptr(), m,
-                                       T, E, to_moe_dtype(logits.scalar_type(), "logits"),
-                                       to_score_function(score_function), nullptr, 0, nullptr),
+  check_status(MOE_CALL(logits, aux_loss_scores_bwd, grad_logits.data_ptr(), g.data_ptr(),
+                        logits.data_ptr(), m, T, E, to_moe_dtype(logits.scalar_type(), "logits"),
+                        to_score_function(score_function), nullptr, 0, stream_of(logits)),
                "aux_loss_scores_bwd");
   return grad_logits;
 }
@@ -795,7 +816,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> switch_inputs(const at::Tensor &p
                                                              const at::Tensor &total_num_tokens) {
   check_dim(probs_, 2, "probs");
   check_float(probs_, "probs");
-  check_no_cuda(probs_, "switch_aux_loss");
   check_dim(tokens_per_expert, 1, "tokens_per_expert");
   check_size(tokens_per_expert, 0, probs_.size(1), "tokens_per_expert", "probs.shape[1]");
   MOE_CHECK_TYPE(!tokens_per_expert.is_complex() && tokens_per_expert.scalar_type() != at::kBool,
@@ -825,13 +845,14 @@ at::Tensor switch_aux_loss(const at::Tensor &probs_, const at::Tensor &tokens_pe
   at::Tensor mask;
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, probs, "probs");
   moe_switch_aux_loss_params_t p = switch_params(topk, num_experts, coeff);
+  MOE_DEVICE_GUARD(probs);
   at::Tensor loss = at::empty({}, probs.options().dtype(compute_type(probs)));
-  at::Tensor ws = at::empty({(int64_t)moe_switch_aux_loss_workspace_size(T, C)},
-                            probs.options().dtype(at::kByte));
-  check_status(moe_switch_aux_loss_fwd(loss.data_ptr(), probs.data_ptr(), tpe.data_ptr<float>(),
-                                       total.data_ptr<double>(), m, T, C,
-                                       to_moe_dtype(probs.scalar_type(), "probs"), &p,
-                                       ws.data_ptr(), (size_t)ws.numel(), nullptr),
+  at::Tensor ws = workspace_for(probs, MOE_WS_BYTES(probs, moe_switch_aux_loss_workspace_size(T, C),
+                                                    moe_cuda_switch_aux_loss_workspace_size(T, C)));
+  check_status(MOE_CALL(probs, switch_aux_loss_fwd, loss.data_ptr(), probs.data_ptr(),
+                        tpe.data_ptr<float>(), total.data_ptr<double>(), m, T, C,
+                        to_moe_dtype(probs.scalar_type(), "probs"), &p, ws.data_ptr(),
+                        (size_t)ws.numel(), stream_of(probs)),
                "switch_aux_loss");
   return loss;
 }
@@ -849,11 +870,12 @@ at::Tensor switch_aux_loss_bwd(const at::Tensor &grad_loss_, const at::Tensor &p
   at::Tensor mask, g = grad_loss_.to(compute_type(probs)).reshape({1}).contiguous();
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, probs, "probs");
   moe_switch_aux_loss_params_t p = switch_params(topk, num_experts, coeff);
+  MOE_DEVICE_GUARD(probs);
   at::Tensor grad_probs = at::empty_like(probs);
-  check_status(moe_switch_aux_loss_bwd(grad_probs.data_ptr(), g.data_ptr(), tpe.data_ptr<float>(),
-                                       total.data_ptr<double>(), m, T, C,
-                                       to_moe_dtype(probs.scalar_type(), "probs"), &p, nullptr, 0,
-                                       nullptr),
+  check_status(MOE_CALL(probs, switch_aux_loss_bwd, grad_probs.data_ptr(), g.data_ptr(),
+                        tpe.data_ptr<float>(), total.data_ptr<double>(), m, T, C,
+                        to_moe_dtype(probs.scalar_type(), "probs"), &p, nullptr, 0,
+                        stream_of(probs)),
                "switch_aux_loss_bwd");
   return grad_probs;
 }
@@ -862,16 +884,16 @@ at::Tensor z_loss(const at::Tensor &logits_, double coeff,
                   const c10::optional<at::Tensor> &padding_mask) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
-  check_no_cuda(logits_, "z_loss");
   const int64_t T = logits_.size(0), E = logits_.size(1);
   at::Tensor logits = logits_.contiguous(), mask;
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
+  MOE_DEVICE_GUARD(logits);
   at::Tensor loss = at::empty({}, logits.options().dtype(compute_type(logits)));
-  at::Tensor ws = at::empty({(int64_t)moe_z_loss_workspace_size(T, E)},
-                            logits.options().dtype(at::kByte));
-  check_status(moe_z_loss_fwd(loss.data_ptr(), logits.data_ptr(), m, T, E, coeff,
-                              to_moe_dtype(logits.scalar_type(), "logits"), ws.data_ptr(),
-                              (size_t)ws.numel(), nullptr),
+  at::Tensor ws = workspace_for(logits, MOE_WS_BYTES(logits, moe_z_loss_workspace_size(T, E),
+                                                     moe_cuda_z_loss_workspace_size(T, E)));
+  check_status(MOE_CALL(logits, z_loss_fwd, loss.data_ptr(), logits.data_ptr(), m, T, E, coeff,
+                        to_moe_dtype(logits.scalar_type(), "logits"), ws.data_ptr(),
+                        (size_t)ws.numel(), stream_of(logits)),
                "z_loss");
   return loss;
 }
@@ -880,7 +902,6 @@ at::Tensor z_loss_bwd(const at::Tensor &grad_loss_, const at::Tensor &logits_, d
                       const c10::optional<at::Tensor> &padding_mask) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
-  check_no_cuda(logits_, "z_loss_bwd");
   MOE_CHECK_VALUE(grad_loss_.numel() == 1, "grad_loss must have one element, got shape ",
                     grad_loss_.sizes());
   check_same_device(grad_loss_, logits_, "grad_loss", "logits");
@@ -888,10 +909,13 @@ at::Tensor z_loss_bwd(const at::Tensor &grad_loss_, const at::Tensor &logits_, d
   at::Tensor logits = logits_.contiguous(), mask;
   at::Tensor g = grad_loss_.to(compute_type(logits)).reshape({1}).contiguous();
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
+  MOE_DEVICE_GUARD(logits);
   at::Tensor grad_logits = at::empty_like(logits);
-  check_status(moe_z_loss_bwd(grad_logits.data_ptr(), g.data_ptr(), logits.data_ptr(), m, T, E,
-                              coeff, to_moe_dtype(logits.scalar_type(), "logits"), nullptr, 0,
-                              nullptr),
+  at::Tensor ws = workspace_for(logits, MOE_WS_BYTES(logits, 0, moe_cuda_z_loss_workspace_size(T, E)));
+  check_status(MOE_CALL(logits, z_loss_bwd, grad_logits.data_ptr(), g.data_ptr(),
+                        logits.data_ptr(), m, T, E, coeff,
+                        to_moe_dtype(logits.scalar_type(), "logits"), ws.data_ptr(),
+                        (size_t)ws.numel(), stream_of(logits)),
                "z_loss_bwd");
   return grad_logits;
 }
@@ -922,7 +946,6 @@ at::Tensor expert_bias_update(const at::Tensor &tokens_per_expert_,
                     "expert_bias must be 1-D [num_experts] or 2-D [num_layers, num_experts], got "
                     "a ", expert_bias_.dim(), "-D tensor of shape ", expert_bias_.sizes());
   check_dtype(expert_bias_, at::kFloat, "expert_bias");
-  check_no_cuda(expert_bias_, "expert_bias_update");
   MOE_CHECK_VALUE(tokens_per_expert_.sizes() == expert_bias_.sizes(),
                     "tokens_per_expert shape ", tokens_per_expert_.sizes(),
                     " must equal expert_bias shape ", expert_bias_.sizes());
@@ -937,10 +960,11 @@ at::Tensor expert_bias_update(const at::Tensor &tokens_per_expert_,
   // Megatron's counts are fp32 tensors; integer counts promote to fp32 in its arithmetic too.
   at::Tensor counts = tokens_per_expert_.to(at::kFloat).contiguous();
   at::Tensor bias = expert_bias_.contiguous();
+  MOE_DEVICE_GUARD(bias);
   at::Tensor updated = at::empty_like(bias);
-  check_status(moe_expert_bias_update_fwd(updated.data_ptr<float>(), counts.data_ptr<float>(),
-                                          bias.data_ptr<float>(), L, E, update_rate, nullptr, 0,
-                                          nullptr),
+  check_status(MOE_CALL(bias, expert_bias_update_fwd, updated.data_ptr<float>(),
+                        counts.data_ptr<float>(), bias.data_ptr<float>(), L, E, update_rate,
+                        nullptr, 0, stream_of(bias)),
                "expert_bias_update");
   return updated;
 }
@@ -948,15 +972,15 @@ at::Tensor expert_bias_update(const at::Tensor &tokens_per_expert_,
 at::Tensor sinkhorn(const at::Tensor &cost_, double tol, int64_t max_iters) {
   check_dim(cost_, 2, "cost");
   check_float(cost_, "cost");
-  check_no_cuda(cost_, "sinkhorn");
   const int64_t T = cost_.size(0), E = cost_.size(1);
   at::Tensor cost = cost_.contiguous();
+  MOE_DEVICE_GUARD(cost);
   at::Tensor out = at::empty({T, E}, cost.options().dtype(compute_type(cost)));
-  at::Tensor ws = at::empty({(int64_t)moe_sinkhorn_workspace_size(T, E, 0)},
-                            cost.options().dtype(at::kByte));
-  check_status(moe_sinkhorn_fwd(out.data_ptr(), cost.data_ptr(), T, E,
-                                to_moe_dtype(cost.scalar_type(), "cost"), tol, max_iters,
-                                ws.data_ptr(), (size_t)ws.numel(), nullptr),
+  at::Tensor ws = workspace_for(cost, MOE_WS_BYTES(cost, moe_sinkhorn_workspace_size(T, E, 0),
+                                                   moe_cuda_sinkhorn_workspace_size(T, E, 0)));
+  check_status(MOE_CALL(cost, sinkhorn_fwd, out.data_ptr(), cost.data_ptr(), T, E,
+                        to_moe_dtype(cost.scalar_type(), "cost"), tol, max_iters, ws.data_ptr(),
+                        (size_t)ws.numel(), stream_of(cost)),
                "sinkhorn");
   return out;
 }
@@ -965,18 +989,17 @@ std::tuple<at::Tensor, at::Tensor> sinkhorn_routing(const at::Tensor &logits_, i
                                                     bool training, double tol) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
-  check_no_cuda(logits_, "sinkhorn_routing");
   const int64_t T = logits_.size(0), E = logits_.size(1);
   at::Tensor logits = logits_.contiguous();
+  MOE_DEVICE_GUARD(logits);
   at::Tensor probs = at::empty({T, E}, logits.options());
   at::Tensor routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
-  at::Tensor ws = at::empty({(int64_t)moe_sinkhorn_workspace_size(T, E, topk)},
-                            logits.options().dtype(at::kByte));
-  check_status(moe_sinkhorn_routing_fwd(probs.data_ptr(), (uint8_t *)routing_map.data_ptr(),
-                                        logits.data_ptr(), T, E, topk,
-                                        to_moe_dtype(logits.scalar_type(), "logits"),
-                                        training ? 1 : 0, tol, ws.data_ptr(), (size_t)ws.numel(),
-                                        nullptr),
+  at::Tensor ws = workspace_for(logits, MOE_WS_BYTES(logits, moe_sinkhorn_workspace_size(T, E, topk),
+                                                     training ? moe_cuda_sinkhorn_workspace_size(T, E, topk) : 0));
+  check_status(MOE_CALL(logits, sinkhorn_routing_fwd, probs.data_ptr(),
+                        (uint8_t *)routing_map.data_ptr(), logits.data_ptr(), T, E, topk,
+                        to_moe_dtype(logits.scalar_type(), "logits"), training ? 1 : 0, tol,
+                        ws.data_ptr(), (size_t)ws.numel(), stream_of(logits)),
                "sinkhorn_routing");
   return {probs, routing_map};
 }
@@ -985,8 +1008,7 @@ at::Tensor sinkhorn_routing_bwd(const at::Tensor &grad_probs_, const at::Tensor 
                                 const at::Tensor &routing_map_, int64_t topk) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
-  check_no_cuda(logits_, "sinkhorn_routing_bwd");
-  check_cpu_routing_map(routing_map_, "sinkhorn_routing_bwd");
+  check_routing_map(routing_map_, "routing_map");
   MOE_CHECK_VALUE(grad_probs_.sizes() == logits_.sizes(), "grad_probs shape ",
                     grad_probs_.sizes(), " must equal logits shape ", logits_.sizes());
   MOE_CHECK_VALUE(routing_map_.sizes() == logits_.sizes(), "routing_map shape ",
@@ -996,11 +1018,12 @@ at::Tensor sinkhorn_routing_bwd(const at::Tensor &grad_probs_, const at::Tensor 
   const int64_t T = logits_.size(0), E = logits_.size(1);
   at::Tensor logits = logits_.contiguous(), map = routing_map_.contiguous();
   at::Tensor g = grad_probs_.to(logits.scalar_type()).contiguous();
+  MOE_DEVICE_GUARD(logits);
   at::Tensor grad_logits = at::empty_like(logits);
-  check_status(moe_sinkhorn_routing_bwd(grad_logits.data_ptr(), g.data_ptr(), logits.data_ptr(),
-                                        (const uint8_t *)map.data_ptr(), T, E, topk,
-                                        to_moe_dtype(logits.scalar_type(), "logits"), nullptr, 0,
-                                        nullptr),
+  check_status(MOE_CALL(logits, sinkhorn_routing_bwd, grad_logits.data_ptr(), g.data_ptr(),
+                        logits.data_ptr(), (const uint8_t *)map.data_ptr(), T, E, topk,
+                        to_moe_dtype(logits.scalar_type(), "logits"), nullptr, 0,
+                        stream_of(logits)),
                "sinkhorn_routing_bwd");
   return grad_logits;
 }
@@ -1008,7 +1031,7 @@ at::Tensor sinkhorn_routing_bwd(const at::Tensor &grad_probs_, const at::Tensor 
 std::tuple<at::Tensor, at::Tensor> routing_metrics(const at::Tensor &routing_map_,
                                                    const c10::optional<at::Tensor> &scores_,
                                                    const c10::optional<at::Tensor> &padding_mask) {
-  check_cpu_routing_map(routing_map_, "routing_metrics");
+  check_routing_map(routing_map_, "routing_map");
   const int64_t T = routing_map_.size(0), E = routing_map_.size(1);
   at::Tensor map = routing_map_.contiguous(), scores, mask;
   if (scores_.has_value()) {
@@ -1019,16 +1042,17 @@ std::tuple<at::Tensor, at::Tensor> routing_metrics(const at::Tensor &routing_map
     scores = scores_->contiguous();
   }
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, map, "routing_map");
+  MOE_DEVICE_GUARD(map);
   at::Tensor counts = at::empty({E}, map.options().dtype(at::kLong));
   at::Tensor stats = at::empty({MOE_ROUTING_STATS}, map.options().dtype(at::kFloat));
-  at::Tensor ws = at::empty({(int64_t)moe_routing_metrics_workspace_size(T, E)},
-                            map.options().dtype(at::kByte));
-  check_status(moe_routing_metrics_fwd(
-                   counts.data_ptr<int64_t>(), stats.data_ptr<float>(),
-                   (const uint8_t *)map.data_ptr(), scores.defined() ? scores.data_ptr() : nullptr,
-                   m, T, E,
-                   scores.defined() ? to_moe_dtype(scores.scalar_type(), "scores") : MOE_DTYPE_FP32,
-                   ws.data_ptr(), (size_t)ws.numel(), nullptr),
+  at::Tensor ws = workspace_for(map, MOE_WS_BYTES(map, moe_routing_metrics_workspace_size(T, E),
+                                                  moe_cuda_routing_metrics_workspace_size(T, E)));
+  check_status(MOE_CALL(map, routing_metrics_fwd, counts.data_ptr<int64_t>(),
+                        stats.data_ptr<float>(), (const uint8_t *)map.data_ptr(),
+                        scores.defined() ? scores.data_ptr() : nullptr, m, T, E,
+                        scores.defined() ? to_moe_dtype(scores.scalar_type(), "scores")
+                                         : MOE_DTYPE_FP32,
+                        ws.data_ptr(), (size_t)ws.numel(), stream_of(map)),
                "routing_metrics");
   return {counts, stats};
 }
@@ -1039,17 +1063,18 @@ at::Tensor topk_overlap(const at::Tensor &indices_a_, const at::Tensor &indices_
   check_dim(indices_b_, 2, "indices_b");
   check_dtype(indices_a_, at::kLong, "indices_a");
   check_dtype(indices_b_, at::kLong, "indices_b");
-  check_no_cuda(indices_a_, "topk_overlap");
   MOE_CHECK_VALUE(indices_a_.sizes() == indices_b_.sizes(), "indices_b shape ",
                     indices_b_.sizes(), " must equal indices_a shape ", indices_a_.sizes());
   check_same_device(indices_b_, indices_a_, "indices_b", "indices_a");
   const int64_t T = indices_a_.size(0), k = indices_a_.size(1);
   at::Tensor a = indices_a_.contiguous(), b = indices_b_.contiguous(), mask;
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, a, "indices_a");
+  MOE_DEVICE_GUARD(a);
   at::Tensor overlap = at::empty({}, a.options().dtype(at::kFloat));
-  check_status(moe_topk_overlap_fwd(overlap.data_ptr<float>(), a.data_ptr<int64_t>(),
-                                    b.data_ptr<int64_t>(), m, T, k, num_experts, nullptr, 0,
-                                    nullptr),
+  at::Tensor ws = workspace_for(a, MOE_WS_BYTES(a, 0, moe_cuda_topk_overlap_workspace_size(T, k)));
+  check_status(MOE_CALL(a, topk_overlap_fwd, overlap.data_ptr<float>(), a.data_ptr<int64_t>(),
+                        b.data_ptr<int64_t>(), m, T, k, num_experts, ws.data_ptr(),
+                        (size_t)ws.numel(), stream_of(a)),
                "topk_overlap");
   return overlap;
 }
@@ -1287,6 +1312,22 @@ TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("sort_chunks_by_idxs", &sort_chunks_by_idxs);
   m.impl("sort_chunks_by_idxs_bwd", &sort_chunks_by_idxs_bwd);
   m.impl("tokens_per_expert", &tokens_per_expert);
+// CUDA kernels of the load-balancing ops and the router's gating linear (issue 6).
+TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
+  m.impl("router_gating_linear", &router_gating_linear);
+  m.impl("router_gating_linear_bwd", &router_gating_linear_bwd);
+  m.impl("aux_loss_scores", &aux_loss_scores);
+  m.impl("aux_loss_scores_bwd", &aux_loss_scores_bwd);
+  m.impl("switch_aux_loss", &switch_aux_loss);
+  m.impl("switch_aux_loss_bwd", &switch_aux_loss_bwd);
+  m.impl("z_loss", &z_loss);
+  m.impl("z_loss_bwd", &z_loss_bwd);
+  m.impl("expert_bias_update", &expert_bias_update);
+  m.impl("sinkhorn", &sinkhorn);
+  m.impl("sinkhorn_routing", &sinkhorn_routing);
+  m.impl("sinkhorn_routing_bwd", &sinkhorn_routing_bwd);
+  m.impl("routing_metrics", &routing_metrics);
+  m.impl("topk_overlap", &topk_overlap);
 }
 #endif
 

@@ -45,11 +45,11 @@ def test_expert_bias_training_loop_matches_megatron_bit_for_bit(world_group, rat
     assert bias_ours.abs().max() > 0
 
 
-def test_expert_bias_update_random_biases_and_ties_bit_for_bit(world_group):  # noqa: F811
+def test_expert_bias_update_random_biases_and_ties_bit_for_bit(world_group, device):  # noqa: F811
     E = 12
-    bias = torch.randn(E) * 1e-2
+    bias = (torch.randn(E) * 1e-2).to(device)
     for step in range(5):
-        counts = torch.randint(0, 40, (E,)).float()
+        counts = torch.randint(0, 40, (E,)).float().to(device)
         counts[3] = counts.mean()  # may or may not be exact; exercises sign(0) when it is
         counts[:4] = 10.0
         ours = ops.get_updated_expert_bias(counts.clone(), bias, 1e-3, world_group)
@@ -58,42 +58,43 @@ def test_expert_bias_update_random_biases_and_ties_bit_for_bit(world_group):  # 
         bias = ours
 
 
-def test_expert_bias_sign_zero_is_no_step(world_group):  # noqa: F811
+def test_expert_bias_sign_zero_is_no_step(world_group, device):  # noqa: F811
     # the spec's example: counts (1, 5, 3, 3) -> (+rate, -rate, 0, 0)
-    counts = torch.tensor([1.0, 5.0, 3.0, 3.0])
-    out = ops.get_updated_expert_bias(counts, torch.zeros(4), 1e-3, world_group)
-    ref = mcore.get_updated_expert_bias(counts.clone(), torch.zeros(4), 1e-3,
+    counts = torch.tensor([1.0, 5.0, 3.0, 3.0], device=device)
+    zeros = torch.zeros(4, device=device)
+    out = ops.get_updated_expert_bias(counts, zeros, 1e-3, world_group)
+    ref = mcore.get_updated_expert_bias(counts.clone(), zeros, 1e-3,
                                         tp_dp_cp_group=world_group)
     assert torch.equal(out, ref)
     assert out.tolist() == [pytest.approx(1e-3), pytest.approx(-1e-3), 0.0, 0.0]
 
 
-def test_expert_bias_stacked_layers_bit_for_bit(world_group):  # noqa: F811
+def test_expert_bias_stacked_layers_bit_for_bit(world_group, device):  # noqa: F811
     L, E = 3, 8
-    counts = torch.randint(0, 50, (L, E)).float()
-    bias = torch.randn(L, E) * 1e-3
+    counts = torch.randint(0, 50, (L, E)).float().to(device)
+    bias = (torch.randn(L, E) * 1e-3).to(device)
     ours = ops.get_updated_expert_bias(counts.clone(), bias, 2e-3, world_group)
     ref = mcore.get_updated_expert_bias(counts.clone(), bias, 2e-3, tp_dp_cp_group=world_group)
     assert ours.shape == (L, E) and torch.equal(ours, ref)
 
 
-def test_expert_bias_integer_counts(world_group):  # noqa: F811
-    counts = torch.randint(0, 50, (8,))
-    bias = torch.randn(8)
+def test_expert_bias_integer_counts(world_group, device):  # noqa: F811
+    counts = torch.randint(0, 50, (8,)).to(device)
+    bias = torch.randn(8).to(device)
     ours = ops.get_updated_expert_bias(counts.clone(), bias, 1e-3, world_group)
     ref = mcore.get_updated_expert_bias(counts.clone(), bias, 1e-3, tp_dp_cp_group=world_group)
     assert torch.equal(ours, ref)
 
 
-def test_expert_bias_without_group_needs_no_process_group():
-    counts = torch.tensor([4.0, 0.0, 2.0])
-    out = ops.get_updated_expert_bias(counts, torch.zeros(3), 0.5)
+def test_expert_bias_without_group_needs_no_process_group(device):
+    counts = torch.tensor([4.0, 0.0, 2.0], device=device)
+    out = ops.get_updated_expert_bias(counts, torch.zeros(3, device=device), 0.5)
     assert out.tolist() == [-0.5, 0.5, 0.0]
 
 
-def test_expert_bias_nan_propagates():
-    counts = torch.tensor([1.0, float("nan"), 2.0])
-    out = ops.get_updated_expert_bias(counts, torch.zeros(3), 0.1)
+def test_expert_bias_nan_propagates(device):
+    counts = torch.tensor([1.0, float("nan"), 2.0], device=device)
+    out = ops.get_updated_expert_bias(counts, torch.zeros(3, device=device), 0.1)
     assert out.isnan().all()  # the mean is NaN, as in torch
 
 
@@ -135,8 +136,10 @@ def test_expert_bias_affects_selection_only():
     torch.testing.assert_close(probs, expected, rtol=1e-6, atol=1e-7)
 
 
-def test_opcheck_expert_bias_update():
+def test_opcheck_expert_bias_update(device):
     torch.library.opcheck(torch.ops.moe_core.expert_bias_update.default,
-                          (torch.randint(0, 9, (6,)).float(), torch.randn(6), 1e-3))
+                          (torch.randint(0, 9, (6,)).float().to(device), torch.randn(6).to(device),
+                           1e-3))
     torch.library.opcheck(torch.ops.moe_core.expert_bias_update.default,
-                          (torch.randint(0, 9, (2, 6)).float(), torch.randn(2, 6), 1e-3))
+                          (torch.randint(0, 9, (2, 6)).float().to(device),
+                           torch.randn(2, 6).to(device), 1e-3))

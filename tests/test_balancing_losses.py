@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moe_core.ops as ops
-from balancing_utils import world_group  # noqa: F401  (fixture)
+from balancing_utils import skip_without_kernel, world_group  # noqa: F401  (fixture)
 from tolerances import assert_close_ulps
 
 with warnings.catch_warnings():
@@ -16,11 +16,11 @@ with warnings.catch_warnings():
 SCORE_FUNCTIONS = ["softmax", "sigmoid", "sqrtsoftplus"]
 
 
-def _pad(num_tokens, frac=0.3):
+def _pad(num_tokens, frac=0.3, device="cpu"):
     pad = torch.rand(num_tokens) < frac
     pad[0] = False
     pad[-1] = True
-    return pad
+    return pad.to(device)
 
 
 def assert_maps_equal_up_to_ties(ours, ref, scores, k):
@@ -31,7 +31,7 @@ def assert_maps_equal_up_to_ties(ours, ref, scores, k):
         top = scores.float().topk(k + 1, dim=1).values
         tied = top[:, k - 1] == top[:, k]
     else:
-        tied = torch.zeros(scores.shape[0], dtype=torch.bool)
+        tied = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
     assert torch.equal(ours[~tied], ref[~tied])
     assert torch.equal(ours.sum(1), ref.sum(1))
 
@@ -48,10 +48,10 @@ def _close(ours, ref, n_ulps=8, dtype=torch.float32, rel_to_max=False, msg=""):
 @pytest.mark.parametrize("topk", [1, 3])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_aux_scores_match_megatron(score_function, topk, padded, dtype):
+def test_aux_scores_match_megatron(score_function, topk, padded, dtype, device):
     T, E = 37, 12
-    base = (torch.randn(T, E) * 2).to(dtype)
-    pad = _pad(T) if padded else None
+    base = (torch.randn(T, E) * 2).to(dtype).to(device)
+    pad = _pad(T, device=device) if padded else None
     x_ours = base.clone().requires_grad_()
     x_ref = base.clone().requires_grad_()
     map_ours, s_ours = ops.compute_routing_scores_for_aux_loss(x_ours, topk, score_function,
@@ -61,7 +61,7 @@ def test_aux_scores_match_megatron(score_function, topk, padded, dtype):
     assert map_ours.dtype == torch.bool and s_ours.dtype == torch.float32
     assert_maps_equal_up_to_ties(map_ours, map_ref, s_ref, topk)
     _close(s_ours, s_ref, msg="scores")
-    w = torch.randn(T, E)
+    w = torch.randn(T, E, device=device)
     (s_ours * w).sum().backward()
     (s_ref * w).sum().backward()
     assert x_ours.grad.dtype == dtype
@@ -70,8 +70,8 @@ def test_aux_scores_match_megatron(score_function, topk, padded, dtype):
         assert not s_ours[pad].any() and not map_ours[pad].any() and not x_ours.grad[pad].any()
 
 
-def test_aux_scores_ties_go_to_lowest_index():
-    logits = torch.zeros(2, 6)
+def test_aux_scores_ties_go_to_lowest_index(device):
+    logits = torch.zeros(2, 6, device=device)
     logits[1, 4] = logits[1, 2] = 1.0
     routing_map, _ = ops.compute_routing_scores_for_aux_loss(logits, 2, "softmax")
     assert routing_map[0].nonzero().flatten().tolist() == [0, 1]
@@ -93,12 +93,12 @@ def test_aux_scores_accept_megatron_sb_padding_mask():
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("total_as_tensor", [False, True])
-def test_switch_loss_matches_megatron(padded, total_as_tensor):
+def test_switch_loss_matches_megatron(padded, total_as_tensor, device):
     T, E, k, coeff = 50, 16, 4, 0.37
-    probs = torch.softmax(torch.randn(T, E), -1)
-    counts = torch.randint(0, 30, (E,))
-    total = torch.tensor(123.0) if total_as_tensor else 123
-    pad = _pad(T) if padded else None
+    probs = torch.softmax(torch.randn(T, E), -1).to(device)
+    counts = torch.randint(0, 30, (E,)).to(device)
+    total = torch.tensor(123.0, device=device) if total_as_tensor else 123
+    pad = _pad(T, device=device) if padded else None
     p_ours = probs.clone().requires_grad_()
     p_ref = probs.clone().requires_grad_()
     ours = ops.switch_load_balancing_loss_func(p_ours, counts, total, k, E, coeff,
@@ -113,10 +113,10 @@ def test_switch_loss_matches_megatron(padded, total_as_tensor):
     _close(p_ours.grad, p_ref.grad, n_ulps=4)
 
 
-def test_switch_loss_uniform_routing_equals_coeff():
+def test_switch_loss_uniform_routing_equals_coeff(device):
     T, E, k = 64, 8, 2
-    probs = torch.full((T, E), 1.0 / E)
-    counts = torch.full((E,), T * k // E)
+    probs = torch.full((T, E), 1.0 / E, device=device)
+    counts = torch.full((E,), T * k // E, device=device)
     loss = ops.switch_load_balancing_loss_func(probs, counts, T, k, E, 0.01)
     assert abs(loss.item() - 0.01) < 1e-8
 
@@ -130,10 +130,12 @@ def _megatron_scores(logits, k, sf, pad):
 
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_micro_batch_aux_loss_matches_megatron(world_group, score_function, padded):  # noqa: F811
+def test_micro_batch_aux_loss_matches_megatron(world_group, score_function, padded,  # noqa: F811
+                                               device):
+    skip_without_kernel("tokens_per_expert", device)
     T, E, k, coeff = 40, 8, 2, 1e-2
-    base = torch.randn(T, E)
-    pad = _pad(T) if padded else None
+    base = torch.randn(T, E).to(device)
+    pad = _pad(T, device=device) if padded else None
     x1, x2 = base.clone().requires_grad_(), base.clone().requires_grad_()
     m, s = ops.compute_routing_scores_for_aux_loss(x1, k, score_function, padding_mask=pad)
     ours = ops.load_balancing_loss(s, m, k, E, coeff, padding_mask=pad, reduce_group=world_group)
@@ -215,10 +217,10 @@ def test_get_tokens_per_expert_and_token_count_matches_megatron(world_group):  #
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_z_loss_matches_megatron(padded):
+def test_z_loss_matches_megatron(padded, device):
     T, E, coeff = 33, 10, 1e-3
-    base = torch.randn(T, E) * 3
-    pad = _pad(T) if padded else None
+    base = (torch.randn(T, E) * 3).to(device)
+    pad = _pad(T, device=device) if padded else None
     x1, x2 = base.clone().requires_grad_(), base.clone().requires_grad_()
     ours = ops.z_loss_func(x1, coeff, padding_mask=pad)
     ref = mcore.z_loss_func(x2, coeff, padding_mask=pad)
@@ -229,19 +231,19 @@ def test_z_loss_matches_megatron(padded):
     _close(x1.grad, x2.grad, n_ulps=8, rel_to_max=True)
 
 
-def test_z_loss_all_padding_is_zero():
-    logits = torch.randn(4, 5, requires_grad=True)
-    loss = ops.z_loss_func(logits, 0.1, padding_mask=torch.ones(4, dtype=torch.bool))
+def test_z_loss_all_padding_is_zero(device):
+    logits = torch.randn(4, 5, device=device, requires_grad=True)
+    loss = ops.z_loss_func(logits, 0.1, padding_mask=torch.ones(4, dtype=torch.bool, device=device))
     loss.backward()
     assert loss.item() == 0.0 and not logits.grad.any()
 
 
-def test_z_loss_bf16_is_more_accurate_than_megatron():
-    logits = (torch.randn(64, 16) * 4).to(torch.bfloat16)
+def test_z_loss_bf16_is_more_accurate_than_megatron(device):
+    logits = (torch.randn(64, 16) * 4).to(torch.bfloat16).to(device)
     truth = torch.logsumexp(logits.double(), -1).square().mean() * 0.01
     ours = ops.z_loss_func(logits, 0.01)
     ref = mcore.z_loss_func(logits, 0.01)
-    assert abs(ours.double() - truth) <= abs(ref.double() - truth)
+    assert abs(ours.double() - truth).item() <= abs(ref.double() - truth).item()
 
 
 # ---- MoEAuxLossAutoScaler -------------------------------------------------------------------
@@ -377,28 +379,29 @@ def _opcheck(op, args):
 
 @pytest.mark.parametrize("score_function", SCORE_FUNCTIONS)
 @pytest.mark.parametrize("padded", [False, True])
-def test_opcheck_aux_loss_scores(score_function, padded):
+def test_opcheck_aux_loss_scores(score_function, padded, device):
     T, E = 7, 5
-    logits = torch.randn(T, E, requires_grad=True)
-    pad = _pad(T) if padded else None
+    logits = torch.randn(T, E, device=device, requires_grad=True)
+    pad = _pad(T, device=device) if padded else None
     _opcheck(torch.ops.moe_core.aux_loss_scores.default, (logits, 2, score_function, pad))
     _opcheck(torch.ops.moe_core.aux_loss_scores_bwd.default,
-             (torch.randn(T, E), logits.detach(), score_function, pad))
+             (torch.randn(T, E, device=device), logits.detach(), score_function, pad))
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_opcheck_switch_and_z_loss(padded):
+def test_opcheck_switch_and_z_loss(padded, device):
     T, E = 9, 6
-    pad = _pad(T) if padded else None
-    probs = torch.rand(T, E, requires_grad=True)
-    counts = torch.randint(0, 9, (E,)).float()
-    total = torch.tensor(17.0, dtype=torch.float64)
+    pad = _pad(T, device=device) if padded else None
+    probs = torch.rand(T, E, device=device, requires_grad=True)
+    counts = torch.randint(0, 9, (E,), device=device).float()
+    total = torch.tensor(17.0, dtype=torch.float64, device=device)
     _opcheck(torch.ops.moe_core.switch_aux_loss.default, (probs, counts, total, 2, E, 0.1, pad))
     _opcheck(torch.ops.moe_core.switch_aux_loss_bwd.default,
-             (torch.tensor(1.5), probs.detach(), counts, total, 2, E, 0.1, pad))
-    logits = torch.randn(T, E, requires_grad=True)
+             (torch.tensor(1.5, device=device), probs.detach(), counts, total, 2, E, 0.1, pad))
+    logits = torch.randn(T, E, device=device, requires_grad=True)
     _opcheck(torch.ops.moe_core.z_loss.default, (logits, 0.01, pad))
-    _opcheck(torch.ops.moe_core.z_loss_bwd.default, (torch.tensor(2.0), logits.detach(), 0.01, pad))
+    _opcheck(torch.ops.moe_core.z_loss_bwd.default,
+             (torch.tensor(2.0, device=device), logits.detach(), 0.01, pad))
 
 
 def test_opcheck_tokens_per_expert():
@@ -409,25 +412,25 @@ def test_opcheck_tokens_per_expert():
 
 @pytest.mark.parametrize("score_function", SCORE_FUNCTIONS)
 @pytest.mark.parametrize("padded", [False, True])
-def test_gradcheck_aux_loss_scores_fp64(score_function, padded):
+def test_gradcheck_aux_loss_scores_fp64(score_function, padded, device):
     T, E = 6, 5
-    logits = torch.randn(T, E, dtype=torch.float64, requires_grad=True)
-    pad = _pad(T) if padded else None
+    logits = torch.randn(T, E, dtype=torch.float64, device=device, requires_grad=True)
+    pad = _pad(T, device=device) if padded else None
     fn = lambda x: ops.compute_routing_scores_for_aux_loss(x, 2, score_function,  # noqa: E731
                                                            padding_mask=pad)[1]
     assert torch.autograd.gradcheck(fn, (logits,))
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_gradcheck_switch_and_z_loss_fp64(padded):
+def test_gradcheck_switch_and_z_loss_fp64(padded, device):
     T, E = 6, 5
-    pad = _pad(T) if padded else None
-    probs = torch.rand(T, E, dtype=torch.float64, requires_grad=True)
-    counts = torch.randint(0, 9, (E,))
+    pad = _pad(T, device=device) if padded else None
+    probs = torch.rand(T, E, dtype=torch.float64, device=device, requires_grad=True)
+    counts = torch.randint(0, 9, (E,), device=device)
     assert torch.autograd.gradcheck(
         lambda p: ops.switch_load_balancing_loss_func(p, counts, 13, 2, E, 0.3, padding_mask=pad),
         (probs,))
-    logits = torch.randn(T, E, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(T, E, dtype=torch.float64, device=device, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: ops.z_loss_func(x, 0.2, padding_mask=pad),
                                     (logits,))
 
@@ -443,8 +446,9 @@ def test_gradcheck_seq_aux_loss_fp64():
     assert torch.autograd.gradcheck(fn, (logits,))
 
 
-def test_losses_are_deterministic():
-    logits = torch.randn(300, 32, requires_grad=True)
+def test_losses_are_deterministic(device):
+    skip_without_kernel("tokens_per_expert", device)
+    logits = torch.randn(300, 32, device=device, requires_grad=True)
     outs = []
     for _ in range(2):
         m, s = ops.compute_routing_scores_for_aux_loss(logits, 4, "softmax")

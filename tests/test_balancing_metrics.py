@@ -28,14 +28,16 @@ def torch_metrics(routing_map, scores=None, pad=None):
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("with_scores", [False, True])
-def test_routing_metrics_match_torch(padded, with_scores):
+def test_routing_metrics_match_torch(padded, with_scores, device):
     T, E, k = 100, 12, 3
     logits = torch.randn(T, E) + torch.linspace(0, 1.5, E)
     routing_map, scores = ops.compute_routing_scores_for_aux_loss(logits, k, "softmax")
     pad = (torch.rand(T) < 0.3) if padded else None
-    m = ops.routing_metrics(routing_map, scores if with_scores else None, pad)
+    m = ops.routing_metrics(routing_map.to(device), scores.to(device) if with_scores else None,
+                            None if pad is None else pad.to(device))
     ref = torch_metrics(routing_map, scores if with_scores else None, pad)
-    assert torch.equal(m.tokens_per_expert, ref["tokens_per_expert"])
+    assert m.tokens_per_expert.device.type == device
+    assert torch.equal(m.tokens_per_expert.cpu(), ref["tokens_per_expert"])
     for name in ("max_over_mean", "load_cv", "load_entropy") + (("score_entropy",) if with_scores
                                                                  else ()):
         ours = getattr(m, name)
@@ -45,38 +47,40 @@ def test_routing_metrics_match_torch(padded, with_scores):
         assert m.score_entropy is None
 
 
-def test_routing_metrics_balanced_and_empty():
+def test_routing_metrics_balanced_and_empty(device):
     E = 4
-    balanced = torch.eye(E, dtype=torch.bool).repeat(3, 1)
+    balanced = torch.eye(E, dtype=torch.bool, device=device).repeat(3, 1)
     m = ops.routing_metrics(balanced)
     assert m.max_over_mean.item() == 1.0 and m.load_cv.item() == 0.0
     assert m.load_entropy.item() == pytest.approx(math.log(E))
-    empty = ops.routing_metrics(balanced, padding_mask=torch.ones(3 * E, dtype=torch.bool))
+    empty = ops.routing_metrics(balanced, padding_mask=torch.ones(3 * E, dtype=torch.bool,
+                                                                  device=device))
     assert empty.tokens_per_expert.sum().item() == 0
     assert empty.max_over_mean.item() == 0.0 and empty.load_cv.item() == 0.0
-    zero_tokens = ops.routing_metrics(torch.zeros(0, E, dtype=torch.bool), torch.zeros(0, E))
+    zero_tokens = ops.routing_metrics(torch.zeros(0, E, dtype=torch.bool, device=device),
+                                      torch.zeros(0, E, device=device))
     assert zero_tokens.score_entropy.item() == 0.0
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_topk_overlap_matches_torch(padded):
+def test_topk_overlap_matches_torch(padded, device):
     T, E, k = 80, 16, 4
     a = torch.rand(T, E).topk(k, dim=1).indices
     b = a.clone()
     b[: T // 2] = torch.rand(T // 2, E).topk(k, dim=1).indices
     pad = (torch.rand(T) < 0.3) if padded else None
-    ours = ops.topk_overlap(a, b, E, pad)
+    ours = ops.topk_overlap(a.to(device), b.to(device), E, None if pad is None else pad.to(device))
     keep = torch.ones(T, dtype=torch.bool) if pad is None else ~pad
     ma = torch.zeros(T, E, dtype=torch.bool).scatter(1, a, True)
     mb = torch.zeros(T, E, dtype=torch.bool).scatter(1, b, True)
     ref = (ma & mb)[keep].sum(1).double().mean() / k
     assert ours.dtype == torch.float32 and ours.item() == pytest.approx(ref.item(), rel=1e-6)
-    assert ops.topk_overlap(a, a, E).item() == 1.0
+    assert ops.topk_overlap(a.to(device), a.to(device), E).item() == 1.0
 
 
-def test_topk_overlap_disjoint_is_zero():
-    a = torch.tensor([[0, 1], [2, 3]])
-    b = torch.tensor([[2, 3], [0, 1]])
+def test_topk_overlap_disjoint_is_zero(device):
+    a = torch.tensor([[0, 1], [2, 3]], device=device)
+    b = torch.tensor([[2, 3], [0, 1]], device=device)
     assert ops.topk_overlap(a, b, 4).item() == 0.0
 
 
@@ -111,20 +115,21 @@ def test_tracker_averages_micro_batches_and_ignores_layer_none():
     assert tracker.report() == {"z_loss": {3: 2.0}, "topk_overlap": {3: 0.5}}
 
 
-def test_metrics_are_deterministic():
-    routing_map, scores = ops.compute_routing_scores_for_aux_loss(torch.randn(500, 64), 8,
-                                                                  "softmax")
+def test_metrics_are_deterministic(device):
+    routing_map, scores = ops.compute_routing_scores_for_aux_loss(
+        torch.randn(500, 64, device=device), 8, "softmax")
     a = ops.routing_metrics(routing_map, scores)
     b = ops.routing_metrics(routing_map, scores)
     assert all(torch.equal(x, y) for x, y in zip(a, b) if x is not None)
 
 
-def test_opcheck_metrics_ops():
-    routing_map, scores = ops.compute_routing_scores_for_aux_loss(torch.randn(10, 6), 2, "softmax")
-    pad = torch.rand(10) < 0.3
+def test_opcheck_metrics_ops(device):
+    routing_map, scores = ops.compute_routing_scores_for_aux_loss(torch.randn(10, 6, device=device),
+                                                                  2, "softmax")
+    pad = torch.rand(10, device=device) < 0.3
     torch.library.opcheck(torch.ops.moe_core.routing_metrics.default, (routing_map, None, None))
     torch.library.opcheck(torch.ops.moe_core.routing_metrics.default, (routing_map, scores, pad))
-    a = torch.rand(10, 6).topk(2, dim=1).indices
-    b = torch.rand(10, 6).topk(2, dim=1).indices
+    a = torch.rand(10, 6, device=device).topk(2, dim=1).indices
+    b = torch.rand(10, 6, device=device).topk(2, dim=1).indices
     torch.library.opcheck(torch.ops.moe_core.topk_overlap.default, (a, b, 6, None))
     torch.library.opcheck(torch.ops.moe_core.topk_overlap.default, (a, b, 6, pad))

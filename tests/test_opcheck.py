@@ -60,10 +60,34 @@ def samples(device):
     order = torch.tensor([2, 0, 4, 3, 1], device=device)
     yield OPS.sort_chunks_by_idxs, (x, split, order)
     yield OPS.sort_chunks_by_idxs_bwd, (torch.randn(T, H, device=device), split, order)
+    yield OPS.router_gating_linear, (inp, w, None, torch.float32)
+    yield OPS.router_gating_linear, (inp, w, bias, torch.float64)
+    yield OPS.router_gating_linear, (inp, w.detach().float().requires_grad_(), None, torch.float32)
+    yield OPS.router_gating_linear_bwd, (torch.randn(T, E, device=device), inp.detach(), w.detach())
+    yield OPS.router_gating_linear_bwd, (torch.randn(T, E, device=device, dtype=torch.float64),
+                                         inp.detach(), w.detach())
+    # load balancing (issue 4 on the CPU, issue 6 on CUDA): padded and unpadded
+    pad = torch.rand(T, device=device) < 0.3
+    probs = torch.rand(T, E, device=device, requires_grad=True)
+    counts = torch.randint(0, 9, (E,), device=device).float()
+    total = torch.tensor(17.0, dtype=torch.float64, device=device)
+    routing_map = torch.rand(T, E, device=device) < 0.3
+    yield OPS.aux_loss_scores, (logits, k, "sigmoid", pad)
+    yield OPS.aux_loss_scores_bwd, (torch.randn(T, E, device=device), logits.detach(), "softmax",
+                                    None)
+    yield OPS.switch_aux_loss, (probs, counts, total, k, E, 0.1, pad)
+    yield OPS.switch_aux_loss_bwd, (torch.tensor(1.5, device=device), probs.detach(), counts, total,
+                                    k, E, 0.1, None)
+    yield OPS.z_loss, (logits, 0.01, pad)
+    yield OPS.z_loss_bwd, (torch.tensor(2.0, device=device), logits.detach(), 0.01, pad)
+    yield OPS.expert_bias_update, (counts, torch.randn(E, device=device), 1e-3)
+    yield OPS.sinkhorn, (logits.detach(), 1e-4, 0)
+    yield OPS.sinkhorn_routing, (logits, 2, True, 1e-4)
+    yield OPS.sinkhorn_routing_bwd, (torch.randn(T, E, device=device), logits.detach(), routing_map,
+                                     2)
+    yield OPS.routing_metrics, (routing_map, probs.detach(), pad)
+    yield OPS.topk_overlap, (idx, idx.flip(1), E, pad)
     if device == "cpu":
-        yield OPS.router_gating_linear, (inp, w, None, torch.float32)
-        yield OPS.router_gating_linear, (inp, w, bias, torch.float64)
-        yield OPS.router_gating_linear_bwd, (torch.randn(T, E, device=device), inp.detach(), w.detach())
         # grouped GEMM (issue 5): uneven counts with an empty expert, both weight layouts
         off = torch.tensor([0, 5, 5, 12], device=device)
         gw = torch.randn(3, H, 8, device=device, dtype=torch.bfloat16, requires_grad=True)

@@ -146,11 +146,12 @@ def test_group_limited_topk_vs_megatron(T, E, k, G, gk, dtype):
 @pytest.mark.parametrize("router_dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(0, 64), (1, 64), (37, 96), (4, 8, 256)])
-def test_gating_linear_vs_megatron(shape, inp_dtype, router_dtype, bias):
+@pytest.mark.parametrize("device", DEVICES)
+def test_gating_linear_vs_megatron(shape, inp_dtype, router_dtype, bias, device):
     E = 24
-    inp = torch.randn(shape).to(inp_dtype)
-    weight = (torch.randn(E, shape[-1]) * 0.05).to(inp_dtype)
-    b = torch.randn(E).to(inp_dtype) if bias else None
+    inp = torch.randn(shape).to(inp_dtype).to(device)
+    weight = (torch.randn(E, shape[-1]) * 0.05).to(inp_dtype).to(device)
+    b = torch.randn(E).to(inp_dtype).to(device) if bias else None
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (inp, weight, b)]
     leaves_m = [t.clone().requires_grad_() if t is not None else None for t in (inp, weight, b)]
     out = ops.router_gating_linear(*leaves, router_dtype)
@@ -169,17 +170,22 @@ def test_gating_linear_vs_megatron(shape, inp_dtype, router_dtype, bias):
     # error in the same dtype, plus one ulp of the result scale. Grads likewise.
     exact_leaves = [t.double().requires_grad_() if t is not None else None for t in (inp, weight, b)]
     exact = ref.gating_linear(*exact_leaves, torch.float64)
-    g = torch.randn(out.shape, dtype=router_dtype)
+    g = torch.randn(out.shape, dtype=router_dtype, device=device)
     out.backward(g)
     out_m.backward(g)
     exact.backward(g.double())
 
+    # The accumulator of our sums: fp64 on the CPU; on CUDA cuBLAS accumulates in fp32 (fp64 for
+    # an fp64 router dtype), as Megatron's own torch.mm does.
+    acc_eps = 2.0**-52 if device == "cpu" or router_dtype == torch.float64 else 2.0**-23
+
     def check(ours_t, meg_t, truth, name, dtype, length):
-        # The fp64 "truth" is itself a torch GEMM (in fp64), so the slack is the fp64 rounding of
-        # a length-`length` dot product at the scale of its terms, next to one ulp of dtype.
+        # The fp64 "truth" is itself a torch GEMM (in fp64), so the slack is the rounding of a
+        # length-`length` dot product in our accumulator at the scale of its terms, next to one
+        # ulp of dtype.
         err = lambda t: (t.double() - truth).abs().max().item()  # noqa: E731
         terms = truth.abs().max().item()
-        slack = torch.finfo(dtype).eps * terms + 2.0**-52 * length**0.5 * terms
+        slack = torch.finfo(dtype).eps * terms + acc_eps * length**0.5 * terms
         assert err(ours_t) <= 2 * err(meg_t) + slack, f"{name}: {err(ours_t):.3e} vs {err(meg_t):.3e}"
 
     T = inp.numel() // shape[-1]
@@ -204,10 +210,11 @@ def test_gradcheck_fp64(score, pre, variant):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_gating_linear_gradcheck_fp64(bias):
-    inp = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(6, 12, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(6, dtype=torch.float64, requires_grad=True) if bias else None
+@pytest.mark.parametrize("device", DEVICES)
+def test_gating_linear_gradcheck_fp64(bias, device):
+    inp = torch.randn(5, 12, dtype=torch.float64, device=device, requires_grad=True)
+    w = torch.randn(6, 12, dtype=torch.float64, device=device, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, device=device, requires_grad=True) if bias else None
     args = (inp, w, b) if bias else (inp, w)
     fn = (lambda i, w_, b_: ops.router_gating_linear(i, w_, b_, torch.float64)) if bias else (
         lambda i, w_: ops.router_gating_linear(i, w_, None, torch.float64))

@@ -1,0 +1,213 @@
+/*
+ * routing_metrics.cu: load-balance and route-drift metrics of a routing, on CUDA.
+ *
+ * Every metric is derived from integer counts or from per-token fp64 values, reduced in two
+ * fixed stages (block partials in the workspace, then one block), so the results are bitwise
+ * reproducible and nothing reaches the host. The clever part: the stage-two block writes the
+ * exact integer counts and then a single thread derives max/mean, CV and load entropy from them
+ * in ascending expert order, i.e. with the C kernel's own arithmetic, so those three equal the
+ * CPU's up to the math library's log. The top-k overlap is pure integer counting, hence exact;
+ * its ids are not range-checked here (that needs the host): an id out of range is simply an id.
+ */
+#include "balancing_cuda.cuh"
+
+/* Per-token score entropy: partial[2 b] = Σ h_t, partial[2 b + 1] = #unpadded, block b. */
+__global__ void __launch_bounds__(32 * MOE_BAL_WARPS)
+moe_score_entropy_partial_kernel(double *partial, const void *scores, moe_dtype_t dt,
+                                 const uint8_t *padding_mask, int64_t num_tokens, int64_t E) {
+    __shared__ double red[MOE_BAL_WARPS][2];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int64_t t0 = (int64_t)blockIdx.x * MOE_TOK_PER_BLOCK;
+    double acc = 0.0, valid = 0.0;
+    for (int64_t j = warp; j < MOE_TOK_PER_BLOCK; j += MOE_BAL_WARPS) {
+        const int64_t t = t0 + j;
+        if (t >= num_tokens) break;
+        if (is_pad(padding_mask, t)) continue;
+        double h = 0.0;
+        for (int64_t e = lane; e < E; e += 32) {
+            double s = moe_load(scores, dt, t * E + e);
+            if (s != 0.0) h -= s * log(s); /* NaN and negative scores propagate as NaN */
+        }
+        acc += moe_warp_sum(h);
+        valid += 1.0;
+    }
+    if (lane == 0) red[warp][0] = acc, red[warp][1] = valid;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s = 0.0, n = 0.0;
+        for (int w = 0; w < MOE_BAL_WARPS; ++w) s += red[w][0], n += red[w][1];
+        partial[2 * blockIdx.x] = s;
+        partial[2 * blockIdx.x + 1] = n;
+    }
+}
+
+/* Stage two (one block): counts, then the stats. */
+__global__ void __launch_bounds__(MOE_BAL_FINAL_THREADS)
+moe_routing_metrics_final_kernel(int64_t *tokens_per_expert, float *stats,
+                                 const double *count_partial, int64_t nchunks,
+                                 const double *ent_partial, int64_t nblocks, int64_t E) {
+    __shared__ double smem[33];
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x)
+        tokens_per_expert[e] = (int64_t)moe_col_total(count_partial, nchunks, E, e);
+    double h = 0.0, valid = 0.0;
+    for (int64_t b = threadIdx.x; b < nblocks; b += blockDim.x)
+        h += ent_partial[2 * b], valid += ent_partial[2 * b + 1];
+    h = moe_block_sum(h, smem); /* its barriers also publish tokens_per_expert to thread 0 */
+    valid = moe_block_sum(valid, smem);
+    if (threadIdx.x != 0) return;
+    int64_t total = 0, max = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        total += tokens_per_expert[e];
+        max = tokens_per_expert[e] > max ? tokens_per_expert[e] : max;
+    }
+    if (total == 0) {
+        stats[0] = stats[1] = stats[2] = 0.0f;
+    } else {
+        const double mean = (double)total / (double)E;
+        double var = 0.0, ent = 0.0;
+        for (int64_t e = 0; e < E; ++e) {
+            const double n = (double)tokens_per_expert[e], d = n - mean;
+            var += d * d;
+            if (n > 0) ent -= (n / (double)total) * log(n / (double)total);
+        }
+        stats[0] = (float)((double)max / mean);
+        stats[1] = (float)(sqrt(var / (double)E) / mean);
+        stats[2] = (float)ent;
+    }
+    /* no scores (nblocks = 0): nothing to measure */
+    stats[3] = (nblocks > 0 && valid > 0.0) ? (float)(h / valid) : 0.0f;
+}
+
+/* Top-k overlap stage one: partial[2 b] = Σ |A_t ∩ B_t|, partial[2 b + 1] = #unpadded. */
+__global__ void __launch_bounds__(MOE_BAL_FINAL_THREADS)
+moe_topk_overlap_partial_kernel(int64_t *partial, const int64_t *a, const int64_t *b,
+                                const uint8_t *padding_mask, int64_t num_tokens, int64_t k) {
+    __shared__ int64_t red[MOE_BAL_FINAL_THREADS][2];
+    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    int64_t shared = 0, valid = 0;
+    if (t < num_tokens && !is_pad(padding_mask, t)) {
+        valid = 1;
+        const int64_t *ra = a + t * k, *rb = b + t * k;
+        for (int64_t i = 0; i < k; ++i)
+            for (int64_t j = 0; j < k; ++j)
+                if (ra[i] == rb[j]) {
+                    ++shared;
+                    break;
+                }
+    }
+    red[threadIdx.x][0] = shared;
+    red[threadIdx.x][1] = valid;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) {
+            red[threadIdx.x][0] += red[threadIdx.x + stride][0];
+            red[threadIdx.x][1] += red[threadIdx.x + stride][1];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[2 * blockIdx.x] = red[0][0], partial[2 * blockIdx.x + 1] = red[0][1];
+}
+
+__global__ void __launch_bounds__(MOE_BAL_FINAL_THREADS)
+moe_topk_overlap_final_kernel(float *overlap, const int64_t *partial, int64_t nblocks,
+                              int64_t k) {
+    __shared__ int64_t red[MOE_BAL_FINAL_THREADS][2];
+    int64_t shared = 0, valid = 0;
+    for (int64_t b = threadIdx.x; b < nblocks; b += blockDim.x)
+        shared += partial[2 * b], valid += partial[2 * b + 1];
+    red[threadIdx.x][0] = shared;
+    red[threadIdx.x][1] = valid;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) {
+            red[threadIdx.x][0] += red[threadIdx.x + stride][0];
+            red[threadIdx.x][1] += red[threadIdx.x + stride][1];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        shared = red[0][0], valid = red[0][1];
+        *overlap = valid > 0 ? (float)((double)shared / ((double)valid * (double)k)) : 0.0f;
+    }
+}
+
+/* Workspace: count partials [chunks, E], then entropy partials [2 · token blocks] (fp64). */
+extern "C" size_t moe_cuda_routing_metrics_workspace_size(int64_t num_tokens,
+                                                          int64_t num_experts) {
+    if (num_experts < 1) return 0;
+    return ((size_t)moe_col_chunks(num_tokens) * (size_t)num_experts +
+            2u * (size_t)moe_tok_blocks(num_tokens)) * sizeof(double);
+}
+
+extern "C" moe_status_t moe_cuda_routing_metrics_fwd(int64_t *tokens_per_expert, float *stats,
+                                                     const uint8_t *routing_map,
+                                                     const void *scores,
+                                                     const uint8_t *padding_mask,
+                                                     int64_t num_tokens, int64_t num_experts,
+                                                     moe_dtype_t scores_dtype, void *workspace,
+                                                     size_t workspace_bytes, void *stream) {
+    moe_clear_error();
+    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
+    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
+    MOE_CHECK(scores == NULL || moe_is_float_dtype(scores_dtype),
+              "scores must be a float dtype, got %s", moe_dtype_name(scores_dtype));
+    MOE_CHECK(tokens_per_expert && stats && (routing_map || num_tokens == 0),
+              "tokens_per_expert, stats and routing_map must not be NULL");
+    const size_t need = moe_cuda_routing_metrics_workspace_size(num_tokens, num_experts);
+    MOE_CHECK(need == 0 || (workspace != NULL && workspace_bytes >= need),
+              "workspace too small: %zu bytes, need %zu (moe_cuda_routing_metrics_workspace_size)",
+              workspace_bytes, need);
+    cudaStream_t s = (cudaStream_t)stream;
+    const int64_t T = num_tokens, E = num_experts;
+    double *counts = (double *)workspace;
+    double *ent = counts + moe_col_chunks(T) * E;
+    MOE_TRY(moe_launch_col_partial(1, counts, routing_map, MOE_DTYPE_BOOL, padding_mask, T, E, s));
+    const int64_t nblocks = (scores != NULL) ? moe_tok_blocks(T) : 0;
+    if (nblocks > 0) {
+        moe_score_entropy_partial_kernel<<<(unsigned)nblocks, 32 * MOE_BAL_WARPS, 0, s>>>(
+            ent, scores, scores_dtype, padding_mask, T, E);
+        MOE_CHECK_LAUNCH("moe_score_entropy_partial_kernel");
+    }
+    moe_routing_metrics_final_kernel<<<1, MOE_BAL_FINAL_THREADS, 0, s>>>(
+        tokens_per_expert, stats, counts, moe_col_chunks(T), ent, nblocks, E);
+    MOE_CHECK_LAUNCH("moe_routing_metrics_final_kernel");
+    return MOE_OK;
+}
+
+/* Workspace: two int64 words per block of MOE_BAL_FINAL_THREADS tokens. */
+extern "C" size_t moe_cuda_topk_overlap_workspace_size(int64_t num_tokens, int64_t topk) {
+    (void)topk;
+    const int64_t nblocks = num_tokens > 0 ? moe_ceil_div(num_tokens, MOE_BAL_FINAL_THREADS) : 0;
+    return 2u * (size_t)nblocks * sizeof(int64_t);
+}
+
+extern "C" moe_status_t moe_cuda_topk_overlap_fwd(float *overlap, const int64_t *indices_a,
+                                                  const int64_t *indices_b,
+                                                  const uint8_t *padding_mask,
+                                                  int64_t num_tokens, int64_t topk,
+                                                  int64_t num_experts, void *workspace,
+                                                  size_t workspace_bytes, void *stream) {
+    moe_clear_error();
+    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
+    MOE_CHECK(topk >= 1, "topk must be >= 1, got %lld", (long long)topk);
+    MOE_CHECK(num_experts >= topk, "num_experts must be >= topk=%lld, got %lld", (long long)topk,
+              (long long)num_experts);
+    MOE_CHECK(overlap && ((indices_a && indices_b) || num_tokens == 0),
+              "overlap, indices_a and indices_b must not be NULL");
+    const size_t need = moe_cuda_topk_overlap_workspace_size(num_tokens, topk);
+    MOE_CHECK(need == 0 || (workspace != NULL && workspace_bytes >= need),
+              "workspace too small: %zu bytes, need %zu (moe_cuda_topk_overlap_workspace_size)",
+              workspace_bytes, need);
+    cudaStream_t s = (cudaStream_t)stream;
+    int64_t *partial = (int64_t *)workspace;
+    const int64_t nblocks = num_tokens > 0 ? moe_ceil_div(num_tokens, MOE_BAL_FINAL_THREADS) : 0;
+    if (nblocks > 0) {
+        moe_topk_overlap_partial_kernel<<<(unsigned)nblocks, MOE_BAL_FINAL_THREADS, 0, s>>>(
+            partial, indices_a, indices_b, padding_mask, num_tokens, topk);
+        MOE_CHECK_LAUNCH("moe_topk_overlap_partial_kernel");
+    }
+    moe_topk_overlap_final_kernel<<<1, MOE_BAL_FINAL_THREADS, 0, s>>>(overlap, partial, nblocks,
+                                                                      topk);
+    MOE_CHECK_LAUNCH("moe_topk_overlap_final_kernel");
+    return MOE_OK;
+}
