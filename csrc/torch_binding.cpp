@@ -1312,6 +1312,10 @@ TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("sort_chunks_by_idxs", &sort_chunks_by_idxs);
   m.impl("sort_chunks_by_idxs_bwd", &sort_chunks_by_idxs_bwd);
   m.impl("tokens_per_expert", &tokens_per_expert);
+}
+#endif
+
+#ifdef MOE_CORE_WITH_CUDA
 // CUDA kernels of the load-balancing ops and the router's gating linear (issue 6).
 TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("router_gating_linear", &router_gating_linear);
