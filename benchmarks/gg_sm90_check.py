@@ -225,6 +225,7 @@ def correctness(gg: GG) -> int:
     torch.cuda.synchronize()
     if st != 2 or not (y == 7).all():
         fails.append(f"K=12 should be MOE_ERR_UNSUPPORTED (2) untouched, got {st}")
+        print("FAIL", fails[-1])
     print(f"correctness: {n_run} products checked, {len(fails)} failures")
     return len(fails)
 
