@@ -208,14 +208,14 @@ def correctness(gg: GG) -> int:
     for counts, extra, k, n in cases:
         for dtype, odt in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                            (torch.float16, torch.float16)):
-            for bn in ("256", "128"):
-                os.environ["MOE_GG_SM90_BN"] = bn
+            for bn in TILES:
+                os.environ["MOE_GG_SM90_TILE"] = bn
                 f = check_case(gg, counts, extra, k, n, dtype, odt, gen)
                 for line in f[:6]:  # as found: a trap later in the run loses nothing
-                    print(f"FAIL [BN={bn}] {line}", flush=True)
-                fails += [f"[BN={bn}] " + s for s in f]
+                    print(f"FAIL [tile={bn}] {line}", flush=True)
+                fails += [f"[tile={bn}] " + s for s in f]
                 n_run += 6
-    os.environ.pop("MOE_GG_SM90_BN", None)
+    os.environ.pop("MOE_GG_SM90_TILE", None)
     # a problem the kernels do not take must be refused without touching the output
     x = torch.randn(16, 12, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2, 8, 12, device="cuda", dtype=torch.bfloat16)
@@ -243,6 +243,8 @@ def time_ms(fn, iters: int = 10, warmup: int = 3) -> float:
         ts.append(s.elapsed_time(e))
     return statistics.median(ts)
 
+
+TILES = ("256", "128", "pp")  # MOE_GG_SM90_TILE: cooperative 128x256, 128x128, ping-pong 128x128
 
 SHAPES = {  # name: hidden, ffn, experts, topk, tokens
     "mixtral": (4096, 14336, 8, 2, 8192),
@@ -273,12 +275,15 @@ def bench(gg: GG, only: list[str] | None) -> list[str]:
             dx = torch.empty(rows, k, device="cuda", dtype=torch.bfloat16)
             dw = torch.empty(e, n, k, device="cuda", dtype=torch.bfloat16)
             res = {}
-            for bn in ("128", "256"):
-                os.environ["MOE_GG_SM90_BN"] = bn
+            for bn in TILES + ("auto",):
+                if bn == "auto":
+                    os.environ.pop("MOE_GG_SM90_TILE", None)
+                else:
+                    os.environ["MOE_GG_SM90_TILE"] = bn
                 res[f"fwd{bn}"] = time_ms(lambda: gg.run("fwd", y, x, w, offs64, e, k, n, 1))
                 res[f"dgrad{bn}"] = time_ms(lambda: gg.run("dgrad", dx, dy, w, offs64, e, k, n, 1))
                 res[f"wgrad{bn}"] = time_ms(lambda: gg.run("wgrad", dw, x, dy, offs64, e, k, n, 1))
-            os.environ.pop("MOE_GG_SM90_BN", None)
+            os.environ.pop("MOE_GG_SM90_TILE", None)
             wt = w.transpose(1, 2)
             res["t_fwd"] = time_ms(lambda: torch._grouped_mm(x, wt, offs=offs32))
             res["t_dgrad"] = time_ms(lambda: torch._grouped_mm(dy, w, offs=offs32))
@@ -300,11 +305,13 @@ def bench(gg: GG, only: list[str] | None) -> list[str]:
             yt = torch._grouped_mm(x, wt, offs=offs32)
             rel = ((y.float() - yt.float()).norm() / yt.float().norm()).item()
             tf = {kk: flop / v / 1e9 for kk, v in res.items()}
-            line = (f"{name:14s} {fc} rows={rows} K={k} N={n} | fwd ours128 {tf['fwd128']:6.1f} "
-                    f"ours256 {tf['fwd256']:6.1f} torch {tf['t_fwd']:6.1f} loop "
-                    f"{tf['loop_fwd']:6.1f} | dgrad {tf['dgrad128']:6.1f}/{tf['dgrad256']:6.1f} "
-                    f"torch {tf['t_dgrad']:6.1f} | wgrad {tf['wgrad128']:6.1f}/"
-                    f"{tf['wgrad256']:6.1f} torch {tf['t_wgrad']:6.1f} | rel {rel:.1e}")
+            def ours(op: str) -> str:
+                return "/".join(f"{tf[op + t]:.0f}" for t in TILES + ("auto",))
+
+            line = (f"{name[:6]} {fc} K={k:5d} N={n:5d} | fwd {ours('fwd')} torch "
+                    f"{tf['t_fwd']:.0f} loop {tf['loop_fwd']:.0f} | dgrad {ours('dgrad')} torch "
+                    f"{tf['t_dgrad']:.0f} | wgrad {ours('wgrad')} torch {tf['t_wgrad']:.0f} "
+                    f"| rel {rel:.0e}")
             print(line, flush=True)
             lines.append(line)
             del x, w, dy, y, dx, dw
@@ -324,7 +331,7 @@ def main() -> int:
           gg.lib.moe_cuda_gg_sm90_compiled())
     nfail = 0 if args.no_check else correctness(gg)
     lines = [] if args.no_bench else bench(gg, args.shapes)
-    print("\n==== summary (TFLOP/s) ====")
+    print("\n==== summary: TFLOP/s, ours as tile " + "/".join(TILES) + "/auto ====")
     for line in lines:
         print(line)
     print("correctness failures:", nfail)

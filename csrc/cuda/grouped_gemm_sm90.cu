@@ -52,7 +52,11 @@
 /* Stages of the smem ring: 192 KB of operands for either tile width. */
 #define GG_STAGES(BN) ((BN) == 256 ? 4 : 6)
 #define GG_STAGE_BYTES(BN) (GG_BM * GG_BK * 2 + (BN) * GG_BK * 2)
-#define GG_SMEM_BYTES(BN) (GG_STAGES(BN) * GG_STAGE_BYTES(BN) + 1024)
+/* epilogue staging: per consumer warpgroup 64 rows x 64 16-bit columns, rows padded to 144 B so
+ * the fragment writes (8 rows x 4 column pairs per warp) hit 32 distinct banks */
+#define GG_C_PITCH 144
+#define GG_C_BYTES (64 * GG_C_PITCH)
+#define GG_SMEM_BYTES(BN) (GG_STAGES(BN) * GG_STAGE_BYTES(BN) + 2 * GG_C_BYTES + 1024)
 
 /* Sizes the kernel needs besides the tensor maps (passed by value). */
 typedef struct gg_args {
@@ -283,6 +287,39 @@ __device__ __forceinline__ void gg_store_block(OutT *base, int64_t ld, int row_l
         }
     }
 }
+
+/* 16-bit outputs: the block goes through shared memory 64 columns at a time, so that global
+ * stores are 16 bytes per thread and whole 128-byte lines per 8 threads (direct fragment stores
+ * are 4 bytes, 8 rows per instruction: several times the L2 transactions, and they dominated the
+ * tile time when K is short). cbuf: this warpgroup's GG_C_BYTES; bar: its named barrier. */
+template <int BN, typename OutT>
+__device__ __forceinline__ void gg_store_block_staged(OutT *base, int64_t ld, int row_lim,
+                                                      int col_lim, const float (&d)[BN / 2],
+                                                      uint8_t *cbuf, int bar) {
+    const int tw = threadIdx.x & 127, w = tw / 32, l = tw & 31;
+    const int r0 = 16 * w + l / 4, c0 = 2 * (l & 3);
+#pragma unroll
+    for (int q = 0; q < BN / 64; ++q) {
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+            const int j = 8 * q + jj, c = 8 * jj + c0;
+            OutT lo2[2], hi2[2];
+            gg_store2(lo2, d[4 * j], d[4 * j + 1]);
+            gg_store2(hi2, d[4 * j + 2], d[4 * j + 3]);
+            *(uint32_t *)(cbuf + r0 * GG_C_PITCH + c * 2) = *(const uint32_t *)lo2;
+            *(uint32_t *)(cbuf + (r0 + 8) * GG_C_PITCH + c * 2) = *(const uint32_t *)hi2;
+        }
+        asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tw + 128 * i, row = idx / 8, ch = idx % 8, col = 64 * q + 8 * ch;
+            if (row < row_lim && col < col_lim)
+                *(uint4 *)(base + (int64_t)row * ld + col) =
+                    *(const uint4 *)(cbuf + row * GG_C_PITCH + ch * 16);
+        }
+        asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
+    }
+}
 #endif /* GG_SM90A */
 
 /*
@@ -293,7 +330,7 @@ __device__ __forceinline__ void gg_store_block(OutT *base, int64_t ld, int row_l
  *   wgrad:     map_a = activation giving the output rows [num_rows, m_static] (box 64 x 64),
  *              map_b = activation giving the output columns, as 3-D [1, num_rows, n_out].
  */
-template <int BN, bool F16, bool B_MN, bool WGRAD>
+template <int BN, bool F16, bool B_MN, bool WGRAD, bool PP>
 __global__ void __launch_bounds__(GG_THREADS, 1)
     gg_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                    const __grid_constant__ CUtensorMap map_b, const gg_args_t args) {
@@ -302,7 +339,8 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
     constexpr int A_BYTES = GG_BM * GG_BK * 2;
     constexpr int STAGE_BYTES = GG_STAGE_BYTES(BN);
     constexpr int TA = WGRAD ? 1 : 0, TB = B_MN ? 1 : 0;
-    __shared__ __align__(8) uint64_t full_bar[STAGES], empty_bar[STAGES];
+    static_assert(!PP || BN == 128, "ping-pong tiles are 128 x 128");
+    __shared__ __align__(8) uint64_t full_bar[STAGES], empty_bar[STAGES], order_bar[2];
     __shared__ int64_t s_off[GG_MAX_E + 1];
     __shared__ int s_cum[GG_MAX_E + 1];
     extern __shared__ uint8_t gg_smem_raw[];
@@ -314,8 +352,10 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             gg_mbar_init(&full_bar[s], 1);
-            gg_mbar_init(&empty_bar[s], 8); /* one arrival per consumer warp */
+            gg_mbar_init(&empty_bar[s], PP ? 4 : 8); /* one arrival per consuming warp */
         }
+        gg_mbar_init(&order_bar[0], 4);
+        gg_mbar_init(&order_bar[1], 4);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
@@ -388,17 +428,40 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
             }
         }
     } else {
-        /* ---- consumer warpgroups: 64 rows each of the 128 x BN tile ---- */
+        /* ---- consumer warpgroups ----
+         * cooperative (PP = 0): both take every tile, 64 rows each, and store together.
+         * ping-pong (PP = 1, BN = 128): each takes every other tile of the CTA, all 128 rows;
+         * its epilogue runs while the other one's main loop keeps the tensor cores busy. The
+         * ring is shared in tile order, so a warpgroup skips the other's stages, and it starts a
+         * main loop only once the other has finished the previous tile's (order_bar): a wait is
+         * then never more than one phase ahead of its barrier, as parity waits require. */
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-        const int cw = warp - 4;  /* consumer warp 0..7 */
-        const int wg = cw / 4;    /* consumer warpgroup 0..1: rows 64 wg .. 64 wg + 63 */
-        int stage = 0;
-        uint32_t phase = 0;
-        float acc[BN / 2];
-        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        constexpr int MH = PP ? 2 : 1; /* 64-row halves per warpgroup */
+        const int wg = (warp - 4) / 4;
+        const int ztid = PP ? (threadIdx.x & 127) : (threadIdx.x - 128);
+        int stage = 0, prev_stage = 0;
+        uint32_t phase = 0, ord_phase = 0;
+        float acc[MH][BN / 2];
+        uint8_t *cbuf = smem + STAGES * STAGE_BYTES + wg * GG_C_BYTES;
+        int j = 0;
+        for (int t = blockIdx.x; t < total; t += gridDim.x, ++j) {
             const gg_tile_t tl = gg_decode<WGRAD>(t, args, s_off, s_cum);
+            if constexpr (PP) {
+                if ((j & 1) != wg) {
+                    const int pos = stage + tl.iters;
+                    phase ^= (uint32_t)(pos / STAGES) & 1;
+                    stage = pos % STAGES;
+                    continue;
+                }
+                if (j > 0) {
+                    gg_mbar_wait(&order_bar[wg], ord_phase);
+                    ord_phase ^= 1;
+                }
+            }
 #pragma unroll
-            for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+            for (int h = 0; h < MH; ++h)
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
             for (int kb = 0; kb < tl.iters; ++kb) {
                 gg_mbar_wait(&full_bar[stage], phase);
                 uint8_t *sa = smem + stage * STAGE_BYTES, *sb = sa + A_BYTES;
@@ -408,55 +471,75 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                     if (valid64 < GG_BK) {
                         const int valid = (int)valid64, per_box = (GG_BK - valid) * 8;
                         const int n_chunks = (2 + BN / 64) * per_box;
-                        for (int i = threadIdx.x - 128; i < n_chunks; i += 256) {
+                        for (int i = ztid; i < n_chunks; i += (PP ? 128 : 256)) {
                             const int box = i / per_box, rem = i - box * per_box;
                             *(uint4 *)(sa + box * GG_BOX_BYTES + valid * 128 + rem * 16) =
                                 make_uint4(0, 0, 0, 0);
                         }
                         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                        asm volatile("bar.sync 1, 256;" ::: "memory");
+                        if constexpr (PP)
+                            asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");
+                        else
+                            asm volatile("bar.sync 1, 256;" ::: "memory");
                     }
                 }
-                gg_fence_acc(acc);
+#pragma unroll
+                for (int h = 0; h < MH; ++h) gg_fence_acc(acc[h]);
                 asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-                const uint32_t a_base = gg_smem_addr(sa) + wg * GG_BOX_BYTES;
+                const uint32_t a_base = gg_smem_addr(sa) + (PP ? 0 : wg * GG_BOX_BYTES);
                 const uint32_t b_base = gg_smem_addr(sb);
 #pragma unroll
                 for (int s = 0; s < GG_BK / 16; ++s) {
                     /* K-major: +32 bytes per k16 inside the swizzled row; MN-major: +16 rows */
-                    const uint64_t da = WGRAD ? gg_desc(a_base + s * 2048, GG_BOX_BYTES, 1024)
-                                              : gg_desc(a_base + s * 32, 16, 1024);
                     const uint64_t db = B_MN ? gg_desc(b_base + s * 2048, GG_BOX_BYTES, 1024)
                                              : gg_desc(b_base + s * 32, 16, 1024);
-                    gg_wgmma<BN, F16, TA, TB>(acc, da, db);
+#pragma unroll
+                    for (int h = 0; h < MH; ++h) {
+                        const uint32_t ah = a_base + h * GG_BOX_BYTES;
+                        const uint64_t da = WGRAD ? gg_desc(ah + s * 2048, GG_BOX_BYTES, 1024)
+                                                  : gg_desc(ah + s * 32, 16, 1024);
+                        gg_wgmma<BN, F16, TA, TB>(acc[h], da, db);
+                    }
                 }
                 asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-                gg_fence_acc(acc);
-                if (lane == 0) gg_mbar_arrive(&empty_bar[stage]);
+                /* one group stays in flight: the previous k block's is done, free its stage */
+                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                if (kb > 0 && lane == 0) gg_mbar_arrive(&empty_bar[prev_stage]);
+                prev_stage = stage;
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
+            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+            for (int h = 0; h < MH; ++h) gg_fence_acc(acc[h]);
+            if (tl.iters > 0 && lane == 0) gg_mbar_arrive(&empty_bar[prev_stage]);
+            if constexpr (PP)
+                if (lane == 0) gg_mbar_arrive(&order_bar[wg ^ 1]);
             /* epilogue: one rounding to out_dtype, masked stores */
-            const int m0 = tl.m_blk * GG_BM + wg * 64, n0 = tl.n_blk * BN;
-            const int col_lim = args.n_out - n0;
-            int64_t ld, off;
-            int row_lim;
-            if constexpr (WGRAD) {
-                ld = args.n_out;
-                off = ((int64_t)tl.e * args.m_static + m0) * ld + n0;
-                row_lim = args.m_static - m0;
-            } else {
-                ld = args.ld_out;
-                off = (tl.row0 + m0) * ld + n0;
-                const int64_t lim = tl.row_end - tl.row0 - m0;
-                row_lim = lim > 64 ? 64 : (int)lim;
+#pragma unroll
+            for (int h = 0; h < MH; ++h) {
+                const int m0 = tl.m_blk * GG_BM + (PP ? h : wg) * 64, n0 = tl.n_blk * BN;
+                const int col_lim = args.n_out - n0;
+                int64_t ld, off;
+                int row_lim;
+                if constexpr (WGRAD) {
+                    ld = args.n_out;
+                    off = ((int64_t)tl.e * args.m_static + m0) * ld + n0;
+                    row_lim = args.m_static - m0;
+                } else {
+                    ld = args.ld_out;
+                    off = (tl.row0 + m0) * ld + n0;
+                    const int64_t lim = tl.row_end - tl.row0 - m0;
+                    row_lim = lim > 64 ? 64 : (int)lim;
+                }
+                if (args.out_dtype == MOE_DTYPE_BF16)
+                    gg_store_block_staged<BN>((__nv_bfloat16 *)args.out + off, ld, row_lim,
+                                              col_lim, acc[h], cbuf, 2 + wg);
+                else if (args.out_dtype == MOE_DTYPE_FP16)
+                    gg_store_block_staged<BN>((__half *)args.out + off, ld, row_lim, col_lim,
+                                              acc[h], cbuf, 2 + wg);
+                else
+                    gg_store_block<BN>((float *)args.out + off, ld, row_lim, col_lim, acc[h]);
             }
-            if (args.out_dtype == MOE_DTYPE_BF16)
-                gg_store_block<BN>((__nv_bfloat16 *)args.out + off, ld, row_lim, col_lim, acc);
-            else if (args.out_dtype == MOE_DTYPE_FP16)
-                gg_store_block<BN>((__half *)args.out + off, ld, row_lim, col_lim, acc);
-            else
-                gg_store_block<BN>((float *)args.out + off, ld, row_lim, col_lim, acc);
         }
     }
 #endif /* GG_SM90A */
@@ -530,7 +613,7 @@ static int gg_kernel_real(const void *k) {
 }
 
 extern "C" int moe_cuda_gg_sm90_compiled(void) {
-    return gg_kernel_real((const void *)gg_sm90_kernel<256, false, false, false>);
+    return gg_kernel_real((const void *)gg_sm90_kernel<256, false, false, false, false>);
 }
 
 extern "C" size_t moe_cuda_gg_sm90_workspace_size(const moe_grouped_gemm_params_t *params) {
@@ -540,16 +623,19 @@ extern "C" size_t moe_cuda_gg_sm90_workspace_size(const moe_grouped_gemm_params_
 
 typedef enum { GG_FWD = 0, GG_DGRAD = 1, GG_WGRAD = 2 } gg_op_t;
 
-template <int BN, bool F16>
+template <int BN, bool F16, bool PP>
 static gg_kernel_t gg_pick(int b_mn, int wgrad) {
-    if (wgrad) return gg_sm90_kernel<BN, F16, true, true>;
-    return b_mn ? gg_sm90_kernel<BN, F16, true, false> : gg_sm90_kernel<BN, F16, false, false>;
+    if (wgrad) return gg_sm90_kernel<BN, F16, true, true, PP>;
+    return b_mn ? gg_sm90_kernel<BN, F16, true, false, PP>
+                : gg_sm90_kernel<BN, F16, false, false, PP>;
 }
 
-/* Tile width: MOE_GG_SM90_BN=128|256 forces one (benchmarks); else 256 unless the output is
- * narrow or 256-wide tiles would leave most SMs idle. */
-static int gg_choose_bn(int64_t n_out, int64_t tiles_256, int sms) {
-    const char *env = getenv("MOE_GG_SM90_BN");
+/* Kernel shape: 256 = cooperative 128 x 256 tiles, 128 = cooperative 128 x 128, 1 = ping-pong
+ * 128 x 128. MOE_GG_SM90_TILE=256|128|pp forces one (benchmarks); else 256 unless the output
+ * is narrow or 256-wide tiles would leave most SMs idle. */
+static int gg_choose_tile(int64_t n_out, int64_t tiles_256, int sms) {
+    const char *env = getenv("MOE_GG_SM90_TILE");
+    if (env && !strcmp(env, "pp")) return 1;
     if (env && (atoi(env) == 128 || atoi(env) == 256)) return atoi(env);
     if (n_out <= 128) return 128;
     if (tiles_256 < sms) return 128;
@@ -615,7 +701,7 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         tiles_256 = E * ((m_static + GG_BM - 1) / GG_BM) * n_tiles_256;
     else
         tiles_256 = (rows / GG_BM + E) * n_tiles_256; /* upper bound */
-    const int bn = gg_choose_bn(n_out, tiles_256, sms);
+    const int tile = gg_choose_tile(n_out, tiles_256, sms), bn = tile == 256 ? 256 : 128;
     const int64_t n_tiles = (n_out + bn - 1) / bn;
     const int64_t m_tiles_static = (m_static + GG_BM - 1) / GG_BM;
     const int64_t tiles_bound =
@@ -648,10 +734,13 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
     args.ld_out = n_out;
 
     const int wgrad = op == GG_WGRAD, f16 = dt == MOE_DTYPE_FP16;
-    gg_kernel_t k = bn == 256 ? (f16 ? gg_pick<256, true>(b_mn, wgrad)
-                                     : gg_pick<256, false>(b_mn, wgrad))
-                              : (f16 ? gg_pick<128, true>(b_mn, wgrad)
-                                     : gg_pick<128, false>(b_mn, wgrad));
+    gg_kernel_t k;
+    if (tile == 256)
+        k = f16 ? gg_pick<256, true, false>(b_mn, wgrad) : gg_pick<256, false, false>(b_mn, wgrad);
+    else if (tile == 128)
+        k = f16 ? gg_pick<128, true, false>(b_mn, wgrad) : gg_pick<128, false, false>(b_mn, wgrad);
+    else
+        k = f16 ? gg_pick<128, true, true>(b_mn, wgrad) : gg_pick<128, false, true>(b_mn, wgrad);
     if (!gg_kernel_real((const void *)k)) return MOE_ERR_UNSUPPORTED;
     const int smem = bn == 256 ? GG_SMEM_BYTES(256) : GG_SMEM_BYTES(128);
     if (cudaFuncSetAttribute((const void *)k, cudaFuncAttributeMaxDynamicSharedMemorySize,
