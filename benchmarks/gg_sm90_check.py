@@ -230,21 +230,34 @@ def correctness(gg: GG) -> int:
     return len(fails)
 
 
-def time_ms(fn, iters: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
+def time_interleaved(fns: dict, rounds: int = 20, preheat_s: float = 0.5) -> dict:
+    """Median ms of each callable, timed round-robin (one call of each per round, CUDA events),
+    after a pre-heat: the card's clock drifts down under sustained load, and timing variants one
+    after another would favour whichever ran first."""
+    for fn in fns.values():
         fn()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+    torch.cuda.synchronize()
+    first = next(iter(fns.values()))
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    first()
+    e.record()
+    e.synchronize()
+    for _ in range(max(1, int(preheat_s * 1e3 / max(s.elapsed_time(e), 1e-3)))):
+        first()
+    ts = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            ts[k].append(s.elapsed_time(e))
+    return {k: statistics.median(v) for k, v in ts.items()}
 
 
-TILES = ("256", "128", "pp")  # MOE_GG_SM90_TILE: cooperative 128x256, 128x128, ping-pong 128x128
+TILES = ("256", "128")  # MOE_GG_SM90_TILE: cooperative 128x256, 128x128
 
 SHAPES = {  # name: hidden, ffn, experts, topk, tokens
     "mixtral": (4096, 14336, 8, 2, 8192),
@@ -254,6 +267,7 @@ SHAPES = {  # name: hidden, ffn, experts, topk, tokens
 
 
 def bench(gg: GG, only: list[str] | None) -> list[str]:
+    """TFLOP/s of ours (default tile and 128-wide), torch._grouped_mm and a per-expert loop."""
     torch.manual_seed(0)
     lines = []
     for name, (h, ffn, e, topk, tokens) in SHAPES.items():
@@ -274,24 +288,16 @@ def bench(gg: GG, only: list[str] | None) -> list[str]:
             y = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
             dx = torch.empty(rows, k, device="cuda", dtype=torch.bfloat16)
             dw = torch.empty(e, n, k, device="cuda", dtype=torch.bfloat16)
-            res = {}
-            for bn in TILES + ("auto",):
-                if bn == "auto":
-                    os.environ.pop("MOE_GG_SM90_TILE", None)
-                else:
-                    os.environ["MOE_GG_SM90_TILE"] = bn
-                res[f"fwd{bn}"] = time_ms(lambda: gg.run("fwd", y, x, w, offs64, e, k, n, 1))
-                res[f"dgrad{bn}"] = time_ms(lambda: gg.run("dgrad", dx, dy, w, offs64, e, k, n, 1))
-                res[f"wgrad{bn}"] = time_ms(lambda: gg.run("wgrad", dw, x, dy, offs64, e, k, n, 1))
-            os.environ.pop("MOE_GG_SM90_TILE", None)
             wt = w.transpose(1, 2)
-            res["t_fwd"] = time_ms(lambda: torch._grouped_mm(x, wt, offs=offs32))
-            res["t_dgrad"] = time_ms(lambda: torch._grouped_mm(dy, w, offs=offs32))
-            try:
-                res["t_wgrad"] = time_ms(lambda: torch._grouped_mm(dy.t(), x, offs=offs32))
-            except Exception as exc:  # noqa: BLE001
-                print("torch wgrad:", exc)
-                res["t_wgrad"] = float("nan")
+
+            def ours(op: str, out, a, b, tile: str | None = None):
+                def fn() -> None:
+                    if tile:
+                        os.environ["MOE_GG_SM90_TILE"] = tile
+                    else:
+                        os.environ.pop("MOE_GG_SM90_TILE", None)
+                    gg.run(op, out, a, b, offs64, e, k, n, 1)
+                return fn
 
             def loop() -> None:
                 for i in range(e):
@@ -299,22 +305,28 @@ def bench(gg: GG, only: list[str] | None) -> list[str]:
                     if b > a:
                         torch.mm(x[a:b], w[i].t(), out=y[a:b])
 
-            res["loop_fwd"] = time_ms(loop, iters=5)
+            fns = {
+                "fwd": ours("fwd", y, x, w), "fwd128": ours("fwd", y, x, w, "128"),
+                "t_fwd": lambda: torch._grouped_mm(x, wt, offs=offs32), "loop": loop,
+                "dgrad": ours("dgrad", dx, dy, w),
+                "t_dgrad": lambda: torch._grouped_mm(dy, w, offs=offs32),
+                "wgrad": ours("wgrad", dw, x, dy),
+                "t_wgrad": lambda: torch._grouped_mm(dy.t(), x, offs=offs32),
+            }
+            res = time_interleaved(fns)
+            os.environ.pop("MOE_GG_SM90_TILE", None)
             # sanity: ours vs torch on this shape
             gg.run("fwd", y, x, w, offs64, e, k, n, 1)
             yt = torch._grouped_mm(x, wt, offs=offs32)
             rel = ((y.float() - yt.float()).norm() / yt.float().norm()).item()
             tf = {kk: flop / v / 1e9 for kk, v in res.items()}
-            def ours(op: str) -> str:
-                return "/".join(f"{tf[op + t]:.0f}" for t in TILES + ("auto",))
-
-            line = (f"{name[:6]} {fc} K={k:5d} N={n:5d} | fwd {ours('fwd')} torch "
-                    f"{tf['t_fwd']:.0f} loop {tf['loop_fwd']:.0f} | dgrad {ours('dgrad')} torch "
-                    f"{tf['t_dgrad']:.0f} | wgrad {ours('wgrad')} torch {tf['t_wgrad']:.0f} "
-                    f"| rel {rel:.0e}")
+            line = (f"{name[:6]} {fc} K={k:5d} N={n:5d} | fwd {tf['fwd']:4.0f} ({tf['fwd128']:3.0f})"
+                    f" torch {tf['t_fwd']:4.0f} loop {tf['loop']:4.0f} | dgrad {tf['dgrad']:4.0f} "
+                    f"torch {tf['t_dgrad']:4.0f} | wgrad {tf['wgrad']:4.0f} torch "
+                    f"{tf['t_wgrad']:4.0f} | ms {res['fwd']:.3f} rel {rel:.0e}")
             print(line, flush=True)
             lines.append(line)
-            del x, w, dy, y, dx, dw
+            del x, w, dy, y, dx, dw, wt
             torch.cuda.empty_cache()
     return lines
 
@@ -331,7 +343,7 @@ def main() -> int:
           gg.lib.moe_cuda_gg_sm90_compiled())
     nfail = 0 if args.no_check else correctness(gg)
     lines = [] if args.no_bench else bench(gg, args.shapes)
-    print("\n==== summary: TFLOP/s, ours as tile " + "/".join(TILES) + "/auto ====")
+    print("\n==== summary: TFLOP/s (bf16, trans_w=1; fwd: ours default tile (128-wide)) ====")
     for line in lines:
         print(line)
     print("correctness failures:", nfail)

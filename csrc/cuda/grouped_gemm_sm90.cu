@@ -330,7 +330,7 @@ __device__ __forceinline__ void gg_store_block_staged(OutT *base, int64_t ld, in
  *   wgrad:     map_a = activation giving the output rows [num_rows, m_static] (box 64 x 64),
  *              map_b = activation giving the output columns, as 3-D [1, num_rows, n_out].
  */
-template <int BN, bool F16, bool B_MN, bool WGRAD, bool PP>
+template <int BN, bool F16, bool B_MN, bool WGRAD>
 __global__ void __launch_bounds__(GG_THREADS, 1)
     gg_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                    const __grid_constant__ CUtensorMap map_b, const gg_args_t args) {
@@ -339,8 +339,7 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
     constexpr int A_BYTES = GG_BM * GG_BK * 2;
     constexpr int STAGE_BYTES = GG_STAGE_BYTES(BN);
     constexpr int TA = WGRAD ? 1 : 0, TB = B_MN ? 1 : 0;
-    static_assert(!PP || BN == 128, "ping-pong tiles are 128 x 128");
-    __shared__ __align__(8) uint64_t full_bar[STAGES], empty_bar[STAGES], order_bar[2];
+    __shared__ __align__(8) uint64_t full_bar[STAGES], empty_bar[STAGES];
     __shared__ int64_t s_off[GG_MAX_E + 1];
     __shared__ int s_cum[GG_MAX_E + 1];
     extern __shared__ uint8_t gg_smem_raw[];
@@ -352,10 +351,8 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             gg_mbar_init(&full_bar[s], 1);
-            gg_mbar_init(&empty_bar[s], PP ? 4 : 8); /* one arrival per consuming warp */
+            gg_mbar_init(&empty_bar[s], 8); /* one arrival per consumer warp */
         }
-        gg_mbar_init(&order_bar[0], 4);
-        gg_mbar_init(&order_bar[1], 4);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
@@ -428,40 +425,35 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
             }
         }
     } else {
-        /* ---- consumer warpgroups ----
-         * cooperative (PP = 0): both take every tile, 64 rows each, and store together.
-         * ping-pong (PP = 1, BN = 128): each takes every other tile of the CTA, all 128 rows;
-         * its epilogue runs while the other one's main loop keeps the tensor cores busy. The
-         * ring is shared in tile order, so a warpgroup skips the other's stages, and it starts a
-         * main loop only once the other has finished the previous tile's (order_bar): a wait is
-         * then never more than one phase ahead of its barrier, as parity waits require. */
+        /* ---- consumer warpgroups: 64 rows each of the 128 x BN tile ---- */
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-        constexpr int MH = PP ? 2 : 1; /* 64-row halves per warpgroup */
         const int wg = (warp - 4) / 4;
-        const int ztid = PP ? (threadIdx.x & 127) : (threadIdx.x - 128);
         int stage = 0, prev_stage = 0;
-        uint32_t phase = 0, ord_phase = 0;
-        float acc[MH][BN / 2];
+        uint32_t phase = 0;
+        float acc[BN / 2];
         uint8_t *cbuf = smem + STAGES * STAGE_BYTES + wg * GG_C_BYTES;
-        int j = 0;
-        for (int t = blockIdx.x; t < total; t += gridDim.x, ++j) {
+        for (int t = blockIdx.x; t < total; t += gridDim.x) {
             const gg_tile_t tl = gg_decode<WGRAD>(t, args, s_off, s_cum);
-            if constexpr (PP) {
-                if ((j & 1) != wg) {
-                    const int pos = stage + tl.iters;
-                    phase ^= (uint32_t)(pos / STAGES) & 1;
-                    stage = pos % STAGES;
-                    continue;
-                }
-                if (j > 0) {
-                    gg_mbar_wait(&order_bar[wg], ord_phase);
-                    ord_phase ^= 1;
-                }
+            const int m0 = tl.m_blk * GG_BM + wg * 64, n0 = tl.n_blk * BN;
+            const int col_lim = args.n_out - n0;
+            int64_t ld, off;
+            int row_lim;
+            if constexpr (WGRAD) {
+                ld = args.n_out;
+                off = ((int64_t)tl.e * args.m_static + m0) * ld + n0;
+                row_lim = args.m_static - m0;
+            } else {
+                ld = args.ld_out;
+                off = (tl.row0 + m0) * ld + n0;
+                const int64_t lim = tl.row_end - tl.row0 - m0;
+                row_lim = lim > 64 ? 64 : (int)lim;
             }
+            /* a half tile wholly past the expert's end (its last M tile holding <= 64 rows, half
+             * the tail tiles of small experts) issues no wgmma: the other half runs alone at
+             * the full tensor-core rate */
+            const bool active = row_lim > 0;
 #pragma unroll
-            for (int h = 0; h < MH; ++h)
-#pragma unroll
-                for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
+            for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
             for (int kb = 0; kb < tl.iters; ++kb) {
                 gg_mbar_wait(&full_bar[stage], phase);
                 uint8_t *sa = smem + stage * STAGE_BYTES, *sb = sa + A_BYTES;
@@ -471,75 +463,50 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                     if (valid64 < GG_BK) {
                         const int valid = (int)valid64, per_box = (GG_BK - valid) * 8;
                         const int n_chunks = (2 + BN / 64) * per_box;
-                        for (int i = ztid; i < n_chunks; i += (PP ? 128 : 256)) {
+                        for (int i = threadIdx.x - 128; i < n_chunks; i += 256) {
                             const int box = i / per_box, rem = i - box * per_box;
                             *(uint4 *)(sa + box * GG_BOX_BYTES + valid * 128 + rem * 16) =
                                 make_uint4(0, 0, 0, 0);
                         }
                         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                        if constexpr (PP)
-                            asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");
-                        else
-                            asm volatile("bar.sync 1, 256;" ::: "memory");
+                        asm volatile("bar.sync 1, 256;" ::: "memory");
                     }
                 }
+                if (active) {
+                    gg_fence_acc(acc);
+                    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+                    const uint32_t a_base = gg_smem_addr(sa) + wg * GG_BOX_BYTES;
+                    const uint32_t b_base = gg_smem_addr(sb);
 #pragma unroll
-                for (int h = 0; h < MH; ++h) gg_fence_acc(acc[h]);
-                asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-                const uint32_t a_base = gg_smem_addr(sa) + (PP ? 0 : wg * GG_BOX_BYTES);
-                const uint32_t b_base = gg_smem_addr(sb);
-#pragma unroll
-                for (int s = 0; s < GG_BK / 16; ++s) {
-                    /* K-major: +32 bytes per k16 inside the swizzled row; MN-major: +16 rows */
-                    const uint64_t db = B_MN ? gg_desc(b_base + s * 2048, GG_BOX_BYTES, 1024)
-                                             : gg_desc(b_base + s * 32, 16, 1024);
-#pragma unroll
-                    for (int h = 0; h < MH; ++h) {
-                        const uint32_t ah = a_base + h * GG_BOX_BYTES;
-                        const uint64_t da = WGRAD ? gg_desc(ah + s * 2048, GG_BOX_BYTES, 1024)
-                                                  : gg_desc(ah + s * 32, 16, 1024);
-                        gg_wgmma<BN, F16, TA, TB>(acc[h], da, db);
+                    for (int s = 0; s < GG_BK / 16; ++s) {
+                        /* K-major: +32 bytes per k16 inside the swizzled row; MN-major: +16 rows */
+                        const uint64_t da = WGRAD ? gg_desc(a_base + s * 2048, GG_BOX_BYTES, 1024)
+                                                  : gg_desc(a_base + s * 32, 16, 1024);
+                        const uint64_t db = B_MN ? gg_desc(b_base + s * 2048, GG_BOX_BYTES, 1024)
+                                                 : gg_desc(b_base + s * 32, 16, 1024);
+                        gg_wgmma<BN, F16, TA, TB>(acc, da, db);
                     }
+                    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                    /* one group stays in flight: the previous k block's is done, free its stage */
+                    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
                 }
-                asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-                /* one group stays in flight: the previous k block's is done, free its stage */
-                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
                 if (kb > 0 && lane == 0) gg_mbar_arrive(&empty_bar[prev_stage]);
                 prev_stage = stage;
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
             asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-            for (int h = 0; h < MH; ++h) gg_fence_acc(acc[h]);
+            gg_fence_acc(acc);
             if (tl.iters > 0 && lane == 0) gg_mbar_arrive(&empty_bar[prev_stage]);
-            if constexpr (PP)
-                if (lane == 0) gg_mbar_arrive(&order_bar[wg ^ 1]);
+            if (!active) continue;
             /* epilogue: one rounding to out_dtype, masked stores */
-#pragma unroll
-            for (int h = 0; h < MH; ++h) {
-                const int m0 = tl.m_blk * GG_BM + (PP ? h : wg) * 64, n0 = tl.n_blk * BN;
-                const int col_lim = args.n_out - n0;
-                int64_t ld, off;
-                int row_lim;
-                if constexpr (WGRAD) {
-                    ld = args.n_out;
-                    off = ((int64_t)tl.e * args.m_static + m0) * ld + n0;
-                    row_lim = args.m_static - m0;
-                } else {
-                    ld = args.ld_out;
-                    off = (tl.row0 + m0) * ld + n0;
-                    const int64_t lim = tl.row_end - tl.row0 - m0;
-                    row_lim = lim > 64 ? 64 : (int)lim;
-                }
-                if (args.out_dtype == MOE_DTYPE_BF16)
-                    gg_store_block_staged<BN>((__nv_bfloat16 *)args.out + off, ld, row_lim,
-                                              col_lim, acc[h], cbuf, 2 + wg);
-                else if (args.out_dtype == MOE_DTYPE_FP16)
-                    gg_store_block_staged<BN>((__half *)args.out + off, ld, row_lim, col_lim,
-                                              acc[h], cbuf, 2 + wg);
-                else
-                    gg_store_block<BN>((float *)args.out + off, ld, row_lim, col_lim, acc[h]);
-            }
+            if (args.out_dtype == MOE_DTYPE_BF16)
+                gg_store_block_staged<BN>((__nv_bfloat16 *)args.out + off, ld, row_lim, col_lim,
+                                          acc, cbuf, 2 + wg);
+            else if (args.out_dtype == MOE_DTYPE_FP16)
+                gg_store_block_staged<BN>((__half *)args.out + off, ld, row_lim, col_lim, acc,
+                                          cbuf, 2 + wg);
+            else
+                gg_store_block<BN>((float *)args.out + off, ld, row_lim, col_lim, acc);
         }
     }
 #endif /* GG_SM90A */
@@ -613,7 +580,7 @@ static int gg_kernel_real(const void *k) {
 }
 
 extern "C" int moe_cuda_gg_sm90_compiled(void) {
-    return gg_kernel_real((const void *)gg_sm90_kernel<256, false, false, false, false>);
+    return gg_kernel_real((const void *)gg_sm90_kernel<256, false, false, false>);
 }
 
 extern "C" size_t moe_cuda_gg_sm90_workspace_size(const moe_grouped_gemm_params_t *params) {
@@ -623,19 +590,17 @@ extern "C" size_t moe_cuda_gg_sm90_workspace_size(const moe_grouped_gemm_params_
 
 typedef enum { GG_FWD = 0, GG_DGRAD = 1, GG_WGRAD = 2 } gg_op_t;
 
-template <int BN, bool F16, bool PP>
+template <int BN, bool F16>
 static gg_kernel_t gg_pick(int b_mn, int wgrad) {
-    if (wgrad) return gg_sm90_kernel<BN, F16, true, true, PP>;
-    return b_mn ? gg_sm90_kernel<BN, F16, true, false, PP>
-                : gg_sm90_kernel<BN, F16, false, false, PP>;
+    if (wgrad) return gg_sm90_kernel<BN, F16, true, true>;
+    return b_mn ? gg_sm90_kernel<BN, F16, true, false> : gg_sm90_kernel<BN, F16, false, false>;
 }
 
-/* Kernel shape: 256 = cooperative 128 x 256 tiles, 128 = cooperative 128 x 128, 1 = ping-pong
- * 128 x 128. MOE_GG_SM90_TILE=256|128|pp forces one (benchmarks); else 256 unless the output
- * is narrow or 256-wide tiles would leave most SMs idle. */
-static int gg_choose_tile(int64_t n_out, int64_t tiles_256, int sms) {
+/* Tile width BN: 128 x 256 tiles measured best on every reference shape (H200; notes in
+ * benchmarks/gg_sm90_check.py); 128 x 128 when the output is narrow or 256-wide tiles would
+ * leave SMs idle. MOE_GG_SM90_TILE=128|256 forces one (benchmarks). */
+static int gg_choose_bn(int64_t n_out, int64_t tiles_256, int sms) {
     const char *env = getenv("MOE_GG_SM90_TILE");
-    if (env && !strcmp(env, "pp")) return 1;
     if (env && (atoi(env) == 128 || atoi(env) == 256)) return atoi(env);
     if (n_out <= 128) return 128;
     if (tiles_256 < sms) return 128;
@@ -701,7 +666,7 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         tiles_256 = E * ((m_static + GG_BM - 1) / GG_BM) * n_tiles_256;
     else
         tiles_256 = (rows / GG_BM + E) * n_tiles_256; /* upper bound */
-    const int tile = gg_choose_tile(n_out, tiles_256, sms), bn = tile == 256 ? 256 : 128;
+    const int bn = gg_choose_bn(n_out, tiles_256, sms);
     const int64_t n_tiles = (n_out + bn - 1) / bn;
     const int64_t m_tiles_static = (m_static + GG_BM - 1) / GG_BM;
     const int64_t tiles_bound =
@@ -735,12 +700,10 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
 
     const int wgrad = op == GG_WGRAD, f16 = dt == MOE_DTYPE_FP16;
     gg_kernel_t k;
-    if (tile == 256)
-        k = f16 ? gg_pick<256, true, false>(b_mn, wgrad) : gg_pick<256, false, false>(b_mn, wgrad);
-    else if (tile == 128)
-        k = f16 ? gg_pick<128, true, false>(b_mn, wgrad) : gg_pick<128, false, false>(b_mn, wgrad);
+    if (bn == 256)
+        k = f16 ? gg_pick<256, true>(b_mn, wgrad) : gg_pick<256, false>(b_mn, wgrad);
     else
-        k = f16 ? gg_pick<128, true, true>(b_mn, wgrad) : gg_pick<128, false, true>(b_mn, wgrad);
+        k = f16 ? gg_pick<128, true>(b_mn, wgrad) : gg_pick<128, false>(b_mn, wgrad);
     if (!gg_kernel_real((const void *)k)) return MOE_ERR_UNSUPPORTED;
     const int smem = bn == 256 ? GG_SMEM_BYTES(256) : GG_SMEM_BYTES(128);
     if (cudaFuncSetAttribute((const void *)k, cudaFuncAttributeMaxDynamicSharedMemorySize,
