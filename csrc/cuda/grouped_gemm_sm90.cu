@@ -17,7 +17,9 @@
  * Layout of a CTA: warpgroup 0 is the producer (one thread issues TMA loads into a ring of
  * STAGES shared-memory stages, 128-byte swizzled, guarded by full/empty mbarriers); warpgroups 1
  * and 2 are consumers, each computing 64 rows x BN columns of the 128 x BN tile with
- * m64nBNk16 wgmma (fp32 accumulators in registers), then storing with row/column masks.
+ * m64nBNk16 wgmma (fp32 accumulators in registers, one wgmma group kept in flight), then
+ * storing with row/column masks (16-bit outputs staged through shared memory for 16-byte
+ * coalesced stores; rows past offsets[E] are zeroed by a small second kernel).
  * Work order: tiles numbered expert by expert; inside an expert, groups of 16 M tiles with M
  * fastest, so the ~132 concurrent tiles share a few weight column blocks and a few row blocks
  * (both stay in L2). Static round-robin over CTAs; every output element has one writer and a
@@ -448,10 +450,10 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                 const int64_t lim = tl.row_end - tl.row0 - m0;
                 row_lim = lim > 64 ? 64 : (int)lim;
             }
-            /* a half tile wholly past the expert's end (its last M tile holding <= 64 rows, half
-             * the tail tiles of small experts) issues no wgmma: the other half runs alone at
-             * the full tensor-core rate */
-            const bool active = row_lim > 0;
+            /* A half tile wholly past the expert's end still issues its wgmma: skipping it ran
+             * fwd/dgrad 25-35% SLOWER on dsv3 (E=256, ~256 rows per expert; H200), most likely
+             * because the CTAs sharing a weight tile then run at different speeds and drift
+             * apart, so the weight, streamed from DRAM there, is no longer shared through L2. */
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
             for (int kb = 0; kb < tl.iters; ++kb) {
@@ -472,24 +474,22 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                         asm volatile("bar.sync 1, 256;" ::: "memory");
                     }
                 }
-                if (active) {
-                    gg_fence_acc(acc);
-                    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-                    const uint32_t a_base = gg_smem_addr(sa) + wg * GG_BOX_BYTES;
-                    const uint32_t b_base = gg_smem_addr(sb);
+                gg_fence_acc(acc);
+                asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+                const uint32_t a_base = gg_smem_addr(sa) + wg * GG_BOX_BYTES;
+                const uint32_t b_base = gg_smem_addr(sb);
 #pragma unroll
-                    for (int s = 0; s < GG_BK / 16; ++s) {
-                        /* K-major: +32 bytes per k16 inside the swizzled row; MN-major: +16 rows */
-                        const uint64_t da = WGRAD ? gg_desc(a_base + s * 2048, GG_BOX_BYTES, 1024)
-                                                  : gg_desc(a_base + s * 32, 16, 1024);
-                        const uint64_t db = B_MN ? gg_desc(b_base + s * 2048, GG_BOX_BYTES, 1024)
-                                                 : gg_desc(b_base + s * 32, 16, 1024);
-                        gg_wgmma<BN, F16, TA, TB>(acc, da, db);
-                    }
-                    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-                    /* one group stays in flight: the previous k block's is done, free its stage */
-                    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                for (int s = 0; s < GG_BK / 16; ++s) {
+                    /* K-major: +32 bytes per k16 inside the swizzled row; MN-major: +16 rows */
+                    const uint64_t da = WGRAD ? gg_desc(a_base + s * 2048, GG_BOX_BYTES, 1024)
+                                              : gg_desc(a_base + s * 32, 16, 1024);
+                    const uint64_t db = B_MN ? gg_desc(b_base + s * 2048, GG_BOX_BYTES, 1024)
+                                             : gg_desc(b_base + s * 32, 16, 1024);
+                    gg_wgmma<BN, F16, TA, TB>(acc, da, db);
                 }
+                asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                /* one group stays in flight: the previous k block's is done, free its stage */
+                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
                 if (kb > 0 && lane == 0) gg_mbar_arrive(&empty_bar[prev_stage]);
                 prev_stage = stage;
                 if (++stage == STAGES) stage = 0, phase ^= 1;
@@ -497,7 +497,7 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
             asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
             gg_fence_acc(acc);
             if (tl.iters > 0 && lane == 0) gg_mbar_arrive(&empty_bar[prev_stage]);
-            if (!active) continue;
+            if (row_lim <= 0) continue;
             /* epilogue: one rounding to out_dtype, masked stores */
             if (args.out_dtype == MOE_DTYPE_BF16)
                 gg_store_block_staged<BN>((__nv_bfloat16 *)args.out + off, ld, row_lim, col_lim,
