@@ -72,6 +72,7 @@ typedef struct gg_args {
     int n_tiles;                   /* ceil(n_out / BN) */
     int m_tiles_static;            /* wgrad: ceil(m_static / 128) */
     int64_t ld_out;                /* fwd/dgrad: row stride of the output in elements */
+    int64_t num_rows;              /* rows of the activation buffers */
 } gg_args_t;
 
 #if GG_SM90A
@@ -349,7 +350,12 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
 
     const int E = args.num_experts;
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    for (int i = threadIdx.x; i <= E; i += GG_THREADS) s_off[i] = args.offsets[i];
+    /* offsets outside [0, num_rows] break the caller's contract; clamped, they cannot make the
+     * kernel write outside the buffers */
+    for (int i = threadIdx.x; i <= E; i += GG_THREADS) {
+        const int64_t o = args.offsets[i];
+        s_off[i] = o < 0 ? 0 : (o > args.num_rows ? args.num_rows : o);
+    }
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             gg_mbar_init(&full_bar[s], 1);
@@ -697,6 +703,7 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
     args.n_tiles = (int)n_tiles;
     args.m_tiles_static = (int)m_tiles_static;
     args.ld_out = n_out;
+    args.num_rows = rows;
 
     const int wgrad = op == GG_WGRAD, f16 = dt == MOE_DTYPE_FP16;
     gg_kernel_t k;
