@@ -1,0 +1,765 @@
+/*
+ * grouped_gemm_sm90.cu: the grouped GEMM on Hopper (sm_90a): wgmma tensor-core products fed by
+ * the TMA copy engine, one persistent CTA per SM walking (expert, M tile, N tile) work items.
+ *
+ * The one clever idea: every product is the same kernel, D[m, n] = sum_r A[m, r] · B[n, r], with
+ * each operand either K-major or MN-major in shared memory (the wgmma descriptor's transpose bit
+ * reads an MN-major 16-bit tile as it was loaded, no data shuffling). fwd and dgrad group the M
+ * dimension by expert (A = the activation rows of the expert, B = its weight, reduction static);
+ * wgrad groups the reduction by expert (A and B = the expert's rows of dy and x, both MN-major).
+ * The expert row ranges never leave the device: ONE tensor map covers the whole activation buffer
+ * [num_rows, cols] and one the whole weight [E, R, C] (3-D, so the weight's own tails are zero-
+ * filled by the copy engine), and each CTA reads expert_offsets into shared memory and derives
+ * its work list from it. Rows of an M tile past the expert's end are loaded (they belong to the
+ * next expert) but never stored; in wgrad the reduction's tail rows are zeroed in shared memory
+ * after the load, so they cannot contribute even when they hold NaN.
+ *
+ * Layout of a CTA: warpgroup 0 is the producer (one thread issues TMA loads into a ring of
+ * STAGES shared-memory stages, 128-byte swizzled, guarded by full/empty mbarriers); warpgroups 1
+ * and 2 are consumers, each computing 64 rows x BN columns of the 128 x BN tile with
+ * m64nBNk16 wgmma (fp32 accumulators in registers, one wgmma group kept in flight), then
+ * storing with row/column masks (16-bit outputs staged through shared memory for 16-byte
+ * coalesced stores; rows past offsets[E] are zeroed by a small second kernel).
+ * Work order: tiles numbered expert by expert; inside an expert, groups of 16 M tiles with M
+ * fastest, so the ~132 concurrent tiles share a few weight column blocks and a few row blocks
+ * (both stay in L2). Static round-robin over CTAs; every output element has one writer and a
+ * fixed summation order (ascending k blocks), no atomics: bitwise reproducible.
+ *
+ * Everything sm_90a-specific is compiled only under __CUDA_ARCH_FEAT_SM90_ALL; in other device
+ * passes (sm_80, plain sm_90) the kernels are empty, and the host learns which case it is from
+ * cudaFuncGetAttributes (the real kernel has static shared memory, the empty one none).
+ */
+#include <cuda.h> /* CUtensorMap and the cuTensorMapEncodeTiled enums only: no -lcuda */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "cuda_common.cuh"
+#include "grouped_gemm_impl.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GG_SM90A 1
+#else
+#define GG_SM90A 0
+#endif
+
+#define GG_BM 128       /* rows of a CTA tile: two consumer warpgroups of 64 */
+#define GG_BK 64        /* reduction per stage: 64 16-bit elements = one 128-byte swizzle row */
+#define GG_THREADS 384  /* producer warpgroup + 2 consumer warpgroups */
+#define GG_MAX_E 1024   /* experts whose offsets fit the shared-memory schedule */
+#define GG_GROUP_M 16   /* M tiles per raster group inside an expert */
+#define GG_BOX_BYTES (64 * 128) /* one 64-row x 128-byte TMA box */
+
+/* Stages of the smem ring: 192 KB of operands for either tile width. */
+#define GG_STAGES(BN) ((BN) == 256 ? 4 : 6)
+#define GG_STAGE_BYTES(BN) (GG_BM * GG_BK * 2 + (BN) * GG_BK * 2)
+/* epilogue staging: per consumer warpgroup 64 rows x 64 16-bit columns, rows padded to 144 B so
+ * the fragment writes (8 rows x 4 column pairs per warp) hit 32 distinct banks */
+#define GG_C_PITCH 144
+#define GG_C_BYTES (64 * GG_C_PITCH)
+#define GG_SMEM_BYTES(BN) (GG_STAGES(BN) * GG_STAGE_BYTES(BN) + 2 * GG_C_BYTES + 1024)
+
+/* Sizes the kernel needs besides the tensor maps (passed by value). */
+typedef struct gg_args {
+    void *out;                     /* y / dx [num_rows, n_out] or dW [E, m_static, n_out] */
+    const int64_t *offsets;        /* [E + 1], device memory */
+    int num_experts;
+    int out_dtype;                 /* moe_dtype_t: fp32, fp16 or bf16 */
+    int n_out;                     /* output columns */
+    int m_static;                  /* wgrad: output rows per expert */
+    int red_iters;                 /* fwd/dgrad: ceil(reduction / 64) */
+    int n_tiles;                   /* ceil(n_out / BN) */
+    int m_tiles_static;            /* wgrad: ceil(m_static / 128) */
+    int64_t ld_out;                /* fwd/dgrad: row stride of the output in elements */
+    int64_t num_rows;              /* rows of the activation buffers */
+} gg_args_t;
+
+#if GG_SM90A
+/* ------------------------------------------------------------------------------------------
+ * PTX wrappers (sm_90a)
+ * ---------------------------------------------------------------------------------------- */
+
+__device__ __forceinline__ uint32_t gg_smem_addr(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void gg_mbar_init(uint64_t *bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(gg_smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void gg_mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(gg_smem_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void gg_mbar_arrive(uint64_t *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(gg_smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ uint32_t gg_mbar_try(uint32_t addr, uint32_t parity) {
+    uint32_t ok;
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(addr), "r"(parity)
+        : "memory");
+    return ok;
+}
+
+/* Waits for the phase of parity `parity` to complete. Built with -DGG_SM90_WATCHDOG (the
+ * standalone check does), a wait that never ends traps instead of hanging the device. */
+__device__ __forceinline__ void gg_mbar_wait(uint64_t *bar, uint32_t parity) {
+    const uint32_t addr = gg_smem_addr(bar);
+#ifdef GG_SM90_WATCHDOG
+    uint32_t n = 0;
+    while (!gg_mbar_try(addr, parity))
+        if (++n == (1u << 24)) {
+            printf("gg_sm90 watchdog: block %d thread %d parity %u\n", blockIdx.x, threadIdx.x,
+                   parity);
+            __trap();
+        }
+#else
+    while (!gg_mbar_try(addr, parity)) {
+    }
+#endif
+}
+
+/* 2-D box [c1][c0] of the tensor map into smem, completing on `bar`. */
+__device__ __forceinline__ void gg_tma_2d(void *dst, const CUtensorMap *map, uint64_t *bar, int c0,
+                                          int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4}], [%2];" ::"r"(gg_smem_addr(dst)),
+        "l"((uint64_t)map), "r"(gg_smem_addr(bar)), "r"(c0), "r"(c1)
+        : "memory");
+}
+
+__device__ __forceinline__ void gg_tma_3d(void *dst, const CUtensorMap *map, uint64_t *bar, int c0,
+                                          int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(gg_smem_addr(dst)),
+        "l"((uint64_t)map), "r"(gg_smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+
+/* wgmma shared-memory descriptor, 128-byte swizzle. K-major: lbo unused, sbo = 1024 (8-row
+ * groups). MN-major: lbo = stride between 64-element MN chunks, sbo = 1024 (8-k groups). */
+__device__ __forceinline__ uint64_t gg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
+           ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+#define GG_R64                                                                             \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "               \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "     \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "     \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define GG_R128                                                                            \
+    GG_R64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, "  \
+           "%79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, "    \
+           "%94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, " \
+           "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, " \
+           "%121, %122, %123, %124, %125, %126, %127"
+#define GG_D8(i)                                                                           \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),            \
+        "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define GG_D64 GG_D8(0), GG_D8(8), GG_D8(16), GG_D8(24), GG_D8(32), GG_D8(40), GG_D8(48), GG_D8(56)
+#define GG_D128                                                                            \
+    GG_D64, GG_D8(64), GG_D8(72), GG_D8(80), GG_D8(88), GG_D8(96), GG_D8(104), GG_D8(112),  \
+        GG_D8(120)
+/* d += A · B for one k16 step; scale-d is the constant 1 (accumulators start at zero). */
+#define GG_WGMMA_ASM(OP, REGS, NA, NB, NS, NTA, NTB, DOPS)                                 \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" NS ", 0;\n"                          \
+                 "wgmma.mma_async.sync.aligned." OP " {" REGS "}, %" NA ", %" NB            \
+                 ", p, 1, 1, %" NTA ", %" NTB ";\n}\n"                                      \
+                 : DOPS                                                                     \
+                 : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB))
+
+template <int BN, bool F16, int TA, int TB>
+__device__ __forceinline__ void gg_wgmma(float (&d)[BN / 2], uint64_t da, uint64_t db) {
+    if constexpr (BN == 256) {
+        if constexpr (F16)
+            GG_WGMMA_ASM("m64n256k16.f32.f16.f16", GG_R128, "128", "129", "130", "131", "132",
+                         GG_D128);
+        else
+            GG_WGMMA_ASM("m64n256k16.f32.bf16.bf16", GG_R128, "128", "129", "130", "131", "132",
+                         GG_D128);
+    } else {
+        if constexpr (F16)
+            GG_WGMMA_ASM("m64n128k16.f32.f16.f16", GG_R64, "64", "65", "66", "67", "68", GG_D64);
+        else
+            GG_WGMMA_ASM("m64n128k16.f32.bf16.bf16", GG_R64, "64", "65", "66", "67", "68", GG_D64);
+    }
+}
+
+/* Keeps the compiler from moving accumulator reads/writes across the async wgmma boundary. */
+template <int N>
+__device__ __forceinline__ void gg_fence_acc(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* One work item: the expert, the tile's M and N block, and its row range. */
+typedef struct gg_tile {
+    int e, m_blk, n_blk, iters;
+    int64_t row0, row_end;
+} gg_tile_t;
+
+/* Raster order inside an expert: groups of GG_GROUP_M M tiles, M fastest inside a group. */
+__device__ __forceinline__ void gg_tile_mn(int local, int num_m, int num_n, int *m, int *n) {
+    const int full = num_m / GG_GROUP_M, per_group = GG_GROUP_M * num_n;
+    const int g = local / per_group;
+    if (g < full) {
+        const int r = local - g * per_group;
+        *m = g * GG_GROUP_M + r % GG_GROUP_M;
+        *n = r / GG_GROUP_M;
+    } else {
+        const int rem = num_m - full * GG_GROUP_M, r = local - full * per_group;
+        *m = full * GG_GROUP_M + r % rem;
+        *n = r / rem;
+    }
+}
+
+template <bool WGRAD>
+__device__ __forceinline__ gg_tile_t gg_decode(int t, const gg_args_t &a, const int64_t *s_off,
+                                               const int *s_cum) {
+    gg_tile_t tl;
+    int local, num_m;
+    if constexpr (WGRAD) {
+        const int per_e = a.m_tiles_static * a.n_tiles;
+        tl.e = t / per_e;
+        local = t - tl.e * per_e;
+        num_m = a.m_tiles_static;
+    } else {
+        int lo = 0, hi = a.num_experts; /* last e with s_cum[e] <= t; s_cum[E] > t */
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (s_cum[mid] <= t) lo = mid; else hi = mid;
+        }
+        tl.e = lo;
+        local = t - s_cum[lo];
+        const int64_t rows = s_off[lo + 1] - s_off[lo];
+        num_m = (int)((rows + GG_BM - 1) / GG_BM);
+    }
+    gg_tile_mn(local, num_m, a.n_tiles, &tl.m_blk, &tl.n_blk);
+    tl.row0 = s_off[tl.e];
+    tl.row_end = s_off[tl.e + 1];
+    if (tl.row_end < tl.row0) tl.row_end = tl.row0; /* a decreasing offset: caller's bug, no hang */
+    if constexpr (WGRAD)
+        tl.iters = (int)((tl.row_end - tl.row0 + GG_BK - 1) / GG_BK);
+    else
+        tl.iters = a.red_iters;
+    return tl;
+}
+
+template <typename OutT>
+__device__ __forceinline__ void gg_store2(OutT *p, float x, float y);
+template <>
+__device__ __forceinline__ void gg_store2<float>(float *p, float x, float y) {
+    *(float2 *)p = make_float2(x, y);
+}
+template <>
+__device__ __forceinline__ void gg_store2<__nv_bfloat16>(__nv_bfloat16 *p, float x, float y) {
+    *(__nv_bfloat162 *)p = __floats2bfloat162_rn(x, y);
+}
+template <>
+__device__ __forceinline__ void gg_store2<__half>(__half *p, float x, float y) {
+    *(__half2 *)p = __floats2half2_rn(x, y);
+}
+
+/* Stores one consumer's 64 x BN accumulator block: thread (warp w, lane l) holds rows
+ * 16w + l/4 (+8) and column pairs 8j + 2(l%4) of each n8 block j. base points at (row 0, col
+ * n0) of the block; rows >= row_lim and columns >= col_lim are not stored. */
+template <int BN, typename OutT>
+__device__ __forceinline__ void gg_store_block(OutT *base, int64_t ld, int row_lim, int col_lim,
+                                               const float (&d)[BN / 2]) {
+    const int w = (threadIdx.x / 32) & 3, l = threadIdx.x & 31;
+    const int r0 = 16 * w + l / 4, c0 = 2 * (l & 3);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        const int c = 8 * j + c0;
+        if (c < col_lim) {
+            if (r0 < row_lim) gg_store2(base + (int64_t)r0 * ld + c, d[4 * j], d[4 * j + 1]);
+            if (r0 + 8 < row_lim)
+                gg_store2(base + (int64_t)(r0 + 8) * ld + c, d[4 * j + 2], d[4 * j + 3]);
+        }
+    }
+}
+
+/* 16-bit outputs: the block goes through shared memory 64 columns at a time, so that global
+ * stores are 16 bytes per thread and whole 128-byte lines per 8 threads (direct fragment stores
+ * are 4 bytes, 8 rows per instruction: several times the L2 transactions, and they dominated the
+ * tile time when K is short). cbuf: this warpgroup's GG_C_BYTES; bar: its named barrier. */
+template <int BN, typename OutT>
+__device__ __forceinline__ void gg_store_block_staged(OutT *base, int64_t ld, int row_lim,
+                                                      int col_lim, const float (&d)[BN / 2],
+                                                      uint8_t *cbuf, int bar) {
+    const int tw = threadIdx.x & 127, w = tw / 32, l = tw & 31;
+    const int r0 = 16 * w + l / 4, c0 = 2 * (l & 3);
+#pragma unroll
+    for (int q = 0; q < BN / 64; ++q) {
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+            const int j = 8 * q + jj, c = 8 * jj + c0;
+            OutT lo2[2], hi2[2];
+            gg_store2(lo2, d[4 * j], d[4 * j + 1]);
+            gg_store2(hi2, d[4 * j + 2], d[4 * j + 3]);
+            *(uint32_t *)(cbuf + r0 * GG_C_PITCH + c * 2) = *(const uint32_t *)lo2;
+            *(uint32_t *)(cbuf + (r0 + 8) * GG_C_PITCH + c * 2) = *(const uint32_t *)hi2;
+        }
+        asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tw + 128 * i, row = idx / 8, ch = idx % 8, col = 64 * q + 8 * ch;
+            if (row < row_lim && col < col_lim)
+                *(uint4 *)(base + (int64_t)row * ld + col) =
+                    *(const uint4 *)(cbuf + row * GG_C_PITCH + ch * 16);
+        }
+        asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
+    }
+}
+#endif /* GG_SM90A */
+
+/*
+ * The persistent grouped GEMM. Template: BN (tile columns), F16 (fp16 operands, else bf16),
+ * B_MN (B tile is MN-major: loaded as 64-wide column chunks), WGRAD (reduction over the expert's
+ * rows: A and B both MN-major, output [E, m_static, n_out]).
+ *   fwd/dgrad: map_a = activation [num_rows, R] (box 64 x 128), map_b = weight [E, *, *] 3-D.
+ *   wgrad:     map_a = activation giving the output rows [num_rows, m_static] (box 64 x 64),
+ *              map_b = activation giving the output columns, as 3-D [1, num_rows, n_out].
+ */
+template <int BN, bool F16, bool B_MN, bool WGRAD>
+__global__ void __launch_bounds__(GG_THREADS, 1)
+    gg_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
+                   const __grid_constant__ CUtensorMap map_b, const gg_args_t args) {
+#if GG_SM90A
+    constexpr int STAGES = GG_STAGES(BN);
+    constexpr int A_BYTES = GG_BM * GG_BK * 2;
+    constexpr int STAGE_BYTES = GG_STAGE_BYTES(BN);
+    constexpr int TA = WGRAD ? 1 : 0, TB = B_MN ? 1 : 0;
+    __shared__ __align__(8) uint64_t full_bar[STAGES], empty_bar[STAGES];
+    __shared__ int64_t s_off[GG_MAX_E + 1];
+    __shared__ int s_cum[GG_MAX_E + 1];
+    extern __shared__ uint8_t gg_smem_raw[];
+    uint8_t *smem = (uint8_t *)(((uintptr_t)gg_smem_raw + 1023) & ~(uintptr_t)1023);
+
+    const int E = args.num_experts;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    /* offsets outside [0, num_rows] break the caller's contract; clamped, they cannot make the
+     * kernel write outside the buffers */
+    for (int i = threadIdx.x; i <= E; i += GG_THREADS) {
+        const int64_t o = args.offsets[i];
+        s_off[i] = o < 0 ? 0 : (o > args.num_rows ? args.num_rows : o);
+    }
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            gg_mbar_init(&full_bar[s], 1);
+            gg_mbar_init(&empty_bar[s], 8); /* one arrival per consumer warp */
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncthreads();
+    int total;
+    if constexpr (WGRAD) {
+        total = E * args.m_tiles_static * args.n_tiles;
+    } else {
+        /* tiles of expert e: ceil(rows_e / 128) * n_tiles; one warp scans them 32 at a time */
+        if (warp == 0) {
+            int carry = 0;
+            for (int base = 0; base < E; base += 32) {
+                const int e = base + lane;
+                int v = 0;
+                if (e < E) {
+                    int64_t rows = s_off[e + 1] - s_off[e];
+                    if (rows < 0) rows = 0;
+                    v = (int)((rows + GG_BM - 1) / GG_BM) * args.n_tiles;
+                }
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int y = __shfl_up_sync(0xffffffffu, v, o);
+                    if (lane >= o) v += y;
+                }
+                if (e < E) s_cum[e + 1] = carry + v;
+                carry += __shfl_sync(0xffffffffu, v, 31);
+            }
+            if (lane == 0) s_cum[0] = 0;
+        }
+        __syncthreads();
+        total = s_cum[E];
+    }
+
+    if (warp < 4) {
+        /* ---- producer warpgroup: one thread feeds the ring ---- */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x == 0) {
+            asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_a) : "memory");
+            asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_b) : "memory");
+            int stage = 0;
+            uint32_t phase = 0;
+            for (int t = blockIdx.x; t < total; t += gridDim.x) {
+                const gg_tile_t tl = gg_decode<WGRAD>(t, args, s_off, s_cum);
+                const int m0 = tl.m_blk * GG_BM, n0 = tl.n_blk * BN;
+                for (int kb = 0; kb < tl.iters; ++kb) {
+                    gg_mbar_wait(&empty_bar[stage], phase ^ 1);
+                    uint8_t *sa = smem + stage * STAGE_BYTES, *sb = sa + A_BYTES;
+                    uint64_t *fb = &full_bar[stage];
+                    gg_mbar_expect_tx(fb, STAGE_BYTES);
+                    if constexpr (WGRAD) {
+                        const int r = (int)(tl.row0 + (int64_t)kb * GG_BK);
+                        gg_tma_2d(sa, &map_a, fb, m0, r);
+                        gg_tma_2d(sa + GG_BOX_BYTES, &map_a, fb, m0 + 64, r);
+#pragma unroll
+                        for (int i = 0; i < BN / 64; ++i)
+                            gg_tma_3d(sb + i * GG_BOX_BYTES, &map_b, fb, n0 + 64 * i, r, 0);
+                    } else {
+                        gg_tma_2d(sa, &map_a, fb, kb * GG_BK, (int)(tl.row0 + m0));
+                        if constexpr (B_MN) {
+#pragma unroll
+                            for (int i = 0; i < BN / 64; ++i)
+                                gg_tma_3d(sb + i * GG_BOX_BYTES, &map_b, fb, n0 + 64 * i,
+                                          kb * GG_BK, tl.e);
+                        } else {
+                            gg_tma_3d(sb, &map_b, fb, kb * GG_BK, n0, tl.e);
+                        }
+                    }
+                    if (++stage == STAGES) stage = 0, phase ^= 1;
+                }
+            }
+        }
+    } else {
+        /* ---- consumer warpgroups: 64 rows each of the 128 x BN tile ---- */
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        const int wg = (warp - 4) / 4;
+        int stage = 0, prev_stage = 0;
+        uint32_t phase = 0;
+        float acc[BN / 2];
+        uint8_t *cbuf = smem + STAGES * STAGE_BYTES + wg * GG_C_BYTES;
+        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            const gg_tile_t tl = gg_decode<WGRAD>(t, args, s_off, s_cum);
+            const int m0 = tl.m_blk * GG_BM + wg * 64, n0 = tl.n_blk * BN;
+            const int col_lim = args.n_out - n0;
+            int64_t ld, off;
+            int row_lim;
+            if constexpr (WGRAD) {
+                ld = args.n_out;
+                off = ((int64_t)tl.e * args.m_static + m0) * ld + n0;
+                row_lim = args.m_static - m0;
+            } else {
+                ld = args.ld_out;
+                off = (tl.row0 + m0) * ld + n0;
+                const int64_t lim = tl.row_end - tl.row0 - m0;
+                row_lim = lim > 64 ? 64 : (int)lim;
+            }
+            /* A half tile wholly past the expert's end still issues its wgmma: skipping it ran
+             * fwd/dgrad 25-35% SLOWER on dsv3 (E=256, ~256 rows per expert; H200), most likely
+             * because the CTAs sharing a weight tile then run at different speeds and drift
+             * apart, so the weight, streamed from DRAM there, is no longer shared through L2. */
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+            for (int kb = 0; kb < tl.iters; ++kb) {
+                gg_mbar_wait(&full_bar[stage], phase);
+                uint8_t *sa = smem + stage * STAGE_BYTES, *sb = sa + A_BYTES;
+                if constexpr (WGRAD) {
+                    /* reduction tail: rows past the expert's end must not contribute */
+                    const int64_t valid64 = tl.row_end - tl.row0 - (int64_t)kb * GG_BK;
+                    if (valid64 < GG_BK) {
+                        const int valid = (int)valid64, per_box = (GG_BK - valid) * 8;
+                        const int n_chunks = (2 + BN / 64) * per_box;
+                        for (int i = threadIdx.x - 128; i < n_chunks; i += 256) {
+                            const int box = i / per_box, rem = i - box * per_box;
+                            *(uint4 *)(sa + box * GG_BOX_BYTES + valid * 128 + rem * 16) =
+                                make_uint4(0, 0, 0, 0);
+                        }
+                        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                        asm volatile("bar.sync 1, 256;" ::: "memory");
+                    }
+                }
+                gg_fence_acc(acc);
+                asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+                const uint32_t a_base = gg_smem_addr(sa) + wg * GG_BOX_BYTES;
+                const uint32_t b_base = gg_smem_addr(sb);
+#pragma unroll
+                for (int s = 0; s < GG_BK / 16; ++s) {
+                    /* K-major: +32 bytes per k16 inside the swizzled row; MN-major: +16 rows */
+                    const uint64_t da = WGRAD ? gg_desc(a_base + s * 2048, GG_BOX_BYTES, 1024)
+                                              : gg_desc(a_base + s * 32, 16, 1024);
+                    const uint64_t db = B_MN ? gg_desc(b_base + s * 2048, GG_BOX_BYTES, 1024)
+                                             : gg_desc(b_base + s * 32, 16, 1024);
+                    gg_wgmma<BN, F16, TA, TB>(acc, da, db);
+                }
+                asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                /* one group stays in flight: the previous k block's is done, free its stage */
+                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                if (kb > 0 && lane == 0) gg_mbar_arrive(&empty_bar[prev_stage]);
+                prev_stage = stage;
+                if (++stage == STAGES) stage = 0, phase ^= 1;
+            }
+            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+            gg_fence_acc(acc);
+            if (tl.iters > 0 && lane == 0) gg_mbar_arrive(&empty_bar[prev_stage]);
+            if (row_lim <= 0) continue;
+            /* epilogue: one rounding to out_dtype, masked stores */
+            if (args.out_dtype == MOE_DTYPE_BF16)
+                gg_store_block_staged<BN>((__nv_bfloat16 *)args.out + off, ld, row_lim, col_lim,
+                                          acc, cbuf, 2 + wg);
+            else if (args.out_dtype == MOE_DTYPE_FP16)
+                gg_store_block_staged<BN>((__half *)args.out + off, ld, row_lim, col_lim, acc,
+                                          cbuf, 2 + wg);
+            else
+                gg_store_block<BN>((float *)args.out + off, ld, row_lim, col_lim, acc);
+        }
+    }
+#endif /* GG_SM90A */
+}
+
+/* Rows [offsets[E], num_rows) of a fwd/dgrad output belong to no expert: zero them, 16 bytes per
+ * thread (row_bytes is a multiple of 16 and the output 16-byte aligned, checked on the host). */
+__global__ void gg_sm90_zero_tail_kernel(uint4 *out, const int64_t *offsets, int num_experts,
+                                         int64_t num_rows, int64_t row_chunks) {
+    int64_t end = offsets[num_experts];
+    if (end < 0) end = 0;
+    for (int64_t i = end * row_chunks + (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+         i < num_rows * row_chunks; i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = make_uint4(0, 0, 0, 0);
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Host side
+ * ---------------------------------------------------------------------------------------- */
+
+typedef CUresult (*gg_encode_fn_t)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                                   const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                                   const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda link). */
+static gg_encode_fn_t gg_encode_fn(void) {
+    static gg_encode_fn_t fn = NULL;
+    if (!fn) {
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                             cudaEnableDefault, &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (gg_encode_fn_t)p;
+        else
+            (void)cudaGetLastError();
+    }
+    return fn;
+}
+
+/* 16-bit tensor [dim2][dim1][dim0] (dim0 contiguous) with a box [box2=1][box1][64], 128-byte
+ * swizzle, out-of-bounds elements zero-filled. rank 2 drops dim2. */
+static int gg_make_map(CUtensorMap *map, const void *ptr, moe_dtype_t dt, int rank, uint64_t dim0,
+                       uint64_t dim1, uint64_t dim2, uint32_t box1) {
+    gg_encode_fn_t enc = gg_encode_fn();
+    if (!enc) return 0;
+    const cuuint64_t dims[3] = {dim0, dim1, dim2};
+    const cuuint64_t strides[2] = {dim0 * 2, dim0 * dim1 * 2};
+    const cuuint32_t box[3] = {64, box1, 1};
+    const cuuint32_t estr[3] = {1, 1, 1};
+    const CUtensorMapDataType t =
+        dt == MOE_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return enc(map, t, (cuuint32_t)rank, (void *)ptr, dims, strides, box, estr,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
+           CUDA_SUCCESS;
+}
+
+typedef void (*gg_kernel_t)(CUtensorMap, CUtensorMap, gg_args_t);
+
+/* 1 when `k` holds sm_90a code for the current device: the real kernel reports sm_90 binary
+ * code and static shared memory (its barriers and schedule); the empty fallback has none. */
+static int gg_kernel_real(const void *k) {
+    cudaFuncAttributes attr;
+    if (cudaFuncGetAttributes(&attr, k) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return attr.binaryVersion == 90 && attr.sharedSizeBytes > 0;
+}
+
+extern "C" int moe_cuda_gg_sm90_compiled(void) {
+    return gg_kernel_real((const void *)gg_sm90_kernel<256, false, false, false>);
+}
+
+extern "C" size_t moe_cuda_gg_sm90_workspace_size(const moe_grouped_gemm_params_t *params) {
+    (void)params;
+    return 0;
+}
+
+typedef enum { GG_FWD = 0, GG_DGRAD = 1, GG_WGRAD = 2 } gg_op_t;
+
+template <int BN, bool F16>
+static gg_kernel_t gg_pick(int b_mn, int wgrad) {
+    if (wgrad) return gg_sm90_kernel<BN, F16, true, true>;
+    return b_mn ? gg_sm90_kernel<BN, F16, true, false> : gg_sm90_kernel<BN, F16, false, false>;
+}
+
+/* Tile width BN: 128 x 256 tiles measured best on every reference shape (H200; notes in
+ * benchmarks/gg_sm90_check.py); 128 x 128 when the output is narrow or 256-wide tiles would
+ * leave SMs idle. MOE_GG_SM90_TILE=128|256 forces one (benchmarks). */
+static int gg_choose_bn(int64_t n_out, int64_t tiles_256, int sms) {
+    const char *env = getenv("MOE_GG_SM90_TILE");
+    if (env && (atoi(env) == 128 || atoi(env) == 256)) return atoi(env);
+    if (n_out <= 128) return 128;
+    if (tiles_256 < sms) return 128;
+    return 256;
+}
+
+static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const void *other,
+                                const int64_t *offsets, const moe_grouped_gemm_params_t *p,
+                                void *stream) {
+    moe_clear_error();
+    if (!p) return MOE_ERR_UNSUPPORTED;
+    const moe_dtype_t dt = p->dtype, odt = p->out_dtype;
+    if (dt != MOE_DTYPE_BF16 && dt != MOE_DTYPE_FP16) return MOE_ERR_UNSUPPORTED;
+    if (odt != MOE_DTYPE_BF16 && odt != MOE_DTYPE_FP16 && odt != MOE_DTYPE_FP32)
+        return MOE_ERR_UNSUPPORTED;
+    const int64_t rows = p->num_rows, E = p->num_experts, K = p->in_features,
+                  N = p->out_features;
+    const int tw = p->trans_w != 0;
+    /* TMA: 16-byte row strides; int32 coordinates; the schedule fits shared memory */
+    if (rows <= 0 || K <= 0 || N <= 0 || E < 1 || E > GG_MAX_E) return MOE_ERR_UNSUPPORTED;
+    if (K % 8 || N % 8) return MOE_ERR_UNSUPPORTED;
+    if (rows >= ((int64_t)1 << 31) - 4096 || E * N >= ((int64_t)1 << 31) ||
+        E * K >= ((int64_t)1 << 31) || K >= ((int64_t)1 << 30) || N >= ((int64_t)1 << 30))
+        return MOE_ERR_UNSUPPORTED;
+    if (((uintptr_t)out | (uintptr_t)act_a | (uintptr_t)other) & 15) return MOE_ERR_UNSUPPORTED;
+    if (!offsets) return MOE_ERR_UNSUPPORTED;
+    if (!moe_cuda_gg_sm90_compiled()) return MOE_ERR_UNSUPPORTED;
+
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return MOE_ERR_UNSUPPORTED;
+    }
+
+    /* The product as D[m, n] = sum_r A[m, r] B[n, r]:
+     *   fwd   tw=1: A = x [rows, K], B = W_e [N, K] (K-major)     out [rows, N]
+     *         tw=0: A = x,           B = W_e [K, N] (MN-major)    out [rows, N]
+     *   dgrad tw=1: A = dy [rows, N], B = W_e [N, K] (MN-major)   out [rows, K]
+     *         tw=0: A = dy,           B = W_e [K, N] (K-major)    out [rows, K]
+     *   wgrad tw=1: A = dy_e^T, B = x_e^T (both MN-major)         out [E, N, K]
+     *         tw=0: A = x_e^T,  B = dy_e^T                        out [E, K, N] */
+    int64_t n_out, red = 0, m_static = 0, a_cols;
+    int b_mn = 0;
+    const void *a_ptr = act_a, *b_ptr = other;
+    if (op == GG_FWD) {
+        n_out = N, red = K, a_cols = K, b_mn = !tw;
+    } else if (op == GG_DGRAD) {
+        n_out = K, red = N, a_cols = N, b_mn = tw;
+    } else {
+        /* act_a = x, other = dy: output rows come from dy (tw=1) or x (tw=0) */
+        a_ptr = tw ? other : act_a;
+        b_ptr = tw ? act_a : other;
+        m_static = tw ? N : K;
+        n_out = tw ? K : N;
+        a_cols = m_static;
+        b_mn = 1;
+    }
+
+    const int64_t n_tiles_256 = (n_out + 255) / 256;
+    int64_t tiles_256;
+    if (op == GG_WGRAD)
+        tiles_256 = E * ((m_static + GG_BM - 1) / GG_BM) * n_tiles_256;
+    else
+        tiles_256 = (rows / GG_BM + E) * n_tiles_256; /* upper bound */
+    const int bn = gg_choose_bn(n_out, tiles_256, sms);
+    const int64_t n_tiles = (n_out + bn - 1) / bn;
+    const int64_t m_tiles_static = (m_static + GG_BM - 1) / GG_BM;
+    const int64_t tiles_bound =
+        op == GG_WGRAD ? E * m_tiles_static * n_tiles : (rows / GG_BM + E) * n_tiles;
+    if (tiles_bound >= ((int64_t)1 << 31) - 65536) return MOE_ERR_UNSUPPORTED;
+
+    CUtensorMap map_a, map_b;
+    int ok;
+    if (op == GG_WGRAD) {
+        ok = gg_make_map(&map_a, a_ptr, dt, 2, (uint64_t)a_cols, (uint64_t)rows, 1, 64) &&
+             gg_make_map(&map_b, b_ptr, dt, 3, (uint64_t)n_out, (uint64_t)rows, 1, 64);
+    } else {
+        ok = gg_make_map(&map_a, a_ptr, dt, 2, (uint64_t)a_cols, (uint64_t)rows, 1, GG_BM);
+        /* weight as [E, R, C]: tw=1 [E, N, K], tw=0 [E, K, N] */
+        const uint64_t wc = tw ? K : N, wr = tw ? N : K;
+        ok = ok && gg_make_map(&map_b, b_ptr, dt, 3, wc, wr, (uint64_t)E, b_mn ? 64 : bn);
+    }
+    if (!ok) return MOE_ERR_UNSUPPORTED;
+
+    gg_args_t args;
+    args.out = out;
+    args.offsets = offsets;
+    args.num_experts = (int)E;
+    args.out_dtype = (int)odt;
+    args.n_out = (int)n_out;
+    args.m_static = (int)m_static;
+    args.red_iters = (int)((red + GG_BK - 1) / GG_BK);
+    args.n_tiles = (int)n_tiles;
+    args.m_tiles_static = (int)m_tiles_static;
+    args.ld_out = n_out;
+    args.num_rows = rows;
+
+    const int wgrad = op == GG_WGRAD, f16 = dt == MOE_DTYPE_FP16;
+    gg_kernel_t k;
+    if (bn == 256)
+        k = f16 ? gg_pick<256, true>(b_mn, wgrad) : gg_pick<256, false>(b_mn, wgrad);
+    else
+        k = f16 ? gg_pick<128, true>(b_mn, wgrad) : gg_pick<128, false>(b_mn, wgrad);
+    if (!gg_kernel_real((const void *)k)) return MOE_ERR_UNSUPPORTED;
+    const int smem = bn == 256 ? GG_SMEM_BYTES(256) : GG_SMEM_BYTES(128);
+    if (cudaFuncSetAttribute((const void *)k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             smem) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return MOE_ERR_UNSUPPORTED;
+    }
+    const int grid = (int)(tiles_bound < sms ? tiles_bound : sms);
+    cudaStream_t s = (cudaStream_t)stream;
+    if (grid > 0) {
+        k<<<grid, GG_THREADS, smem, s>>>(map_a, map_b, args);
+        MOE_CHECK_LAUNCH("gg_sm90_kernel");
+    }
+    if (op != GG_WGRAD) {
+        const int esize = odt == MOE_DTYPE_FP32 ? 4 : 2;
+        const int64_t row_chunks = n_out * esize / 16;
+        const int64_t chunks = rows * row_chunks;
+        int64_t blocks = (chunks + 255) / 256;
+        if (blocks > 2 * (int64_t)sms) blocks = 2 * (int64_t)sms;
+        gg_sm90_zero_tail_kernel<<<(unsigned)blocks, 256, 0, s>>>((uint4 *)out, offsets, (int)E,
+                                                                  rows, row_chunks);
+        MOE_CHECK_LAUNCH("gg_sm90_zero_tail_kernel");
+    }
+    return MOE_OK;
+}
+
+extern "C" moe_status_t moe_cuda_gg_sm90_fwd(void *y, const void *x, const void *weight,
+                                             const int64_t *expert_offsets,
+                                             const moe_grouped_gemm_params_t *params,
+                                             void *workspace, size_t workspace_bytes,
+                                             void *stream) {
+    (void)workspace, (void)workspace_bytes;
+    return gg_sm90_run(GG_FWD, y, x, weight, expert_offsets, params, stream);
+}
+
+extern "C" moe_status_t moe_cuda_gg_sm90_dgrad(void *grad_x, const void *grad_y,
+                                               const void *weight, const int64_t *expert_offsets,
+                                               const moe_grouped_gemm_params_t *params,
+                                               void *workspace, size_t workspace_bytes,
+                                               void *stream) {
+    (void)workspace, (void)workspace_bytes;
+    return gg_sm90_run(GG_DGRAD, grad_x, grad_y, weight, expert_offsets, params, stream);
+}
+
+extern "C" moe_status_t moe_cuda_gg_sm90_wgrad(void *grad_weight, const void *x,
+                                               const void *grad_y, const int64_t *expert_offsets,
+                                               const moe_grouped_gemm_params_t *params,
+                                               void *workspace, size_t workspace_bytes,
+                                               void *stream) {
+    (void)workspace, (void)workspace_bytes;
+    return gg_sm90_run(GG_WGRAD, grad_weight, x, grad_y, expert_offsets, params, stream);
+}
