@@ -25,6 +25,13 @@ def samples(device):
                                 0, 0, 1.5, "sigmoid")
     yield OPS.topk_to_dense, (torch.randn(T, k, device=device, requires_grad=True), idx, E)
     yield OPS.topk_to_dense_bwd, (torch.randn(T, E, device=device), idx)
+    # glu_probs (issue 7, item 3): GLU with probs, offset and clamp; plain activation, no probs
+    ga = torch.randn(T, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
+    gp = torch.rand(T, device=device, requires_grad=True)
+    yield OPS.glu_probs, (ga, gp, "silu", True, 0.5, 2.0)
+    yield OPS.glu_probs, (ga, None, "gelu", False, 0.0, None)
+    yield OPS.glu_probs_bwd, (torch.randn(T, 8, device=device, dtype=torch.bfloat16), ga.detach(),
+                              gp.detach(), "gelu_tanh", True, 0.0, None)
     if device == "cpu":
         yield OPS.router_gating_linear, (inp, w, None, torch.float32)
         yield OPS.router_gating_linear, (inp, w, bias, torch.float64)
