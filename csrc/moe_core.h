@@ -832,6 +832,72 @@ moe_status_t moe_grouped_gemm_wgrad(void *grad_weight, const void *x, const void
                                     size_t workspace_bytes, void *stream);
 
 /* ---------------------------------------------------------------------------------------------
+ * glu_probs: the expert activation and the router probs in one pass over fc1's output
+ *
+ * Megatron's unfused expert activation (MLP.forward without bias_activation_fusion), followed by
+ * the "probs after activation" multiply of the grouped MLP:
+ *     GLU:      h = (act(clamp(a[:, :F])) * (clamp(a[:, F:]) + linear_offset) * p).to(dtype)
+ *     no GLU:   h = (act(a) * p).to(dtype)
+ * with every intermediate rounded where PyTorch's eager ops round it (see glu_probs_math.h, the
+ * element functions both devices share). The CPU result equals torch's scalar CPU kernels bit for
+ * bit; CUDA differs only where its expf/erff/tanhf differ from glibc's. No atomics; grad_probs is a
+ * fixed-order fp64 row sum, the same order on both devices.
+ * ------------------------------------------------------------------------------------------- */
+
+/** Activation function (Megatron's activation_func). */
+typedef enum moe_activation {
+    MOE_ACT_SILU = 0,         /**< F.silu (SwiGLU with gated_linear_unit) */
+    MOE_ACT_GELU = 1,         /**< F.gelu, exact erf form (GEGLU with gated_linear_unit) */
+    MOE_ACT_GELU_TANH = 2,    /**< F.gelu(approximate="tanh") */
+    MOE_ACT_RELU = 3,         /**< F.relu */
+    MOE_ACT_SQUARED_RELU = 4, /**< torch.pow(F.relu(x), 2), Megatron's squared_relu */
+    MOE_ACT_QUICK_GELU = 5    /**< x * torch.sigmoid(1.702 * x), eager (three rounded tensors) */
+} moe_activation_t;
+
+/** Options of glu_probs (Megatron's TransformerConfig fields of the same meaning). */
+typedef struct moe_glu_probs_params {
+    moe_activation_t activation; /**< activation_func */
+    int gated_linear_unit;       /**< 1: a is [rows, 2F] = [gate | linear]; 0: a is [rows, F] */
+    double linear_offset;        /**< glu_linear_offset (GLU only) */
+    int has_clamp;               /**< 1: activation_func_clamp_value is set (GLU only) */
+    double clamp_value;          /**< v: gate clamped to max=v, linear to [-v, v]; v >= 0 */
+} moe_glu_probs_params_t;
+
+/**
+ * Forward.
+ * \param[out] h            [num_rows, ffn], `dtype`
+ * \param[in]  a            [num_rows, 2 ffn] (GLU) or [num_rows, ffn], `dtype` (any float type)
+ * \param[in]  probs        [num_rows], `probs_dtype` (any float type), or NULL for no multiply
+ * \param[in]  num_rows     >= 0
+ * \param[in]  ffn          F, >= 1
+ * \param[in]  dtype        element type of a and h
+ * \param[in]  probs_dtype  element type of probs (ignored when probs is NULL)
+ * \param[in]  params       activation and GLU options
+ * \param[in]  workspace    unused (NULL); workspace_bytes 0; stream ignored on the CPU
+ */
+moe_status_t moe_glu_probs_fwd(void *h, const void *a, const void *probs, int64_t num_rows,
+                               int64_t ffn, moe_dtype_t dtype, moe_dtype_t probs_dtype,
+                               const moe_glu_probs_params_t *params, void *workspace,
+                               size_t workspace_bytes, void *stream);
+
+/**
+ * Backward: grad_a (both halves with GLU) and grad_probs[r] = Σ_f grad_h[r, f] · h0[r, f], where h0
+ * is the activation output before the probs multiply, each product rounded to
+ * promote(dtype, probs_dtype) as autograd's MulBackward does, the sum in fp64 in the canonical
+ * order of glu_probs_math.h, rounded to the product dtype and then to probs_dtype.
+ * \param[out] grad_a       [num_rows, 2 ffn] or [num_rows, ffn], `dtype`
+ * \param[out] grad_probs   [num_rows], `probs_dtype`, or NULL (not wanted; must be NULL when
+ *                          probs is)
+ * \param[in]  grad_h       [num_rows, ffn], `dtype`
+ * \param[in]  a, probs     the forward's inputs (probs may be NULL)
+ * (sizes, dtypes, params, workspace and stream as in the forward)
+ */
+moe_status_t moe_glu_probs_bwd(void *grad_a, void *grad_probs, const void *grad_h, const void *a,
+                               const void *probs, int64_t num_rows, int64_t ffn, moe_dtype_t dtype,
+                               moe_dtype_t probs_dtype, const moe_glu_probs_params_t *params,
+                               void *workspace, size_t workspace_bytes, void *stream);
+
+/* ---------------------------------------------------------------------------------------------
  * CUDA entry points: same signatures and semantics as the CPU ones above, on device pointers,
  * asynchronous on `stream` (a cudaStream_t). Declared always, defined only with CUDA.
  * ------------------------------------------------------------------------------------------- */
@@ -1053,6 +1119,16 @@ moe_status_t moe_cuda_router_gating_linear_bwd(void *grad_inp, void *grad_weight
                                                moe_dtype_t inp_dtype, moe_dtype_t weight_dtype,
                                                moe_dtype_t router_dtype, void *workspace,
                                                size_t workspace_bytes, void *stream);
+/* glu_probs (issue 7, item 3: the activation epilogue) */
+moe_status_t moe_cuda_glu_probs_fwd(void *h, const void *a, const void *probs, int64_t num_rows,
+                                    int64_t ffn, moe_dtype_t dtype, moe_dtype_t probs_dtype,
+                                    const moe_glu_probs_params_t *params, void *workspace,
+                                    size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_glu_probs_bwd(void *grad_a, void *grad_probs, const void *grad_h,
+                                    const void *a, const void *probs, int64_t num_rows,
+                                    int64_t ffn, moe_dtype_t dtype, moe_dtype_t probs_dtype,
+                                    const moe_glu_probs_params_t *params, void *workspace,
+                                    size_t workspace_bytes, void *stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1184,6 +1184,104 @@ at::Tensor grouped_gemm_wgrad(const at::Tensor &x_, const at::Tensor &grad_y_,
   return dw;
 }
 
+// ---- glu_probs (issue 7, item 3) ---------------------------------------------------------------
+
+moe_activation_t to_activation(c10::string_view name) {
+  if (name == "silu") return MOE_ACT_SILU;
+  if (name == "gelu") return MOE_ACT_GELU;
+  if (name == "gelu_tanh") return MOE_ACT_GELU_TANH;
+  if (name == "relu") return MOE_ACT_RELU;
+  if (name == "squared_relu") return MOE_ACT_SQUARED_RELU;
+  if (name == "quick_gelu") return MOE_ACT_QUICK_GELU;
+  MOE_CHECK_VALUE(false, "activation must be 'silu', 'gelu', 'gelu_tanh', 'relu', 'squared_relu' "
+                  "or 'quick_gelu', got '", std::string(name), "'");
+  return MOE_ACT_SILU;
+}
+
+// Validates a and probs; returns the options and F.
+moe_glu_probs_params_t glu_probs_params(const at::Tensor &a, const c10::optional<at::Tensor> &probs,
+                                        c10::string_view activation, bool gated_linear_unit,
+                                        double linear_offset, c10::optional<double> clamp_value,
+                                        int64_t *ffn) {
+  check_dim(a, 2, "a");
+  check_float(a, "a");
+  moe_glu_probs_params_t p;
+  p.activation = to_activation(activation);
+  p.gated_linear_unit = gated_linear_unit ? 1 : 0;
+  p.linear_offset = linear_offset;
+  p.has_clamp = clamp_value.has_value() ? 1 : 0;
+  p.clamp_value = clamp_value.value_or(0.0);
+  MOE_CHECK_VALUE(!clamp_value.has_value() || *clamp_value >= 0.0,
+                  "clamp_value must be >= 0 (the linear half is clamped to [-v, v]), got ",
+                  p.clamp_value);
+  const int64_t width = a.size(1);
+  if (gated_linear_unit) {
+    MOE_CHECK_VALUE(width >= 2 && width % 2 == 0, "a.shape[1] must be 2F (even, >= 2) with "
+                    "gated_linear_unit, got shape ", a.sizes());
+  } else {
+    MOE_CHECK_VALUE(width >= 1, "a.shape[1] must be F >= 1, got shape ", a.sizes());
+  }
+  *ffn = gated_linear_unit ? width / 2 : width;
+  if (probs.has_value()) {
+    check_dim(*probs, 1, "probs");
+    check_float(*probs, "probs");
+    check_size(*probs, 0, a.size(0), "probs", "a.shape[0] (num_rows)");
+    check_same_device(*probs, a, "probs", "a");
+  }
+  return p;
+}
+
+at::Tensor glu_probs(const at::Tensor &a_, const c10::optional<at::Tensor> &probs_,
+                     c10::string_view activation, bool gated_linear_unit, double linear_offset,
+                     c10::optional<double> clamp_value) {
+  int64_t F = 0;
+  moe_glu_probs_params_t p = glu_probs_params(a_, probs_, activation, gated_linear_unit,
+                                              linear_offset, clamp_value, &F);
+  const int64_t R = a_.size(0);
+  at::Tensor a = a_.contiguous(), probs;
+  if (probs_.has_value()) probs = probs_->contiguous();
+  MOE_DEVICE_GUARD(a);
+  at::Tensor h = at::empty({R, F}, a.options());
+  const moe_dtype_t pdt =
+      probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs") : to_moe_dtype(a.scalar_type(), "a");
+  check_status(MOE_CALL(a, glu_probs_fwd, h.data_ptr(), a.data_ptr(),
+                        probs.defined() ? probs.data_ptr() : nullptr, R, F,
+                        to_moe_dtype(a.scalar_type(), "a"), pdt, &p, nullptr, 0, stream_of(a)),
+               "glu_probs");
+  return h;
+}
+
+// grad_probs is [num_rows] in probs' dtype, or an empty [0] tensor when probs is None.
+std::tuple<at::Tensor, at::Tensor> glu_probs_bwd(const at::Tensor &grad_h_, const at::Tensor &a_,
+                                                 const c10::optional<at::Tensor> &probs_,
+                                                 c10::string_view activation,
+                                                 bool gated_linear_unit, double linear_offset,
+                                                 c10::optional<double> clamp_value) {
+  int64_t F = 0;
+  moe_glu_probs_params_t p = glu_probs_params(a_, probs_, activation, gated_linear_unit,
+                                              linear_offset, clamp_value, &F);
+  const int64_t R = a_.size(0);
+  check_dim(grad_h_, 2, "grad_h");
+  check_dtype(grad_h_, a_.scalar_type(), "grad_h");
+  check_size(grad_h_, 0, R, "grad_h", "a.shape[0] (num_rows)");
+  check_size(grad_h_, 1, F, "grad_h", "F (a.shape[1], halved with gated_linear_unit)");
+  check_same_device(grad_h_, a_, "grad_h", "a");
+  at::Tensor a = a_.contiguous(), g = grad_h_.contiguous(), probs;
+  if (probs_.has_value()) probs = probs_->contiguous();
+  MOE_DEVICE_GUARD(a);
+  at::Tensor grad_a = at::empty_like(a);
+  at::Tensor grad_probs = probs.defined() ? at::empty({R}, probs.options())
+                                          : at::empty({0}, a.options());
+  const moe_dtype_t pdt =
+      probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs") : to_moe_dtype(a.scalar_type(), "a");
+  check_status(MOE_CALL(a, glu_probs_bwd, grad_a.data_ptr(),
+                        probs.defined() ? grad_probs.data_ptr() : nullptr, g.data_ptr(),
+                        a.data_ptr(), probs.defined() ? probs.data_ptr() : nullptr, R, F,
+                        to_moe_dtype(a.scalar_type(), "a"), pdt, &p, nullptr, 0, stream_of(a)),
+               "glu_probs_bwd");
+  return {grad_a, grad_probs};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(moe_core, m) {
@@ -1251,6 +1349,12 @@ TORCH_LIBRARY(moe_core, m) {
         "bool trans_w=False, ScalarType? out_dtype=None) -> Tensor");
   m.def("grouped_gemm_wgrad(Tensor x, Tensor grad_y, Tensor expert_offsets, bool trans_w=False, "
         "ScalarType? out_dtype=None) -> Tensor");
+  // the activation epilogue (issue 7, item 3)
+  m.def("glu_probs(Tensor a, Tensor? probs, str activation, bool gated_linear_unit, "
+        "float linear_offset=0.0, float? clamp_value=None) -> Tensor");
+  m.def("glu_probs_bwd(Tensor grad_h, Tensor a, Tensor? probs, str activation, "
+        "bool gated_linear_unit, float linear_offset=0.0, float? clamp_value=None) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(moe_core, CPU, m) {
@@ -1287,6 +1391,8 @@ TORCH_LIBRARY_IMPL(moe_core, CPU, m) {
   m.impl("grouped_gemm", &grouped_gemm);
   m.impl("grouped_gemm_dgrad", &grouped_gemm_dgrad);
   m.impl("grouped_gemm_wgrad", &grouped_gemm_wgrad);
+  m.impl("glu_probs", &glu_probs);
+  m.impl("glu_probs_bwd", &glu_probs_bwd);
 }
 
 #ifdef MOE_CORE_WITH_CUDA
@@ -1332,6 +1438,14 @@ TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("sinkhorn_routing_bwd", &sinkhorn_routing_bwd);
   m.impl("routing_metrics", &routing_metrics);
   m.impl("topk_overlap", &topk_overlap);
+}
+#endif
+
+#ifdef MOE_CORE_WITH_CUDA
+// glu_probs (issue 7, item 3)
+TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
+  m.impl("glu_probs", &glu_probs);
+  m.impl("glu_probs_bwd", &glu_probs_bwd);
 }
 #endif
 

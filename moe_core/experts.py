@@ -7,6 +7,8 @@ Numerics follow Megatron's expert MLP (SequentialMLP / TEGroupedMLP, unfused pat
     h = act(a), or act(a_gate) * (a_lin + glu_linear_offset) with gated_linear_unit
         (gate half clamped to max=v, linear half to [-v, v] with activation_func_clamp_value)
     h = (h * p).to(h.dtype)                      the router probs, multiplied in the router dtype
+                                                 (the two lines above are one ops.glu_probs pass
+                                                 when the activation is one it knows)
     y = h @ W2_eᵀ (+ b2_e * p)                   grouped GEMM
 
 Weights are stored per expert in Megatron's ``nn.Linear`` layout (``[E, out, in]``), so a stack of
@@ -33,6 +35,23 @@ def apply_activation(config: MoEConfig, a: torch.Tensor) -> torch.Tensor:
         a_glu = a_glu.clamp(min=None, max=v)
         a_linear = a_linear.clamp(min=-v, max=v)
     return config.activation_func(a_glu) * (a_linear + config.glu_linear_offset)
+
+
+def activation_times_probs(config: MoEConfig, a: torch.Tensor,
+                           probs: Optional[torch.Tensor]) -> torch.Tensor:
+    """``(apply_activation(config, a) * probs[:, None]).to(a.dtype)`` (no multiply when probs is
+    None). a: ``[rows, F or 2F]``, probs: ``[rows]``; returns ``[rows, F]`` in a's dtype.
+
+    When the activation is one ``ops.glu_probs`` knows (``ops.activation_name``), the fused op does
+    it in one pass with the same rounding; otherwise (a user's callable) the unfused torch ops run.
+    """
+    name = ops.activation_name(config.activation_func)
+    if name is None:
+        h = apply_activation(config, a)
+        return h if probs is None else (h * probs.unsqueeze(-1)).to(h.dtype)
+    gated = config.gated_linear_unit
+    return ops.glu_probs(a, probs, name, gated, config.glu_linear_offset if gated else 0.0,
+                         config.activation_func_clamp_value if gated else None)
 
 
 class GroupedMLP(nn.Module):
@@ -92,8 +111,7 @@ class GroupedMLP(nn.Module):
         if self.bias1 is not None:
             row_expert = self._row_expert(expert_offsets, x.shape[0])
             a = a + self.bias1[row_expert]
-        h = apply_activation(cfg, a)
-        h = (h * probs.unsqueeze(-1)).to(h.dtype)
+        h = activation_times_probs(cfg, a, probs)
         y = ops.grouped_gemm(h, self.weight2, expert_offsets, trans_w=True)
         if self.bias2 is not None:
             y = y + (self.bias2[row_expert] * probs.unsqueeze(-1)).to(y.dtype)

@@ -87,6 +87,13 @@ def samples(device):
                                      2)
     yield OPS.routing_metrics, (routing_map, probs.detach(), pad)
     yield OPS.topk_overlap, (idx, idx.flip(1), E, pad)
+    # glu_probs (issue 7, item 3): GLU with probs, offset and clamp; plain activation, no probs
+    ga = torch.randn(T, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
+    gp = torch.rand(T, device=device, requires_grad=True)
+    yield OPS.glu_probs, (ga, gp, "silu", True, 0.5, 2.0)
+    yield OPS.glu_probs, (ga, None, "gelu", False, 0.0, None)
+    yield OPS.glu_probs_bwd, (torch.randn(T, 8, device=device, dtype=torch.bfloat16), ga.detach(),
+                              gp.detach(), "gelu_tanh", True, 0.0, None)
     if device == "cpu":
         # grouped GEMM (issue 5): uneven counts with an empty expert, both weight layouts
         off = torch.tensor([0, 5, 5, 12], device=device)

@@ -33,6 +33,8 @@ from moe_core.ops.switch_aux_loss import (
 from moe_core.ops.tokens_per_expert import tokens_per_expert
 from moe_core.ops.z_loss import z_loss_func
 from moe_core.ops.grouped_gemm import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_wgrad
+# the activation epilogue (issue 7, item 3)
+from moe_core.ops.glu_probs import activation_name, glu_probs
 
 __all__ = [
     "router_gating_linear",
@@ -69,4 +71,6 @@ __all__ = [
     "grouped_gemm",
     "grouped_gemm_dgrad",
     "grouped_gemm_wgrad",
+    "glu_probs",
+    "activation_name",
 ]
