@@ -326,6 +326,7 @@ def test_cuda_ops_are_bitwise_deterministic():
     pad = _pad(T).cuda()
     first = _all_cuda_outputs(logits, inp, w, b, pad)
     side = torch.cuda.Stream()  # another stream, another cuBLAS stream binding: same bits
+    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         second = _all_cuda_outputs(logits, inp, w, b, pad)
     torch.cuda.synchronize()
