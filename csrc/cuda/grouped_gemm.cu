@@ -9,7 +9,7 @@
  * the static bound Σ_g ceil(rows_g / BM) <= ceil(num_rows / BM) + E + 1 row tiles × the column
  * tiles: each CTA finds its group by one parallel compare against that prefix, and CTAs past the
  * real total exit. wgrad has static work (E × output tiles); each CTA sums over all its expert's
- * rows itself, in ascending order, so no partial sums and no atomics exist anywhere.
+ * rows itself, in ascending order, so no partial sums cross CTAs and no atomics exist anywhere.
  *
  * The one clever idea: every product of every layout is the same tile loop over two smem operand
  * tiles, each either K-major ([rows][64 k], fwd's x) or MN-major ([64 k][128 cols], wgrad's
@@ -383,7 +383,7 @@ __device__ __forceinline__ float gg_widen(__half v) { return __half2float(v); }
 __device__ __forceinline__ float gg_widen(float v) { return v; }
 __device__ __forceinline__ double gg_widen(double v) { return v; }
 
-/* Each output element: one running sum in ascending reduction order, by one thread. */
+/* Each output element: one thread's sum in ascending reduction order, in blocks of ST_BK. */
 template <typename T, typename ACC, bool WGRAD>
 __global__ void __launch_bounds__(ST_THREADS) moe_gg_simt_kernel(gg_args_t p) {
     gg_job_t job;
@@ -425,6 +425,14 @@ __global__ void __launch_bounds__(ST_THREADS) moe_gg_simt_kernel(gg_args_t p) {
                                                     : (ACC)0;
         }
         __syncthreads();
+        /* a block's 16 products are summed apart, then added to the running sum: two levels
+         * of short sums, not one long one (as a tensor-core k-step does; several times smaller
+         * rounding error over thousands of rows, same fixed order every run) */
+        ACC part[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) part[i][j] = 0;
 #pragma unroll
         for (int kk = 0; kk < ST_BK; ++kk) {
             ACC av[4], bv[4];
@@ -435,8 +443,12 @@ __global__ void __launch_bounds__(ST_THREADS) moe_gg_simt_kernel(gg_args_t p) {
 #pragma unroll
             for (int i = 0; i < 4; ++i)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * bv[j];
+                for (int j = 0; j < 4; ++j) part[i][j] += av[i] * bv[j];
         }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] += part[i][j];
         __syncthreads();
     }
     const int64_t crow0 = WGRAD ? job.e * p.m + job.m0 : job.r0 + job.m0;
