@@ -166,6 +166,17 @@ __device__ __forceinline__ void gg_store1(void *c, moe_dtype_t dt, int64_t i, fl
     }
 }
 
+/* From the SIMT path's accumulator (an fp32 value held exactly, or fp64): straight to the output
+ * type, so fp64 → fp16/bf16 rounds once, not through fp32 (moe_store would round twice). */
+__device__ __forceinline__ void gg_store_acc(void *c, moe_dtype_t dt, int64_t i, double v) {
+    switch (dt) {
+    case MOE_DTYPE_BF16: ((__nv_bfloat16 *)c)[i] = __double2bfloat16(v); break;
+    case MOE_DTYPE_FP16: ((__half *)c)[i] = __double2half(v); break;
+    case MOE_DTYPE_FP64: ((double *)c)[i] = v; break;
+    default: ((float *)c)[i] = (float)v; break;
+    }
+}
+
 /* Two neighbours (i, i + 1); `pair`: both exist and i is even, so the store is one wide access. */
 __device__ __forceinline__ void gg_store2(void *c, moe_dtype_t dt, int64_t i, float v0, float v1,
                                           bool pair) {
@@ -460,7 +471,8 @@ __global__ void __launch_bounds__(ST_THREADS) moe_gg_simt_kernel(gg_args_t p) {
         for (int j = 0; j < 4; ++j) {
             const int col = tx + 16 * j;
             if (col < n_left)
-                moe_store(p.c, p.out_dtype, (crow0 + row) * p.n + job.n0 + col, (double)acc[i][j]);
+                gg_store_acc(p.c, p.out_dtype, (crow0 + row) * p.n + job.n0 + col,
+                             (double)acc[i][j]);
         }
     }
 }
