@@ -37,6 +37,10 @@ moe_status_t moe_fail(moe_status_t status, const char *fmt, ...)
 /* Clears the thread-local message; every public entry point calls it first. */
 void moe_clear_error(void);
 
+/* Sizes, layout and dtypes of a grouped GEMM (grouped_gemm.c); the CPU and CUDA entry points
+ * share it so that both reject bad params with the same message. */
+moe_status_t moe_grouped_gemm_check_params(const moe_grouped_gemm_params_t *p);
+
 #ifdef __cplusplus
 }
 #endif

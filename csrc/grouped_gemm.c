@@ -484,7 +484,8 @@ static int is_operand_dtype(moe_dtype_t dt) {
            dt == MOE_DTYPE_FP64;
 }
 
-static moe_status_t check_params(const moe_grouped_gemm_params_t *p) {
+/* Shared with the CUDA entry points (grouped_gemm.cu), so both give the same messages. */
+moe_status_t moe_grouped_gemm_check_params(const moe_grouped_gemm_params_t *p) {
     MOE_CHECK(p != NULL, "params must not be NULL");
     MOE_CHECK(p->num_rows >= 0, "num_rows must be >= 0, got %lld", (long long)p->num_rows);
     MOE_CHECK(p->num_experts >= 1, "num_experts must be >= 1, got %lld",
@@ -594,7 +595,7 @@ moe_status_t moe_grouped_gemm_fwd(void *y, const void *x, const void *weight,
                                   size_t workspace_bytes, void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_TRY(check_params(params));
+    MOE_TRY(moe_grouped_gemm_check_params(params));
     MOE_TRY(check_offsets(expert_offsets, params));
     if (params->num_rows == 0 || params->out_features == 0) return MOE_OK;
     MOE_CHECK(y != NULL, "y must not be NULL");
@@ -611,7 +612,7 @@ moe_status_t moe_grouped_gemm_dgrad(void *grad_x, const void *grad_y, const void
                                     size_t workspace_bytes, void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_TRY(check_params(params));
+    MOE_TRY(moe_grouped_gemm_check_params(params));
     MOE_TRY(check_offsets(expert_offsets, params));
     if (params->num_rows == 0 || params->in_features == 0) return MOE_OK;
     MOE_CHECK(grad_x != NULL, "grad_x must not be NULL");
@@ -629,7 +630,7 @@ moe_status_t moe_grouped_gemm_wgrad(void *grad_weight, const void *x, const void
                                     size_t workspace_bytes, void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_TRY(check_params(params));
+    MOE_TRY(moe_grouped_gemm_check_params(params));
     MOE_TRY(check_offsets(expert_offsets, params));
     if (params->in_features == 0 || params->out_features == 0) return MOE_OK;
     MOE_CHECK(grad_weight != NULL, "grad_weight must not be NULL");

@@ -1129,6 +1129,25 @@ moe_status_t moe_cuda_glu_probs_bwd(void *grad_a, void *grad_probs, const void *
                                     int64_t ffn, moe_dtype_t dtype, moe_dtype_t probs_dtype,
                                     const moe_glu_probs_params_t *params, void *workspace,
                                     size_t workspace_bytes, void *stream);
+/* ---- CUDA grouped GEMM (issue 7) ------------------------------------------------------------
+ * Same arguments and semantics as moe_grouped_gemm_fwd / _dgrad / _wgrad, except that
+ * expert_offsets lives in device memory and is not validated (that would need a host sync): it
+ * is the caller's contract. Operands bf16/fp16 take the tensor cores (wgmma on sm_90a, else
+ * mma.sync), fp32/fp64 a SIMT kernel; fp32 accumulation (fp64 for fp64), one rounding per output
+ * element, no atomics, bitwise reproducible on one GPU and build. */
+size_t moe_cuda_grouped_gemm_workspace_size(const moe_grouped_gemm_params_t *params);
+moe_status_t moe_cuda_grouped_gemm_fwd(void *y, const void *x, const void *weight,
+                                       const int64_t *expert_offsets,
+                                       const moe_grouped_gemm_params_t *params, void *workspace,
+                                       size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_grouped_gemm_dgrad(void *grad_x, const void *grad_y, const void *weight,
+                                         const int64_t *expert_offsets,
+                                         const moe_grouped_gemm_params_t *params,
+                                         void *workspace, size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_grouped_gemm_wgrad(void *grad_weight, const void *x, const void *grad_y,
+                                         const int64_t *expert_offsets,
+                                         const moe_grouped_gemm_params_t *params,
+                                         void *workspace, size_t workspace_bytes, void *stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1114,8 +1114,14 @@ moe_grouped_gemm_params_t grouped_gemm_params(const at::Tensor &a, const char *a
 }
 
 at::Tensor grouped_gemm_workspace(const at::Tensor &like, const moe_grouped_gemm_params_t &p) {
-  return at::empty({(int64_t)moe_grouped_gemm_workspace_size(&p)},
-                   like.options().dtype(at::kByte));
+  size_t bytes = on_cuda(like) ?
+#ifdef MOE_CORE_WITH_CUDA
+                               moe_cuda_grouped_gemm_workspace_size(&p)
+#else
+                               0
+#endif
+                               : moe_grouped_gemm_workspace_size(&p);
+  return at::empty({(int64_t)bytes}, like.options().dtype(at::kByte));
 }
 
 at::Tensor grouped_gemm(const at::Tensor &x_, const at::Tensor &weight_,
@@ -1130,12 +1136,13 @@ at::Tensor grouped_gemm(const at::Tensor &x_, const at::Tensor &weight_,
                                "weight.shape[0]", K, N, trans_w,
                                out_dtype.value_or(x_.scalar_type()));
   at::Tensor x = x_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
+  MOE_DEVICE_GUARD(x);
   at::Tensor y = at::empty({p.num_rows, N},
                            x.options().dtype(out_dtype.value_or(x.scalar_type())));
   at::Tensor ws = grouped_gemm_workspace(x, p);
-  check_status(moe_grouped_gemm_fwd(y.data_ptr(), x.data_ptr(), w.data_ptr(),
-                                    off.data_ptr<int64_t>(), &p, ws.data_ptr(),
-                                    (size_t)ws.numel(), nullptr),
+  check_status(MOE_CALL(x, grouped_gemm_fwd, y.data_ptr(), x.data_ptr(), w.data_ptr(),
+                        off.data_ptr<int64_t>(), &p, ws.data_ptr(), (size_t)ws.numel(),
+                        stream_of(x)),
                "grouped_gemm");
   return y;
 }
@@ -1152,12 +1159,13 @@ at::Tensor grouped_gemm_dgrad(const at::Tensor &grad_y_, const at::Tensor &weigh
                                "weight.shape[0]", K, N, trans_w,
                                out_dtype.value_or(grad_y_.scalar_type()));
   at::Tensor g = grad_y_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
+  MOE_DEVICE_GUARD(g);
   at::Tensor dx = at::empty({p.num_rows, K},
                             g.options().dtype(out_dtype.value_or(g.scalar_type())));
   at::Tensor ws = grouped_gemm_workspace(g, p);
-  check_status(moe_grouped_gemm_dgrad(dx.data_ptr(), g.data_ptr(), w.data_ptr(),
-                                      off.data_ptr<int64_t>(), &p, ws.data_ptr(),
-                                      (size_t)ws.numel(), nullptr),
+  check_status(MOE_CALL(g, grouped_gemm_dgrad, dx.data_ptr(), g.data_ptr(), w.data_ptr(),
+                        off.data_ptr<int64_t>(), &p, ws.data_ptr(), (size_t)ws.numel(),
+                        stream_of(g)),
                "grouped_gemm_dgrad");
   return dx;
 }
@@ -1174,12 +1182,13 @@ at::Tensor grouped_gemm_wgrad(const at::Tensor &x_, const at::Tensor &grad_y_,
                                "expert_offsets.shape[0] - 1", K, N, trans_w,
                                out_dtype.value_or(x_.scalar_type()));
   at::Tensor x = x_.contiguous(), g = grad_y_.contiguous(), off = expert_offsets_.contiguous();
+  MOE_DEVICE_GUARD(x);
   at::Tensor dw = at::empty(trans_w ? at::IntArrayRef({E, N, K}) : at::IntArrayRef({E, K, N}),
                             x.options().dtype(out_dtype.value_or(x.scalar_type())));
   at::Tensor ws = grouped_gemm_workspace(x, p);
-  check_status(moe_grouped_gemm_wgrad(dw.data_ptr(), x.data_ptr(), g.data_ptr(),
-                                      off.data_ptr<int64_t>(), &p, ws.data_ptr(),
-                                      (size_t)ws.numel(), nullptr),
+  check_status(MOE_CALL(x, grouped_gemm_wgrad, dw.data_ptr(), x.data_ptr(), g.data_ptr(),
+                        off.data_ptr<int64_t>(), &p, ws.data_ptr(), (size_t)ws.numel(),
+                        stream_of(x)),
                "grouped_gemm_wgrad");
   return dw;
 }
@@ -1446,6 +1455,15 @@ TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
 TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("glu_probs", &glu_probs);
   m.impl("glu_probs_bwd", &glu_probs_bwd);
+}
+#endif
+
+#ifdef MOE_CORE_WITH_CUDA
+// grouped GEMM on CUDA (issue 7)
+TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
+  m.impl("grouped_gemm", &grouped_gemm);
+  m.impl("grouped_gemm_dgrad", &grouped_gemm_dgrad);
+  m.impl("grouped_gemm_wgrad", &grouped_gemm_wgrad);
 }
 #endif
 

@@ -1,5 +1,7 @@
 """Grouped expert GEMM (issue 5, item 1): forward, dgrad and wgrad against an fp64 per-expert
-reference, autograd, opcheck, determinism, compile, and bad input (one test per case).
+reference, autograd, opcheck, determinism, compile, and bad input (one test per case). The tests
+taking the `device` fixture also run on CUDA when a GPU is present (more in
+test_grouped_gemm_cuda.py).
 
 Accuracy rule (tests/tolerances.py): our error against the fp64 truth is at most 2x the error of
 torch's own per-expert matmul in the same dtype, plus one ulp at the output scale. Outputs are
@@ -77,16 +79,21 @@ def make_inputs(counts, K, N, E_weight_layout_trans, dtype):
     return x, weight, dy, offsets_of(counts)
 
 
+def on(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
 @pytest.mark.parametrize("case", list(COUNTS))
 @pytest.mark.parametrize("trans_w", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_products_vs_fp64(poison, dtype, trans_w, case):
+def test_products_vs_fp64(poison, device, dtype, trans_w, case):
     counts = make_counts(case)
     K, N = SIZES[case]
     x, weight, dy, off = make_inputs(counts, K, N, trans_w, dtype)
-    y = ops.grouped_gemm(x, weight, off, trans_w)
-    dx = ops.grouped_gemm_dgrad(dy, weight, off, trans_w)
-    dw = ops.grouped_gemm_wgrad(x, dy, off, trans_w)
+    xd, wd, gd, od = on(device, x, weight, dy, off)
+    y = ops.grouped_gemm(xd, wd, od, trans_w).cpu()
+    dx = ops.grouped_gemm_dgrad(gd, wd, od, trans_w).cpu()
+    dw = ops.grouped_gemm_wgrad(xd, gd, od, trans_w).cpu()
     truth = reference(x, weight, dy, off, trans_w, torch.float64)
     same = reference(x, weight, dy, off, trans_w, dtype)
     for name, ours, t, s in zip(("fwd", "dgrad", "wgrad"), (y, dx, dw), truth, same):
@@ -103,13 +110,14 @@ def test_products_vs_fp64(poison, dtype, trans_w, case):
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.float32),
                                              (torch.float16, torch.float32),
                                              (torch.float32, torch.bfloat16)])
-def test_out_dtype(poison, dtype, out_dtype):
+def test_out_dtype(poison, device, dtype, out_dtype):
     counts = [3, 0, 140, 17]
     x, weight, dy, off = make_inputs(counts, 40, 36, True, dtype)
     truth = reference(x, weight, dy, off, True, torch.float64)
-    outs = (ops.grouped_gemm(x, weight, off, True, out_dtype),
-            ops.grouped_gemm_dgrad(dy, weight, off, True, out_dtype),
-            ops.grouped_gemm_wgrad(x, dy, off, True, out_dtype))
+    xd, wd, gd, od = on(device, x, weight, dy, off)
+    outs = (ops.grouped_gemm(xd, wd, od, True, out_dtype).cpu(),
+            ops.grouped_gemm_dgrad(gd, wd, od, True, out_dtype).cpu(),
+            ops.grouped_gemm_wgrad(xd, gd, od, True, out_dtype).cpu())
     # fp32 accumulation rounded once to out_dtype: a few fp32 ulps of Σ|a·b| plus one out ulp
     for ours, t in zip(outs, truth):
         assert ours.dtype == out_dtype and not ours.isnan().any()
@@ -141,21 +149,23 @@ def test_gradcheck_fp64(trans_w):
 
 
 @pytest.mark.parametrize("trans_w", [False, True])
-def test_backward_matches_autograd_of_reference(trans_w):
+def test_backward_matches_autograd_of_reference(device, trans_w):
     """bf16: our autograd vs torch autograd through the per-expert fp32 matmul of the same values."""
     counts = [5, 0, 33, 1]
     x, weight, dy, off = make_inputs(counts, 24, 40, trans_w, torch.bfloat16)
-    x1, w1 = x.clone().requires_grad_(), weight.clone().requires_grad_()
-    ops.grouped_gemm(x1, w1, off, trans_w).backward(dy)
+    xd, wd, gd, od = on(device, x, weight, dy, off)
+    x1, w1 = xd.clone().requires_grad_(), wd.clone().requires_grad_()
+    ops.grouped_gemm(x1, w1, od, trans_w).backward(gd)
+    gx1, gw1 = x1.grad.cpu(), w1.grad.cpu()
     x2, w2 = x.float().requires_grad_(), weight.float().requires_grad_()
     y2 = torch.cat(per_expert(lambda e, xe: xe @ w_e(w2, e, trans_w), off, x2))
     y2.backward(dy.float())
-    assert x1.grad.dtype == torch.bfloat16 and w1.grad.dtype == torch.bfloat16
+    assert gx1.dtype == torch.bfloat16 and gw1.dtype == torch.bfloat16
     # ours: fp32 sums rounded once to bf16; the reference: the same fp32 sums, unrounded
-    for ours, ref in ((x1.grad, x2.grad), (w1.grad, w2.grad)):
+    for ours, ref in ((gx1, x2.grad), (gw1, w2.grad)):
         tol = 2.0**-8 * ref.abs() + 1e-5 * ref.abs().max()
         assert ((ours.float() - ref).abs() <= tol).all()
-    assert torch.equal(w1.grad[1], torch.zeros_like(w1.grad[1]))  # expert 1 has no rows
+    assert torch.equal(gw1[1], torch.zeros_like(gw1[1]))  # expert 1 has no rows
 
 
 def test_backward_only_what_is_needed():
@@ -171,9 +181,9 @@ def test_backward_only_what_is_needed():
     torch.testing.assert_close(wr.grad.double(), ref[2], rtol=1e-5, atol=1e-5)
 
 
-def test_grad_y_in_wider_dtype_is_cast():
+def test_grad_y_in_wider_dtype_is_cast(device):
     """out_dtype=float32 from bf16 inputs: the fp32 grad_y is cast to bf16 for the backward."""
-    x, weight, dy, off = make_inputs([4, 0, 9], 16, 12, True, torch.bfloat16)
+    x, weight, dy, off = on(device, *make_inputs([4, 0, 9], 16, 12, True, torch.bfloat16))
     xr, wr = x.clone().requires_grad_(), weight.clone().requires_grad_()
     ops.grouped_gemm(xr, wr, off, True, torch.float32).backward(dy.float())
     assert xr.grad.dtype == torch.bfloat16 and wr.grad.dtype == torch.bfloat16
@@ -181,8 +191,8 @@ def test_grad_y_in_wider_dtype_is_cast():
     assert torch.equal(wr.grad, ops.grouped_gemm_wgrad(x, dy, off, True))
 
 
-def opcheck_samples():
-    x, weight, dy, off = make_inputs([0, 5, 1, 9], 12, 10, False, torch.bfloat16)
+def opcheck_samples(device="cpu"):
+    x, weight, dy, off = on(device, *make_inputs([0, 5, 1, 9], 12, 10, False, torch.bfloat16))
     wt = weight.transpose(1, 2).contiguous()
     yield OPS.grouped_gemm, (x.clone().requires_grad_(), weight.clone().requires_grad_(), off)
     yield OPS.grouped_gemm, (x, wt.clone().requires_grad_(), off, True, torch.float32)
@@ -193,8 +203,8 @@ def opcheck_samples():
 
 
 @pytest.mark.parametrize("i", range(6))
-def test_opcheck(i):
-    op, args = list(opcheck_samples())[i]
+def test_opcheck(device, i):
+    op, args = list(opcheck_samples(device))[i]
     torch.library.opcheck(op, args)
 
 
@@ -218,18 +228,19 @@ def test_deterministic_and_thread_count_invariant():
 
 
 @pytest.mark.parametrize("trans_w", [False, True])
-def test_zero_width(trans_w):
+def test_zero_width(device, trans_w):
     """K = 0: y is zeros (an empty sum); N = 0: dx is zeros; both: wgrad is an empty tensor."""
-    off = offsets_of([2, 0, 3])
-    w = torch.randn((3, 4, 0) if trans_w else (3, 0, 4))
-    y = ops.grouped_gemm(torch.randn(5, 0), w, off, trans_w)
-    assert torch.equal(y, torch.zeros(5, 4))
-    dx = ops.grouped_gemm_dgrad(torch.randn(5, 4), w, off, trans_w)
+    off = offsets_of([2, 0, 3]).to(device)
+    w = torch.randn((3, 4, 0) if trans_w else (3, 0, 4), device=device)
+    y = ops.grouped_gemm(torch.randn(5, 0, device=device), w, off, trans_w)
+    assert torch.equal(y, torch.zeros(5, 4, device=device))
+    dx = ops.grouped_gemm_dgrad(torch.randn(5, 4, device=device), w, off, trans_w)
     assert dx.shape == (5, 0)
-    w2 = torch.randn((3, 0, 6) if trans_w else (3, 6, 0))
-    dx2 = ops.grouped_gemm_dgrad(torch.randn(5, 0), w2, off, trans_w)
-    assert torch.equal(dx2, torch.zeros(5, 6))
-    dw = ops.grouped_gemm_wgrad(torch.randn(5, 0), torch.randn(5, 4), off, trans_w)
+    w2 = torch.randn((3, 0, 6) if trans_w else (3, 6, 0), device=device)
+    dx2 = ops.grouped_gemm_dgrad(torch.randn(5, 0, device=device), w2, off, trans_w)
+    assert torch.equal(dx2, torch.zeros(5, 6, device=device))
+    dw = ops.grouped_gemm_wgrad(torch.randn(5, 0, device=device), torch.randn(5, 4, device=device),
+                                off, trans_w)
     assert dw.shape == ((3, 4, 0) if trans_w else (3, 0, 4))
 
 
@@ -344,19 +355,19 @@ def test_offsets_last_above_rows():
 
 
 @pytest.mark.parametrize("trans_w", [False, True])
-def test_rows_past_the_last_expert(trans_w):
+def test_rows_past_the_last_expert(device, trans_w):
     """A buffer sized by a static bound (permute with token dropping): rows past
     expert_offsets[-1] belong to no expert; fwd/dgrad give zeros there, wgrad ignores them."""
     E, K, N, rows, kept = 3, 8, 5, 12, 7
-    off = torch.tensor([0, 3, 3, kept])
-    x = torch.randn(rows, K)
-    w = torch.randn(E, N, K) if trans_w else torch.randn(E, K, N)
-    dy = torch.randn(rows, N)
+    off = torch.tensor([0, 3, 3, kept], device=device)
+    x = torch.randn(rows, K, device=device)
+    w = torch.randn((E, N, K) if trans_w else (E, K, N), device=device)
+    dy = torch.randn(rows, N, device=device)
     y = ops.grouped_gemm(x, w, off, trans_w=trans_w)
     dx = ops.grouped_gemm_dgrad(dy, w, off, trans_w=trans_w)
     dw = ops.grouped_gemm_wgrad(x, dy, off, trans_w=trans_w)
-    assert torch.equal(y[kept:], torch.zeros(rows - kept, N))
-    assert torch.equal(dx[kept:], torch.zeros(rows - kept, K))
+    assert torch.equal(y[kept:], torch.zeros(rows - kept, N, device=device))
+    assert torch.equal(dx[kept:], torch.zeros(rows - kept, K, device=device))
     y_ref = ops.grouped_gemm(x[:kept], w, off, trans_w=trans_w)
     assert torch.equal(y[:kept], y_ref)
     assert torch.equal(dx[:kept], ops.grouped_gemm_dgrad(dy[:kept], w, off, trans_w=trans_w))

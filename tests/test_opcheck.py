@@ -94,16 +94,18 @@ def samples(device):
     yield OPS.glu_probs, (ga, None, "gelu", False, 0.0, None)
     yield OPS.glu_probs_bwd, (torch.randn(T, 8, device=device, dtype=torch.bfloat16), ga.detach(),
                               gp.detach(), "gelu_tanh", True, 0.0, None)
-    if device == "cpu":
-        # grouped GEMM (issue 5): uneven counts with an empty expert, both weight layouts
-        off = torch.tensor([0, 5, 5, 12], device=device)
-        gw = torch.randn(3, H, 8, device=device, dtype=torch.bfloat16, requires_grad=True)
-        gy = torch.randn(T, 8, device=device, dtype=torch.bfloat16)
-        yield OPS.grouped_gemm, (inp, gw, off)
-        yield OPS.grouped_gemm, (inp, gw.detach().transpose(1, 2).contiguous(), off, True,
-                                 torch.float32)
-        yield OPS.grouped_gemm_dgrad, (gy, gw.detach(), off)
-        yield OPS.grouped_gemm_wgrad, (inp.detach(), gy, off, True)
+    # grouped GEMM (issues 5, 7): uneven counts with an empty expert, both weight layouts, the
+    # tensor-core path (H = 32, 8 columns) and on CUDA the SIMT path (fp32, 5 columns)
+    off = torch.tensor([0, 5, 5, 12], device=device)
+    gw = torch.randn(3, H, 8, device=device, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(T, 8, device=device, dtype=torch.bfloat16)
+    yield OPS.grouped_gemm, (inp, gw, off)
+    yield OPS.grouped_gemm, (inp, gw.detach().transpose(1, 2).contiguous(), off, True,
+                             torch.float32)
+    yield OPS.grouped_gemm_dgrad, (gy, gw.detach(), off)
+    yield OPS.grouped_gemm_wgrad, (inp.detach(), gy, off, True)
+    yield OPS.grouped_gemm, (inp.detach().float().requires_grad_(),
+                             torch.randn(3, 5, H, device=device, requires_grad=True), off, True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

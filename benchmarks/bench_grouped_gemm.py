@@ -1,0 +1,169 @@
+"""Grouped expert GEMM on one GPU: ours vs torch._grouped_mm vs a per-expert torch.mm loop.
+
+For fc1 ([H -> 2*ffn], SwiGLU) and fc2 ([ffn -> H]) of the three reference layers of DESIGN.md,
+with rows = tokens * topk spread over the experts by a random top-k routing, in bf16 with the
+Megatron weight layout ([E, N, K], trans_w=True): forward, dgrad and wgrad. The dense bf16 matmul
+ceiling (torch.mm, 8192^3) is measured in the same run.
+
+Method (METHOD.md): CUDA events around each call, warm-up first, median of REPS; random data,
+never zeros; every output checked against torch._grouped_mm (or the loop) by relative Frobenius
+error before it is timed. Printed per shape and product: ms, TFLOP/s, speed ratio vs grouped_mm
+and vs the loop (> 1: ours is faster), % of the dense ceiling; a short table last.
+
+    python3 benchmarks/bench_grouped_gemm.py [--layers mixtral,qwen3_30b_a3b] [--reps 15]
+"""
+import argparse
+import statistics
+
+import torch
+
+import moe_core  # noqa: F401  (registers the ops)
+
+OPS = torch.ops.moe_core
+
+# name: (tokens, hidden, experts, topk, expert ffn)
+LAYERS = {
+    "mixtral": (8192, 4096, 8, 2, 14336),
+    "qwen3_30b_a3b": (16384, 2048, 128, 8, 768),
+    "dsv3_like": (8192, 7168, 256, 8, 2048),
+}
+
+
+def time_ms(fn, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp32, in slices (a dsv3 weight gradient is 15 GB in bf16)."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    num = den = 0.0
+    step = 1 << 27
+    for i in range(0, a.numel(), step):
+        x, y = a[i:i + step].float(), b[i:i + step].float()
+        num += (x - y).square().sum().item()
+        den += y.square().sum().item()
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def dense_ceiling(reps: int) -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: torch.mm(a, b), 3, reps)
+    return 2 * n**3 / ms / 1e9
+
+
+def routing_counts(tokens: int, experts: int, topk: int, gen: torch.Generator) -> list:
+    scores = torch.randn(tokens, experts, device="cuda", generator=gen)
+    idx = scores.topk(topk, dim=1).indices
+    return torch.bincount(idx.flatten(), minlength=experts).tolist()
+
+
+def bench_problem(name, rows_per_expert, K, N, reps, ceiling, results):
+    E, R = len(rows_per_expert), sum(rows_per_expert)
+    dev, dt = "cuda", torch.bfloat16
+    ends = torch.tensor(rows_per_expert, device=dev).cumsum(0)
+    off64 = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), ends])
+    offs32 = ends.to(torch.int32)
+    bounds = [0] + ends.tolist()
+    x = torch.randn(R, K, device=dev, dtype=dt)
+    w = torch.randn(E, N, K, device=dev, dtype=dt) / K**0.5  # [E, N, K]: nn.Linear layout
+    dy = torch.randn(R, N, device=dev, dtype=dt)
+    flops = 2.0 * R * K * N
+
+    def loop_fwd():
+        y = torch.empty(R, N, device=dev, dtype=dt)
+        for e in range(E):
+            if bounds[e + 1] > bounds[e]:
+                torch.mm(x[bounds[e]:bounds[e + 1]], w[e].t(), out=y[bounds[e]:bounds[e + 1]])
+        return y
+
+    def loop_dgrad():
+        dx = torch.empty(R, K, device=dev, dtype=dt)
+        for e in range(E):
+            if bounds[e + 1] > bounds[e]:
+                torch.mm(dy[bounds[e]:bounds[e + 1]], w[e], out=dx[bounds[e]:bounds[e + 1]])
+        return dx
+
+    def loop_wgrad():
+        dw = torch.empty(E, N, K, device=dev, dtype=dt)
+        for e in range(E):
+            s, t = bounds[e], bounds[e + 1]
+            if t > s:
+                torch.mm(dy[s:t].t(), x[s:t], out=dw[e])
+            else:
+                dw[e].zero_()
+        return dw
+
+    products = {
+        "fwd": (lambda: OPS.grouped_gemm(x, w, off64, True, None),
+                lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs32), loop_fwd),
+        "dgrad": (lambda: OPS.grouped_gemm_dgrad(dy, w, off64, True, None),
+                  lambda: torch._grouped_mm(dy, w, offs=offs32), loop_dgrad),
+        "wgrad": (lambda: OPS.grouped_gemm_wgrad(x, dy, off64, True, None),
+                  lambda: torch._grouped_mm(dy.t(), x, offs=offs32), loop_wgrad),
+    }
+    for prod, (ours, gmm, loop) in products.items():
+        ref = loop()
+        err = rel_err(ours(), ref)
+        try:
+            gerr = rel_err(gmm(), ref)
+            t_gmm = time_ms(gmm, 2, reps)
+        except (RuntimeError, NotImplementedError) as exc:  # layout or arch it does not take
+            gerr, t_gmm = float("nan"), float("nan")
+            print(f"  torch._grouped_mm {prod}: {str(exc).splitlines()[0][:100]}")
+        del ref
+        t_ours = time_ms(ours, 2, reps)
+        t_loop = time_ms(loop, 1, max(3, reps // 3))
+        tf = flops / t_ours / 1e9
+        row = dict(shape=name, prod=prod, ms=t_ours, tflops=tf, vs_gmm=t_gmm / t_ours,
+                   vs_loop=t_loop / t_ours, pct=100 * tf / ceiling, gmm_ms=t_gmm, loop_ms=t_loop,
+                   err=err, gerr=gerr)
+        results.append(row)
+        print(f"  {prod:5s} ours {t_ours:8.3f} ms {tf:6.1f} TFLOP/s | grouped_mm {t_gmm:8.3f} ms"
+              f" (x{row['vs_gmm']:.2f}) | loop {t_loop:8.3f} ms (x{row['vs_loop']:.2f}) |"
+              f" {row['pct']:5.1f}% of dense | rel err ours {err:.1e} gmm {gerr:.1e}",
+              flush=True)
+        assert err < 2e-2, f"{name} {prod}: our relative error {err:.3e} vs the loop"
+    del x, w, dy
+    torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", default=",".join(LAYERS))
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA {torch.version.cuda}")
+    ceiling = dense_ceiling(args.reps)
+    print(f"dense bf16 ceiling (torch.mm 8192^3): {ceiling:.0f} TFLOP/s")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for layer in args.layers.split(","):
+        T, H, E, k, ffn = LAYERS[layer]
+        counts = routing_counts(T, E, k, gen)
+        print(f"{layer}: rows {T * k}, experts {E}, rows/expert min {min(counts)} "
+              f"max {max(counts)}", flush=True)
+        for fc, (K, N) in (("fc1", (H, 2 * ffn)), ("fc2", (ffn, H))):
+            print(f" {layer}.{fc}: K={K} N={N}", flush=True)
+            bench_problem(f"{layer}.{fc}", counts, K, N, args.reps, ceiling, results)
+    print(f"\n{'shape':22s} {'prod':5s} {'ms':>8s} {'TFLOP/s':>8s} {'vs gmm':>7s} "
+          f"{'vs loop':>7s} {'%dense':>6s}")
+    for r in results:
+        print(f"{r['shape']:22s} {r['prod']:5s} {r['ms']:8.3f} {r['tflops']:8.1f} "
+              f"{r['vs_gmm']:7.2f} {r['vs_loop']:7.2f} {r['pct']:6.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""Grouped expert GEMM on CUDA (issue 7): the three products against an fp64 truth for every
+operand dtype, both weight layouts, uneven counts (zeros, ones, one expert holding everything,
+counts no multiple of any tile, rows past the last offset), K/N on and off the tensor-core path
+(multiples of 8 or not, misaligned pointers), every out_dtype, bitwise equality with the CPU
+where every sum is exact, determinism, CUDA-graph capture of forward and backward, and many
+experts.
+
+Accuracy rule (tests/tolerances.py): our error against the fp64 truth is at most 2x the error of
+torch's own per-expert CUDA matmul in the same dtype, plus one ulp at the output scale.
+Poisoning: deterministic algorithms make every torch.empty (the op's own output allocation in
+the binding included) fill with NaN, so an element the kernel forgets to write shows as NaN;
+torch's cuBLAS references run outside that mode (cuBLAS refuses it without a workspace config).
+"""
+import contextlib
+
+import pytest
+import torch
+
+from moe_core import ops
+from tolerances import assert_error_at_most
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+# counts per expert; every case also gets TAIL rows past the last offset
+COUNTS = {
+    "uneven": [0, 1, 37, 0, 130, 9, 1, 250],
+    "one_expert": [0, 0, 700, 0],
+    "ones": [1] * 9,
+    "random": None,  # drawn in the test: 12 experts, randint(0, 300), two forced zeros
+}
+TAIL = 19
+# (K, N): multiples of 8 with tails past the 128 x 128 x 64 tiles (tensor cores for bf16/fp16),
+# and sizes that are no multiple of 8 (the SIMT path for every dtype)
+SIZES = {"aligned": (136, 264), "unaligned": (45, 70)}
+
+
+@contextlib.contextmanager
+def poisoned():
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    assert torch.utils.deterministic.fill_uninitialized_memory
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev)
+
+
+def make_counts(case):
+    if COUNTS[case] is not None:
+        return COUNTS[case]
+    c = torch.randint(0, 300, (12,))
+    c[3] = c[7] = 0
+    return c.tolist()
+
+
+def offsets_of(counts, device="cuda"):
+    return torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.long,
+                        device=device)
+
+
+def make_inputs(counts, K, N, trans_w, dtype, tail=TAIL, device="cuda"):
+    R, E = sum(counts) + tail, len(counts)
+    x = torch.randn(R, K, dtype=torch.float64).to(dtype)
+    w = (torch.randn((E, N, K) if trans_w else (E, K, N), dtype=torch.float64) / K**0.5).to(dtype)
+    dy = torch.randn(R, N, dtype=torch.float64).to(dtype)
+    return x.to(device), w.to(device), dy.to(device), offsets_of(counts, device)
+
+
+def w_e(weight, e, trans_w):
+    return weight[e].t() if trans_w else weight[e]
+
+
+def reference(x, weight, dy, off, trans_w, dtype):
+    """fwd, dgrad, wgrad by per-expert matmul in `dtype` on x's device; zeros past the last offset."""
+    x, weight, dy = x.to(dtype), weight.to(dtype), dy.to(dtype)
+    o = off.tolist()
+    y = x.new_zeros(x.shape[0], weight.shape[1] if trans_w else weight.shape[2])
+    dx = x.new_zeros(x.shape)
+    dw = torch.zeros_like(weight)
+    for e in range(len(o) - 1):
+        xe, ge, we = x[o[e]:o[e + 1]], dy[o[e]:o[e + 1]], w_e(weight, e, trans_w)
+        y[o[e]:o[e + 1]] = xe @ we
+        dx[o[e]:o[e + 1]] = ge @ we.t()
+        dw[e] = (ge.t() @ xe) if trans_w else (xe.t() @ ge)
+    return y, dx, dw
+
+
+def run_ours(x, w, dy, off, trans_w, out_dtype=None):
+    with poisoned():
+        return (ops.grouped_gemm(x, w, off, trans_w, out_dtype),
+                ops.grouped_gemm_dgrad(dy, w, off, trans_w, out_dtype),
+                ops.grouped_gemm_wgrad(x, dy, off, trans_w, out_dtype))
+
+
+def check_structure(outs, counts, kept):
+    y, dx, dw = outs
+    for name, t in zip(("fwd", "dgrad", "wgrad"), outs):
+        assert not t.isnan().any(), f"{name}: unwritten (NaN-poisoned) elements"
+    assert torch.equal(y[kept:], torch.zeros_like(y[kept:])), "fwd: rows past the offsets"
+    assert torch.equal(dx[kept:], torch.zeros_like(dx[kept:])), "dgrad: rows past the offsets"
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.equal(dw[e], torch.zeros_like(dw[e])), f"wgrad: empty expert {e}"
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("case", list(COUNTS))
+@pytest.mark.parametrize("trans_w", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_products_vs_fp64(dtype, trans_w, case, size):
+    counts = make_counts(case)
+    K, N = SIZES[size]
+    x, w, dy, off = make_inputs(counts, K, N, trans_w, dtype)
+    outs = run_ours(x, w, dy, off, trans_w)
+    check_structure(outs, counts, sum(counts))
+    xc, wc, gc, oc = x.cpu(), w.cpu(), dy.cpu(), off.cpu()
+    truth = reference(xc, wc, gc, oc, trans_w, torch.float64)
+    for name, ours, t in zip(("fwd", "dgrad", "wgrad"), outs, truth):
+        assert ours.dtype == dtype and ours.shape == t.shape and ours.is_cuda, name
+    if dtype == torch.float64:
+        # torch's fp64 GEMM is as exact as the "truth" (often bitwise the same), so the rule
+        # "2x torch's error" has nothing to scale; bound both fp64 sums instead:
+        # |ours - truth| <= 2 · n · 2^-53 · Σ|a·b|, with a 2x margin
+        mags = reference(xc.abs(), wc.abs(), gc.abs(), oc, trans_w, torch.float64)
+        for name, ours, t, m, n in zip(("fwd", "dgrad", "wgrad"), outs, truth, mags,
+                                       (K, N, max(counts))):
+            err = (ours.cpu() - t).abs()
+            assert (err <= 2 * n * 2.0**-52 * m).all(), f"{name}: fp64 error {err.max():.3e}"
+        return
+    same = reference(x, w, dy, off, trans_w, dtype)
+    for name, ours, t, s in zip(("fwd", "dgrad", "wgrad"), outs, truth, same):
+        assert_error_at_most(ours, s, t, factor=2.0,
+                             msg=f"{name} {dtype} trans_w={trans_w} {case} {size}")
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_out_dtype(dtype, out_dtype, size):
+    """fp32 (fp64) accumulation rounded once: |ours - t| <= out_eps·|s| + tiny + |s - t| with the
+    sum s within K·eps_acc·Σ|a·b| of the truth t (a bound for any summation order), tiny the
+    absolute rounding error among subnormals."""
+    counts = [3, 0, 140, 17, 200]
+    K, N = SIZES[size]
+    x, w, dy, off = make_inputs(counts, K, N, True, dtype)
+    outs = run_ours(x, w, dy, off, True, out_dtype)
+    check_structure(outs, counts, sum(counts))
+    xc, wc, gc, oc = x.cpu().double(), w.cpu().double(), dy.cpu().double(), off.cpu()
+    truth = reference(xc, wc, gc, oc, True, torch.float64)
+    mags = reference(xc.abs(), wc.abs(), gc.abs(), oc, True, torch.float64)
+    # 2^-23 for fp32: tensor cores may truncate, not round, while accumulating (<= 2 units)
+    acc_eps = 2.0**-52 if dtype == torch.float64 else 2.0**-23
+    out_eps = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11,
+               torch.bfloat16: 2.0**-8}[out_dtype]
+    # half the smallest subnormal step: the absolute error of rounding near zero
+    out_tiny = {torch.float64: 2.0**-1075, torch.float32: 2.0**-150, torch.float16: 2.0**-25,
+                torch.bfloat16: 2.0**-134}[out_dtype]
+    for name, ours, t, s, red in zip(("fwd", "dgrad", "wgrad"), outs, truth, mags,
+                                     (K, N, max(counts))):
+        assert ours.dtype == out_dtype, name
+        sum_err = 1.01 * red * acc_eps * s
+        bound = out_eps * (t.abs() + sum_err) + sum_err + out_tiny
+        err = (ours.cpu().double() - t).abs()
+        assert (err <= bound).all(), f"{name}: max excess {(err - bound).max().item():.3e}"
+
+
+@pytest.mark.parametrize("trans_w", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", list(SIZES))
+def test_bitwise_equal_to_cpu_on_exact_sums(size, dtype, trans_w):
+    """Small integers: every product and partial sum is exact in fp32, so any summation order
+    gives the same value and CPU and CUDA must agree bit for bit (indexing and layout, exactly)."""
+    counts = [0, 5, 130, 1, 0, 77]
+    K, N = SIZES[size]
+    R, E = sum(counts) + TAIL, len(counts)
+    x = torch.randint(-3, 4, (R, K)).to(dtype)
+    w = torch.randint(-3, 4, (E, N, K) if trans_w else (E, K, N)).to(dtype)
+    dy = torch.randint(-3, 4, (R, N)).to(dtype)
+    off = offsets_of(counts, "cpu")
+    cpu = (ops.grouped_gemm(x, w, off, trans_w), ops.grouped_gemm_dgrad(dy, w, off, trans_w),
+           ops.grouped_gemm_wgrad(x, dy, off, trans_w))
+    gpu = run_ours(x.cuda(), w.cuda(), dy.cuda(), off.cuda(), trans_w)
+    for name, c, g in zip(("fwd", "dgrad", "wgrad"), cpu, gpu):
+        assert torch.equal(c, g.cpu()), f"{name}: CPU and CUDA differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_deterministic(dtype):
+    counts = [300, 0, 1211, 1, 513]
+    x, w, dy, off = make_inputs(counts, 512, 384, True, dtype)
+    first, second = run_ours(x, w, dy, off, True), run_ours(x, w, dy, off, True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("which", ["x", "weight", "grad_y"])
+def test_misaligned_pointers_take_the_general_path(which):
+    """A contiguous view one element into its storage is not 16-byte aligned: same results as
+    the aligned copy within the accuracy rule, nothing unwritten."""
+    counts = [0, 40, 1, 90]
+    x, w, dy, off = make_inputs(counts, 64, 48, False, torch.bfloat16)
+
+    def shifted(t):
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        v = buf[1:].view(t.shape)
+        v.copy_(t)
+        assert v.is_contiguous() and v.data_ptr() % 16 != 0
+        return v
+
+    xs = shifted(x) if which == "x" else x
+    ws = shifted(w) if which == "weight" else w
+    dys = shifted(dy) if which == "grad_y" else dy
+    outs = run_ours(xs, ws, dys, off, False)
+    check_structure(outs, counts, sum(counts))
+    truth = reference(x.cpu(), w.cpu(), dy.cpu(), off.cpu(), False, torch.float64)
+    same = reference(x, w, dy, off, False, torch.bfloat16)
+    for ours, t, s in zip(outs, truth, same):
+        assert_error_at_most(ours, s, t)
+
+
+def test_many_experts():
+    """More experts than the tile scan's threads (1024): most empty, a few with rows."""
+    E = 1500
+    counts = [0] * E
+    for e, c in ((0, 3), (700, 129), (1023, 1), (1024, 2), (1499, 64)):
+        counts[e] = c
+    x, w, dy, off = make_inputs(counts, 16, 24, False, torch.bfloat16)
+    outs = run_ours(x, w, dy, off, False)
+    check_structure(outs, counts, sum(counts))
+    truth = reference(x.cpu(), w.cpu(), dy.cpu(), off.cpu(), False, torch.float64)
+    same = reference(x, w, dy, off, False, torch.bfloat16)
+    for ours, t, s in zip(outs, truth, same):
+        assert_error_at_most(ours, s, t)
+
+
+@pytest.mark.parametrize("trans_w", [False, True])
+def test_zero_sizes(trans_w):
+    off = offsets_of([0, 0, 0])
+    w = torch.randn((3, 8, 16) if trans_w else (3, 16, 8), device="cuda", dtype=torch.bfloat16)
+    with poisoned():
+        y = ops.grouped_gemm(torch.empty(0, 16, device="cuda", dtype=torch.bfloat16), w, off, trans_w)
+        dw = ops.grouped_gemm_wgrad(torch.empty(0, 16, device="cuda", dtype=torch.bfloat16),
+                                    torch.empty(0, 8, device="cuda", dtype=torch.bfloat16), off,
+                                    trans_w)
+    assert y.shape == (0, 8)
+    assert torch.equal(dw, torch.zeros_like(dw))  # no rows: every expert's gradient is zero
+    # K = 0: y is an empty sum
+    off2 = offsets_of([2, 0, 3])
+    w0 = torch.randn((3, 8, 0) if trans_w else (3, 0, 8), device="cuda")
+    with poisoned():
+        y0 = ops.grouped_gemm(torch.randn(5, 0, device="cuda"), w0, off2, trans_w)
+    assert torch.equal(y0, torch.zeros(5, 8, device="cuda"))
+
+
+def test_offsets_on_another_device():
+    x = torch.randn(6, 8, device="cuda")
+    w = torch.randn(3, 8, 5, device="cuda")
+    with pytest.raises(ValueError, match=r"expert_offsets is on cpu but x is on cuda"):
+        ops.grouped_gemm(x, w, torch.tensor([0, 2, 2, 6]))
+
+
+@pytest.mark.parametrize("trans_w", [False, True])
+def test_autograd_matches_direct_products(trans_w):
+    counts = [5, 0, 33, 1, 200]
+    x, w, dy, off = make_inputs(counts, 64, 40, trans_w, torch.bfloat16)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ops.grouped_gemm(xr, wr, off, trans_w).backward(dy)
+    assert torch.equal(xr.grad, ops.grouped_gemm_dgrad(dy, w, off, trans_w))
+    assert torch.equal(wr.grad, ops.grouped_gemm_wgrad(x, dy, off, trans_w))
+
+
+@pytest.mark.parametrize("trans_w", [False, True])
+def test_cuda_graph_forward_backward(trans_w):
+    """Capture forward and backward once; replay with new inputs and new offsets (other counts,
+    rows past the last offset) copied into the static buffers: equal to eager, bit for bit."""
+    E, K, N, R = 6, 128, 96, 600
+    dtype = torch.bfloat16
+
+    def draw(counts):
+        x, w, dy, off = make_inputs(counts, K, N, trans_w, dtype, tail=R - sum(counts))
+        return x, w, dy, off
+
+    sx, sw, sdy, soff = draw([100, 0, 250, 1, 99, 50])
+    sx.requires_grad_()
+    sw.requires_grad_()
+
+    def step():
+        y = ops.grouped_gemm(sx, sw, soff, trans_w)
+        dx, dw = torch.autograd.grad(y, (sx, sw), sdy)
+        return y, dx, dw
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    for counts in ([0, 0, 600, 0, 0, 0], [1, 2, 3, 4, 5, 6], [129, 0, 0, 128, 300, 1]):
+        x, w, dy, off = draw(counts)
+        with torch.no_grad():
+            sx.copy_(x), sw.copy_(w), sdy.copy_(dy), soff.copy_(off)
+        graph.replay()
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = ops.grouped_gemm(xr, wr, off, trans_w)
+        dx, dw = torch.autograd.grad(y, (xr, wr), dy)
+        torch.cuda.synchronize()
+        for name, g, e in zip(("y", "dx", "dw"), static_out, (y, dx, dw)):
+            assert torch.equal(g, e), f"{name}: replay differs from eager, counts {counts}"
+        kept = sum(counts)
+        assert torch.equal(static_out[0][kept:], torch.zeros_like(static_out[0][kept:]))
