@@ -31,6 +31,18 @@ def samples(device):
                                   "sqrtsoftplus", None)
     yield OPS.router_topk_dense_bwd, (torch.randn(T, E, device=device), logits.detach(), idx, k,
                                       False, 0, 0, 1.5, "sigmoid")
+    # the fused router's extras (issue 6): aux scores + map and lse, with and without a mask
+    pad = torch.rand(T, device=device) < 0.3
+    yield OPS.router_topk_fused, (logits, k, False, 0, 0, 0.0, "softmax", None, pad, True, True)
+    yield OPS.router_topk_fused, (logits, k, True, 4, 2, 2.5, "softmax", None, None, True, False)
+    yield OPS.router_topk_fused, (logits, k, False, 4, 2, 2.5, "sigmoid",
+                                  torch.randn(E, device=device), pad, False, True)
+    yield OPS.router_topk_fused, (logits.detach().double().requires_grad_(), k, False, 0, 0, 0.0,
+                                  "sqrtsoftplus", None, pad, True, True)
+    yield OPS.router_topk_fused, (logits, k, False, 0, 0, 0.0, "sigmoid", None, None, False,
+                                  False)
+    yield OPS.router_lse_bwd, (torch.randn(T, device=device, dtype=torch.float64),
+                               logits.detach(), torch.logsumexp(logits.detach().double(), 1), pad)
     yield OPS.topk_to_dense, (torch.randn(T, k, device=device, requires_grad=True), idx, E)
     yield OPS.topk_to_dense_bwd, (torch.randn(T, E, device=device), idx)
     if device == "cpu":
