@@ -227,6 +227,61 @@ moe_status_t moe_router_topk_dense_bwd(void *grad_logits, const void *grad_probs
                                        const moe_router_topk_params_t *params, void *workspace,
                                        size_t workspace_bytes, void *stream);
 
+/**
+ * The fused router's optional extras: what the load-balancing losses need, computed from the same
+ * read of the logits as the routing (issue 6). Every pointer may be NULL (aux_scores and aux_map
+ * together); the mask concerns these outputs only, the routing is unaffected by it.
+ *   aux_scores [num_tokens, num_experts] fp32 (fp64 for fp64 logits) and aux_map [num_tokens,
+ *     num_experts] bool: bit for bit moe_aux_loss_scores_fwd's with topk = params->topk and the
+ *     params' score function (softmax over all experts, or s / (Σ s + 1e-20); the top-k of those
+ *     values, no groups, no bias, ties to the lower index); padded rows all zero.
+ *   lse [num_tokens] fp64: logsumexp of each row (the value the z-loss squares, as z_loss.c
+ *     computes it); 0 on padded rows.
+ *   padding_mask [num_tokens] uint8 (nonzero = padding), or NULL.
+ * On the CPU the values are computed by the same loops as aux_loss_scores.c / z_loss.c, so they
+ * are identical; on CUDA the fp64 row sums (softmax and score sums, lse) are warp reductions and
+ * may differ from the CPU's ascending-order sums in the last bit of fp64 (as the router's own
+ * softmax statistics do).
+ */
+typedef struct moe_router_topk_extras {
+    void *aux_scores;
+    uint8_t *aux_map;
+    double *lse;
+    const uint8_t *padding_mask;
+} moe_router_topk_extras_t;
+
+/** Checks the extras (aux_scores and aux_map both set or both NULL); MOE_OK or a message. */
+moe_status_t moe_router_topk_extras_check(const moe_router_topk_extras_t *extras,
+                                          int64_t num_tokens);
+
+/**
+ * moe_router_topk_dense_fwd plus the extras above (NULL extras: exactly moe_router_topk_dense_fwd).
+ * Workspace: moe_router_topk_workspace_size on the CPU (it covers the extras),
+ * moe_cuda_router_topk_fused_workspace_size on CUDA.
+ */
+moe_status_t moe_router_topk_fused_fwd(void *probs, uint8_t *routing_map, int64_t *topk_indices,
+                                       const moe_router_topk_extras_t *extras, const void *logits,
+                                       const float *expert_bias, int64_t num_tokens,
+                                       int64_t num_experts, moe_dtype_t logits_dtype,
+                                       const moe_router_topk_params_t *params, void *workspace,
+                                       size_t workspace_bytes, void *stream);
+
+/**
+ * Backward of the lse extra: grad_logits[t, e] = grad_lse[t] · exp(logits[t, e] − lse[t]) (the
+ * softmax row), 0 on padded rows; computed in fp64, stored in `logits_dtype`. With
+ * grad_lse = (g · coeff · 2 / n) · lse this is, bit for bit on the CPU, moe_z_loss_bwd.
+ * \param[out] grad_logits  [num_tokens, num_experts], `logits_dtype`
+ * \param[in]  grad_lse     [num_tokens], fp64
+ * \param[in]  logits       [num_tokens, num_experts], `logits_dtype`
+ * \param[in]  lse          [num_tokens], fp64, as the forward wrote it
+ * \param[in]  padding_mask [num_tokens] uint8 or NULL
+ * No workspace.
+ */
+moe_status_t moe_router_lse_bwd(void *grad_logits, const double *grad_lse, const void *logits,
+                                const double *lse, const uint8_t *padding_mask,
+                                int64_t num_tokens, int64_t num_experts, moe_dtype_t logits_dtype,
+                                void *workspace, size_t workspace_bytes, void *stream);
+
 /* ---------------------------------------------------------------------------------------------
  * topk_to_dense: compact [T, topk] routing → Megatron's [T, E] probs and boolean routing map
  * ------------------------------------------------------------------------------------------- */
@@ -1148,6 +1203,26 @@ moe_status_t moe_cuda_grouped_gemm_wgrad(void *grad_weight, const void *x, const
                                          const int64_t *expert_offsets,
                                          const moe_grouped_gemm_params_t *params,
                                          void *workspace, size_t workspace_bytes, void *stream);
+/* ---- CUDA: the fused router's extras (issue 6: aux scores, aux map and lse in the router's
+ * pass). The fp32/bf16/fp16 warp kernel (rows up to 1024 experts) computes them from the values
+ * already in registers; the fp64 and wide-row paths run a second, thread-per-token kernel over
+ * the logits for them (moe_router_aux_row / moe_router_row_lse). */
+size_t moe_cuda_router_topk_fused_workspace_size(int64_t num_tokens, int64_t num_experts,
+                                                 const moe_router_topk_params_t *params,
+                                                 moe_dtype_t logits_dtype, int with_aux);
+moe_status_t moe_cuda_router_topk_fused_fwd(void *probs, uint8_t *routing_map,
+                                            int64_t *topk_indices,
+                                            const moe_router_topk_extras_t *extras,
+                                            const void *logits, const float *expert_bias,
+                                            int64_t num_tokens, int64_t num_experts,
+                                            moe_dtype_t logits_dtype,
+                                            const moe_router_topk_params_t *params,
+                                            void *workspace, size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_router_lse_bwd(void *grad_logits, const double *grad_lse,
+                                     const void *logits, const double *lse,
+                                     const uint8_t *padding_mask, int64_t num_tokens,
+                                     int64_t num_experts, moe_dtype_t logits_dtype,
+                                     void *workspace, size_t workspace_bytes, void *stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -14,10 +14,10 @@
 #include "common.h"
 #include "router_topk_math.h"
 
-/* One thread's scratch (row scratch + its probs), padded to whole 64-byte cache lines so that
- * threads never write to the same line. */
+/* One thread's scratch (row scratch + its probs + the aux top-k list of the fused forward),
+ * padded to whole 64-byte cache lines so that threads never write to the same line. */
 static int64_t thread_words(int64_t topk, int64_t num_groups) {
-    return (moe_topk_scratch_words(topk, num_groups) + topk + 7) / 8 * 8;
+    return (moe_topk_scratch_words(topk, num_groups) + 3 * topk + 7) / 8 * 8;
 }
 
 size_t moe_router_topk_workspace_size(int64_t num_tokens, int64_t num_experts,
@@ -71,10 +71,12 @@ static moe_status_t check_common(int64_t num_tokens, int64_t num_experts, moe_dt
     return moe_router_topk_check(p, num_experts, has_bias);
 }
 
-/* The forward of both layouts: compact topk_probs [T, k] and/or dense probs + map [T, E]. */
+/* The forward of both layouts: compact topk_probs [T, k] and/or dense probs + map [T, E], and
+ * the fused router's optional extras (aux scores + map, lse) from the same row while it is hot. */
 static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *probs,
-                             uint8_t *routing_map, const void *logits, const float *expert_bias,
-                             int64_t num_tokens, int64_t num_experts, moe_dtype_t logits_dtype,
+                             uint8_t *routing_map, const moe_router_topk_extras_t *extras,
+                             const void *logits, const float *expert_bias, int64_t num_tokens,
+                             int64_t num_experts, moe_dtype_t logits_dtype,
                              const moe_router_topk_params_t *params, void *workspace,
                              size_t workspace_bytes) {
     moe_clear_error();
@@ -89,6 +91,11 @@ static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *prob
               workspace_bytes, (size_t)words * sizeof(double));
     const int64_t k = params->topk, E = num_experts;
     const moe_topk_ctx_t ctx = moe_topk_ctx_make(params, num_experts, logits_dtype);
+    void *aux_scores = extras ? extras->aux_scores : NULL;
+    uint8_t *aux_map = extras ? extras->aux_map : NULL;
+    double *lse = extras ? extras->lse : NULL;
+    const uint8_t *mask = extras ? extras->padding_mask : NULL;
+    const moe_dtype_t sdt = logits_dtype == MOE_DTYPE_FP64 ? MOE_DTYPE_FP64 : MOE_DTYPE_FP32;
 
 #pragma omp parallel num_threads((int)nthreads)
     {
@@ -108,6 +115,16 @@ static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *prob
                 for (int64_t e = 0; e < E; ++e) routing_map[t * E + e] = 0;
                 for (int64_t j = 0; j < k; ++j) routing_map[t * E + idx[j]] = 1;
             }
+            const int pad = mask != NULL && mask[t] != 0;
+            if (aux_scores && pad) {
+                for (int64_t e = 0; e < E; ++e) {
+                    moe_store(aux_scores, sdt, t * E + e, 0.0);
+                    aux_map[t * E + e] = 0;
+                }
+            } else if (aux_scores) {
+                moe_router_aux_row(&ctx, logits, t, aux_scores, aux_map, p + k);
+            }
+            if (lse) lse[t] = pad ? 0.0 : moe_router_row_lse(logits, logits_dtype, t * E, E);
         }
     }
     return MOE_OK;
@@ -121,7 +138,7 @@ moe_status_t moe_router_topk_fwd(void *topk_probs, int64_t *topk_indices, const 
     (void)stream;
     moe_clear_error();
     MOE_CHECK(num_tokens <= 0 || topk_probs, "topk_probs must not be NULL");
-    return topk_fwd(topk_probs, topk_indices, NULL, NULL, logits, expert_bias, num_tokens,
+    return topk_fwd(topk_probs, topk_indices, NULL, NULL, NULL, logits, expert_bias, num_tokens,
                     num_experts, logits_dtype, params, workspace, workspace_bytes);
 }
 
@@ -131,11 +148,59 @@ moe_status_t moe_router_topk_dense_fwd(void *probs, uint8_t *routing_map, int64_
                                        moe_dtype_t logits_dtype,
                                        const moe_router_topk_params_t *params, void *workspace,
                                        size_t workspace_bytes, void *stream) {
+    return moe_router_topk_fused_fwd(probs, routing_map, topk_indices, NULL, logits, expert_bias,
+                                     num_tokens, num_experts, logits_dtype, params, workspace,
+                                     workspace_bytes, stream);
+}
+
+moe_status_t moe_router_topk_extras_check(const moe_router_topk_extras_t *extras,
+                                          int64_t num_tokens) {
+    if (extras == NULL || num_tokens <= 0) return MOE_OK;
+    MOE_CHECK((extras->aux_scores == NULL) == (extras->aux_map == NULL),
+              "aux_scores and aux_map must be both set or both NULL (got aux_scores=%p, "
+              "aux_map=%p)", extras->aux_scores, (void *)extras->aux_map);
+    return MOE_OK;
+}
+
+moe_status_t moe_router_topk_fused_fwd(void *probs, uint8_t *routing_map, int64_t *topk_indices,
+                                       const moe_router_topk_extras_t *extras, const void *logits,
+                                       const float *expert_bias, int64_t num_tokens,
+                                       int64_t num_experts, moe_dtype_t logits_dtype,
+                                       const moe_router_topk_params_t *params, void *workspace,
+                                       size_t workspace_bytes, void *stream) {
     (void)stream;
     moe_clear_error();
     MOE_CHECK(num_tokens <= 0 || (probs && routing_map), "probs and routing_map must not be NULL");
-    return topk_fwd(NULL, topk_indices, probs, routing_map, logits, expert_bias, num_tokens,
-                    num_experts, logits_dtype, params, workspace, workspace_bytes);
+    MOE_TRY(moe_router_topk_extras_check(extras, num_tokens));
+    return topk_fwd(NULL, topk_indices, probs, routing_map, extras, logits, expert_bias,
+                    num_tokens, num_experts, logits_dtype, params, workspace, workspace_bytes);
+}
+
+moe_status_t moe_router_lse_bwd(void *grad_logits, const double *grad_lse, const void *logits,
+                                const double *lse, const uint8_t *padding_mask,
+                                int64_t num_tokens, int64_t num_experts, moe_dtype_t logits_dtype,
+                                void *workspace, size_t workspace_bytes, void *stream) {
+    (void)workspace;
+    (void)workspace_bytes;
+    (void)stream;
+    moe_clear_error();
+    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
+    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
+    MOE_CHECK(moe_is_float_dtype(logits_dtype), "logits must be a float dtype, got %s",
+              moe_dtype_name(logits_dtype));
+    if (num_tokens == 0) return MOE_OK;
+    MOE_CHECK(grad_logits && grad_lse && logits && lse,
+              "grad_logits, grad_lse, logits and lse must not be NULL");
+    const int64_t E = num_experts;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int pad = padding_mask != NULL && padding_mask[t] != 0;
+        for (int64_t e = 0; e < E; ++e)
+            moe_store(grad_logits, logits_dtype, t * E + e,
+                      moe_router_lse_grad(grad_lse[t], moe_load(logits, logits_dtype, t * E + e),
+                                          lse[t], pad));
+    }
+    return MOE_OK;
 }
 
 static moe_status_t topk_bwd(void *grad_logits, const void *grad_probs, const void *logits,

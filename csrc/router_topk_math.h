@@ -302,4 +302,73 @@ MOE_HD static inline void moe_topk_row_bwd(const moe_topk_ctx_t *c, const void *
     for (int64_t j = 0; j < k; ++j) moe_store(grad_logits, c->dtype, base + idx[j], gsel[j]);
 }
 
+/* ---- the extra outputs of the fused router (moe_router_topk_fused_fwd) ---------------------- */
+
+/*
+ * logsumexp of one row in fp64, the quantity the z-loss squares. The same loop as z_loss.c's
+ * (a NaN propagates, a ±inf max is returned as is, else m + log Σ exp(x − m) summed in ascending
+ * expert order), so the CPU value is bit for bit the one moe_z_loss_fwd squares.
+ */
+MOE_HD static inline double moe_router_row_lse(const void *logits, moe_dtype_t dt, int64_t base,
+                                               int64_t n) {
+    double m = -INFINITY;
+    int has_nan = 0;
+    for (int64_t e = 0; e < n; ++e) {
+        double v = moe_load(logits, dt, base + e);
+        has_nan |= v != v;
+        m = v > m ? v : m;
+    }
+    if (has_nan) return NAN;
+    if (isinf(m)) return m;
+    double sum = 0.0;
+    for (int64_t e = 0; e < n; ++e) sum += exp(moe_load(logits, dt, base + e) - m);
+    return m + log(sum);
+}
+
+/*
+ * Megatron's compute_routing_scores_for_aux_loss for token t, exactly as moe_aux_loss_scores_fwd
+ * (csrc/aux_loss_scores.c) computes it: softmax over all experts, or the unnormalised score
+ * s / (Σ s + 1e-20) (Σ in fp64 in ascending order, then the same rounding points); the map row
+ * is the top c->topk of exactly the values written (no groups, no bias, ties to the lower id).
+ * scores: [T, E] fp32 (fp64 when c->fp64); map: [T, E]; scratch: 2·topk words.
+ */
+MOE_HD static inline void moe_router_aux_row(const moe_topk_ctx_t *c, const void *logits, int64_t t,
+                                             void *scores, uint8_t *map, double *scratch) {
+    const int64_t E = c->num_experts, k = c->topk, base = t * E;
+    const moe_dtype_t sdt = c->fp64 ? MOE_DTYPE_FP64 : MOE_DTYPE_FP32;
+    double *vals = scratch;
+    int64_t *idx = (int64_t *)(scratch + k), len = 0;
+    for (int64_t e = 0; e < E; ++e) map[base + e] = 0;
+    if (c->score_function == MOE_SCORE_SOFTMAX) {
+        double m, inv;
+        moe_topk_softmax_stats(c, logits, c->dtype, base, E, &m, &inv);
+        for (int64_t e = 0; e < E; ++e) {
+            double s = moe_topk_softmax_at(c, moe_load(logits, c->dtype, base + e), m, inv);
+            moe_store(scores, sdt, base + e, s);
+            moe_topk_insert(vals, idx, &len, k, s, e);
+        }
+    } else {
+        double sum = 0.0;
+        for (int64_t e = 0; e < E; ++e) {
+            double s = moe_topk_score(c, moe_load(logits, c->dtype, base + e));
+            moe_store(scores, sdt, base + e, s);
+            sum += s;
+        }
+        double d = moe_cround(c, moe_cround(c, sum) + moe_cround(c, 1e-20));
+        for (int64_t e = 0; e < E; ++e) { /* ranked after the division: torch's ties */
+            double s = moe_cround(c, moe_load(scores, sdt, base + e) / d);
+            moe_store(scores, sdt, base + e, s);
+            moe_topk_insert(vals, idx, &len, k, s, e);
+        }
+    }
+    for (int64_t j = 0; j < len; ++j) map[base + idx[j]] = 1;
+}
+
+/* d lse / d logits of token t: grad_lse[t] · exp(x − lse[t]) (softmax), zero on padded rows;
+ * the product is z_loss.c's, so with grad_lse = scale · lse the CPU result is bit for bit
+ * moe_z_loss_bwd's. */
+MOE_HD static inline double moe_router_lse_grad(double grad_lse, double x, double lse, int pad) {
+    return pad ? 0.0 : grad_lse * exp(x - lse);
+}
+
 #endif /* MOE_CORE_ROUTER_TOPK_MATH_H_ */

@@ -385,6 +385,90 @@ at::Tensor router_topk_dense_bwd(const at::Tensor &grad_probs_, const at::Tensor
   return grad_logits;
 }
 
+// ---- router_topk_fused (issue 6: the aux-loss scores and the z-loss lse in the router's pass) --
+
+const uint8_t *padding_mask_ptr(const c10::optional<at::Tensor> &mask_, at::Tensor &keep,
+                                int64_t num_tokens, const at::Tensor &ref, const char *ref_name);
+
+// Outputs not asked for come back empty ([0, E] and [0]) so the schema stays all-Tensor.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+router_topk_fused(const at::Tensor &logits_, int64_t topk, bool use_pre_softmax,
+                  int64_t num_groups, int64_t group_topk, double scaling_factor,
+                  c10::string_view score_function, const c10::optional<at::Tensor> &expert_bias_,
+                  const c10::optional<at::Tensor> &padding_mask, bool with_aux, bool with_lse) {
+  check_dim(logits_, 2, "logits");
+  check_float(logits_, "logits");
+  const int64_t T = logits_.size(0), E = logits_.size(1);
+  MOE_CHECK_VALUE(E >= 1, "logits must have at least one expert column, got shape ",
+                    logits_.sizes());
+  at::Tensor logits = logits_.contiguous(), bias, mask;
+  if (expert_bias_.has_value()) {
+    bias = expert_bias_->contiguous();
+    check_dim(bias, 1, "expert_bias");
+    check_size(bias, 0, E, "expert_bias", "logits.shape[1] (num_experts)");
+    check_dtype(bias, at::kFloat, "expert_bias");
+    check_same_device(bias, logits, "expert_bias", "logits");
+  }
+  const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
+  moe_router_topk_params_t p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk,
+                                                scaling_factor, score_function);
+  check_status(moe_router_topk_check(&p, E, bias.defined()), "router_topk_fused");
+  MOE_DEVICE_GUARD(logits);
+  const at::ScalarType st = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor probs = at::empty({T, E}, logits.options());
+  at::Tensor routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
+  at::Tensor indices = at::empty({T, topk}, logits.options().dtype(at::kLong));
+  at::Tensor aux_scores = at::empty({with_aux ? T : 0, E}, logits.options().dtype(st));
+  at::Tensor aux_map = at::empty({with_aux ? T : 0, E}, logits.options().dtype(at::kBool));
+  at::Tensor lse = at::empty({with_lse ? T : 0}, logits.options().dtype(at::kDouble));
+  moe_router_topk_extras_t extras;
+  extras.aux_scores = with_aux ? aux_scores.data_ptr() : nullptr;
+  extras.aux_map = with_aux ? (uint8_t *)aux_map.data_ptr() : nullptr;
+  extras.lse = with_lse ? lse.data_ptr<double>() : nullptr;
+  extras.padding_mask = m;
+  const moe_dtype_t dt = to_moe_dtype(logits.scalar_type(), "logits");
+  size_t bytes = on_cuda(logits) ?
+#ifdef MOE_CORE_WITH_CUDA
+                                 moe_cuda_router_topk_fused_workspace_size(T, E, &p, dt, with_aux)
+#else
+                                 0
+#endif
+                                 : moe_router_topk_workspace_size(T, E, &p);
+  at::Tensor ws = bytes ? at::empty({(int64_t)bytes}, logits.options().dtype(at::kByte))
+                        : at::Tensor();
+  check_status(MOE_CALL(logits, router_topk_fused_fwd, probs.data_ptr(),
+                        (uint8_t *)routing_map.data_ptr(), indices.data_ptr<int64_t>(), &extras,
+                        logits.data_ptr(), bias.defined() ? bias.data_ptr<float>() : nullptr, T, E,
+                        dt, &p, ws.defined() ? ws.data_ptr() : nullptr, bytes, stream_of(logits)),
+               "router_topk_fused");
+  return {probs, routing_map, indices, aux_scores, aux_map, lse};
+}
+
+at::Tensor router_lse_bwd(const at::Tensor &grad_lse_, const at::Tensor &logits_,
+                          const at::Tensor &lse_, const c10::optional<at::Tensor> &padding_mask) {
+  check_dim(logits_, 2, "logits");
+  check_float(logits_, "logits");
+  const int64_t T = logits_.size(0), E = logits_.size(1);
+  check_dim(grad_lse_, 1, "grad_lse");
+  check_dim(lse_, 1, "lse");
+  check_size(grad_lse_, 0, T, "grad_lse", "logits.shape[0] (num_tokens)");
+  check_size(lse_, 0, T, "lse", "logits.shape[0] (num_tokens)");
+  check_dtype(lse_, at::kDouble, "lse");
+  check_same_device(grad_lse_, logits_, "grad_lse", "logits");
+  check_same_device(lse_, logits_, "lse", "logits");
+  at::Tensor logits = logits_.contiguous(), lse = lse_.contiguous(), mask;
+  at::Tensor g = grad_lse_.to(at::kDouble).contiguous();
+  const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
+  MOE_DEVICE_GUARD(logits);
+  at::Tensor grad_logits = at::empty_like(logits);
+  check_status(MOE_CALL(logits, router_lse_bwd, grad_logits.data_ptr(), g.data_ptr<double>(),
+                        logits.data_ptr(), lse.data_ptr<double>(), m, T, E,
+                        to_moe_dtype(logits.scalar_type(), "logits"), nullptr, 0,
+                        stream_of(logits)),
+               "router_lse_bwd");
+  return grad_logits;
+}
+
 // ---- topk_to_dense ----------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> topk_to_dense(const at::Tensor &topk_probs_,
@@ -1310,6 +1394,12 @@ TORCH_LIBRARY(moe_core, m) {
   m.def("router_topk_dense_bwd(Tensor grad_probs, Tensor logits, Tensor topk_indices, int topk, "
         "bool use_pre_softmax, int num_groups, int group_topk, float scaling_factor, "
         "str score_function) -> Tensor");
+  m.def("router_topk_fused(Tensor logits, int topk, bool use_pre_softmax, int num_groups, "
+        "int group_topk, float scaling_factor, str score_function, Tensor? expert_bias, "
+        "Tensor? padding_mask, bool with_aux, bool with_lse) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("router_lse_bwd(Tensor grad_lse, Tensor logits, Tensor lse, Tensor? padding_mask) "
+        "-> Tensor");
   m.def("topk_to_dense(Tensor topk_probs, Tensor topk_indices, int num_experts) "
         "-> (Tensor, Tensor)");
   m.def("topk_to_dense_bwd(Tensor grad_probs, Tensor topk_indices) -> Tensor");
@@ -1373,6 +1463,8 @@ TORCH_LIBRARY_IMPL(moe_core, CPU, m) {
   m.impl("router_topk_bwd", &router_topk_bwd);
   m.impl("router_topk_dense", &router_topk_dense);
   m.impl("router_topk_dense_bwd", &router_topk_dense_bwd);
+  m.impl("router_topk_fused", &router_topk_fused);
+  m.impl("router_lse_bwd", &router_lse_bwd);
   m.impl("topk_to_dense", &topk_to_dense);
   m.impl("topk_to_dense_bwd", &topk_to_dense_bwd);
   m.impl("token_dropping", &token_dropping);
@@ -1464,6 +1556,14 @@ TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("grouped_gemm", &grouped_gemm);
   m.impl("grouped_gemm_dgrad", &grouped_gemm_dgrad);
   m.impl("grouped_gemm_wgrad", &grouped_gemm_wgrad);
+}
+#endif
+
+#ifdef MOE_CORE_WITH_CUDA
+// router_topk_fused (issue 6)
+TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
+  m.impl("router_topk_fused", &router_topk_fused);
+  m.impl("router_lse_bwd", &router_lse_bwd);
 }
 #endif
 

@@ -1,10 +1,12 @@
 """TopKRouter: Megatron's router as a module that holds parameters and composes moe_core.ops.
 
 forward(hidden [S, B, H] or [T, H], padding_mask) -> (probs [T, E], routing_map [T, E] bool):
-input jitter -> gating linear (router dtype) -> z-loss attached to the logits -> top-k routing
-(or Sinkhorn) -> capacity dropping -> aux losses attached to the probs -> expert-bias counting.
-The same order, formulas and switches as Megatron's TopKRouter (megatron-moe-spec §2), at a
-world size of 1 (tensor, context and data parallel groups of one).
+input jitter -> gating linear (router dtype) -> top-k routing (or Sinkhorn) -> capacity dropping
+-> z-loss and aux losses attached to the probs -> expert-bias counting. The same formulas and
+switches as Megatron's TopKRouter (megatron-moe-spec §2), at a world size of 1 (tensor, context
+and data parallel groups of one). One fused op reads the logits once for the routing, the
+aux-loss scores and the z-loss's logsumexp (Megatron makes three passes; Sinkhorn routing keeps
+them separate); the losses and gradients are the separate ops' (tests/test_router_fused_losses.py).
 
 Aux-loss gradients reach the parameters through MoEAuxLossAutoScaler (no extra backward). The
 scale they are multiplied by is ``self.aux_loss_scale`` when set (an AuxLossScale holder, e.g.
@@ -21,6 +23,7 @@ from torch import nn
 from moe_core import ops
 from moe_core.config import MoEConfig
 from moe_core.ops.aux_loss_autoscaler import AuxLossScale, MoEAuxLossAutoScaler
+from moe_core.ops.router_topk import router_topk_fused, z_loss_from_lse
 
 
 class TopKRouter(nn.Module):
@@ -121,14 +124,24 @@ class TopKRouter(nn.Module):
         num_valid = (~mask).sum() if mask is not None else None
         train = self.training and torch.is_grad_enabled()
 
-        if cfg.moe_z_loss_coeff is not None and train:
-            z = ops.z_loss_func(logits, cfg.moe_z_loss_coeff, padding_mask=mask)
-            logits = self._attach(logits, z, "z_loss", cfg.moe_z_loss_coeff, num_valid)
+        coeffs = dict(zip(cfg.load_balancing_types, cfg.aux_loss_coeffs))
+        aux_types = [t for t in ("aux_loss", "seq_aux_loss", "global_aux_loss") if coeffs.get(t, 0)]
+        want_z = cfg.moe_z_loss_coeff is not None and train
+        want_aux = train and bool(aux_types)
+        sinkhorn = "sinkhorn" in cfg.load_balancing_types
+        scores = aux_map = None
 
-        if "sinkhorn" in cfg.load_balancing_types:
+        if sinkhorn:
+            if want_z:
+                z = ops.z_loss_func(logits, cfg.moe_z_loss_coeff, padding_mask=mask)
+                logits = self._attach(logits, z, "z_loss", cfg.moe_z_loss_coeff, num_valid)
             probs, routing_map = ops.sinkhorn_load_balancing(logits, k, training=self.training)
         else:
-            probs, routing_map = ops.topk_routing_with_score_function(
+            # One pass over the logits: the routing, and (training) the aux-loss scores and map
+            # and the logsumexp the z-loss squares. The z-loss rides on the probs instead of the
+            # logits; its gradient reaches the logits through the router's backward, the same
+            # value in the same summation order as the separate z_loss_func.
+            probs, routing_map, _, scores, aux_map, lse = router_topk_fused(
                 logits, k,
                 use_pre_softmax=cfg.moe_router_pre_softmax,
                 num_groups=cfg.moe_router_num_groups,
@@ -136,7 +149,14 @@ class TopKRouter(nn.Module):
                 scaling_factor=cfg.moe_router_topk_scaling_factor,
                 score_function=cfg.moe_router_score_function,
                 expert_bias=self.expert_bias,
+                padding_mask=mask,
+                with_aux=want_aux,
+                with_lse=want_z,
             )
+            if want_z:
+                z_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+                z = z_loss_from_lse(lse, cfg.moe_z_loss_coeff, mask, z_dtype)
+                probs = self._attach(probs, z, "z_loss", cfg.moe_z_loss_coeff, num_valid)
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = ops.apply_router_token_dropping(
                 probs, routing_map, router_topk=k,
@@ -145,11 +165,10 @@ class TopKRouter(nn.Module):
                 pad_to_capacity=cfg.moe_pad_expert_input_to_capacity,
             )
 
-        coeffs = dict(zip(cfg.load_balancing_types, cfg.aux_loss_coeffs))
-        aux_types = [t for t in ("aux_loss", "seq_aux_loss", "global_aux_loss") if coeffs.get(t, 0)]
-        if train and aux_types:
-            aux_map, scores = ops.compute_routing_scores_for_aux_loss(
-                logits, k, cfg.moe_router_score_function, padding_mask=mask)
+        if want_aux:
+            if scores is None:  # Sinkhorn routing: a separate pass
+                aux_map, scores = ops.compute_routing_scores_for_aux_loss(
+                    logits, k, cfg.moe_router_score_function, padding_mask=mask)
             if "aux_loss" in aux_types:
                 c = coeffs["aux_loss"]
                 loss = ops.load_balancing_loss(scores, aux_map, k, E, c, padding_mask=mask)

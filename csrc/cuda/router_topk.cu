@@ -255,13 +255,17 @@ __device__ __forceinline__ double key_value(uint64_t key) {
  * its logit, sigmoid / sqrtsoftplus: its unbiased score) stay in registers; a winner's lane parks
  * the source in shared memory at the winner's rank, the k probs are then finished in parallel
  * across lanes, and only the order-dependent sums run on one lane (the CPU's rounding points).
+ * The extras (issue 6), when asked for, come from the same registers: the row max is shared by
+ * the softmax statistics and the lse (one more fp64 warp sum for Σ exp(x − m)); the aux scores
+ * are the softmax values (or the scores over one more warp sum) and their map is k more key
+ * rounds, skipped for softmax-pre without groups, whose routing keys are the aux keys.
  * Shared memory: 2k + 1 words per warp. */
 template <int VPL>
 __global__ void __launch_bounds__(32 * MOE_ROUTER32_WARPS)
 moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void *probs,
-                                  uint8_t *routing_map, const void *logits,
-                                  const float *expert_bias, int64_t num_tokens,
-                                  moe_topk_ctx_t ctx) {
+                                  uint8_t *routing_map, moe_router_topk_extras_t extras,
+                                  const void *logits, const float *expert_bias,
+                                  int64_t num_tokens, moe_topk_ctx_t ctx) {
     extern __shared__ double moe_router_smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int E = (int)ctx.num_experts, k = (int)ctx.topk;
@@ -287,19 +291,39 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
             const int e = lane + 32 * i;
             x[i] = e < E ? (float)moe_load(logits, ctx.dtype, base + e) : 0.0f;
         }
+        /* warp-uniform: which extras this token needs */
+        const int pad = extras.padding_mask != NULL && extras.padding_mask[t] != 0;
+        const int aux = extras.aux_scores != NULL && !pad;
+        const int want_lse = extras.lse != NULL && !pad;
+        const int stats = (softmax && pre) || (aux && softmax);
         double m = 0.0, inv = 0.0;
-        if (softmax && pre) { /* row stats from registers: max (NaN wins), then fp32-rounded terms */
+        if (stats || want_lse) { /* row max from registers, NaN wins */
             m = -INFINITY;
 #pragma unroll
             for (int i = 0; i < VPL; ++i)
                 if (lane + 32 * i < E) m = (x[i] != x[i] || x[i] > m) ? (double)x[i] : m;
             m = warp_max_nan(m);
+        }
+        if (stats) { /* softmax statistics: fp32-rounded terms, as the CPU */
             double sum = 0.0;
 #pragma unroll
             for (int i = 0; i < VPL; ++i)
                 if (lane + 32 * i < E) sum += moe_cround(&ctx, exp(moe_cround(&ctx, x[i] - m)));
             sum = warp_sum(sum);
             inv = moe_cround(&ctx, 1.0 / moe_cround(&ctx, sum));
+        }
+        if (extras.lse != NULL) { /* z_loss.c's row_lse: NaN propagates, a ±inf max is the lse */
+            double l = 0.0;
+            if (want_lse && (m != m || isinf(m))) {
+                l = m;
+            } else if (want_lse) {
+                double sum = 0.0;
+#pragma unroll
+                for (int i = 0; i < VPL; ++i)
+                    if (lane + 32 * i < E) sum += exp((double)x[i] - m);
+                l = m + log(warp_sum(sum));
+            }
+            if (lane == 0) extras.lse[t] = l;
         }
         uint64_t key[VPL];
         float src[VPL];
@@ -401,14 +425,60 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
             if (routing_map) routing_map[base + e] = rank[i] >= 0;
             if (probs) moe_store(probs, ctx.dtype, base + e, rank[i] >= 0 ? win_p[rank[i]] : 0.0);
         }
+        if (extras.aux_scores != NULL) {
+            /* the aux scores, from src (softmax: the logit or the softmax value; else the
+             * unbiased score), computed only now so that they hold no registers over the
+             * routing rounds: softmax over all experts, or s / (Σ s + 1e-20) */
+            float av[VPL];
+            if (aux && softmax) {
+#pragma unroll
+                for (int i = 0; i < VPL; ++i)
+                    av[i] = pre ? src[i] : (float)moe_topk_softmax_at(&ctx, src[i], m, inv);
+            } else if (aux) {
+                double sum = 0.0;
+#pragma unroll
+                for (int i = 0; i < VPL; ++i)
+                    if (lane + 32 * i < E) sum += (double)src[i];
+                sum = warp_sum(sum);
+                const double d = moe_cround(&ctx, moe_cround(&ctx, sum) + moe_cround(&ctx, 1e-20));
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) av[i] = (float)moe_cround(&ctx, (double)src[i] / d);
+            }
+            uint32_t hit = 0; /* bit i: expert lane + 32 i is in the aux top-k */
+            if (aux && softmax && pre && G == 0) { /* the routing ranked these very keys */
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) hit |= (uint32_t)(rank[i] >= 0) << i;
+            } else if (aux) {
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) key[i] = lane + 32 * i < E ? make_key(av[i], lane + 32 * i) : 0u;
+                for (int r = 0; r < k; ++r) {
+                    uint64_t best = 0;
+#pragma unroll
+                    for (int i = 0; i < VPL; ++i) best = key[i] > best ? key[i] : best;
+                    const uint64_t win = warp_max_key(best);
+#pragma unroll
+                    for (int i = 0; i < VPL; ++i)
+                        if (key[i] == win) key[i] = 0u, hit |= 1u << i;
+                }
+            }
+            float *aux_out = (float *)extras.aux_scores;
+#pragma unroll
+            for (int i = 0; i < VPL; ++i) {
+                const int e = lane + 32 * i;
+                if (e >= E) continue;
+                aux_out[base + e] = aux ? av[i] : 0.0f;
+                extras.aux_map[base + e] = (uint8_t)(hit >> i & 1u);
+            }
+        }
         __syncwarp(); /* the next token reuses this warp's shared slots */
     }
 }
 
 typedef void (*moe_topk_fwd_warp_fn)(void *, int64_t *, const void *, const float *, int64_t,
                                      moe_topk_ctx_t);
-typedef void (*moe_topk_fwd_warp32_fn)(void *, int64_t *, void *, uint8_t *, const void *,
-                                       const float *, int64_t, moe_topk_ctx_t);
+typedef void (*moe_topk_fwd_warp32_fn)(void *, int64_t *, void *, uint8_t *,
+                                       moe_router_topk_extras_t, const void *, const float *,
+                                       int64_t, moe_topk_ctx_t);
 typedef void (*moe_topk_bwd_warp_fn)(void *, const void *, const void *, const int64_t *, int64_t,
                                      moe_topk_ctx_t);
 
@@ -468,6 +538,45 @@ __global__ void moe_router_topk_bwd_kernel(void *grad_logits, const void *grad_p
     moe_topk_row_bwd(&ctx, logits, grad_probs, t, idx, workspace + t * words, grad_logits);
 }
 
+/* The extras on the fp64 / wide-row paths, one thread per token running the CPU's row routines:
+ * a second read of the logits, which the fused fp32 kernel avoids. scratch: 2·topk words per
+ * token for the aux top-k list. */
+__global__ void moe_router_extras_kernel(moe_router_topk_extras_t extras, const void *logits,
+                                         int64_t num_tokens, moe_topk_ctx_t ctx,
+                                         double *scratch) {
+    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= num_tokens) return;
+    const int64_t E = ctx.num_experts;
+    const int pad = extras.padding_mask != NULL && extras.padding_mask[t] != 0;
+    if (extras.aux_scores != NULL && pad) {
+        const moe_dtype_t sdt = ctx.fp64 ? MOE_DTYPE_FP64 : MOE_DTYPE_FP32;
+        for (int64_t e = 0; e < E; ++e) {
+            moe_store(extras.aux_scores, sdt, t * E + e, 0.0);
+            extras.aux_map[t * E + e] = 0;
+        }
+    } else if (extras.aux_scores != NULL) {
+        moe_router_aux_row(&ctx, logits, t, extras.aux_scores, extras.aux_map,
+                           scratch + t * 2 * ctx.topk);
+    }
+    if (extras.lse != NULL) extras.lse[t] = pad ? 0.0 : moe_router_row_lse(logits, ctx.dtype, t * E, E);
+}
+
+/* grad_lse [T] → grad_logits [T, E] = grad_lse[t] · softmax row (0 on padded rows); one thread
+ * per element, grid-stride. */
+__global__ void moe_router_lse_bwd_kernel(void *grad_logits, const double *grad_lse,
+                                          const void *logits, const double *lse,
+                                          const uint8_t *padding_mask, int64_t num_tokens,
+                                          int64_t num_experts, moe_dtype_t dt) {
+    const int64_t n = num_tokens * num_experts;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t t = i / num_experts;
+        const int pad = padding_mask != NULL && padding_mask[t] != 0;
+        moe_store(grad_logits, dt, i,
+                  moe_router_lse_grad(grad_lse[t], moe_load(logits, dt, i), lse[t], pad));
+    }
+}
+
 extern "C" size_t moe_cuda_router_topk_workspace_size(int64_t num_tokens, int64_t num_experts,
                                                       const moe_router_topk_params_t *params) {
     if (!params || num_tokens <= 0 || warp_vpl(num_experts, params->num_groups) > 0) return 0;
@@ -496,24 +605,34 @@ static unsigned warp32_blocks(int64_t num_tokens) {
     return (unsigned)(need < full ? need : full);
 }
 
-/* The forward behind both layouts: compact topk_probs and/or dense probs + map. fp32/bf16/fp16
- * rows up to 1024 experts take the fused kernel; fp64 rows take the fp64 warp kernel, wider rows
- * or more than 32 groups the thread-per-token fallback, and those two write the dense layout with
- * a second kernel from compact probs kept in the workspace. */
+/* Bytes of the compact-probs block at the front of the dense paths' workspace. */
+static size_t compact_bytes(int64_t num_tokens, int64_t topk, moe_dtype_t dt) {
+    return ((size_t)(num_tokens * topk) * moe_dtype_size(dt) + 255) / 256 * 256;
+}
+
+/* The forward behind both layouts: compact topk_probs and/or dense probs + map, and the extras.
+ * fp32/bf16/fp16 rows up to 1024 experts take the fused kernel (extras included); fp64 rows
+ * take the fp64 warp kernel, wider rows or more than 32 groups the thread-per-token fallback;
+ * those two write the dense layout with a second kernel from compact probs kept in the
+ * workspace, and the extras with a third (moe_router_extras_kernel). */
 static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *probs,
-                             uint8_t *routing_map, const void *logits, const float *expert_bias,
-                             int64_t num_tokens, int64_t num_experts, moe_dtype_t dt,
+                             uint8_t *routing_map, const moe_router_topk_extras_t *extras,
+                             const void *logits, const float *expert_bias, int64_t num_tokens,
+                             int64_t num_experts, moe_dtype_t dt,
                              const moe_router_topk_params_t *params, void *workspace,
                              void *stream) {
     const moe_topk_ctx_t ctx = moe_topk_ctx_make(params, num_experts, dt);
     const int vpl = warp_vpl(num_experts, params->num_groups);
     const int64_t k = params->topk;
+    moe_router_topk_extras_t ex = {NULL, NULL, NULL, NULL};
+    if (extras) ex = *extras;
     if (vpl > 0 && dt != MOE_DTYPE_FP64) {
         const size_t smem = (size_t)MOE_ROUTER32_WARPS * (2 * (size_t)k + 1) * sizeof(double);
         moe_topk_fwd_warp32_fn kernel = fwd_warp32_kernel(vpl);
         MOE_TRY(warp_smem((const void *)kernel, smem));
         kernel<<<warp32_blocks(num_tokens), 32 * MOE_ROUTER32_WARPS, smem, (cudaStream_t)stream>>>(
-            topk_probs, topk_indices, probs, routing_map, logits, expert_bias, num_tokens, ctx);
+            topk_probs, topk_indices, probs, routing_map, ex, logits, expert_bias, num_tokens,
+            ctx);
         MOE_CHECK_LAUNCH("moe_router_topk_fwd_warp32_kernel");
         return MOE_OK;
     }
@@ -521,8 +640,7 @@ static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *prob
     void *compact = topk_probs;
     if (!compact) { /* dense only: compact probs go to the front of the workspace */
         compact = ws;
-        const size_t bytes = (size_t)(num_tokens * k) * moe_dtype_size(dt);
-        ws += (bytes + 255) / 256 * 256;
+        ws += compact_bytes(num_tokens, k, dt);
     }
     if (vpl > 0) {
         const size_t smem = (size_t)MOE_ROUTER_WARPS * 3 * (size_t)k * sizeof(double);
@@ -538,23 +656,40 @@ static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *prob
             compact, topk_indices, logits, expert_bias, num_tokens, ctx, (double *)ws,
             row_words(params));
         MOE_CHECK_LAUNCH("moe_router_topk_fwd_kernel");
+        ws += moe_cuda_router_topk_workspace_size(num_tokens, num_experts, params);
     }
     if (probs || routing_map)
         MOE_TRY(moe_cuda_topk_to_dense_fwd(probs, routing_map, compact, topk_indices, num_tokens,
                                            num_experts, k, dt, NULL, 0, stream));
+    if (ex.aux_scores || ex.lse) {
+        moe_router_extras_kernel<<<moe_blocks_for(num_tokens, MOE_CUDA_THREADS), MOE_CUDA_THREADS,
+                                   0, (cudaStream_t)stream>>>(ex, logits, num_tokens, ctx,
+                                                              (double *)ws);
+        MOE_CHECK_LAUNCH("moe_router_extras_kernel");
+    }
     return MOE_OK;
+}
+
+extern "C" size_t moe_cuda_router_topk_fused_workspace_size(int64_t num_tokens,
+                                                            int64_t num_experts,
+                                                            const moe_router_topk_params_t *params,
+                                                            moe_dtype_t logits_dtype,
+                                                            int with_aux) {
+    if (!params || num_tokens <= 0) return 0;
+    const int vpl = warp_vpl(num_experts, params->num_groups);
+    if (vpl > 0 && logits_dtype != MOE_DTYPE_FP64) return 0;
+    const size_t aux = with_aux ? (size_t)num_tokens * 2 * (size_t)params->topk * sizeof(double)
+                                : 0;
+    return compact_bytes(num_tokens, params->topk, logits_dtype) +
+           moe_cuda_router_topk_workspace_size(num_tokens, num_experts, params) + aux;
 }
 
 extern "C" size_t moe_cuda_router_topk_dense_workspace_size(int64_t num_tokens,
                                                             int64_t num_experts,
                                                             const moe_router_topk_params_t *params,
                                                             moe_dtype_t logits_dtype) {
-    if (!params || num_tokens <= 0) return 0;
-    const int vpl = warp_vpl(num_experts, params->num_groups);
-    if (vpl > 0 && logits_dtype != MOE_DTYPE_FP64) return 0;
-    const size_t compact = (size_t)(num_tokens * params->topk) * moe_dtype_size(logits_dtype);
-    return (compact + 255) / 256 * 256 +
-           moe_cuda_router_topk_workspace_size(num_tokens, num_experts, params);
+    return moe_cuda_router_topk_fused_workspace_size(num_tokens, num_experts, params,
+                                                     logits_dtype, 0);
 }
 
 extern "C" moe_status_t moe_cuda_router_topk_fwd(void *topk_probs, int64_t *topk_indices,
@@ -568,8 +703,33 @@ extern "C" moe_status_t moe_cuda_router_topk_fwd(void *topk_probs, int64_t *topk
     MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, params, expert_bias != NULL,
                          workspace_bytes));
     if (num_tokens == 0) return MOE_OK;
-    return topk_fwd(topk_probs, topk_indices, NULL, NULL, logits, expert_bias, num_tokens,
+    return topk_fwd(topk_probs, topk_indices, NULL, NULL, NULL, logits, expert_bias, num_tokens,
                     num_experts, logits_dtype, params, workspace, stream);
+}
+
+extern "C" moe_status_t moe_cuda_router_topk_fused_fwd(void *probs, uint8_t *routing_map,
+                                                       int64_t *topk_indices,
+                                                       const moe_router_topk_extras_t *extras,
+                                                       const void *logits,
+                                                       const float *expert_bias,
+                                                       int64_t num_tokens, int64_t num_experts,
+                                                       moe_dtype_t logits_dtype,
+                                                       const moe_router_topk_params_t *params,
+                                                       void *workspace, size_t workspace_bytes,
+                                                       void *stream) {
+    moe_clear_error();
+    /* the workspace check is the fused size's below (check_common knows the compact path's) */
+    MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, params, expert_bias != NULL,
+                         (size_t)-1));
+    MOE_TRY(moe_router_topk_extras_check(extras, num_tokens));
+    const size_t need = moe_cuda_router_topk_fused_workspace_size(
+        num_tokens, num_experts, params, logits_dtype, extras && extras->aux_scores);
+    MOE_CHECK(workspace_bytes >= need, "workspace too small: %zu bytes, need %zu", workspace_bytes,
+              need);
+    if (num_tokens == 0) return MOE_OK;
+    MOE_CHECK(probs && routing_map, "probs and routing_map must not be NULL");
+    return topk_fwd(NULL, topk_indices, probs, routing_map, extras, logits, expert_bias,
+                    num_tokens, num_experts, logits_dtype, params, workspace, stream);
 }
 
 extern "C" moe_status_t moe_cuda_router_topk_dense_fwd(void *probs, uint8_t *routing_map,
@@ -580,16 +740,33 @@ extern "C" moe_status_t moe_cuda_router_topk_dense_fwd(void *probs, uint8_t *rou
                                                        const moe_router_topk_params_t *params,
                                                        void *workspace, size_t workspace_bytes,
                                                        void *stream) {
+    return moe_cuda_router_topk_fused_fwd(probs, routing_map, topk_indices, NULL, logits,
+                                          expert_bias, num_tokens, num_experts, logits_dtype,
+                                          params, workspace, workspace_bytes, stream);
+}
+
+extern "C" moe_status_t moe_cuda_router_lse_bwd(void *grad_logits, const double *grad_lse,
+                                                const void *logits, const double *lse,
+                                                const uint8_t *padding_mask, int64_t num_tokens,
+                                                int64_t num_experts, moe_dtype_t logits_dtype,
+                                                void *workspace, size_t workspace_bytes,
+                                                void *stream) {
+    (void)workspace;
+    (void)workspace_bytes;
     moe_clear_error();
-    MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, params, expert_bias != NULL, 0));
-    const size_t need = moe_cuda_router_topk_dense_workspace_size(num_tokens, num_experts, params,
-                                                                  logits_dtype);
-    MOE_CHECK(workspace_bytes >= need, "workspace too small: %zu bytes, need %zu", workspace_bytes,
-              need);
+    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
+    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
+    MOE_CHECK(moe_is_float_dtype(logits_dtype), "logits must be a float dtype, got %s",
+              moe_dtype_name(logits_dtype));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(probs && routing_map, "probs and routing_map must not be NULL");
-    return topk_fwd(NULL, topk_indices, probs, routing_map, logits, expert_bias, num_tokens,
-                    num_experts, logits_dtype, params, workspace, stream);
+    MOE_CHECK(grad_logits && grad_lse && logits && lse,
+              "grad_logits, grad_lse, logits and lse must not be NULL");
+    int64_t blocks = (num_tokens * num_experts + 255) / 256;
+    if (blocks > (1 << 20)) blocks = 1 << 20; /* grid-stride beyond */
+    moe_router_lse_bwd_kernel<<<(unsigned)blocks, 256, 0, (cudaStream_t)stream>>>(
+        grad_logits, grad_lse, logits, lse, padding_mask, num_tokens, num_experts, logits_dtype);
+    MOE_CHECK_LAUNCH("moe_router_lse_bwd_kernel");
+    return MOE_OK;
 }
 
 static moe_status_t topk_bwd(void *grad_logits, const void *grad_probs, const void *logits,

@@ -26,6 +26,9 @@ _OP = torch.ops.moe_core.router_topk
 _BWD = torch.ops.moe_core.router_topk_bwd
 _DENSE = torch.ops.moe_core.router_topk_dense
 _DENSE_BWD = torch.ops.moe_core.router_topk_dense_bwd
+_FUSED = torch.ops.moe_core.router_topk_fused
+_LSE_BWD = torch.ops.moe_core.router_lse_bwd
+_AUX_BWD = torch.ops.moe_core.aux_loss_scores_bwd
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
@@ -149,6 +152,102 @@ def router_topk_dense(
     )
 
 
+def router_topk_fused(
+    logits: torch.Tensor,
+    topk: int,
+    use_pre_softmax: bool = False,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+    scaling_factor: Optional[float] = None,
+    score_function: str = "softmax",
+    expert_bias: Optional[torch.Tensor] = None,
+    padding_mask: Optional[torch.Tensor] = None,
+    with_aux: bool = False,
+    with_lse: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+           Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """:func:`router_topk_dense` plus what the load-balancing losses need, from the same pass.
+
+    The router reads the logits once; the aux losses' scores and map
+    (:func:`compute_routing_scores_for_aux_loss`) and the per-token logsumexp the z-loss squares
+    come out of that pass instead of two more over the logits. On the CPU they are bit for bit
+    ``compute_routing_scores_for_aux_loss(logits, topk, score_function, padding_mask)`` and the
+    ``lse`` of ``z_loss_func``; on CUDA the row sums are warp reductions, equal up to the last bit
+    of fp64 before rounding (see ``moe_router_topk_extras_t`` in csrc/moe_core.h). The fp32 / bf16
+    / fp16 warp kernel (up to 1024 experts) computes them from registers; fp64 and wider rows
+    run a second kernel over the logits for them.
+
+    Args: as :func:`router_topk`, and
+        padding_mask: bool, ``num_tokens`` elements, True = padding (extras only: the routing
+            itself ignores it): padded rows get zero aux scores, an empty aux map and lse 0.
+        with_aux: return the aux scores and map.
+        with_lse: return the logsumexp.
+
+    Returns:
+        ``(probs [T, E] logits.dtype, routing_map [T, E] bool, indices [T, topk] int64,
+        aux_scores [T, E] fp32 (fp64 for fp64 logits) or None, aux_map [T, E] bool or None,
+        lse [T] fp64 or None)``. probs, aux_scores and lse are differentiable; their gradients
+        are summed into one gradient of the logits (dense router backward + aux-score backward
+        + softmax rows scaled by the lse gradient, in that order, in the logits' dtype).
+    """
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+    if not isinstance(topk, int) or isinstance(topk, bool):
+        raise TypeError(f"topk must be an int, got {topk!r}")
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be 2-D [num_tokens, num_experts], got {shape}")
+    from moe_core.ops.aux_loss_scores import flat_padding_mask  # (that module imports this one)
+
+    mask = flat_padding_mask(padding_mask, logits.shape[0])
+    grouped = bool(group_topk)
+    probs, routing_map, indices, aux_scores, aux_map, lse = _FUSED(
+        logits,
+        topk,
+        bool(use_pre_softmax),
+        int(num_groups or 0) if grouped else 0,
+        int(group_topk) if grouped else 0,
+        float(scaling_factor or 0.0),
+        score_function,
+        expert_bias,
+        mask,
+        bool(with_aux),
+        bool(with_lse),
+    )
+    return (probs, routing_map, indices, aux_scores if with_aux else None,
+            aux_map if with_aux else None, lse if with_lse else None)
+
+
+def z_loss_from_lse(lse: torch.Tensor, z_loss_coeff: float,
+                    padding_mask: Optional[torch.Tensor] = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The router z-loss from the fused router's logsumexp, with ``z_loss_func``'s contract.
+
+    ``coeff * sum_t lse_t**2 / n`` in fp64, rounded once to ``dtype``: n is the number of tokens
+    without a mask (0 tokens give NaN, as torch.mean of nothing), ``max(n_unpadded, 1)`` with one
+    (padded tokens have lse 0). The gradient is ``z_loss_func``'s: autograd gives
+    ``grad_lse = 2 * (g * coeff / n) * lse``, the same fp64 value as z_loss.c's
+    ``(g * coeff * 2 / n) * lse`` (scaling by 2 is exact).
+    The sum over tokens is torch's fp64 sum, not z_loss.c's ascending loop: the two agree to the
+    last bit or two of fp64, which rounding to fp32 hides; fp64 losses may differ there.
+
+    Args:
+        lse: ``[num_tokens]`` fp64 (from :func:`router_topk_fused` ``with_lse=True``).
+        z_loss_coeff: the coefficient.
+        padding_mask: bool, ``num_tokens`` elements, True = padding, or None.
+        dtype: the loss dtype: fp32, or fp64 for fp64 logits (``z_loss_func``'s).
+
+    Returns:
+        A 0-d loss in ``dtype`` with a gradient to ``lse``.
+    """
+    total = (lse * lse).sum()
+    if padding_mask is None:
+        loss = total / float(lse.shape[0])
+    else:
+        loss = total / (~padding_mask.reshape(-1)).sum().clamp_min(1).to(torch.float64)
+    return (loss * float(z_loss_coeff)).to(dtype)
+
+
 def group_limited_topk(
     scores: torch.Tensor,
     topk: int,
@@ -240,3 +339,49 @@ def _dense_backward(ctx, grad_probs, _grad_map, _grad_indices):
 
 torch.library.register_autograd("moe_core::router_topk_dense", _dense_backward,
                                 setup_context=_dense_setup_context)
+
+
+@torch.library.register_fake("moe_core::router_topk_fused")
+def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
+      expert_bias, padding_mask, with_aux, with_lse):
+    T, E = logits.shape
+    st = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    ta = T if with_aux else 0
+    return (logits.new_empty((T, E)), logits.new_empty((T, E), dtype=torch.bool),
+            logits.new_empty((T, topk), dtype=torch.long), logits.new_empty((ta, E), dtype=st),
+            logits.new_empty((ta, E), dtype=torch.bool),
+            logits.new_empty((T if with_lse else 0,), dtype=torch.float64))
+
+
+@torch.library.register_fake("moe_core::router_lse_bwd")
+def _(grad_lse, logits, lse, padding_mask):
+    return torch.empty_like(logits)
+
+
+def _fused_setup_context(ctx, inputs, output):
+    (logits, topk, pre, num_groups, group_topk, scaling, score_function, _bias, padding_mask,
+     with_aux, with_lse) = inputs
+    _probs, _map, indices, _aux, _aux_map, lse = output
+    ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function)
+    ctx.with_aux, ctx.with_lse = with_aux, with_lse
+    ctx.save_for_backward(logits, indices, lse, padding_mask)
+
+
+def _fused_backward(ctx, grad_probs, _grad_map, _grad_indices, grad_aux, _grad_aux_map, grad_lse):
+    # The same pieces, summed in the same order, as autograd does for the unfused router
+    # ((router + aux scores) + z-loss, each in the logits' dtype), so the gradients match it.
+    logits, indices, lse, padding_mask = ctx.saved_tensors
+    grad = None
+    if grad_probs is not None:
+        grad = _DENSE_BWD(grad_probs.contiguous(), logits, indices, *ctx.options)
+    if ctx.with_aux and grad_aux is not None:
+        g = _AUX_BWD(grad_aux.contiguous(), logits, ctx.options[-1], padding_mask)
+        grad = g if grad is None else grad + g
+    if ctx.with_lse and grad_lse is not None:
+        g = _LSE_BWD(grad_lse.contiguous(), logits, lse, padding_mask)
+        grad = g if grad is None else grad + g
+    return grad, None, None, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("moe_core::router_topk_fused", _fused_backward,
+                                setup_context=_fused_setup_context)
