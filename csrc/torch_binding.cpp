@@ -837,7 +837,9 @@ const uint8_t *padding_mask_ptr(const c10::optional<at::Tensor> &mask_, at::Tens
                     ".shape[0] (num_tokens=", num_tokens, "), got shape ", mask_->sizes());
   check_same_device(*mask_, ref, "padding_mask", ref_name);
   keep = mask_->contiguous();
-  return (const uint8_t *)keep.data_ptr();
+  // An empty mask has no storage; it is still a mask (n_valid = 0), not "no mask" (NULL).
+  static const uint8_t no_tokens = 0;
+  return num_tokens == 0 ? &no_tokens : (const uint8_t *)keep.data_ptr();
 }
 
 // fp64 inputs keep fp64 losses and scores (gradcheck); everything else computes in fp32.

@@ -238,6 +238,15 @@ def test_z_loss_all_padding_is_zero(device):
     assert loss.item() == 0.0 and not logits.grad.any()
 
 
+def test_z_loss_zero_tokens_with_a_mask_is_zero(device):
+    """An empty padding mask is a mask with no valid token (loss 0 = 0 / max(0, 1)), not "no
+    mask" (whose mean over zero tokens is NaN, as torch.mean's)."""
+    logits = torch.randn(0, 5, device=device)
+    masked = ops.z_loss_func(logits, 0.1, padding_mask=torch.zeros(0, dtype=torch.bool, device=device))
+    assert masked.item() == 0.0
+    assert ops.z_loss_func(logits, 0.1).isnan().item()
+
+
 def test_z_loss_bf16_is_more_accurate_than_megatron(device):
     logits = (torch.randn(64, 16) * 4).to(torch.bfloat16).to(device)
     truth = torch.logsumexp(logits.double(), -1).square().mean() * 0.01
