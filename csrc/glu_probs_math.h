@@ -29,7 +29,8 @@
  * autograd runs for that sequence: MulBackward of h0 * p (grad_h cast to the product dtype, times
  * p, rounded there and cast back; grad_p is the row sum of grad_h * h0 in the product dtype), then
  * MulBackward of s * l2, the activation's backward kernel at the clamped g, and ClampBackward's
- * masks (x <= v passes; x >= -v && x <= v for the linear half; NaN does not pass).
+ * masks, which are strict against the bound rounded to the tensor's dtype (x < v passes; -v < x < v
+ * for the linear half; a value at the bound and NaN do not pass), as torch 2.14's ClampBackward.
  */
 #ifndef MOE_CORE_GLU_PROBS_MATH_H_
 #define MOE_CORE_GLU_PROBS_MATH_H_
@@ -327,8 +328,9 @@ MOE_HD static inline void moe_gp_elem_bwd(const moe_gp_ctx_t *c, double dy, doub
                                           double *term) {
     if (c->dtype == MOE_DTYPE_FP64) {
         const double v = c->clamp_d;
-        const int pass_g = !c->gated || !c->has_clamp || g <= v;
-        const int pass_l = !c->has_clamp || (l >= -v && l <= v);
+        /* ClampBackward's mask is strict (x < max, x > min; a value at the bound gets 0) */
+        const int pass_g = !c->gated || !c->has_clamp || g < v;
+        const int pass_l = !c->has_clamp || (l > -v && l < v);
         if (c->gated && c->has_clamp) {
             g = g > v ? v : g;
             l = l < -v ? -v : (l > v ? v : l);
@@ -355,8 +357,11 @@ MOE_HD static inline void moe_gp_elem_bwd(const moe_gp_ctx_t *c, double dy, doub
     const moe_dtype_t dt = c->dtype, pt = c->prod_dtype;
     const float v = c->clamp_f;
     float gf = (float)g, lf = (float)l, dyf = (float)dy;
-    const int pass_g = !c->gated || !c->has_clamp || gf <= v;
-    const int pass_l = !c->has_clamp || (lf >= -v && lf <= v);
+    /* ClampBackward compares strictly against the bound rounded to the tensor's dtype: in fp16
+     * 2.01 becomes 2.0098, so an input of exactly 2.0098 gets no gradient */
+    const float vb = moe_gp_rnd(dt, v);
+    const int pass_g = !c->gated || !c->has_clamp || gf < vb;
+    const int pass_l = !c->has_clamp || (lf > -vb && lf < vb);
     if (c->gated && c->has_clamp) {
         gf = gf > v ? moe_gp_rnd(dt, v) : gf;
         lf = lf < -v ? moe_gp_rnd(dt, -v) : (lf > v ? moe_gp_rnd(dt, v) : lf);
