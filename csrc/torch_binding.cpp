@@ -247,142 +247,110 @@ at::Tensor topk_workspace(const at::Tensor &logits, const moe_router_topk_params
   return at::empty({(int64_t)bytes}, logits.options().dtype(at::kByte));
 }
 
+// The routing inputs every router op validates alike: logits [T, E], the optional fp32 bias [E],
+// and the options checked against E.
+struct TopkInputs {
+  at::Tensor logits, bias;
+  moe_router_topk_params_t p;
+  int64_t T, E;
+};
+
+TopkInputs topk_inputs(const at::Tensor &logits_, int64_t topk, bool use_pre_softmax,
+                       int64_t num_groups, int64_t group_topk, double scaling_factor,
+                       c10::string_view score_function,
+                       const c10::optional<at::Tensor> &expert_bias_, const char *op) {
+  check_dim(logits_, 2, "logits");
+  check_float(logits_, "logits");
+  TopkInputs in;
+  in.T = logits_.size(0), in.E = logits_.size(1);
+  MOE_CHECK_VALUE(in.E >= 1, "logits must have at least one expert column, got shape ",
+                    logits_.sizes());
+  in.logits = logits_.contiguous();
+  if (expert_bias_.has_value()) {
+    in.bias = expert_bias_->contiguous();
+    check_dim(in.bias, 1, "expert_bias");
+    check_size(in.bias, 0, in.E, "expert_bias", "logits.shape[1] (num_experts)");
+    check_dtype(in.bias, at::kFloat, "expert_bias");
+    check_same_device(in.bias, in.logits, "expert_bias", "logits");
+  }
+  in.p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
+                          score_function);
+  check_status(moe_router_topk_check(&in.p, in.E, in.bias.defined()), op);
+  return in;
+}
+
 std::tuple<at::Tensor, at::Tensor> router_topk(const at::Tensor &logits_, int64_t topk,
                                                bool use_pre_softmax, int64_t num_groups,
                                                int64_t group_topk, double scaling_factor,
                                                c10::string_view score_function,
                                                const c10::optional<at::Tensor> &expert_bias_) {
-  check_dim(logits_, 2, "logits");
-  check_float(logits_, "logits");
-  const int64_t T = logits_.size(0), E = logits_.size(1);
-  MOE_CHECK_VALUE(E >= 1, "logits must have at least one expert column, got shape ",
-                    logits_.sizes());
-  at::Tensor logits = logits_.contiguous(), bias;
-  if (expert_bias_.has_value()) {
-    bias = expert_bias_->contiguous();
-    check_dim(bias, 1, "expert_bias");
-    check_size(bias, 0, E, "expert_bias", "logits.shape[1] (num_experts)");
-    check_dtype(bias, at::kFloat, "expert_bias");
-    check_same_device(bias, logits, "expert_bias", "logits");
-  }
-  moe_router_topk_params_t p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk,
-                                                scaling_factor, score_function);
-  check_status(moe_router_topk_check(&p, E, bias.defined()), "router_topk");
+  TopkInputs in = topk_inputs(logits_, topk, use_pre_softmax, num_groups, group_topk,
+                              scaling_factor, score_function, expert_bias_, "router_topk");
+  const at::Tensor &logits = in.logits;
   MOE_DEVICE_GUARD(logits);
-  at::Tensor probs = at::empty({T, topk}, logits.options());
-  at::Tensor indices = at::empty({T, topk}, logits.options().dtype(at::kLong));
-  at::Tensor ws = topk_workspace(logits, p);
+  at::Tensor probs = at::empty({in.T, topk}, logits.options());
+  at::Tensor indices = at::empty({in.T, topk}, logits.options().dtype(at::kLong));
+  at::Tensor ws = topk_workspace(logits, in.p);
   check_status(MOE_CALL(logits, router_topk_fwd, probs.data_ptr(), indices.data_ptr<int64_t>(),
-                        logits.data_ptr(), bias.defined() ? bias.data_ptr<float>() : nullptr, T, E,
-                        to_moe_dtype(logits.scalar_type(), "logits"), &p, ws.data_ptr(),
+                        logits.data_ptr(),
+                        in.bias.defined() ? in.bias.data_ptr<float>() : nullptr, in.T, in.E,
+                        to_moe_dtype(logits.scalar_type(), "logits"), &in.p, ws.data_ptr(),
                         (size_t)ws.numel(), stream_of(logits)),
                "router_topk");
   return {probs, indices};
 }
 
-at::Tensor router_topk_bwd(const at::Tensor &grad_probs_, const at::Tensor &logits_,
-                           const at::Tensor &topk_indices_, int64_t topk, bool use_pre_softmax,
+// Backward of router_topk (grad_probs [T, topk]) and of the dense routers (grad_probs [T, E]).
+at::Tensor topk_bwd(const at::Tensor &grad_probs_, const at::Tensor &logits_,
+                    const at::Tensor &topk_indices_, int64_t topk, bool use_pre_softmax,
+                    int64_t num_groups, int64_t group_topk, double scaling_factor,
+                    c10::string_view score_function, bool dense) {
+  check_dim(logits_, 2, "logits");
+  check_float(logits_, "logits");
+  const int64_t T = logits_.size(0), E = logits_.size(1);
+  check_dim(grad_probs_, 2, "grad_probs");
+  check_dim(topk_indices_, 2, "topk_indices");
+  check_size(grad_probs_, 0, T, "grad_probs", "logits.shape[0] (num_tokens)");
+  if (dense) check_size(grad_probs_, 1, E, "grad_probs", "logits.shape[1] (num_experts)");
+  else check_size(grad_probs_, 1, topk, "grad_probs", "topk");
+  check_size(topk_indices_, 0, T, "topk_indices", "logits.shape[0] (num_tokens)");
+  check_size(topk_indices_, 1, topk, "topk_indices", "topk");
+  check_dtype(topk_indices_, at::kLong, "topk_indices");
+  check_same_device(grad_probs_, logits_, "grad_probs", "logits");
+  check_same_device(topk_indices_, logits_, "topk_indices", "logits");
+  at::Tensor logits = logits_.contiguous(), indices = topk_indices_.contiguous();
+  at::Tensor grad_probs = grad_probs_.to(logits.scalar_type()).contiguous();
+  moe_router_topk_params_t p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk,
+                                                scaling_factor, score_function);
+  MOE_DEVICE_GUARD(logits);
+  at::Tensor grad_logits = at::empty_like(logits);
+  at::Tensor ws = topk_workspace(logits, p);
+  const moe_dtype_t dt = to_moe_dtype(logits.scalar_type(), "logits");
+  const moe_status_t st =
+      dense ? MOE_CALL(logits, router_topk_dense_bwd, grad_logits.data_ptr(),
+                       grad_probs.data_ptr(), logits.data_ptr(), indices.data_ptr<int64_t>(), T, E,
+                       dt, &p, ws.data_ptr(), (size_t)ws.numel(), stream_of(logits))
+            : MOE_CALL(logits, router_topk_bwd, grad_logits.data_ptr(), grad_probs.data_ptr(),
+                       logits.data_ptr(), indices.data_ptr<int64_t>(), T, E, dt, &p,
+                       ws.data_ptr(), (size_t)ws.numel(), stream_of(logits));
+  check_status(st, dense ? "router_topk_dense_bwd" : "router_topk_bwd");
+  return grad_logits;
+}
+
+at::Tensor router_topk_bwd(const at::Tensor &grad_probs, const at::Tensor &logits,
+                           const at::Tensor &topk_indices, int64_t topk, bool use_pre_softmax,
                            int64_t num_groups, int64_t group_topk, double scaling_factor,
                            c10::string_view score_function) {
-  check_dim(logits_, 2, "logits");
-  check_float(logits_, "logits");
-  const int64_t T = logits_.size(0), E = logits_.size(1);
-  check_dim(grad_probs_, 2, "grad_probs");
-  check_dim(topk_indices_, 2, "topk_indices");
-  check_size(grad_probs_, 0, T, "grad_probs", "logits.shape[0] (num_tokens)");
-  check_size(grad_probs_, 1, topk, "grad_probs", "topk");
-  check_size(topk_indices_, 0, T, "topk_indices", "logits.shape[0] (num_tokens)");
-  check_size(topk_indices_, 1, topk, "topk_indices", "topk");
-  check_dtype(topk_indices_, at::kLong, "topk_indices");
-  check_same_device(grad_probs_, logits_, "grad_probs", "logits");
-  check_same_device(topk_indices_, logits_, "topk_indices", "logits");
-  at::Tensor logits = logits_.contiguous(), indices = topk_indices_.contiguous();
-  at::Tensor grad_probs = grad_probs_.to(logits.scalar_type()).contiguous();
-  moe_router_topk_params_t p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk,
-                                                scaling_factor, score_function);
-  MOE_DEVICE_GUARD(logits);
-  at::Tensor grad_logits = at::empty_like(logits);
-  at::Tensor ws = topk_workspace(logits, p);
-  check_status(MOE_CALL(logits, router_topk_bwd, grad_logits.data_ptr(), grad_probs.data_ptr(),
-                        logits.data_ptr(), indices.data_ptr<int64_t>(), T, E,
-                        to_moe_dtype(logits.scalar_type(), "logits"), &p, ws.data_ptr(),
-                        (size_t)ws.numel(), stream_of(logits)),
-               "router_topk_bwd");
-  return grad_logits;
+  return topk_bwd(grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups,
+                  group_topk, scaling_factor, score_function, false);
 }
 
-// The fused router in Megatron's dense layout: (probs [T, E], routing_map [T, E], indices [T, k]).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> router_topk_dense(
-    const at::Tensor &logits_, int64_t topk, bool use_pre_softmax, int64_t num_groups,
-    int64_t group_topk, double scaling_factor, c10::string_view score_function,
-    const c10::optional<at::Tensor> &expert_bias_) {
-  check_dim(logits_, 2, "logits");
-  check_float(logits_, "logits");
-  const int64_t T = logits_.size(0), E = logits_.size(1);
-  MOE_CHECK_VALUE(E >= 1, "logits must have at least one expert column, got shape ",
-                    logits_.sizes());
-  at::Tensor logits = logits_.contiguous(), bias;
-  if (expert_bias_.has_value()) {
-    bias = expert_bias_->contiguous();
-    check_dim(bias, 1, "expert_bias");
-    check_size(bias, 0, E, "expert_bias", "logits.shape[1] (num_experts)");
-    check_dtype(bias, at::kFloat, "expert_bias");
-    check_same_device(bias, logits, "expert_bias", "logits");
-  }
-  moe_router_topk_params_t p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk,
-                                                scaling_factor, score_function);
-  check_status(moe_router_topk_check(&p, E, bias.defined()), "router_topk");
-  MOE_DEVICE_GUARD(logits);
-  at::Tensor probs = at::empty({T, E}, logits.options());
-  at::Tensor routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
-  at::Tensor indices = at::empty({T, topk}, logits.options().dtype(at::kLong));
-  const moe_dtype_t dt = to_moe_dtype(logits.scalar_type(), "logits");
-  size_t bytes = on_cuda(logits) ?
-#ifdef MOE_CORE_WITH_CUDA
-                                 moe_cuda_router_topk_dense_workspace_size(T, E, &p, dt)
-#else
-                                 0
-#endif
-                                 : moe_router_topk_workspace_size(T, E, &p);
-  at::Tensor ws = bytes ? at::empty({(int64_t)bytes}, logits.options().dtype(at::kByte))
-                        : at::Tensor();
-  check_status(MOE_CALL(logits, router_topk_dense_fwd, probs.data_ptr(),
-                        (uint8_t *)routing_map.data_ptr(), indices.data_ptr<int64_t>(),
-                        logits.data_ptr(), bias.defined() ? bias.data_ptr<float>() : nullptr, T, E,
-                        dt, &p, ws.defined() ? ws.data_ptr() : nullptr, bytes, stream_of(logits)),
-               "router_topk_dense");
-  return {probs, routing_map, indices};
-}
-
-at::Tensor router_topk_dense_bwd(const at::Tensor &grad_probs_, const at::Tensor &logits_,
-                                 const at::Tensor &topk_indices_, int64_t topk,
+at::Tensor router_topk_dense_bwd(const at::Tensor &grad_probs, const at::Tensor &logits,
+                                 const at::Tensor &topk_indices, int64_t topk,
                                  bool use_pre_softmax, int64_t num_groups, int64_t group_topk,
                                  double scaling_factor, c10::string_view score_function) {
-  check_dim(logits_, 2, "logits");
-  check_float(logits_, "logits");
-  const int64_t T = logits_.size(0), E = logits_.size(1);
-  check_dim(grad_probs_, 2, "grad_probs");
-  check_dim(topk_indices_, 2, "topk_indices");
-  check_size(grad_probs_, 0, T, "grad_probs", "logits.shape[0] (num_tokens)");
-  check_size(grad_probs_, 1, E, "grad_probs", "logits.shape[1] (num_experts)");
-  check_size(topk_indices_, 0, T, "topk_indices", "logits.shape[0] (num_tokens)");
-  check_size(topk_indices_, 1, topk, "topk_indices", "topk");
-  check_dtype(topk_indices_, at::kLong, "topk_indices");
-  check_same_device(grad_probs_, logits_, "grad_probs", "logits");
-  check_same_device(topk_indices_, logits_, "topk_indices", "logits");
-  at::Tensor logits = logits_.contiguous(), indices = topk_indices_.contiguous();
-  at::Tensor grad_probs = grad_probs_.to(logits.scalar_type()).contiguous();
-  moe_router_topk_params_t p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk,
-                                                scaling_factor, score_function);
-  MOE_DEVICE_GUARD(logits);
-  at::Tensor grad_logits = at::empty_like(logits);
-  at::Tensor ws = topk_workspace(logits, p);
-  check_status(MOE_CALL(logits, router_topk_dense_bwd, grad_logits.data_ptr(),
-                        grad_probs.data_ptr(), logits.data_ptr(), indices.data_ptr<int64_t>(), T,
-                        E, to_moe_dtype(logits.scalar_type(), "logits"), &p, ws.data_ptr(),
-                        (size_t)ws.numel(), stream_of(logits)),
-               "router_topk_dense_bwd");
-  return grad_logits;
+  return topk_bwd(grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups,
+                  group_topk, scaling_factor, score_function, true);
 }
 
 // ---- router_topk_fused (issue 6: the aux-loss scores and the z-loss lse in the router's pass) --
@@ -391,28 +359,14 @@ const uint8_t *padding_mask_ptr(const c10::optional<at::Tensor> &mask_, at::Tens
                                 int64_t num_tokens, const at::Tensor &ref, const char *ref_name);
 
 // Outputs not asked for come back empty ([0, E] and [0]) so the schema stays all-Tensor.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-router_topk_fused(const at::Tensor &logits_, int64_t topk, bool use_pre_softmax,
-                  int64_t num_groups, int64_t group_topk, double scaling_factor,
-                  c10::string_view score_function, const c10::optional<at::Tensor> &expert_bias_,
-                  const c10::optional<at::Tensor> &padding_mask, bool with_aux, bool with_lse) {
-  check_dim(logits_, 2, "logits");
-  check_float(logits_, "logits");
-  const int64_t T = logits_.size(0), E = logits_.size(1);
-  MOE_CHECK_VALUE(E >= 1, "logits must have at least one expert column, got shape ",
-                    logits_.sizes());
-  at::Tensor logits = logits_.contiguous(), bias, mask;
-  if (expert_bias_.has_value()) {
-    bias = expert_bias_->contiguous();
-    check_dim(bias, 1, "expert_bias");
-    check_size(bias, 0, E, "expert_bias", "logits.shape[1] (num_experts)");
-    check_dtype(bias, at::kFloat, "expert_bias");
-    check_same_device(bias, logits, "expert_bias", "logits");
-  }
+// The dense router with its optional extras; `op` names the caller in messages.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_router(
+    const TopkInputs &in, int64_t topk, const c10::optional<at::Tensor> &padding_mask,
+    bool with_aux, bool with_lse, const char *op) {
+  const at::Tensor &logits = in.logits;
+  const int64_t T = in.T, E = in.E;
+  at::Tensor mask;
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
-  moe_router_topk_params_t p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk,
-                                                scaling_factor, score_function);
-  check_status(moe_router_topk_check(&p, E, bias.defined()), "router_topk_fused");
   MOE_DEVICE_GUARD(logits);
   const at::ScalarType st = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor probs = at::empty({T, E}, logits.options());
@@ -429,19 +383,43 @@ router_topk_fused(const at::Tensor &logits_, int64_t topk, bool use_pre_softmax,
   const moe_dtype_t dt = to_moe_dtype(logits.scalar_type(), "logits");
   size_t bytes = on_cuda(logits) ?
 #ifdef MOE_CORE_WITH_CUDA
-                                 moe_cuda_router_topk_fused_workspace_size(T, E, &p, dt, with_aux)
+                                 moe_cuda_router_topk_fused_workspace_size(T, E, &in.p, dt, with_aux)
 #else
                                  0
 #endif
-                                 : moe_router_topk_workspace_size(T, E, &p);
+                                 : moe_router_topk_workspace_size(T, E, &in.p);
   at::Tensor ws = bytes ? at::empty({(int64_t)bytes}, logits.options().dtype(at::kByte))
                         : at::Tensor();
   check_status(MOE_CALL(logits, router_topk_fused_fwd, probs.data_ptr(),
                         (uint8_t *)routing_map.data_ptr(), indices.data_ptr<int64_t>(), &extras,
-                        logits.data_ptr(), bias.defined() ? bias.data_ptr<float>() : nullptr, T, E,
-                        dt, &p, ws.defined() ? ws.data_ptr() : nullptr, bytes, stream_of(logits)),
-               "router_topk_fused");
+                        logits.data_ptr(),
+                        in.bias.defined() ? in.bias.data_ptr<float>() : nullptr, T, E, dt, &in.p,
+                        ws.defined() ? ws.data_ptr() : nullptr, bytes, stream_of(logits)),
+               op);
   return {probs, routing_map, indices, aux_scores, aux_map, lse};
+}
+
+// Outputs not asked for come back empty ([0, E] and [0]) so the schema stays all-Tensor.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+router_topk_fused(const at::Tensor &logits, int64_t topk, bool use_pre_softmax,
+                  int64_t num_groups, int64_t group_topk, double scaling_factor,
+                  c10::string_view score_function, const c10::optional<at::Tensor> &expert_bias,
+                  const c10::optional<at::Tensor> &padding_mask, bool with_aux, bool with_lse) {
+  const TopkInputs in = topk_inputs(logits, topk, use_pre_softmax, num_groups, group_topk,
+                                    scaling_factor, score_function, expert_bias,
+                                    "router_topk_fused");
+  return fused_router(in, topk, padding_mask, with_aux, with_lse, "router_topk_fused");
+}
+
+// The fused router in Megatron's dense layout: (probs [T, E], routing_map [T, E], indices [T, k]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> router_topk_dense(
+    const at::Tensor &logits, int64_t topk, bool use_pre_softmax, int64_t num_groups,
+    int64_t group_topk, double scaling_factor, c10::string_view score_function,
+    const c10::optional<at::Tensor> &expert_bias) {
+  const TopkInputs in = topk_inputs(logits, topk, use_pre_softmax, num_groups, group_topk,
+                                    scaling_factor, score_function, expert_bias, "router_topk");
+  auto out = fused_router(in, topk, c10::nullopt, false, false, "router_topk_dense");
+  return {std::get<0>(out), std::get<1>(out), std::get<2>(out)};
 }
 
 at::Tensor router_lse_bwd(const at::Tensor &grad_lse_, const at::Tensor &logits_,

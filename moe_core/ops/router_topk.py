@@ -32,6 +32,20 @@ _AUX_BWD = torch.ops.moe_core.aux_loss_scores_bwd
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
+def _options(topk: int, use_pre_softmax: bool, num_groups: Optional[int],
+             group_topk: Optional[int], scaling_factor: Optional[float],
+             score_function: str) -> Tuple[int, bool, int, int, float, str]:
+    """The routing options as the ops' schema takes them (Megatron's None / 0 conventions
+    normalised), after the checks that need Python types."""
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+    if not isinstance(topk, int) or isinstance(topk, bool):
+        raise TypeError(f"topk must be an int, got {topk!r}")
+    grouped = bool(group_topk)
+    return (topk, bool(use_pre_softmax), int(num_groups or 0) if grouped else 0,
+            int(group_topk) if grouped else 0, float(scaling_factor or 0.0), score_function)
+
+
 def router_topk(
     logits: torch.Tensor,
     topk: int,
@@ -58,21 +72,8 @@ def router_topk(
     Returns:
         ``(probs [num_tokens, topk] in logits.dtype, indices [num_tokens, topk] int64)``, best first.
     """
-    if score_function not in SCORE_FUNCTIONS:
-        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
-    if not isinstance(topk, int) or isinstance(topk, bool):
-        raise TypeError(f"topk must be an int, got {topk!r}")
-    grouped = bool(group_topk)
-    return _OP(
-        logits,
-        topk,
-        bool(use_pre_softmax),
-        int(num_groups or 0) if grouped else 0,
-        int(group_topk) if grouped else 0,
-        float(scaling_factor or 0.0),
-        score_function,
-        expert_bias,
-    )
+    opts = _options(topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function)
+    return _OP(logits, *opts, expert_bias)
 
 
 def topk_routing_with_score_function(
@@ -135,21 +136,8 @@ def router_topk_dense(
         ``(probs [num_tokens, num_experts] in logits.dtype, routing_map [num_tokens, num_experts]
         bool, indices [num_tokens, topk] int64 best first)``; only ``probs`` is differentiable.
     """
-    if score_function not in SCORE_FUNCTIONS:
-        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
-    if not isinstance(topk, int) or isinstance(topk, bool):
-        raise TypeError(f"topk must be an int, got {topk!r}")
-    grouped = bool(group_topk)
-    return _DENSE(
-        logits,
-        topk,
-        bool(use_pre_softmax),
-        int(num_groups or 0) if grouped else 0,
-        int(group_topk) if grouped else 0,
-        float(scaling_factor or 0.0),
-        score_function,
-        expert_bias,
-    )
+    opts = _options(topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function)
+    return _DENSE(logits, *opts, expert_bias)
 
 
 def router_topk_fused(
@@ -190,30 +178,15 @@ def router_topk_fused(
         are summed into one gradient of the logits (dense router backward + aux-score backward
         + softmax rows scaled by the lse gradient, in that order, in the logits' dtype).
     """
-    if score_function not in SCORE_FUNCTIONS:
-        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
-    if not isinstance(topk, int) or isinstance(topk, bool):
-        raise TypeError(f"topk must be an int, got {topk!r}")
+    opts = _options(topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"logits must be 2-D [num_tokens, num_experts], got {shape}")
     from moe_core.ops.aux_loss_scores import flat_padding_mask  # (that module imports this one)
 
     mask = flat_padding_mask(padding_mask, logits.shape[0])
-    grouped = bool(group_topk)
     probs, routing_map, indices, aux_scores, aux_map, lse = _FUSED(
-        logits,
-        topk,
-        bool(use_pre_softmax),
-        int(num_groups or 0) if grouped else 0,
-        int(group_topk) if grouped else 0,
-        float(scaling_factor or 0.0),
-        score_function,
-        expert_bias,
-        mask,
-        bool(with_aux),
-        bool(with_lse),
-    )
+        logits, *opts, expert_bias, mask, bool(with_aux), bool(with_lse))
     return (probs, routing_map, indices, aux_scores if with_aux else None,
             aux_map if with_aux else None, lse if with_lse else None)
 
