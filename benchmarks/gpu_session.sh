@@ -19,16 +19,28 @@ if [ -z "${SKIP_BUILD:-}" ]; then
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
 make -s ctest 2>&1 | tail -n 2
-# xdist workers: a test that crashes its process is reported as failed instead of ending the run
-python3 -m pytest ${TESTS:-tests} -q -n 8 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" \
-    | grep -E "^(FAILED|ERROR)|crashed|passed|failed" | tail -n 25
+# xdist workers: a test that crashes its process is reported as failed instead of ending the run.
+# One pytest per group, each under its own time cap, so a summary (with the failures' messages)
+# prints for every group even when one runs long.
+GROUPS=${TESTS:-"tests/test_router*.py tests/test_cuda_graph.py tests/test_opcheck.py|tests/test_layout*.py|tests/test_balancing*.py|tests/test_grouped_gemm*.py tests/test_glu_probs.py|tests/test_layer*.py"}
+IFS='|' read -ra GROUP_LIST <<< "$GROUPS"
+for g in "${GROUP_LIST[@]}"; do
+  timeout ${TCAP:-240} python3 -m pytest $g -q -n 16 -p no:cacheprovider -rfE --tb=line ${PYTEST_ARGS:-} \
+      > "$OUT/pytest_group.log" 2>&1
+  cat "$OUT/pytest_group.log" >> "$OUT/pytest.log"
+  echo "== $g: $(tail -n 1 "$OUT/pytest_group.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_group.log" | cut -c1-240 | head -n ${NFAIL:-15}
+done
 if [ -z "${SKIP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_router.py -k "cuda and (deterministic or cpu_cuda or nan)" > "$OUT/sanitizer_$tool.log" 2>&1
+        tests/test_router.py tests/test_layout_cuda.py tests/test_balancing_cuda.py \
+        tests/test_grouped_gemm_cuda.py -k "cuda and (deterministic or cpu_cuda or nan or small)" \
+        > "$OUT/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_$tool.log") clean summaries)"
   done
 fi
-for b in ${BENCHES:-benchmarks/bench_router.py benchmarks/bench_ops.py}; do
+[ -n "${PROFILE:-}" ] && python3 benchmarks/profile_routing.py 2>&1 | tail -n 20
+for b in ${BENCHES:-benchmarks/bench_ops.py benchmarks/bench_grouped_gemm.py}; do
   python3 $b 2>&1 | tee -a "$OUT/bench.log"
 done

@@ -1,0 +1,44 @@
+"""Where the routing path spends its GPU time: a torch.profiler kernel table of the fused router,
+permute and unpermute at the dsv3 shape with T = 16384 (E = 256, k = 8, groups and bias).
+
+    python benchmarks/profile_routing.py [--tokens N] [--hidden H]
+"""
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import moe_core  # noqa: F401
+from moe_core import ops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--hidden", type=int, default=7168)
+    args = ap.parse_args()
+    T, H, E, k = args.tokens, args.hidden, 256, 8
+    logits = torch.randn(T, E, device="cuda")
+    bias = torch.randn(E, device="cuda") * 0.1
+    opts = dict(score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5,
+                expert_bias=bias)
+    tokens = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> None:
+        probs, routing_map = ops.topk_routing_with_score_function(logits, k, **opts)
+        rows, _, sorted_indices, _, _ = ops.permute(tokens, routing_map, probs, num_out_tokens=T * k)
+        ops.unpermute(rows, sorted_indices, (T, H))
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+                                    max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
