@@ -75,6 +75,9 @@ demo: build
 bench: build
 	$(PY) benchmarks/bench_router.py
 	PYTHONPATH=. $(PY) benchmarks/bench_grouped_gemm_cpu.py
+	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+	    $(PY) benchmarks/bench_ops.py && $(PY) benchmarks/bench_grouped_gemm.py; \
+	else echo "no GPU: bench_ops.py and bench_grouped_gemm.py skipped"; fi
 
 clean:
 	rm -rf $(BUILD) moe_core/*.so *.egg-info
