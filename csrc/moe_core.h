@@ -199,24 +199,7 @@ moe_status_t moe_router_topk_bwd(void *grad_logits, const void *grad_probs, cons
                                  size_t workspace_bytes, void *stream);
 
 /**
- * The fused router in Megatron's default layout: the same routing as moe_router_topk_fwd, written
- * straight to the dense [T, E] probs (zero off the top-k) and boolean routing map, plus the
- * [T, topk] expert ids the backward needs. One pass over the logits on CUDA.
- * \param[out] probs         [num_tokens, num_experts], `logits_dtype`; every element written
- * \param[out] routing_map   [num_tokens, num_experts], bool (uint8 0/1); every element written
- * \param[out] topk_indices  [num_tokens, topk], int64, best first (as moe_router_topk_fwd)
- * (inputs, sizes, params as moe_router_topk_fwd; workspace: moe_router_topk_workspace_size on
- * the CPU, moe_cuda_router_topk_dense_workspace_size on CUDA)
- */
-moe_status_t moe_router_topk_dense_fwd(void *probs, uint8_t *routing_map, int64_t *topk_indices,
-                                       const void *logits, const float *expert_bias,
-                                       int64_t num_tokens, int64_t num_experts,
-                                       moe_dtype_t logits_dtype,
-                                       const moe_router_topk_params_t *params, void *workspace,
-                                       size_t workspace_bytes, void *stream);
-
-/**
- * Backward of moe_router_topk_dense_fwd: as moe_router_topk_bwd, reading the gradient of the
+ * Backward of moe_router_topk_fused_fwd's probs: as moe_router_topk_bwd, reading the gradient of the
  * dense probs ([num_tokens, num_experts], `logits_dtype`) at the picked experts only (the probs
  * are zero elsewhere whatever the logits, so the rest carries no gradient).
  */
@@ -255,9 +238,16 @@ moe_status_t moe_router_topk_extras_check(const moe_router_topk_extras_t *extras
                                           int64_t num_tokens);
 
 /**
- * moe_router_topk_dense_fwd plus the extras above (NULL extras: exactly moe_router_topk_dense_fwd).
- * Workspace: moe_router_topk_workspace_size on the CPU (it covers the extras),
- * moe_cuda_router_topk_fused_workspace_size on CUDA.
+ * The fused router in Megatron's default layout: the same routing as moe_router_topk_fwd, written
+ * straight to the dense [T, E] probs (zero off the top-k) and boolean routing map, plus the
+ * [T, topk] expert ids the backward needs, and optionally the extras above. One pass over the
+ * logits on CUDA. With NULL extras it is the plain dense router.
+ * \param[out] probs         [num_tokens, num_experts], `logits_dtype`; every element written
+ * \param[out] routing_map   [num_tokens, num_experts], bool (uint8 0/1); every element written
+ * \param[out] topk_indices  [num_tokens, topk], int64, best first (as moe_router_topk_fwd)
+ * \param[out] extras        the optional extra outputs (and their padding mask), or NULL
+ * (inputs, sizes, params as moe_router_topk_fwd; workspace: moe_router_topk_workspace_size on
+ * the CPU (it covers the extras), moe_cuda_router_topk_fused_workspace_size on CUDA)
  */
 moe_status_t moe_router_topk_fused_fwd(void *probs, uint8_t *routing_map, int64_t *topk_indices,
                                        const moe_router_topk_extras_t *extras, const void *logits,
@@ -970,15 +960,6 @@ moe_status_t moe_cuda_router_topk_bwd(void *grad_logits, const void *grad_probs,
                                       moe_dtype_t logits_dtype,
                                       const moe_router_topk_params_t *params, void *workspace,
                                       size_t workspace_bytes, void *stream);
-size_t moe_cuda_router_topk_dense_workspace_size(int64_t num_tokens, int64_t num_experts,
-                                                 const moe_router_topk_params_t *params,
-                                                 moe_dtype_t logits_dtype);
-moe_status_t moe_cuda_router_topk_dense_fwd(void *probs, uint8_t *routing_map,
-                                            int64_t *topk_indices, const void *logits,
-                                            const float *expert_bias, int64_t num_tokens,
-                                            int64_t num_experts, moe_dtype_t logits_dtype,
-                                            const moe_router_topk_params_t *params,
-                                            void *workspace, size_t workspace_bytes, void *stream);
 moe_status_t moe_cuda_router_topk_dense_bwd(void *grad_logits, const void *grad_probs,
                                             const void *logits, const int64_t *topk_indices,
                                             int64_t num_tokens, int64_t num_experts,

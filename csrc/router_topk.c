@@ -142,17 +142,6 @@ moe_status_t moe_router_topk_fwd(void *topk_probs, int64_t *topk_indices, const 
                     num_experts, logits_dtype, params, workspace, workspace_bytes);
 }
 
-moe_status_t moe_router_topk_dense_fwd(void *probs, uint8_t *routing_map, int64_t *topk_indices,
-                                       const void *logits, const float *expert_bias,
-                                       int64_t num_tokens, int64_t num_experts,
-                                       moe_dtype_t logits_dtype,
-                                       const moe_router_topk_params_t *params, void *workspace,
-                                       size_t workspace_bytes, void *stream) {
-    return moe_router_topk_fused_fwd(probs, routing_map, topk_indices, NULL, logits, expert_bias,
-                                     num_tokens, num_experts, logits_dtype, params, workspace,
-                                     workspace_bytes, stream);
-}
-
 moe_status_t moe_router_topk_extras_check(const moe_router_topk_extras_t *extras,
                                           int64_t num_tokens) {
     if (extras == NULL || num_tokens <= 0) return MOE_OK;

@@ -1484,12 +1484,6 @@ TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("router_topk_dense_bwd", &router_topk_dense_bwd);
   m.impl("topk_to_dense", &topk_to_dense);
   m.impl("topk_to_dense_bwd", &topk_to_dense_bwd);
-}
-#endif
-
-#ifdef MOE_CORE_WITH_CUDA
-// token layout (issue 6)
-TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("token_dropping", &token_dropping);
   m.impl("token_dropping_bwd", &token_dropping_bwd);
   m.impl("permute", &permute);
@@ -1499,12 +1493,6 @@ TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("sort_chunks_by_idxs", &sort_chunks_by_idxs);
   m.impl("sort_chunks_by_idxs_bwd", &sort_chunks_by_idxs_bwd);
   m.impl("tokens_per_expert", &tokens_per_expert);
-}
-#endif
-
-#ifdef MOE_CORE_WITH_CUDA
-// CUDA kernels of the load-balancing ops and the router's gating linear (issue 6).
-TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("router_gating_linear", &router_gating_linear);
   m.impl("router_gating_linear_bwd", &router_gating_linear_bwd);
   m.impl("aux_loss_scores", &aux_loss_scores);
@@ -1519,29 +1507,11 @@ TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("sinkhorn_routing_bwd", &sinkhorn_routing_bwd);
   m.impl("routing_metrics", &routing_metrics);
   m.impl("topk_overlap", &topk_overlap);
-}
-#endif
-
-#ifdef MOE_CORE_WITH_CUDA
-// glu_probs (issue 7, item 3)
-TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("glu_probs", &glu_probs);
   m.impl("glu_probs_bwd", &glu_probs_bwd);
-}
-#endif
-
-#ifdef MOE_CORE_WITH_CUDA
-// grouped GEMM on CUDA (issue 7)
-TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("grouped_gemm", &grouped_gemm);
   m.impl("grouped_gemm_dgrad", &grouped_gemm_dgrad);
   m.impl("grouped_gemm_wgrad", &grouped_gemm_wgrad);
-}
-#endif
-
-#ifdef MOE_CORE_WITH_CUDA
-// router_topk_fused (issue 6)
-TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("router_topk_fused", &router_topk_fused);
   m.impl("router_lse_bwd", &router_lse_bwd);
 }

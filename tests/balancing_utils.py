@@ -24,13 +24,3 @@ def world_group():
     yield dist.group.WORLD
     if created:
         dist.destroy_process_group()
-
-
-def skip_without_kernel(op: str, device: str) -> None:
-    """Skips a test on `device` when moe_core::`op` (an op it uses on the way, owned by another
-    issue) has no kernel for that device in this build yet."""
-    import torch
-
-    key = "CUDA" if device == "cuda" else "CPU"
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_core::{op}", key):
-        pytest.skip(f"moe_core::{op} has no {key} kernel in this build")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moe_core.ops as ops
-from balancing_utils import skip_without_kernel, world_group  # noqa: F401  (fixture)
+from balancing_utils import world_group  # noqa: F401  (fixture)
 from tolerances import assert_close_ulps
 
 with warnings.catch_warnings():
@@ -132,7 +132,6 @@ def _megatron_scores(logits, k, sf, pad):
 @pytest.mark.parametrize("padded", [False, True])
 def test_micro_batch_aux_loss_matches_megatron(world_group, score_function, padded,  # noqa: F811
                                                device):
-    skip_without_kernel("tokens_per_expert", device)
     T, E, k, coeff = 40, 8, 2, 1e-2
     base = torch.randn(T, E).to(device)
     pad = _pad(T, device=device) if padded else None
@@ -456,7 +455,6 @@ def test_gradcheck_seq_aux_loss_fp64():
 
 
 def test_losses_are_deterministic(device):
-    skip_without_kernel("tokens_per_expert", device)
     logits = torch.randn(300, 32, device=device, requires_grad=True)
     outs = []
     for _ in range(2):

@@ -32,16 +32,13 @@ def samples(device):
     yield OPS.router_topk_dense_bwd, (torch.randn(T, E, device=device), logits.detach(), idx, k,
                                       False, 0, 0, 1.5, "sigmoid")
     # the fused router's extras (issue 6): aux scores + map and lse, with and without a mask
-    # (the aux-score backward is aux_loss_scores_bwd: on CUDA only once that op has a kernel)
     pad = torch.rand(T, device=device) < 0.3
-    aux = device == "cpu" or torch._C._dispatch_has_kernel_for_dispatch_key(
-        "moe_core::aux_loss_scores_bwd", "CUDA")
-    yield OPS.router_topk_fused, (logits, k, False, 0, 0, 0.0, "softmax", None, pad, aux, True)
-    yield OPS.router_topk_fused, (logits, k, True, 4, 2, 2.5, "softmax", None, None, aux, False)
+    yield OPS.router_topk_fused, (logits, k, False, 0, 0, 0.0, "softmax", None, pad, True, True)
+    yield OPS.router_topk_fused, (logits, k, True, 4, 2, 2.5, "softmax", None, None, True, False)
     yield OPS.router_topk_fused, (logits, k, False, 4, 2, 2.5, "sigmoid",
                                   torch.randn(E, device=device), pad, False, True)
     yield OPS.router_topk_fused, (logits.detach().double().requires_grad_(), k, False, 0, 0, 0.0,
-                                  "sqrtsoftplus", None, pad, aux, True)
+                                  "sqrtsoftplus", None, pad, True, True)
     yield OPS.router_topk_fused, (logits, k, False, 0, 0, 0.0, "sigmoid", None, None, False,
                                   False)
     yield OPS.router_lse_bwd, (torch.randn(T, device=device, dtype=torch.float64),

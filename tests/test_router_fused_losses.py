@@ -29,13 +29,6 @@ def compute_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def skip_without_cuda_aux_backward(device):
-    """The aux-score gradient is aux_loss_scores_bwd's, whose CUDA kernel lands separately."""
-    if device == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key(
-            "moe_core::aux_loss_scores_bwd", "CUDA"):
-        pytest.skip("aux_loss_scores_bwd has no CUDA kernel in this build")
-
-
 def make_logits(T, E, dtype, device, special=True):
     """Random logits with a few hard rows: a -inf entry, exact ties, a large positive row."""
     x = torch.randn(T, E, dtype=torch.float64) * 3
@@ -222,7 +215,6 @@ def unfused_grad(logits, k, sf, pre, mask, coeff, w_probs, w_scores, g_z):
 @pytest.mark.parametrize("masked", [False, True])
 def test_fused_grad_equals_unfused_composition(device, dtype, sf, pre, masked):
     T, E, k, coeff = 37, 24, 4, 0.3
-    skip_without_cuda_aux_backward(device)
     logits = make_logits(T, E, dtype, device, special=False)
     mask = make_mask(T, device, "some" if masked else "none")
     w_probs = torch.randn(T, E, device=device)
@@ -373,7 +365,6 @@ ROUTER_CASES = {
 @pytest.mark.parametrize("masked", [False, True])
 def test_router_fused_equals_unfused(device, case, masked):
     S, B, H, E = 7, 3, 32, 16
-    skip_without_cuda_aux_backward(device)
     cfg = MoEConfig(hidden_size=H, num_moe_experts=E, moe_router_topk=4, add_bias_linear=False,
                     **ROUTER_CASES[case])
     torch.manual_seed(0)
@@ -389,12 +380,7 @@ def test_router_fused_equals_unfused(device, case, masked):
         r.train()
         h = hidden.clone().requires_grad_()
         with AuxLossScale(0.5):
-            try:
-                probs, rmap = fwd(h)
-            except RuntimeError as err:  # the separate ops' CUDA kernels land with another PR
-                if "no CUDA kernel" in str(err):
-                    pytest.skip(str(err))
-                raise
+            probs, rmap = fwd(h)
             (probs * w).sum().backward()
         results.append((probs.detach(), rmap, dict(r.last_losses), h.grad, r.weight.grad))
     (p1, m1, l1, gh1, gw1), (p2, m2, l2, gh2, gw2) = results

@@ -684,14 +684,6 @@ extern "C" size_t moe_cuda_router_topk_fused_workspace_size(int64_t num_tokens,
            moe_cuda_router_topk_workspace_size(num_tokens, num_experts, params) + aux;
 }
 
-extern "C" size_t moe_cuda_router_topk_dense_workspace_size(int64_t num_tokens,
-                                                            int64_t num_experts,
-                                                            const moe_router_topk_params_t *params,
-                                                            moe_dtype_t logits_dtype) {
-    return moe_cuda_router_topk_fused_workspace_size(num_tokens, num_experts, params,
-                                                     logits_dtype, 0);
-}
-
 extern "C" moe_status_t moe_cuda_router_topk_fwd(void *topk_probs, int64_t *topk_indices,
                                                  const void *logits, const float *expert_bias,
                                                  int64_t num_tokens, int64_t num_experts,
@@ -730,19 +722,6 @@ extern "C" moe_status_t moe_cuda_router_topk_fused_fwd(void *probs, uint8_t *rou
     MOE_CHECK(probs && routing_map, "probs and routing_map must not be NULL");
     return topk_fwd(NULL, topk_indices, probs, routing_map, extras, logits, expert_bias,
                     num_tokens, num_experts, logits_dtype, params, workspace, stream);
-}
-
-extern "C" moe_status_t moe_cuda_router_topk_dense_fwd(void *probs, uint8_t *routing_map,
-                                                       int64_t *topk_indices, const void *logits,
-                                                       const float *expert_bias,
-                                                       int64_t num_tokens, int64_t num_experts,
-                                                       moe_dtype_t logits_dtype,
-                                                       const moe_router_topk_params_t *params,
-                                                       void *workspace, size_t workspace_bytes,
-                                                       void *stream) {
-    return moe_cuda_router_topk_fused_fwd(probs, routing_map, topk_indices, NULL, logits,
-                                          expert_bias, num_tokens, num_experts, logits_dtype,
-                                          params, workspace, workspace_bytes, stream);
 }
 
 extern "C" moe_status_t moe_cuda_router_lse_bwd(void *grad_logits, const double *grad_lse,
