@@ -6,6 +6,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# 16 pytest workers on 16 cores: one intra-op thread each, or the CPU references oversubscribe
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -22,25 +24,28 @@ make -s ctest 2>&1 | tail -n 2
 # xdist workers: a test that crashes its process is reported as failed instead of ending the run.
 # One pytest per group, each under its own time cap, so a summary (with the failures' messages)
 # prints for every group even when one runs long.
-GROUPS=${TESTS:-"tests/test_router*.py tests/test_cuda_graph.py tests/test_opcheck.py|tests/test_layout*.py|tests/test_balancing*.py|tests/test_grouped_gemm*.py tests/test_glu_probs.py|tests/test_layer*.py"}
-IFS='|' read -ra GROUP_LIST <<< "$GROUPS"
+TEST_GROUPS=${TESTS:-"tests/test_router*.py tests/test_cuda_graph.py tests/test_opcheck.py|tests/test_layout*.py|tests/test_balancing*.py|tests/test_grouped_gemm*.py tests/test_glu_probs.py|tests/test_layer*.py"}
+IFS='|' read -ra GROUP_LIST <<< "$TEST_GROUPS"
 for g in "${GROUP_LIST[@]}"; do
-  timeout ${TCAP:-240} python3 -m pytest $g -q -n 16 -p no:cacheprovider -rfE --tb=line ${PYTEST_ARGS:-} \
+  # SIGINT at the cap: pytest still prints its summary; per-test timeouts name a hanging test.
+  timeout -s INT -k 20 ${TCAP:-240} python3 -m pytest $g -q -n ${NPROC:-16} -p no:cacheprovider \
+      -rfE --tb=line --timeout ${PT_TIMEOUT:-120} --durations=5 ${PYTEST_ARGS:-} \
       > "$OUT/pytest_group.log" 2>&1
   cat "$OUT/pytest_group.log" >> "$OUT/pytest.log"
-  echo "== $g: $(tail -n 1 "$OUT/pytest_group.log")"
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest_group.log" | cut -c1-240 | head -n ${NFAIL:-15}
+  echo "== $g: $(grep -E '(passed|failed|error)' "$OUT/pytest_group.log" | tail -n 1)"
+  grep -E "^(FAILED|ERROR)|Timeout|s (call|setup) " "$OUT/pytest_group.log" | cut -c1-260 | head -n ${NFAIL:-15}
 done
 if [ -z "${SKIP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; then
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_router.py tests/test_layout_cuda.py tests/test_balancing_cuda.py \
-        tests/test_grouped_gemm_cuda.py -k "cuda and (deterministic or cpu_cuda or nan or small)" \
+  for tool in ${SAN_TOOLS:-memcheck racecheck}; do
+    timeout -s INT ${SCAP:-300} compute-sanitizer --tool $tool --error-exitcode 9 \
+        python3 -m pytest -q -p no:cacheprovider ${SAN_TESTS:-tests/test_router.py \
+        tests/test_layout_cuda.py tests/test_balancing_cuda.py tests/test_grouped_gemm_cuda.py} \
+        -k "${SAN_K:-cuda and (deterministic or cpu_cuda or nan or small)}" \
         > "$OUT/sanitizer_$tool.log" 2>&1
-    echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_$tool.log") clean summaries)"
+    echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_$tool.log") clean summaries, $(grep -c 'ERROR SUMMARY: [1-9]' "$OUT/sanitizer_$tool.log") with errors; $(tail -n 1 "$OUT/sanitizer_$tool.log" | cut -c1-120))"
   done
 fi
 [ -n "${PROFILE:-}" ] && python3 benchmarks/profile_routing.py 2>&1 | tail -n 20
-for b in ${BENCHES:-benchmarks/bench_ops.py benchmarks/bench_grouped_gemm.py}; do
-  python3 $b 2>&1 | tee -a "$OUT/bench.log"
+for b in ${BENCHES-benchmarks/bench_ops.py benchmarks/bench_grouped_gemm.py}; do
+  python3 $b ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
 done

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from conftest import DEVICES
 from moe_core import MoEConfig, ops
 from moe_core.experts import activation_times_probs, apply_activation
-from tolerances import assert_close_ulps, eps
+from tolerances import assert_close_ulps, assert_error_at_most, eps
 
 OPS = torch.ops.moe_core
 ACTS = ["silu", "gelu", "gelu_tanh", "relu", "squared_relu", "quick_gelu"]
@@ -70,6 +70,26 @@ def assert_equal(ours, ref, msg=""):
 
 CASES = [  # (gated, offset, clamp)
     (True, 0.0, None), (True, 1.0, None), (True, 0.3, 2.01), (False, 0.0, None)]
+
+
+def _torch_passes_grad_at_rounded_clamp() -> bool:
+    """Whether this torch's clamp backward passes the gradient at x == dtype(v) > v (torch 2.11
+    compares in bf16, where x == v; 2.14 in fp32, where x > v). The op follows the fp32 rule."""
+    x = torch.tensor([2.015625], dtype=torch.bfloat16, requires_grad=True)
+    x.clamp(max=2.01).sum().backward()
+    return bool(x.grad[0] != 0)
+
+
+TORCH_BOUNDARY_GRAD = _torch_passes_grad_at_rounded_clamp()
+
+
+def off_rounded_clamp(a: torch.Tensor, clamp) -> torch.Tensor:
+    """a with the values whose magnitude is exactly dtype(clamp) moved to 0.5 (the one input
+    where torch versions disagree on the clamp's gradient; test_clamp_boundaries covers it)."""
+    if clamp is None:
+        return a
+    v = torch.tensor(clamp, dtype=a.dtype)
+    return torch.where((a.abs() == v) & (v != clamp), torch.full_like(a, 0.5), a)
 
 
 def probs_dtypes(dtype):
@@ -130,7 +150,11 @@ def test_every_half_input_forward_and_backward(dtype, act):
             assert_equal(grad, xa.grad, f"{act} backward")
         else:
             differ = int(((ours != ref) & ~(ours.isnan() & ref.isnan())).sum())
-            limit = 0 if act in NO_TRANSCENDENTAL or act == "silu" or act == "quick_gelu" else 300
+            # SLEEF's erf/tanh vs libm: which inputs round apart depends on the CPU's vector ISA
+            # and the torch build (300 on one machine, 660 on another); bounded at 2 %, and
+            # every difference within 2 ulps below
+            limit = 0 if act in NO_TRANSCENDENTAL or act == "silu" or act == "quick_gelu" \
+                else x.numel() // 50
             assert differ <= limit, f"{act}: {differ} inputs differ from torch's vectorised kernel"
             assert_close_ulps(ours, ref, n_ulps=2, floor=1e-3)
 
@@ -148,7 +172,10 @@ def test_zero_rows_and_odd_widths():
 
 
 def test_clamp_boundaries():
-    """Values exactly at v, at bf16(v) > v, and beyond, on both halves (forward and the masks)."""
+    """Values exactly at v, at bf16(v) > v, and beyond, on both halves (forward and the masks).
+    The op compares in fp32: bf16(v) > v is clamped (its value unchanged, its gradient 0), as
+    torch 2.14 does; torch 2.11 compared in bf16 and passed the gradient there, so against such
+    a torch those elements are checked against the rule instead."""
     v = 2.01  # bf16(2.01) = 2.015625 > v
     vals = torch.tensor([-3.0, -2.015625, -2.0, 0.5, 2.0, 2.015625, 3.0], dtype=torch.bfloat16)
     g, l = torch.meshgrid(vals, vals, indexing="ij")
@@ -161,7 +188,12 @@ def test_clamp_boundaries():
     ref.backward(dy)
     assert_equal(ops.glu_probs(a, probs, "silu", True, 0.25, v), ref.detach(), "forward")
     ga, gp = OPS.glu_probs_bwd(dy, a, probs, "silu", True, 0.25, v)
-    assert_equal(ga, aa.grad, "grad_a")
+    at_bound = torch.stack([a[:, 0] == 2.015625, a[:, 1].abs() == 2.015625], dim=1)
+    if TORCH_BOUNDARY_GRAD:
+        assert_equal(ga[~at_bound], aa.grad[~at_bound], "grad_a off the rounded bound")
+    else:
+        assert_equal(ga, aa.grad, "grad_a")
+    assert (ga[at_bound] == 0).all(), "the rounded bound is clamped: no gradient"
     assert (ga[:, 0][a[:, 0].float() > 2.01] == 0).all()
 
 
@@ -188,6 +220,7 @@ def grad_probs_truth(a, probs, dy, act, gated, offset, clamp):
 def test_backward_vs_autograd(dtype, act, gated, offset, clamp):
     for pdt in probs_dtypes(dtype):
         a, probs = inputs(29, 72, dtype, gated, pdt)
+        a = off_rounded_clamp(a, clamp)
         dy = torch.randn(29, 72, dtype=torch.float64).to(dtype)
         ref_ga, ref_gp = autograd_grads(a, probs, dy, act, gated, offset, clamp)
         ga, gp = OPS.glu_probs_bwd(dy, a, probs, act, gated, offset, clamp)
@@ -319,8 +352,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("ffn", [64, 13])
 def test_cuda_vs_cpu_and_torch_cuda(dtype, act, gated, offset, clamp, ffn):
     """CUDA vs the CPU op: bitwise without a transcendental (forward, grad_a, grad_probs: same
-    element functions, same sum order); else within 2 ulps (CUDA's expf/erff/tanhf). And vs
-    torch's own CUDA ops run unfused: within the same bound."""
+    element functions, same sum order). With one, CUDA's exp/erf/tanh (2 ulps) and libm's (1)
+    enter act(g) = g · φ(g) through φ, bounded by 1: an error of ulps of |g|, not of the result
+    (gelu's 1 + erf cancels for g < 0); so the bound is 8 ulps (those 3, the formula's own
+    roundings, the gate and probs products) of max(|result|, the inputs' product magnitude).
+    Against torch's own CUDA ops run unfused (which round every intermediate to the dtype): our
+    error against the fp64 truth is at most 2x theirs."""
     a, probs = inputs(300, ffn, dtype, gated, torch.float32)
     dy = torch.randn(300, ffn, dtype=torch.float64).to(dtype)
     h_cpu = ops.glu_probs(a, probs, act, gated, offset, clamp)
@@ -333,14 +370,23 @@ def test_cuda_vs_cpu_and_torch_cuda(dtype, act, gated, offset, clamp, ffn):
         assert_equal(ga.cpu(), ga_cpu, "grad_a")
         assert_equal(gp.cpu(), gp_cpu, "grad_probs")
     else:
-        assert_close_ulps(h, h_cpu, n_ulps=2, floor=1e-3, msg="forward")
-        assert_close_ulps(ga, ga_cpu, n_ulps=4, floor=1e-2, msg="grad_a")
-        assert_close_ulps(gp, gp_cpu, n_ulps=4 * ffn, floor=1e-3, dtype=dtype, msg="grad_probs")
+        a64, p64, dy64 = a.double(), probs.double().unsqueeze(-1), dy.double().abs()
+        g = a64[:, :ffn].abs()
+        lin = (a64[:, ffn:] + offset).abs() if gated else torch.ones_like(g)
+        h_scale = g * lin * p64                               # |g| · |linear| · p >= |h|
+        ga_scale = dy64 * p64 * (1 + g) * (1 + lin)            # |φ|, |act'| <= 1.2 (+ g · φ')
+        ga_scale = torch.cat([ga_scale, ga_scale], dim=1) if gated else ga_scale
+        gp_scale = (dy64 * g * lin).sum(-1)                    # Σ_f |dy · h0|: the dot's terms
+        assert_close_ulps(h, h_cpu, n_ulps=8, floor=h_scale, msg="forward")
+        assert_close_ulps(ga, ga_cpu, n_ulps=8, floor=ga_scale, msg="grad_a")
+        assert_close_ulps(gp, gp_cpu, n_ulps=8, floor=gp_scale, dtype=dtype, msg="grad_probs")
+    truth = reference(a.double(), probs.double(), act, gated, offset, clamp)
+    t_ga, t_gp = autograd_grads(a.double(), probs.double(), dy.double(), act, gated, offset, clamp)
     ref = reference(ac, pc, act, gated, offset, clamp, scalar=False)
-    assert_close_ulps(h, ref, n_ulps=2, floor=1e-3, msg="vs torch CUDA")
     ref_ga, ref_gp = autograd_grads(ac, pc, dyc, act, gated, offset, clamp, scalar=False)
-    assert_close_ulps(ga, ref_ga, n_ulps=4, floor=1e-2, msg="grad_a vs torch CUDA")
-    assert_close_ulps(gp, ref_gp, n_ulps=4 * ffn, floor=1e-3, dtype=dtype, msg="grad_probs vs torch")
+    assert_error_at_most(h, ref, truth, msg="forward vs torch CUDA")
+    assert_error_at_most(ga, ref_ga, t_ga, msg="grad_a vs torch CUDA")
+    assert_error_at_most(gp, ref_gp, t_gp, msg="grad_probs vs torch CUDA")
 
 
 @cuda

@@ -149,8 +149,8 @@ def test_layout_cuda_round_trip_through_autograd():
     gout = torch.randn(T, H).to(torch.bfloat16)
     res = []
     for dev in ("cpu", "cuda"):
-        xx = x.to(dev).requires_grad_()
-        pp = probs.to(dev).requires_grad_()
+        xx = x.to(dev).detach().requires_grad_()  # leaves on both devices
+        pp = probs.to(dev).detach().requires_grad_()
         rows, _, idx, off, _ = ops.permute(xx, m.to(dev), None, num_out_tokens=T * k)
         out = ops.unpermute(rows * 2, idx, xx.shape, probs=pp, routing_map=m.to(dev))
         out.backward(gout.to(dev))

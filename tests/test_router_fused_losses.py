@@ -8,6 +8,9 @@ gradients as the old three-call path. On the CPU the fused extras run the separa
 (bitwise); on CUDA the row sums are warp reductions (the last fp64 bit may differ before the
 fp32 rounding), so CUDA is checked to 1 ulp of the compute precision, plus exact maps wherever
 the scores agree bitwise, against the CPU ops (and the CUDA separate ops where they exist).
+fp64 router math on CUDA is not bitwise to the CPU (CUDA's exp vs glibc's, a warp-tree row sum vs
+the CPU's ascending one, and no wider type to round from): it is held to fp64_ulps(E), the
+bound derived below, with maps and indices still exact.
 """
 import copy
 
@@ -59,12 +62,22 @@ def same(a, b, msg=""):
     assert bool(ok.all()), f"{msg}: {int((~ok).sum())} of {ok.numel()} elements differ"
 
 
-def close_ulps(a, b, dtype, n_ulps=1, msg=""):
-    """Equal within n_ulps of `dtype` (relative), infinities and NaNs matching exactly."""
+def fp64_ulps(E):
+    """CUDA vs CPU in fp64 compute: two orders of an E-term positive sum each err by at most
+    (E - 1) ulps of the sum; exp/log1p/sqrt differ by at most 2 ulps between CUDA and glibc, the
+    division rounds once more."""
+    return 2 * E + 4
+
+
+def close_ulps(a, b, dtype, n_ulps=1, msg="", scale=None):
+    """Equal within n_ulps of `dtype` relative to max(|b|, scale) (scale: the magnitude the
+    compared values are cancellations of, e.g. a gradient row's largest term), infinities and
+    NaNs matching exactly."""
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     assert a.shape == b.shape, msg
     exact = (a == b) | (a.isnan() & b.isnan())
-    tol = n_ulps * torch.finfo(dtype).eps * b.abs().clamp_min(torch.finfo(dtype).tiny)
+    mag = b.abs() if scale is None else torch.maximum(b.abs(), scale.double().cpu())
+    tol = n_ulps * torch.finfo(dtype).eps * mag.clamp_min(torch.finfo(dtype).tiny)
     ok = exact | ((a - b).abs() <= tol)
     assert bool(ok.all()), f"{msg}: {int((~ok).sum())} elements differ by more than {n_ulps} ulps"
 
@@ -83,7 +96,8 @@ def check_aux(scores, aux_map, logits, k, sf, mask, device):
         same(scores, ref_scores, "aux scores")
         same(aux_map, ref_map, "aux map")
         return
-    close_ulps(scores, ref_scores, compute_dtype(logits.dtype), 1, "aux scores (CUDA vs CPU op)")
+    n = fp64_ulps(logits.shape[1]) if logits.dtype == torch.float64 else 1
+    close_ulps(scores, ref_scores, compute_dtype(logits.dtype), n, "aux scores (CUDA vs CPU op)")
     rows = ((scores.cpu() == ref_scores) | (scores.cpu().isnan() & ref_scores.isnan())).all(1)
     same(aux_map.cpu()[rows], ref_map[rows], "aux map on rows with bitwise scores")
     # every row: the map is the top-k of the scores it came with (ties to the lower id)
@@ -99,7 +113,7 @@ def check_aux(scores, aux_map, logits, k, sf, mask, device):
         if "no CUDA kernel" not in str(err):
             raise
         return
-    close_ulps(scores, s2, compute_dtype(logits.dtype), 1, "aux scores (CUDA vs CUDA op)")
+    close_ulps(scores, s2, compute_dtype(logits.dtype), n, "aux scores (CUDA vs CUDA op)")
 
 
 def check_lse(lse, logits, mask, device, coeff=0.37):
@@ -229,8 +243,11 @@ def test_fused_grad_equals_unfused_composition(device, dtype, sf, pre, masked):
     assert grad.dtype == dtype
     if device == "cpu":
         same(grad, ref, "grad_logits vs the unfused ops")
+    elif dtype == torch.float64:  # each gradient is a cancellation of terms of its row's size
+        row = ref.abs().amax(dim=1, keepdim=True).expand_as(ref)
+        close_ulps(grad, ref, dtype, 2 * fp64_ulps(E), "grad_logits", scale=row)
     else:  # CUDA exp / warp sums vs glibc: an ulp of the logits dtype
-        close_ulps(grad, ref, dtype, 2 if dtype == torch.float64 else 1, "grad_logits")
+        close_ulps(grad, ref, dtype, 1, "grad_logits")
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -284,11 +301,17 @@ def test_cpu_cuda_same_extras(dtype, E, k):
     for sf in SCORES:
         cpu = run_fused(logits, k, sf, sf == "softmax", mask)
         gpu = run_fused(logits.cuda(), k, sf, sf == "softmax", mask.cuda())
-        for i in range(3):
-            same(gpu[i].cpu(), cpu[i], f"routing output {i}")
-        close_ulps(gpu[3], cpu[3], compute_dtype(dtype), 1, "aux scores")
+        fp64 = dtype == torch.float64
+        if fp64:
+            close_ulps(gpu[0], cpu[0], dtype, fp64_ulps(E), "probs")
+        else:
+            same(gpu[0].cpu(), cpu[0], "probs")
+        same(gpu[1].cpu(), cpu[1], "routing map")
+        same(gpu[2].cpu(), cpu[2], "indices")
+        close_ulps(gpu[3], cpu[3], compute_dtype(dtype), fp64_ulps(E) if fp64 else 1, "aux scores")
         rows = (gpu[3].cpu() == cpu[3]).all(1)
-        assert rows.float().mean() > 0.99
+        if not fp64:
+            assert rows.float().mean() > 0.99
         same(gpu[4].cpu()[rows], cpu[4][rows], "aux map")
         close_ulps(gpu[5], cpu[5], torch.float64, 8, "lse")
 

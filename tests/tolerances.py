@@ -20,12 +20,16 @@ def eps(dtype: torch.dtype) -> float:
     return EPS[dtype]
 
 
-def assert_close_ulps(ours, ref, n_ulps: float = 2, floor: float = 0.0, dtype=None, msg: str = ""):
+def assert_close_ulps(ours, ref, n_ulps: float = 2, floor=0.0, dtype=None, msg: str = ""):
+    """floor: a number, or a tensor of ref's shape (the magnitude each value is a cancellation of)."""
     dtype = dtype or ref.dtype
     ours64, ref64 = ours.detach().double().cpu(), ref.detach().double().cpu()
     assert ours64.shape == ref64.shape, f"{msg} shape {tuple(ours64.shape)} vs {tuple(ref64.shape)}"
     both_nan = ours64.isnan() & ref64.isnan()
-    scale = ref64.abs().clamp_min(floor)
+    if isinstance(floor, torch.Tensor):
+        scale = torch.maximum(ref64.abs(), floor.detach().double().cpu())
+    else:
+        scale = ref64.abs().clamp_min(floor)
     tol = n_ulps * eps(dtype) * scale
     diff = (ours64 - ref64).abs()
     bad = ~((diff <= tol) | both_nan)

@@ -49,11 +49,17 @@ static int key_bytes(moe_drop_policy_t policy, moe_dtype_t dtype) {
     return policy == MOE_DROP_PROBS && dtype == MOE_DTYPE_FP64 ? 8 : 4;
 }
 
+/* The [E, T] keys, rounded up to 16 bytes: the 8-byte thresholds that follow must stay aligned
+ * when T · E is odd and the keys are 4 bytes wide. */
+static size_t keys_region_bytes(int64_t n, size_t width) {
+    return ((size_t)n * width + 15) & ~(size_t)15;
+}
+
 extern "C" size_t moe_cuda_token_dropping_workspace_size(int64_t num_tokens, int64_t num_experts,
                                                          moe_drop_policy_t policy,
                                                          moe_dtype_t dtype) {
     if (num_tokens <= 0 || num_experts < 1) return 0;
-    return (size_t)(num_tokens * num_experts) * (size_t)key_bytes(policy, dtype) +
+    return keys_region_bytes(num_tokens * num_experts, key_bytes(policy, dtype)) +
            (size_t)(2 * num_experts) * sizeof(int64_t);
 }
 
@@ -204,7 +210,7 @@ static moe_status_t drop_fwd(void *final_probs, uint8_t *final_map, const void *
                              cudaStream_t st) {
     const int mode = capacity >= T ? 0 : capacity == 0 ? 1 : 2;
     K *keys = (K *)workspace;
-    uint64_t *thr = (uint64_t *)((char *)workspace + (size_t)(T * E) * sizeof(K));
+    uint64_t *thr = (uint64_t *)((char *)workspace + keys_region_bytes(T * E, sizeof(K)));
     int64_t *tie_end = (int64_t *)(thr + E);
     if (mode == 2) {
         const dim3 tgrid(moe_blocks_for(E, 32), moe_blocks_for(T, 32));
