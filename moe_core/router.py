@@ -90,8 +90,9 @@ class TopKRouter(nn.Module):
         eps = self.config.moe_input_jitter_eps
         if eps is None:
             return inp
-        low = torch.tensor(1.0 - eps, dtype=inp.dtype, device=inp.device)
-        high = torch.tensor(1.0 + eps, dtype=inp.dtype, device=inp.device)
+        # fills, not host-to-device copies (CUDA-graph capture)
+        low = torch.full((), 1.0 - eps, dtype=inp.dtype, device=inp.device)
+        high = torch.full((), 1.0 + eps, dtype=inp.dtype, device=inp.device)
         return inp * torch.distributions.uniform.Uniform(low, high).rsample(inp.shape)
 
     def _attach(self, activation: torch.Tensor, loss: torch.Tensor, name: str, coeff: float,

@@ -73,8 +73,9 @@ CASES = [  # (gated, offset, clamp)
 
 
 def _torch_passes_grad_at_rounded_clamp() -> bool:
-    """Whether this torch's clamp backward passes the gradient at x == dtype(v) > v (torch 2.11
-    compares in bf16, where x == v; 2.14 in fp32, where x > v). The op follows the fp32 rule."""
+    """Whether this torch's clamp backward passes the gradient at x == dtype(v), the bound rounded
+    to the tensor's dtype (torch 2.11: yes, its mask is min <= x <= max; 2.14: no, it is strict
+    there). The op follows 2.14: an input equal to the rounded bound gets no gradient."""
     x = torch.tensor([2.015625], dtype=torch.bfloat16, requires_grad=True)
     x.clamp(max=2.01).sum().backward()
     return bool(x.grad[0] != 0)
@@ -85,11 +86,12 @@ TORCH_BOUNDARY_GRAD = _torch_passes_grad_at_rounded_clamp()
 
 def off_rounded_clamp(a: torch.Tensor, clamp) -> torch.Tensor:
     """a with the values whose magnitude is exactly dtype(clamp) moved to 0.5 (the one input
-    where torch versions disagree on the clamp's gradient; test_clamp_boundaries covers it)."""
+    where torch versions disagree on the clamp's gradient, and where the fp64 truth, whose bound
+    is not rounded, disagrees with every dtype; test_clamp_boundaries covers it)."""
     if clamp is None:
         return a
-    v = torch.tensor(clamp, dtype=a.dtype)
-    return torch.where((a.abs() == v) & (v != clamp), torch.full_like(a, 0.5), a)
+    v = float(torch.tensor(clamp, dtype=a.dtype))  # compared as a Python float: no dtype cast
+    return torch.where(a.abs().double() == v, torch.full_like(a, 0.5), a)
 
 
 def probs_dtypes(dtype):
@@ -173,9 +175,9 @@ def test_zero_rows_and_odd_widths():
 
 def test_clamp_boundaries():
     """Values exactly at v, at bf16(v) > v, and beyond, on both halves (forward and the masks).
-    The op compares in fp32: bf16(v) > v is clamped (its value unchanged, its gradient 0), as
-    torch 2.14 does; torch 2.11 compared in bf16 and passed the gradient there, so against such
-    a torch those elements are checked against the rule instead."""
+    An input equal to the bound rounded to its dtype (here bf16(v)) gets no gradient, as in torch
+    2.14; torch 2.11 passed the gradient there, so against such a torch those elements are
+    checked against the rule instead."""
     v = 2.01  # bf16(2.01) = 2.015625 > v
     vals = torch.tensor([-3.0, -2.015625, -2.0, 0.5, 2.0, 2.015625, 3.0], dtype=torch.bfloat16)
     g, l = torch.meshgrid(vals, vals, indexing="ij")
@@ -359,6 +361,7 @@ def test_cuda_vs_cpu_and_torch_cuda(dtype, act, gated, offset, clamp, ffn):
     Against torch's own CUDA ops run unfused (which round every intermediate to the dtype): our
     error against the fp64 truth is at most 2x theirs."""
     a, probs = inputs(300, ffn, dtype, gated, torch.float32)
+    a = off_rounded_clamp(a, clamp)
     dy = torch.randn(300, ffn, dtype=torch.float64).to(dtype)
     h_cpu = ops.glu_probs(a, probs, act, gated, offset, clamp)
     ga_cpu, gp_cpu = OPS.glu_probs_bwd(dy, a, probs, act, gated, offset, clamp)

@@ -15,7 +15,10 @@
  */
 #include "layout_cuda.cuh"
 
-#define MOE_PERM_CHUNK 256
+/* Tokens per (chunk, expert) column: one 32-bit mask of routed flags per thread, loaded in one
+ * burst. Short columns keep the column walk shallow; a warp-wide scan over the chunks puts
+ * them back together. */
+#define MOE_PERM_CHUNK 32
 
 __device__ __forceinline__ int64_t d_round_up(int64_t x, int64_t m) {
     return m > 1 ? (x + m - 1) / m * m : x;
@@ -54,35 +57,64 @@ extern "C" size_t moe_cuda_permute_workspace_size(int64_t num_tokens, int64_t nu
     return perm_ws_layout(num_tokens, num_experts, NULL, NULL);
 }
 
+/* Bit j: token t0 + j of the chunk is routed to expert e. The 32 loads are independent and
+ * issued together (one memory latency per column, not one per token). */
+__device__ __forceinline__ uint32_t column_bits(const uint8_t *__restrict__ routing_map, int64_t t0,
+                                                int64_t T, int64_t E, int64_t e) {
+    uint8_t f[MOE_PERM_CHUNK];
+#pragma unroll
+    for (int j = 0; j < MOE_PERM_CHUNK; ++j)
+        f[j] = t0 + j < T ? routing_map[(t0 + j) * E + e] : 0;
+    uint32_t bits = 0;
+#pragma unroll
+    for (int j = 0; j < MOE_PERM_CHUNK; ++j) bits |= (uint32_t)(f[j] != 0) << j;
+    return bits;
+}
+
 /* chunk_rank[c, e] = routed tokens of expert e in chunk c. Grid (nchunks, ceil(E / 128)). */
-__global__ void moe_permute_count_kernel(int32_t *chunk_rank, const uint8_t *routing_map,
+__global__ void moe_permute_count_kernel(int32_t *chunk_rank, const uint8_t *__restrict__ routing_map,
                                          int64_t T, int64_t E) {
     const int64_t e = (int64_t)blockIdx.y * blockDim.x + threadIdx.x;
     if (e >= E) return;
     const int64_t t0 = (int64_t)blockIdx.x * MOE_PERM_CHUNK;
-    const int64_t t1 = t0 + MOE_PERM_CHUNK < T ? t0 + MOE_PERM_CHUNK : T;
-    int32_t n = 0;
-    for (int64_t t = t0; t < t1; ++t) n += routing_map[t * E + e] != 0;
-    chunk_rank[blockIdx.x * E + e] = n;
+    chunk_rank[blockIdx.x * E + e] = __popc(column_bits(routing_map, t0, T, E, e));
 }
 
-/* One block: per expert, the exclusive scan over chunks (→ each chunk's first rank) and the
- * total; then the block sizes, their scan, and the cut at the row bound R:
- * offsets[e + 1] = min(R, Σ_{e' <= e} block_e') (equivalent to the CPU's running "room" cut). */
-__global__ void __launch_bounds__(MOE_SCAN_THREADS)
-moe_permute_plan_kernel(int64_t *expert_offsets, int64_t *tokens_per_expert, int32_t *chunk_rank,
-                        int64_t *count, int64_t nchunks, int64_t E, int64_t R, int dap,
-                        int64_t capacity, int64_t align) {
-    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
-        int64_t run = 0;
-        for (int64_t c = 0; c < nchunks; ++c) {
-            const int32_t v = chunk_rank[c * E + e];
-            chunk_rank[c * E + e] = (int32_t)run;
-            run += v;
-        }
-        count[e] = run;
+/* Per expert (one warp each): the exclusive scan of chunk_rank[:, e] over the chunks, in place,
+ * and the expert's total. Lane l owns a contiguous run of chunks; the run sums are scanned
+ * across the warp. Grid ceil(E / 8), block (32, 8). */
+__global__ void moe_permute_chunk_scan_kernel(int32_t *chunk_rank, int64_t *count,
+                                              int64_t nchunks, int64_t E) {
+    const int64_t e = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
+    if (e >= E) return;
+    const int lane = threadIdx.x;
+    const int64_t per = (nchunks + 31) / 32;
+    const int64_t c0 = lane * per < nchunks ? lane * per : nchunks;
+    const int64_t c1 = c0 + per < nchunks ? c0 + per : nchunks;
+    int64_t local = 0;
+    for (int64_t c = c0; c < c1; ++c) local += chunk_rank[c * E + e];
+    int64_t incl = local;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+        const int64_t y = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += y;
     }
-    __syncthreads();
+    int64_t run = incl - local;
+    for (int64_t c = c0; c < c1; ++c) {
+        const int32_t v = chunk_rank[c * E + e];
+        chunk_rank[c * E + e] = (int32_t)run;
+        run += v;
+    }
+    if (lane == 31) count[e] = incl;
+}
+
+/* One block: the block sizes (padded, or the capacity), their scan, and the cut at the row
+ * bound R: offsets[e + 1] = min(R, Σ_{e' <= e} block_e') (equivalent to the CPU's running
+ * "room" cut). */
+__global__ void __launch_bounds__(MOE_SCAN_THREADS)
+moe_permute_plan_kernel(int64_t *expert_offsets, int64_t *tokens_per_expert,
+                        const int64_t *count, int64_t E, int64_t R, int dap, int64_t capacity,
+                        int64_t align) {
     /* each thread owns a contiguous run of experts */
     const int64_t per = (E + blockDim.x - 1) / blockDim.x;
     const int64_t e0 = threadIdx.x * per, e1 = e0 + per < E ? e0 + per : E;
@@ -118,21 +150,22 @@ __global__ void moe_permute_rank_kernel(int64_t *sorted_indices, void *permuted_
                                         int32_t *row_of, const int32_t *chunk_rank,
                                         const int64_t *count, const int64_t *expert_offsets,
                                         const int64_t *tokens_per_expert,
-                                        const uint8_t *routing_map, const void *probs, int64_t T,
+                                        const uint8_t *__restrict__ routing_map, const void *probs, int64_t T,
                                         int64_t E, int dap, int64_t capacity,
                                         moe_dtype_t probs_dtype) {
     const int64_t e = (int64_t)blockIdx.y * blockDim.x + threadIdx.x;
     if (e >= E) return;
     const int64_t t0 = (int64_t)blockIdx.x * MOE_PERM_CHUNK;
-    const int64_t t1 = t0 + MOE_PERM_CHUNK < T ? t0 + MOE_PERM_CHUNK : T;
     const int64_t n = tokens_per_expert[e], base = expert_offsets[e], count_e = count[e];
     const int64_t real = dap ? (capacity < T ? capacity : T) : n;
     const int64_t lim = real < n ? real : n;
     int64_t routed = chunk_rank[blockIdx.x * E + e]; /* routed tokens before t */
+    const uint32_t bits = column_bits(routing_map, t0, T, E, e);
+    const int64_t t1 = t0 + MOE_PERM_CHUNK < T ? t0 + MOE_PERM_CHUNK : T;
     for (int64_t t = t0; t < t1; ++t) {
         const int64_t i = t * E + e;
         int64_t pos = -1;
-        if (routing_map[i]) pos = routed++;
+        if ((bits >> (t - t0)) & 1u) pos = routed++;
         else if (dap) pos = count_e + (t - routed);
         int32_t row = -1;
         if (pos >= 0 && pos < lim) {
@@ -171,9 +204,22 @@ __global__ void moe_permute_scatter_kernel(void *__restrict__ permuted_tokens,
     const int n = s_n[y];
     const V *src = (const V *)tokens + t * nvec;
     V *out = (V *)permuted_tokens;
-    for (int64_t v = x; v < nvec; v += blockDim.x) {
-        const V val = src[v];
-        for (int k = 0; k < n; ++k) out[(int64_t)dst[k] * nvec + v] = val;
+    /* four independent 16-byte loads in flight per thread before their stores */
+    for (int64_t v0 = x; v0 < nvec; v0 += 4 * (int64_t)blockDim.x) {
+        V val[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int64_t v = v0 + j * (int64_t)blockDim.x;
+            if (v < nvec) val[j] = src[v];
+        }
+        for (int k = 0; k < n; ++k) {
+            V *row = out + (int64_t)dst[k] * nvec;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int64_t v = v0 + j * (int64_t)blockDim.x;
+                if (v < nvec) row[v] = val[j];
+            }
+        }
     }
 }
 
@@ -259,9 +305,16 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
         moe_permute_count_kernel<<<col_grid, 128, 0, st>>>(ws.chunk_rank, routing_map, T, E);
         MOE_CHECK_LAUNCH("moe_permute_count_kernel");
     }
+    if (nchunks > 0) {
+        moe_permute_chunk_scan_kernel<<<moe_blocks_for(E, 8), dim3(32, 8), 0, st>>>(
+            ws.chunk_rank, ws.count, nchunks, E);
+        MOE_CHECK_LAUNCH("moe_permute_chunk_scan_kernel");
+    } else {
+        MOE_CHECK(cudaMemsetAsync(ws.count, 0, (size_t)E * sizeof(int64_t), st) == cudaSuccess,
+                  "permute: cudaMemsetAsync of the expert counts failed");
+    }
     moe_permute_plan_kernel<<<1, MOE_SCAN_THREADS, 0, st>>>(expert_offsets, tokens_per_expert,
-                                                             ws.chunk_rank, ws.count, nchunks, E,
-                                                             R, dap, capacity, align);
+                                                             ws.count, E, R, dap, capacity, align);
     MOE_CHECK_LAUNCH("moe_permute_plan_kernel");
     if (R > 0) {
         moe_permute_init_rows_kernel<<<moe_blocks_for(R, 256), 256, 0, st>>>(

@@ -48,7 +48,7 @@ class AuxLossScale:
             self._value = value.detach().to(device=device or value.device,
                                             dtype=torch.float32).reshape(()).clone()
         else:
-            self._value = torch.tensor(_as_float(value), dtype=torch.float32, device=device)
+            self._value = torch.full((), _as_float(value), dtype=torch.float32, device=device)
 
     @property
     def value(self) -> torch.Tensor:

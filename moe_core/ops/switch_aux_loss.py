@@ -32,7 +32,8 @@ def _as_total(total_num_tokens: Number, device: torch.device) -> torch.Tensor:
         return total_num_tokens
     if isinstance(total_num_tokens, bool) or not isinstance(total_num_tokens, (int, float)):
         raise TypeError(f"total_num_tokens must be a number or a tensor, got {total_num_tokens!r}")
-    return torch.tensor(float(total_num_tokens), dtype=torch.float64, device=device)
+    # a fill, not a host-to-device copy: legal inside CUDA-graph capture
+    return torch.full((), float(total_num_tokens), dtype=torch.float64, device=device)
 
 
 def switch_load_balancing_loss_func(
