@@ -18,13 +18,16 @@ l + offset, the product; then h0 * p in ``promote(a.dtype, probs.dtype)`` and th
   same torch op gives position-dependent results in fp32); in bf16/fp16 the rounding absorbs it
   for every input the tests enumerate, and ReLU / squared ReLU have no transcendental at all.
 * grad_a follows autograd's graph of the sequence exactly (MulBackward, the activation's backward
-  kernel, ClampBackward's masks). grad_probs[r] = Σ_f grad_h·h0, each product rounded to the
+  kernel, ClampBackward's masks). The masks are torch 2.14's: an input equal to the clamp bound
+  rounded to its dtype (e.g. bf16(2.01) = 2.015625) gets no gradient; torch 2.11 passed it there.
+  That one input per bound is the only place the versions, and so the op and torch 2.11, differ. grad_probs[r] = Σ_f grad_h·h0, each product rounded to the
   product dtype as MulBackward does, summed in fp64 in a fixed order (32 lanes folded like a warp
   butterfly; see csrc/glu_probs_math.h), then rounded to the product dtype and to probs.dtype.
   torch sums those products with its fp32 cascade sum, so grad_probs differs from autograd's by
   that sum's rounding (a few fp32 ulps, ours being the more accurate).
 * CUDA: the same element functions (no FMA contraction), so it differs from the CPU only where
-  CUDA's expf/erff/tanhf differ from glibc's; grad_probs uses the same order, so it equals the CPU
+  CUDA's expf/erff/tanhf differ from glibc's (2 ulps of the activation's φ(g), so ulps of |g|
+  where act(g) = g·φ(g) cancels, as gelu's 1 + erf does for g < 0); grad_probs uses the same order, so it equals the CPU
   bit for bit whenever the terms do. Deterministic, no atomics.
 """
 import functools

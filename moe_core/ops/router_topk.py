@@ -6,6 +6,10 @@ Precision contract
   (each intermediate is the correctly rounded fp32 result of the same operation); probs are
   returned in the logits' dtype. For fp64 logits the math stays in fp64 (Megatron downcasts to
   fp32 there: a deliberate, documented difference, so fp64 gradcheck is meaningful).
+* CPU and CUDA agree bit for bit for fp32/fp16/bf16 logits (both round each fp64 intermediate to
+  fp32 at the same points). For fp64 logits they agree in routing map and indices, and in probs,
+  aux scores and gradients within 2E + 4 ulps (CUDA's exp/log1p differ from glibc's in the last
+  bit, and the CUDA row sums are warp trees): tests/test_router_fused_losses.py derives the bound.
 * Selection ranks by descending score (sigmoid/sqrtsoftplus: score + expert_bias, in fp32); equal
   scores go to the lowest expert index, equal group scores to the lowest group index, on CPU and
   CUDA alike (one shared C definition). torch.topk leaves ties unspecified.
