@@ -2,6 +2,13 @@
 # One device session: build with CUDA, run the C tests, the GPU test suite (CUDA parity, CPU-vs-CUDA
 # equality), compute-sanitizer on the CUDA kernels, and the benchmarks; the table comes last.
 # Run on the lent GPU machine from the repo root, with megatron-core carried as a wheel in .whl/.
+# Durations on the H200 (2026-12-02): build 65-85 s; test groups (-n 16) layout 40 s, router +
+# graphs 35 s, glu + grouped GEMM 30-110 s, balancing 75 s, layer 47 s; bench_ops 60 s,
+# bench_grouped_gemm 60 s. A 30-minute device budget fits two calls: everything with
+# SKIP_SANITIZER=1 first, then SKIP_BUILD=1 right after (the machine stays warm 30 s) for
+# compute-sanitizer and PROFILE=1 with BENCHES="".
+# Knobs: TESTS='g1|g2' (pytest groups), TCAP / PT_TIMEOUT (group / per-test caps, s), NFAIL,
+# SKIP_BUILD, SKIP_SANITIZER, SAN_TOOLS / SAN_TESTS / SAN_K / SCAP, PROFILE, BENCHES, BENCH_ARGS.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -45,7 +52,9 @@ if [ -z "${SKIP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; then
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_$tool.log") clean summaries, $(grep -c 'ERROR SUMMARY: [1-9]' "$OUT/sanitizer_$tool.log") with errors; $(tail -n 1 "$OUT/sanitizer_$tool.log" | cut -c1-120))"
   done
 fi
-[ -n "${PROFILE:-}" ] && python3 benchmarks/profile_routing.py 2>&1 | tail -n 20
+if [ -n "${PROFILE:-}" ]; then
+  for shape in dsv3 mixtral; do python3 benchmarks/profile_routing.py --shape $shape 2>&1 | tail -n 20; done
+fi
 for b in ${BENCHES-benchmarks/bench_ops.py benchmarks/bench_grouped_gemm.py}; do
   python3 $b ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
 done

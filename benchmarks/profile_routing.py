@@ -1,7 +1,8 @@
 """Where the routing path spends its GPU time: a torch.profiler kernel table of the fused router,
-permute and unpermute at the dsv3 shape with T = 16384 (E = 256, k = 8, groups and bias).
+permute and unpermute, at the dsv3 shape with T = 16384 (E = 256, k = 8, groups and bias) or at
+mixtral's (T = 8192, H = 4096, E = 8, k = 2, softmax), where permute's planning kernels weigh most.
 
-    python benchmarks/profile_routing.py [--tokens N] [--hidden H]
+    python benchmarks/profile_routing.py [--shape dsv3|mixtral] [--tokens N] [--hidden H]
 """
 import argparse
 
@@ -14,14 +15,22 @@ from moe_core import ops
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--shape", choices=["dsv3", "mixtral"], default="dsv3")
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--hidden", type=int, default=None)
     args = ap.parse_args()
-    T, H, E, k = args.tokens, args.hidden, 256, 8
+    if args.shape == "dsv3":
+        T, H, E, k = 16384, 7168, 256, 8
+    else:
+        T, H, E, k = 8192, 4096, 8, 2
+    T, H = args.tokens or T, args.hidden or H
     logits = torch.randn(T, E, device="cuda")
-    bias = torch.randn(E, device="cuda") * 0.1
-    opts = dict(score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5,
-                expert_bias=bias)
+    if args.shape == "dsv3":
+        bias = torch.randn(E, device="cuda") * 0.1
+        opts = dict(score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5,
+                    expert_bias=bias)
+    else:
+        opts = dict(score_function="softmax")
     tokens = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
 
     def step() -> None:
