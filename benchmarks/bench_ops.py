@@ -6,8 +6,12 @@ copies larger than L2 so no run reads a warm cache), after measuring the device-
 bandwidth. Per op and shape it prints: our time, Megatron-Core's, the speed-up, the bytes the op
 must move at least, the achieved TB/s and its % of the copy bandwidth (TFLOP/s for the gating
 GEMM). Both sides are called eagerly through their Python API, as a training step calls them.
+With --graph each side is captured in CUDA graphs (one per input copy, sharing a memory pool) and
+the replays are timed: the GPU time without the Python / dispatcher cost of an eager call (a
+Megatron-Core function that syncs with the host cannot be captured: shown as n/a).
 
     python benchmarks/bench_ops.py [--iters N] [--shapes mixtral,qwen3_30b_a3b,...] [--ops ...]
+                                   [--graph]
 """
 import argparse
 import math
@@ -48,6 +52,41 @@ def timer(fn, args_list, iters):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def graph_timer(fn, args_list, iters):
+    """Median seconds of one CUDA-graph replay of fn(*args), cycling through args_list; None when
+    fn cannot be captured (it waits on the host)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
+        for a in args_list[:3]:
+            fn(*a)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graphs = []
+    try:
+        for a in args_list:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=graphs[0].pool() if graphs else None):
+                fn(*a)
+            graphs.append(g)
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None
+    for g in graphs[:3]:
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs[i % len(graphs)].replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del graphs
     return statistics.median(times)
 
 
@@ -179,6 +218,7 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--ops", default="", help="comma-separated substrings of op labels")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays, not eager calls")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth(args.iters)
@@ -195,24 +235,29 @@ def main():
             if filters and not any(f in label for f in filters):
                 continue
             if not has_cuda_kernel(op):
-                rows.append((name, label, None, None, nbytes, flops))
+                rows.append((name, label, "(no CUDA kernel in this build)", None, nbytes, flops))
                 continue
             inputs = copies(make, nbytes)
-            t_ours = timer(ours, inputs, args.iters)
-            t_meg = timer(theirs, inputs, args.iters)
+            time_it = graph_timer if args.graph else timer
+            t_ours = time_it(ours, inputs, args.iters)
+            t_meg = time_it(theirs, inputs, args.iters)
+            if t_ours is None:
+                t_ours = "(ours: not capturable in a CUDA graph)"
             rows.append((name, label, t_ours, t_meg, nbytes, flops))
             del inputs
             torch.cuda.empty_cache()
     print(f"\n{'shape':<14} {'op':<31} {'ours ms':>9} {'mcore ms':>9} {'speed-up':>9} "
           f"{'TB/s':>6} {'% copy bw':>9} {'TFLOP/s':>8}")
     for name, label, t_ours, t_meg, nbytes, flops in rows:
-        if t_ours is None:
-            print(f"{name:<14} {label:<31} {'(no CUDA kernel in this build)':>40}")
+        if isinstance(t_ours, str):
+            print(f"{name:<14} {label:<31} {t_ours:>40}")
             continue
         tbs = nbytes / t_ours / 1e12
         tfl = f"{flops / t_ours / 1e12:8.1f}" if flops else ""
-        print(f"{name:<14} {label:<31} {t_ours * 1e3:9.3f} {t_meg * 1e3:9.3f} "
-              f"{t_meg / t_ours:8.2f}x {tbs:6.2f} {tbs * 1e12 / bw * 100:8.1f}% {tfl}")
+        meg = f"{t_meg * 1e3:9.3f}" if t_meg is not None else f"{'n/a':>9}"
+        ratio = f"{t_meg / t_ours:8.2f}x" if t_meg is not None else f"{'':>9}"
+        print(f"{name:<14} {label:<31} {t_ours * 1e3:9.3f} {meg} "
+              f"{ratio} {tbs:6.2f} {tbs * 1e12 / bw * 100:8.1f}% {tfl}")
 
 
 if __name__ == "__main__":
