@@ -38,21 +38,25 @@ SHAPES = [
 L2_ROTATE_BYTES = 256 << 20
 
 
+def median_event_time(run, iters):
+    """Median seconds of run(i) for i in range(iters), each bracketed by CUDA events."""
+    times = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def timer(fn, args_list, iters):
     """Median seconds of fn(*args) over iters runs, cycling through args_list (cold L2)."""
     for a in args_list[:3]:
         fn(*a)
     torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        a = args_list[i % len(args_list)]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return median_event_time(lambda i: fn(*args_list[i % len(args_list)]), iters)
 
 
 def graph_timer(fn, args_list, iters):
@@ -78,16 +82,7 @@ def graph_timer(fn, args_list, iters):
     for g in graphs[:3]:
         g.replay()
     torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graphs[i % len(graphs)].replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del graphs
-    return statistics.median(times)
+    return median_event_time(lambda i: graphs[i % len(graphs)].replay(), iters)
 
 
 def copies(make, nbytes):

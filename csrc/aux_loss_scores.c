@@ -162,19 +162,8 @@ moe_status_t moe_aux_loss_scores_bwd(void *grad_logits, const void *grad_scores,
             double x = load_c(logits, logits_dtype, base + e);
             double s = moe_bal_unnorm_score(fp64, score_function, x);
             double g = rnd(fp64, rnd(fp64, moe_load(grad_scores, sdt, base + e) / d) + shared);
-            double gl;
-            if (score_function == MOE_SCORE_SIGMOID) {
-                gl = rnd(fp64, rnd(fp64, g * rnd(fp64, 1.0 - s)) * s);
-            } else {
-                double gu = rnd(fp64, g / rnd(fp64, 2.0 * s)); /* d sqrt */
-                if (x > 20.0) {
-                    gl = gu;
-                } else {
-                    double z = rnd(fp64, exp(x));
-                    gl = rnd(fp64, gu * rnd(fp64, z / rnd(fp64, z + 1.0)));
-                }
-            }
-            moe_store(grad_logits, logits_dtype, base + e, gl);
+            moe_store(grad_logits, logits_dtype, base + e,
+                      moe_bal_unnorm_score_bwd(fp64, score_function, x, s, g));
         }
     }
     return MOE_OK;

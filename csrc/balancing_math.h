@@ -29,6 +29,32 @@ MOE_HD static inline int is_pad(const uint8_t *padding_mask, int64_t t) {
     return padding_mask != NULL && padding_mask[t] != 0;
 }
 
+/* stats[0..2] of routing_metrics from the integer counts: max/mean load, coefficient of
+ * variation, load entropy (all 0 when nothing is routed). Counts are exact, the loops run in
+ * expert order: the same bits on the CPU and on the one CUDA thread that calls it. */
+MOE_HD static inline void moe_load_stats(const int64_t *tokens_per_expert, int64_t E,
+                                         float *stats) {
+    int64_t total = 0, max = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        total += tokens_per_expert[e];
+        max = tokens_per_expert[e] > max ? tokens_per_expert[e] : max;
+    }
+    if (total == 0) {
+        stats[0] = stats[1] = stats[2] = 0.0f;
+        return;
+    }
+    const double mean = (double)total / (double)E;
+    double var = 0.0, ent = 0.0;
+    for (int64_t e = 0; e < E; ++e) {
+        const double n = (double)tokens_per_expert[e], d = n - mean;
+        var += d * d;
+        if (n > 0) ent -= (n / (double)total) * log(n / (double)total);
+    }
+    stats[0] = (float)((double)max / mean);
+    stats[1] = (float)(sqrt(var / (double)E) / mean);
+    stats[2] = (float)ent;
+}
+
 /* sigmoid or sqrt(softplus) of one logit at compute precision (softplus: beta 1, threshold 20). */
 MOE_HD static inline double moe_bal_unnorm_score(int fp64, moe_score_function_t sf, double x) {
     if (sf == MOE_SCORE_SIGMOID) return rnd(fp64, 1.0 / (1.0 + exp(-x)));
@@ -41,9 +67,41 @@ MOE_HD static inline double moe_bal_softmax_at(int fp64, double x, double m, dou
     return rnd(fp64, rnd(fp64, exp(rnd(fp64, x - m))) * inv);
 }
 
+/* d score / d logit applied to g, for sigmoid or sqrt(softplus) at logit x with score s: the
+ * chain of autograd's backward kernels, each step rounded where Megatron's tensors are. */
+MOE_HD static inline double moe_bal_unnorm_score_bwd(int fp64, moe_score_function_t sf, double x,
+                                                     double s, double g) {
+    if (sf == MOE_SCORE_SIGMOID) return rnd(fp64, rnd(fp64, g * rnd(fp64, 1.0 - s)) * s);
+    const double gu = rnd(fp64, g / rnd(fp64, 2.0 * s)); /* d sqrt */
+    if (x > 20.0) return gu;
+    const double z = rnd(fp64, exp(x));
+    return rnd(fp64, gu * rnd(fp64, z / rnd(fp64, z + 1.0)));
+}
+
+/* E · coeff / (topk · total²): the switch loss's scalar factor, in fp64. */
+MOE_HD static inline double moe_switch_factor(int64_t num_experts, int64_t topk, double coeff,
+                                              double total) {
+    return (double)num_experts * coeff / ((double)topk * total * total);
+}
+
 static inline moe_status_t check_sizes(int64_t num_tokens, int64_t num_experts, const char *cols) {
     MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
     MOE_CHECK(num_experts >= 1, "%s must be >= 1, got %lld", cols, (long long)num_experts);
+    return MOE_OK;
+}
+
+static inline moe_status_t check_switch(const void *probs, const float *tpe, const double *total,
+                                        int64_t num_tokens, int64_t num_columns, moe_dtype_t dt,
+                                        const moe_switch_aux_loss_params_t *p) {
+    MOE_TRY(check_sizes(num_tokens, num_columns, "num_columns"));
+    MOE_CHECK(moe_is_float_dtype(dt), "probs must be a float dtype, got %s", moe_dtype_name(dt));
+    MOE_CHECK(p != NULL, "params must not be NULL");
+    MOE_CHECK(p->topk >= 1, "topk must be >= 1, got %lld", (long long)p->topk);
+    MOE_CHECK(p->num_experts >= 1, "num_experts must be >= 1, got %lld",
+              (long long)p->num_experts);
+    MOE_CHECK(isfinite(p->coeff), "coeff must be finite, got %g", p->coeff);
+    MOE_CHECK(tpe && total && (probs || num_tokens == 0),
+              "probs, tokens_per_expert and total_num_tokens must not be NULL");
     return MOE_OK;
 }
 

@@ -43,25 +43,7 @@ moe_status_t moe_routing_metrics_fwd(int64_t *tokens_per_expert, float *stats,
             n += routing_map[t * E + e] != 0 && !is_pad(padding_mask, t);
         tokens_per_expert[e] = n;
     }
-    int64_t total = 0, max = 0;
-    for (int64_t e = 0; e < E; ++e) {
-        total += tokens_per_expert[e];
-        max = tokens_per_expert[e] > max ? tokens_per_expert[e] : max;
-    }
-    if (total == 0) {
-        stats[0] = stats[1] = stats[2] = 0.0f;
-    } else {
-        const double mean = (double)total / (double)E;
-        double var = 0.0, ent = 0.0;
-        for (int64_t e = 0; e < E; ++e) {
-            const double n = (double)tokens_per_expert[e], d = n - mean;
-            var += d * d;
-            if (n > 0) ent -= (n / (double)total) * log(n / (double)total);
-        }
-        stats[0] = (float)((double)max / mean);
-        stats[1] = (float)(sqrt(var / (double)E) / mean);
-        stats[2] = (float)ent;
-    }
+    moe_load_stats(tokens_per_expert, E, stats);
 
     if (scores == NULL || num_tokens == 0) {
         stats[3] = 0.0f; /* no scores: nothing to measure (an empty tensor may have no pointer) */

@@ -9,26 +9,6 @@
  */
 #include "balancing_math.h"
 
-static moe_status_t check_switch(const void *probs, const float *tpe, const double *total,
-                                 int64_t num_tokens, int64_t num_columns, moe_dtype_t dt,
-                                 const moe_switch_aux_loss_params_t *p) {
-    MOE_TRY(check_sizes(num_tokens, num_columns, "num_columns"));
-    MOE_CHECK(moe_is_float_dtype(dt), "probs must be a float dtype, got %s", moe_dtype_name(dt));
-    MOE_CHECK(p != NULL, "params must not be NULL");
-    MOE_CHECK(p->topk >= 1, "topk must be >= 1, got %lld", (long long)p->topk);
-    MOE_CHECK(p->num_experts >= 1, "num_experts must be >= 1, got %lld",
-              (long long)p->num_experts);
-    MOE_CHECK(isfinite(p->coeff), "coeff must be finite, got %g", p->coeff);
-    MOE_CHECK(tpe && total && (probs || num_tokens == 0),
-              "probs, tokens_per_expert and total_num_tokens must not be NULL");
-    return MOE_OK;
-}
-
-/* E · coeff / (topk · total²): Megatron's scalar factor, in fp64. */
-static inline double switch_factor(const moe_switch_aux_loss_params_t *p, double total) {
-    return (double)p->num_experts * p->coeff / ((double)p->topk * total * total);
-}
-
 size_t moe_switch_aux_loss_workspace_size(int64_t num_tokens, int64_t num_columns) {
     (void)num_tokens;
     return (size_t)(num_columns > 0 ? num_columns : 0) * sizeof(double);
@@ -62,7 +42,8 @@ moe_status_t moe_switch_aux_loss_fwd(void *loss, const void *probs,
     double total = 0.0;
     for (int64_t c = 0; c < C; ++c) total += colsum[c] * (double)tokens_per_expert[c];
     moe_store(loss, compute_dtype(probs_dtype), 0,
-              total * switch_factor(params, *total_num_tokens));
+              total * moe_switch_factor(params->num_experts, params->topk, params->coeff,
+                                       *total_num_tokens));
     return MOE_OK;
 }
 
@@ -82,7 +63,8 @@ moe_status_t moe_switch_aux_loss_bwd(void *grad_probs, const void *grad_loss,
     MOE_CHECK(grad_loss != NULL, "grad_loss must not be NULL");
     const int64_t C = num_columns;
     const double g = moe_load(grad_loss, compute_dtype(probs_dtype), 0) *
-                     switch_factor(params, *total_num_tokens);
+                     moe_switch_factor(params->num_experts, params->topk, params->coeff,
+                                       *total_num_tokens);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < num_tokens; ++t) {
         const int pad = is_pad(padding_mask, t);

@@ -13,23 +13,6 @@
  */
 #include "balancing_cuda.cuh"
 
-/* Max and 1/Σ exp(x − max) of a row, as the C kernel's softmax_stats (warp-reduced). */
-__device__ __forceinline__ void warp_softmax_stats(int fp64, const void *x, moe_dtype_t dt,
-                                                   int64_t base, int64_t E, int lane,
-                                                   double *m_out, double *inv_out) {
-    double m = -INFINITY;
-    for (int64_t e = lane; e < E; e += 32) {
-        double v = load_c(x, dt, base + e);
-        m = (v != v || v > m) ? v : m;
-    }
-    m = moe_warp_max_nan(m);
-    double sum = 0.0;
-    for (int64_t e = lane; e < E; e += 32) sum += rnd(fp64, exp(rnd(fp64, load_c(x, dt, base + e) - m)));
-    sum = moe_warp_sum(sum);
-    *m_out = m;
-    *inv_out = rnd(fp64, 1.0 / rnd(fp64, sum));
-}
-
 /* logits [T, E] → scores [T, E] (fp32, fp64 for fp64 logits), routing_map [T, E]. */
 __global__ void __launch_bounds__(32 * MOE_BAL_WARPS)
 moe_aux_loss_scores_fwd_kernel(void *scores, uint8_t *routing_map, const void *logits,
@@ -51,7 +34,7 @@ moe_aux_loss_scores_fwd_kernel(void *scores, uint8_t *routing_map, const void *l
     }
     if (score_function == MOE_SCORE_SOFTMAX) {
         double m, inv;
-        warp_softmax_stats(fp64, logits, dt, base, E, lane, &m, &inv);
+        moe_warp_softmax_stats(fp64, 1, logits, dt, base, E, lane, &m, &inv);
         for (int64_t e = lane; e < E; e += 32)
             moe_store(scores, sdt, base + e,
                       moe_bal_softmax_at(fp64, load_c(logits, dt, base + e), m, inv));
@@ -91,7 +74,7 @@ moe_aux_loss_scores_bwd_kernel(void *grad_logits, const void *grad_scores, const
     if (score_function == MOE_SCORE_SOFTMAX) {
         /* d softmax: s · (g − Σ g·s) */
         double m, inv, dot = 0.0;
-        warp_softmax_stats(fp64, logits, dt, base, E, lane, &m, &inv);
+        moe_warp_softmax_stats(fp64, 1, logits, dt, base, E, lane, &m, &inv);
         for (int64_t e = lane; e < E; e += 32)
             dot += moe_load(grad_scores, sdt, base + e) *
                    moe_bal_softmax_at(fp64, load_c(logits, dt, base + e), m, inv);
@@ -119,19 +102,8 @@ moe_aux_loss_scores_bwd_kernel(void *grad_logits, const void *grad_scores, const
         double x = load_c(logits, dt, base + e);
         double s = moe_bal_unnorm_score(fp64, sf, x);
         double g = rnd(fp64, rnd(fp64, moe_load(grad_scores, sdt, base + e) / d) + shared);
-        double gl;
-        if (sf == MOE_SCORE_SIGMOID) {
-            gl = rnd(fp64, rnd(fp64, g * rnd(fp64, 1.0 - s)) * s);
-        } else {
-            double gu = rnd(fp64, g / rnd(fp64, 2.0 * s)); /* d sqrt */
-            if (x > 20.0) {
-                gl = gu;
-            } else {
-                double z = rnd(fp64, exp(x));
-                gl = rnd(fp64, gu * rnd(fp64, z / rnd(fp64, z + 1.0)));
-            }
-        }
-        moe_store(grad_logits, dt, base + e, gl);
+        moe_store(grad_logits, dt, base + e,
+                  moe_bal_unnorm_score_bwd(fp64, sf, x, s, g));
     }
 }
 

@@ -174,4 +174,26 @@ __device__ __forceinline__ void moe_warp_topk_map(uint8_t *map_row, int64_t E, i
     }
 }
 
+/* Max and 1/Σ exp(x − max) of a row, warp-reduced: the C kernels' softmax_stats (round_inputs:
+ * each logit first rounded to the compute precision, as aux_loss_scores.c) or act_softmax_stats
+ * (plain loads, as sinkhorn.c). */
+__device__ __forceinline__ void moe_warp_softmax_stats(int fp64, int round_inputs, const void *x,
+                                                       moe_dtype_t dt, int64_t base, int64_t E,
+                                                       int lane, double *m_out, double *inv_out) {
+    double m = -INFINITY;
+    for (int64_t e = lane; e < E; e += 32) {
+        const double v = round_inputs ? load_c(x, dt, base + e) : moe_load(x, dt, base + e);
+        m = (v != v || v > m) ? v : m;
+    }
+    m = moe_warp_max_nan(m);
+    double sum = 0.0;
+    for (int64_t e = lane; e < E; e += 32) {
+        const double v = round_inputs ? load_c(x, dt, base + e) : moe_load(x, dt, base + e);
+        sum += rnd(fp64, exp(rnd(fp64, v - m)));
+    }
+    sum = moe_warp_sum(sum);
+    *m_out = m;
+    *inv_out = rnd(fp64, 1.0 / rnd(fp64, sum));
+}
+
 #endif /* MOE_CORE_BALANCING_CUDA_CUH_ */

@@ -55,25 +55,7 @@ moe_routing_metrics_final_kernel(int64_t *tokens_per_expert, float *stats,
     h = moe_block_sum(h, smem); /* its barriers also publish tokens_per_expert to thread 0 */
     valid = moe_block_sum(valid, smem);
     if (threadIdx.x != 0) return;
-    int64_t total = 0, max = 0;
-    for (int64_t e = 0; e < E; ++e) {
-        total += tokens_per_expert[e];
-        max = tokens_per_expert[e] > max ? tokens_per_expert[e] : max;
-    }
-    if (total == 0) {
-        stats[0] = stats[1] = stats[2] = 0.0f;
-    } else {
-        const double mean = (double)total / (double)E;
-        double var = 0.0, ent = 0.0;
-        for (int64_t e = 0; e < E; ++e) {
-            const double n = (double)tokens_per_expert[e], d = n - mean;
-            var += d * d;
-            if (n > 0) ent -= (n / (double)total) * log(n / (double)total);
-        }
-        stats[0] = (float)((double)max / mean);
-        stats[1] = (float)(sqrt(var / (double)E) / mean);
-        stats[2] = (float)ent;
-    }
+    moe_load_stats(tokens_per_expert, E, stats);
     /* no scores (nblocks = 0): nothing to measure */
     stats[3] = (nblocks > 0 && valid > 0.0) ? (float)(h / valid) : 0.0f;
 }

@@ -101,23 +101,6 @@ __global__ void moe_sinkhorn_apply_kernel(void *out, moe_dtype_t odt, const S *C
     moe_store(out, odt, i, rnd(fp64, rnd(fp64, d1[e] * (double)C[i]) * d0[t]));
 }
 
-/* The C kernel's act_softmax_stats (plain loads, no compute-precision rounding of inputs). */
-__device__ __forceinline__ void warp_act_softmax_stats(int fp64, const void *x, moe_dtype_t dt,
-                                                       int64_t base, int64_t E, int lane,
-                                                       double *m_out, double *inv_out) {
-    double m = -INFINITY;
-    for (int64_t e = lane; e < E; e += 32) {
-        double v = moe_load(x, dt, base + e);
-        m = (v != v || v > m) ? v : m;
-    }
-    m = moe_warp_max_nan(m);
-    double sum = 0.0;
-    for (int64_t e = lane; e < E; e += 32) sum += rnd(fp64, exp(rnd(fp64, moe_load(x, dt, base + e) - m)));
-    sum = moe_warp_sum(sum);
-    *m_out = m;
-    *inv_out = rnd(fp64, 1.0 / rnd(fp64, sum));
-}
-
 /* logits [T, E] → probs [T, E] (logits dtype), routing_map [T, E]; a warp per token. `balanced`
  * is the Sinkhorn matrix (training) in `bdt`, or NULL to rank the activation (eval). */
 __global__ void __launch_bounds__(32 * MOE_BAL_WARPS)
@@ -130,7 +113,7 @@ moe_sinkhorn_routing_fwd_kernel(void *probs, uint8_t *routing_map, const void *l
     const int fp64 = dt == MOE_DTYPE_FP64;
     const int64_t base = t * E;
     double m = 0.0, inv = 0.0;
-    if (k > 1) warp_act_softmax_stats(fp64, logits, dt, base, E, lane, &m, &inv);
+    if (k > 1) moe_warp_softmax_stats(fp64, 0, logits, dt, base, E, lane, &m, &inv);
     for (int64_t e = lane; e < E; e += 32) {
         double x = moe_load(logits, dt, base + e);
         double a = k == 1 ? 1.0 / (1.0 + exp(-x)) : moe_bal_softmax_at(fp64, x, m, inv);
@@ -167,7 +150,7 @@ moe_sinkhorn_routing_bwd_kernel(void *grad_logits, const void *grad_probs, const
     }
     /* softmax · map: s · (g' − Σ g'·s) with g' = g · map */
     double m, inv, dot = 0.0;
-    warp_act_softmax_stats(fp64, logits, dt, base, E, lane, &m, &inv);
+    moe_warp_softmax_stats(fp64, 0, logits, dt, base, E, lane, &m, &inv);
     for (int64_t e = lane; e < E; e += 32)
         if (routing_map[base + e])
             dot += moe_load(grad_probs, dt, base + e) *

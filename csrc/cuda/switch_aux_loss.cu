@@ -11,12 +11,6 @@
  */
 #include "balancing_cuda.cuh"
 
-/* E · coeff / (topk · total²), as the C kernel's switch_factor. */
-__device__ __forceinline__ double switch_factor(int64_t num_experts, int64_t topk, double coeff,
-                                                double total) {
-    return (double)num_experts * coeff / ((double)topk * total * total);
-}
-
 /* partial [chunks, C] → loss (one block). */
 __global__ void __launch_bounds__(MOE_BAL_FINAL_THREADS)
 moe_switch_aux_loss_final_kernel(void *loss, moe_dtype_t loss_dtype, const double *partial,
@@ -30,7 +24,7 @@ moe_switch_aux_loss_final_kernel(void *loss, moe_dtype_t loss_dtype, const doubl
     acc = moe_block_sum(acc, smem);
     if (threadIdx.x == 0)
         moe_store(loss, loss_dtype, 0,
-                  acc * switch_factor(num_experts, topk, coeff, *total_num_tokens));
+                  acc * moe_switch_factor(num_experts, topk, coeff, *total_num_tokens));
 }
 
 /* grad_probs [T, C] = grad_loss · factor · counts[c], 0 on padded rows. */
@@ -45,23 +39,8 @@ __global__ void moe_switch_aux_loss_bwd_kernel(void *grad_probs, const void *gra
     if (i >= num_tokens * num_cols) return;
     const int64_t t = i / num_cols, c = i % num_cols;
     const double g = moe_load(grad_loss, loss_dtype, 0) *
-                     switch_factor(num_experts, topk, coeff, *total_num_tokens);
+                     moe_switch_factor(num_experts, topk, coeff, *total_num_tokens);
     moe_store(grad_probs, dt, i, is_pad(padding_mask, t) ? 0.0 : g * (double)tokens_per_expert[c]);
-}
-
-static moe_status_t check_switch(const void *probs, const float *tpe, const double *total,
-                                 int64_t num_tokens, int64_t num_columns, moe_dtype_t dt,
-                                 const moe_switch_aux_loss_params_t *p) {
-    MOE_TRY(check_sizes(num_tokens, num_columns, "num_columns"));
-    MOE_CHECK(moe_is_float_dtype(dt), "probs must be a float dtype, got %s", moe_dtype_name(dt));
-    MOE_CHECK(p != NULL, "params must not be NULL");
-    MOE_CHECK(p->topk >= 1, "topk must be >= 1, got %lld", (long long)p->topk);
-    MOE_CHECK(p->num_experts >= 1, "num_experts must be >= 1, got %lld",
-              (long long)p->num_experts);
-    MOE_CHECK(isfinite(p->coeff), "coeff must be finite, got %g", p->coeff);
-    MOE_CHECK(tpe && total && (probs || num_tokens == 0),
-              "probs, tokens_per_expert and total_num_tokens must not be NULL");
-    return MOE_OK;
 }
 
 extern "C" size_t moe_cuda_switch_aux_loss_workspace_size(int64_t num_tokens,
