@@ -1,7 +1,7 @@
 /*
  * glu_probs_math.h: the per-element math of glu_probs (gated activation × router probs), shared
- * verbatim by the C kernel (csrc/glu_probs.c), the CUDA kernel (csrc/cuda/glu_probs.cu) and,
- * later, a grouped-GEMM epilogue.
+ * verbatim by the C kernel (csrc/glu_probs.c), the CUDA kernel (csrc/cuda/glu_probs.cu) and the
+ * Hopper grouped GEMM's fused fc1 epilogue (csrc/cuda/grouped_gemm_sm90.cu).
  *
  * What it computes is Megatron's unfused expert activation, as PyTorch's eager CPU kernels do it:
  *
@@ -406,6 +406,54 @@ MOE_HD static inline double moe_gp_grad_probs_round(const moe_gp_ctx_t *c, doubl
     return (double)moe_gp_rnd(c->probs_dtype, moe_gp_rnd(c->prod_dtype, (float)sum));
 }
 
+/* ---- 16-byte vectors (CUDA): the element loop of glu_probs.cu's forward kernel and of the
+ * grouped GEMM's fused epilogue (grouped_gemm_sm90.cu), so both run the same conversions ------- */
+#ifdef __CUDACC__
+union moe_gp_vec {
+    uint4 u;
+    uint16_t h[8];
+    float f[4];
+    double d[2];
+};
+
+/* Elements of dtype DT in 16 bytes. */
+template <int DT>
+__device__ __forceinline__ constexpr int moe_gp_vec_n() {
+    return DT == MOE_DTYPE_FP64 ? 2 : (DT == MOE_DTYPE_FP32 ? 4 : 8);
+}
+
+template <int DT>
+__device__ __forceinline__ double moe_gp_vget(const moe_gp_vec &v, int e) {
+    if (DT == MOE_DTYPE_FP64) return v.d[e];
+    if (DT == MOE_DTYPE_FP32) return (double)v.f[e];
+    if (DT == MOE_DTYPE_BF16) return (double)moe_bf16_to_float(v.h[e]);
+    return (double)moe_fp16_to_float(v.h[e]);
+}
+
+template <int DT>
+__device__ __forceinline__ void moe_gp_vset(moe_gp_vec &v, int e, double x) {
+    if (DT == MOE_DTYPE_FP64) v.d[e] = x;
+    else if (DT == MOE_DTYPE_FP32) v.f[e] = (float)x;
+    else if (DT == MOE_DTYPE_BF16) v.h[e] = moe_float_to_bf16((float)x);
+    else v.h[e] = moe_float_to_fp16((float)x);
+}
+
+/* h for one vector: g, l the gate and linear vectors of a (l ignored without GLU), p the row's
+ * prob. c->dtype must be DT. */
+template <int DT>
+__device__ __forceinline__ uint4 moe_gp_vec_fwd(const moe_gp_ctx_t *c, uint4 g_bits, uint4 l_bits,
+                                                double p) {
+    moe_gp_vec g, l, out;
+    g.u = g_bits;
+    l.u = l_bits;
+#pragma unroll
+    for (int e = 0; e < moe_gp_vec_n<DT>(); ++e)
+        moe_gp_vset<DT>(out, e, moe_gp_elem_fwd(c, moe_gp_vget<DT>(g, e),
+                                                c->gated ? moe_gp_vget<DT>(l, e) : 0.0, p));
+    return out.u;
+}
+#endif /* __CUDACC__ */
+
 /* Argument checks shared by both entry points (host code). */
 static inline moe_status_t moe_gp_check_args(const void *out, const void *a, int64_t num_rows,
                                              int64_t ffn, moe_dtype_t dtype, const void *probs,
@@ -425,6 +473,30 @@ static inline moe_status_t moe_gp_check_args(const void *out, const void *a, int
               p->clamp_value);
     MOE_CHECK(num_rows == 0 || (out && a), "the output and a must not be NULL");
     return MOE_OK;
+}
+
+/* Argument checks of grouped_gemm_glu_probs (fc1 with glu_probs in its epilogue), shared by the
+ * CPU and CUDA entry points (host code): the GEMM's params, then glu_probs' checks of a = fc1's
+ * output [num_rows, out_features]. *ffn receives F (out_features / 2 with GLU). */
+static inline moe_status_t moe_gp_fused_check_args(const void *h, const void *a, const void *probs,
+                                                   moe_dtype_t probs_dtype,
+                                                   const moe_grouped_gemm_params_t *gemm,
+                                                   const moe_glu_probs_params_t *glu,
+                                                   int64_t *ffn) {
+    MOE_TRY(moe_grouped_gemm_check_params(gemm));
+    MOE_CHECK(gemm->out_dtype == gemm->dtype,
+              "out_dtype must equal dtype (%s): a is both fc1's output and the activation's input, "
+              "got %s", moe_dtype_name(gemm->dtype), moe_dtype_name(gemm->out_dtype));
+    MOE_CHECK(glu != NULL, "glu params must not be NULL");
+    const int64_t n = gemm->out_features;
+    if (glu->gated_linear_unit)
+        MOE_CHECK(n >= 2 && n % 2 == 0,
+                  "out_features must be 2F (even, >= 2) with gated_linear_unit, got %lld",
+                  (long long)n);
+    else
+        MOE_CHECK(n >= 1, "out_features must be F >= 1, got %lld", (long long)n);
+    *ffn = glu->gated_linear_unit ? n / 2 : n;
+    return moe_gp_check_args(h, a, gemm->num_rows, *ffn, gemm->dtype, probs, probs_dtype, glu);
 }
 
 #endif /* MOE_CORE_GLU_PROBS_MATH_H_ */

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "glu_probs_math.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define MOE_GG_X86 1
@@ -638,4 +639,21 @@ moe_status_t moe_grouped_gemm_wgrad(void *grad_weight, const void *x, const void
     const gg_call_t call = {GG_WGRAD, params, (const char *)x, (const char *)grad_y,
                             (char *)grad_weight, expert_offsets};
     return run(&call, workspace, workspace_bytes);
+}
+
+/* fc1 with glu_probs: on the CPU the op is the composition itself (a must be written anyway, the
+ * backward needs it), so its bits are those of the two ops called apart by construction. */
+moe_status_t moe_grouped_gemm_glu_probs_fwd(void *h, void *a, const void *x, const void *weight,
+                                            const int64_t *expert_offsets, const void *probs,
+                                            moe_dtype_t probs_dtype,
+                                            const moe_grouped_gemm_params_t *gemm,
+                                            const moe_glu_probs_params_t *glu, void *workspace,
+                                            size_t workspace_bytes, void *stream) {
+    moe_clear_error();
+    int64_t ffn = 0;
+    MOE_TRY(moe_gp_fused_check_args(h, a, probs, probs_dtype, gemm, glu, &ffn));
+    MOE_TRY(moe_grouped_gemm_fwd(a, x, weight, expert_offsets, gemm, workspace, workspace_bytes,
+                                 stream));
+    return moe_glu_probs_fwd(h, a, probs, gemm->num_rows, ffn, gemm->dtype, probs_dtype, glu, NULL,
+                             0, stream);
 }

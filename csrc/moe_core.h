@@ -943,6 +943,45 @@ moe_status_t moe_glu_probs_bwd(void *grad_a, void *grad_probs, const void *grad_
                                void *workspace, size_t workspace_bytes, void *stream);
 
 /* ---------------------------------------------------------------------------------------------
+ * grouped_gemm_glu_probs: fc1 of the experts with glu_probs fused into its epilogue
+ *
+ * a = grouped_gemm_fwd(x, weight) in dtype, then h = glu_probs(a, probs), as one op that returns
+ * both (a is what the backward needs: glu_probs_bwd, then grouped_gemm_dgrad / _wgrad of grad_a).
+ * With GLU, a's columns [0, F) are the gate half and [F, 2F) the linear half (Megatron's fc1
+ * weight [E, 2F, H] with trans_w = 1), column j pairing with j + F. h and a equal that
+ * composition's bits on every path: on the CPU it is the composition; on CUDA the Hopper kernel
+ * rounds a exactly as the GEMM does and computes h from those values with glu_probs' element
+ * functions, and other GPUs / shapes run the two kernels back to back. Rows past
+ * expert_offsets[E]: a = 0, h = glu_probs of a zero row (as composed).
+ * ------------------------------------------------------------------------------------------- */
+
+/**
+ * Forward.
+ * \param[out] h               [num_rows, F], `gemm->dtype`
+ * \param[out] a               [num_rows, out_features], `gemm->dtype`: fc1's output
+ * \param[in]  x               [num_rows, in_features], `gemm->dtype`
+ * \param[in]  weight          [E, out_features, in_features] (trans_w = 1) or [E, in_features,
+ *                             out_features] (trans_w = 0), `gemm->dtype`
+ * \param[in]  expert_offsets  [E + 1], int64, as for moe_grouped_gemm_fwd (host memory here,
+ *                             device memory for the CUDA entry point)
+ * \param[in]  probs           [num_rows], `probs_dtype`, or NULL for no multiply
+ * \param[in]  probs_dtype     element type of probs (ignored when probs is NULL)
+ * \param[in]  gemm            the GEMM's sizes and layout; out_dtype must equal dtype, and
+ *                             out_features = 2F with gated_linear_unit (even), F without
+ * \param[in]  glu             activation and GLU options, as for moe_glu_probs_fwd
+ * \param[in]  workspace       moe_grouped_gemm_workspace_size(gemm) bytes on the CPU,
+ *                             moe_cuda_grouped_gemm_workspace_size(gemm) on CUDA
+ * \param[in]  workspace_bytes its size
+ * \param[in]  stream          CUDA stream for moe_cuda_*, ignored on the CPU (NULL)
+ */
+moe_status_t moe_grouped_gemm_glu_probs_fwd(void *h, void *a, const void *x, const void *weight,
+                                            const int64_t *expert_offsets, const void *probs,
+                                            moe_dtype_t probs_dtype,
+                                            const moe_grouped_gemm_params_t *gemm,
+                                            const moe_glu_probs_params_t *glu, void *workspace,
+                                            size_t workspace_bytes, void *stream);
+
+/* ---------------------------------------------------------------------------------------------
  * CUDA entry points: same signatures and semantics as the CPU ones above, on device pointers,
  * asynchronous on `stream` (a cudaStream_t). Declared always, defined only with CUDA.
  * ------------------------------------------------------------------------------------------- */
@@ -1184,6 +1223,13 @@ moe_status_t moe_cuda_grouped_gemm_wgrad(void *grad_weight, const void *x, const
                                          const int64_t *expert_offsets,
                                          const moe_grouped_gemm_params_t *params,
                                          void *workspace, size_t workspace_bytes, void *stream);
+moe_status_t moe_cuda_grouped_gemm_glu_probs_fwd(void *h, void *a, const void *x,
+                                                 const void *weight, const int64_t *expert_offsets,
+                                                 const void *probs, moe_dtype_t probs_dtype,
+                                                 const moe_grouped_gemm_params_t *gemm,
+                                                 const moe_glu_probs_params_t *glu,
+                                                 void *workspace, size_t workspace_bytes,
+                                                 void *stream);
 /* ---- CUDA: the fused router's extras (issue 6: aux scores, aux map and lse in the router's
  * pass). The fp32/bf16/fp16 warp kernel (rows up to 1024 experts) computes them from the values
  * already in registers; the fp64 and wide-row paths run a second, thread-per-token kernel over

@@ -1355,6 +1355,61 @@ std::tuple<at::Tensor, at::Tensor> glu_probs_bwd(const at::Tensor &grad_h_, cons
   return {grad_a, grad_probs};
 }
 
+// ---- fc1 + glu_probs (issue 7, item 3: the epilogue fusion) -------------------------------------
+
+// Returns (h [rows, F], a [rows, 2F or F]); the backward is glu_probs_bwd then the GEMM's.
+std::tuple<at::Tensor, at::Tensor> grouped_gemm_glu_probs(
+    const at::Tensor &x_, const at::Tensor &weight_, const at::Tensor &expert_offsets_,
+    const c10::optional<at::Tensor> &probs_, c10::string_view activation,
+    bool gated_linear_unit, double linear_offset, c10::optional<double> clamp_value,
+    bool trans_w) {
+  check_dim(x_, 2, "x");
+  check_dim(weight_, 3, "weight");
+  const int64_t E = weight_.size(0), K = x_.size(1), R = x_.size(0);
+  const int64_t N = trans_w ? weight_.size(1) : weight_.size(2);
+  check_size(weight_, trans_w ? 2 : 1, K, "weight", "x.shape[1] (in_features)");
+  auto p = grouped_gemm_params(x_, "x", weight_, "weight", expert_offsets_, E, "weight.shape[0]",
+                               K, N, trans_w, x_.scalar_type());
+  const int n_dim = trans_w ? 1 : 2;
+  if (gated_linear_unit) {
+    MOE_CHECK_VALUE(N >= 2 && N % 2 == 0, "weight.shape[", n_dim, "] must be 2F (even, >= 2) "
+                    "with gated_linear_unit, got shape ", weight_.sizes());
+  } else {
+    MOE_CHECK_VALUE(N >= 1, "weight.shape[", n_dim, "] must be F >= 1, got shape ",
+                    weight_.sizes());
+  }
+  const int64_t F = gated_linear_unit ? N / 2 : N;
+  moe_glu_probs_params_t g;
+  g.activation = to_activation(activation);
+  g.gated_linear_unit = gated_linear_unit ? 1 : 0;
+  g.linear_offset = linear_offset;
+  g.has_clamp = clamp_value.has_value() ? 1 : 0;
+  g.clamp_value = clamp_value.value_or(0.0);
+  MOE_CHECK_VALUE(!clamp_value.has_value() || *clamp_value >= 0.0,
+                  "clamp_value must be >= 0 (the linear half is clamped to [-v, v]), got ",
+                  g.clamp_value);
+  at::Tensor probs;
+  if (probs_.has_value()) {
+    check_dim(*probs_, 1, "probs");
+    check_float(*probs_, "probs");
+    check_size(*probs_, 0, R, "probs", "x.shape[0] (num_rows)");
+    check_same_device(*probs_, x_, "probs", "x");
+    probs = probs_->contiguous();
+  }
+  at::Tensor x = x_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
+  MOE_DEVICE_GUARD(x);
+  at::Tensor h = at::empty({R, F}, x.options());
+  at::Tensor a = at::empty({R, N}, x.options());
+  at::Tensor ws = grouped_gemm_workspace(x, p);
+  const moe_dtype_t pdt = probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs") : p.dtype;
+  check_status(MOE_CALL(x, grouped_gemm_glu_probs_fwd, h.data_ptr(), a.data_ptr(), x.data_ptr(),
+                        w.data_ptr(), off.data_ptr<int64_t>(),
+                        probs.defined() ? probs.data_ptr() : nullptr, pdt, &p, &g, ws.data_ptr(),
+                        (size_t)ws.numel(), stream_of(x)),
+               "grouped_gemm_glu_probs");
+  return {h, a};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(moe_core, m) {
@@ -1434,6 +1489,9 @@ TORCH_LIBRARY(moe_core, m) {
   m.def("glu_probs_bwd(Tensor grad_h, Tensor a, Tensor? probs, str activation, "
         "bool gated_linear_unit, float linear_offset=0.0, float? clamp_value=None) "
         "-> (Tensor, Tensor)");
+  m.def("grouped_gemm_glu_probs(Tensor x, Tensor weight, Tensor expert_offsets, Tensor? probs, "
+        "str activation, bool gated_linear_unit, float linear_offset=0.0, "
+        "float? clamp_value=None, bool trans_w=True) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(moe_core, CPU, m) {
@@ -1474,6 +1532,7 @@ TORCH_LIBRARY_IMPL(moe_core, CPU, m) {
   m.impl("grouped_gemm_wgrad", &grouped_gemm_wgrad);
   m.impl("glu_probs", &glu_probs);
   m.impl("glu_probs_bwd", &glu_probs_bwd);
+  m.impl("grouped_gemm_glu_probs", &grouped_gemm_glu_probs);
 }
 
 #ifdef MOE_CORE_WITH_CUDA
@@ -1512,6 +1571,7 @@ TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("grouped_gemm", &grouped_gemm);
   m.impl("grouped_gemm_dgrad", &grouped_gemm_dgrad);
   m.impl("grouped_gemm_wgrad", &grouped_gemm_wgrad);
+  m.impl("grouped_gemm_glu_probs", &grouped_gemm_glu_probs);
   m.impl("router_topk_fused", &router_topk_fused);
   m.impl("router_lse_bwd", &router_lse_bwd);
 }

@@ -8,7 +8,10 @@ Numerics follow Megatron's expert MLP (SequentialMLP / TEGroupedMLP, unfused pat
         (gate half clamped to max=v, linear half to [-v, v] with activation_func_clamp_value)
     h = (h * p).to(h.dtype)                      the router probs, multiplied in the router dtype
                                                  (the two lines above are one ops.glu_probs pass
-                                                 when the activation is one it knows)
+                                                 when the activation is one it knows; without
+                                                 bias1, fc1 and that pass are one op,
+                                                 ops.grouped_gemm_glu_probs: the activation in
+                                                 fc1's epilogue, same bits)
     y = h @ W2_eᵀ (+ b2_e * p)                   grouped GEMM
 
 Weights are stored per expert in Megatron's ``nn.Linear`` layout (``[E, out, in]``), so a stack of
@@ -106,12 +109,22 @@ class GroupedMLP(nn.Module):
         if cfg.moe_apply_probs_on_input:
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
-        a = ops.grouped_gemm(x, self.weight1, expert_offsets, trans_w=True)
+        name = ops.activation_name(cfg.activation_func)
         row_expert = None
-        if self.bias1 is not None:
-            row_expert = self._row_expert(expert_offsets, x.shape[0])
-            a = a + self.bias1[row_expert]
-        h = activation_times_probs(cfg, a, probs)
+        if self.bias1 is None and name is not None:
+            # the activation and the probs multiply in fc1's epilogue (the bias would have to be
+            # added between the two, so with a bias the unfused path below runs)
+            gated = cfg.gated_linear_unit
+            h, _ = ops.grouped_gemm_glu_probs(
+                x, self.weight1, expert_offsets, probs, name, gated,
+                cfg.glu_linear_offset if gated else 0.0,
+                cfg.activation_func_clamp_value if gated else None, trans_w=True)
+        else:
+            a = ops.grouped_gemm(x, self.weight1, expert_offsets, trans_w=True)
+            if self.bias1 is not None:
+                row_expert = self._row_expert(expert_offsets, x.shape[0])
+                a = a + self.bias1[row_expert]
+            h = activation_times_probs(cfg, a, probs)
         y = ops.grouped_gemm(h, self.weight2, expert_offsets, trans_w=True)
         if self.bias2 is not None:
             y = y + (self.bias2[row_expert] * probs.unsqueeze(-1)).to(y.dtype)

@@ -13,35 +13,8 @@
 #include "cuda_common.cuh"
 #include "../glu_probs_math.h"
 
-/* 16 bytes of one dtype. */
-union moe_gp_vec {
-    uint4 u;
-    uint16_t h[8];
-    float f[4];
-    double d[2];
-};
-
-/* Elements of dtype DT in 16 bytes. */
-template <int DT>
-__device__ __forceinline__ constexpr int moe_gp_vec_n() {
-    return DT == MOE_DTYPE_FP64 ? 2 : (DT == MOE_DTYPE_FP32 ? 4 : 8);
-}
-
-template <int DT>
-__device__ __forceinline__ double moe_gp_vget(const moe_gp_vec &v, int e) {
-    if (DT == MOE_DTYPE_FP64) return v.d[e];
-    if (DT == MOE_DTYPE_FP32) return (double)v.f[e];
-    if (DT == MOE_DTYPE_BF16) return (double)moe_bf16_to_float(v.h[e]);
-    return (double)moe_fp16_to_float(v.h[e]);
-}
-
-template <int DT>
-__device__ __forceinline__ void moe_gp_vset(moe_gp_vec &v, int e, double x) {
-    if (DT == MOE_DTYPE_FP64) v.d[e] = x;
-    else if (DT == MOE_DTYPE_FP32) v.f[e] = (float)x;
-    else if (DT == MOE_DTYPE_BF16) v.h[e] = moe_float_to_bf16((float)x);
-    else v.h[e] = moe_float_to_fp16((float)x);
-}
+/* moe_gp_vec, moe_gp_vget/vset and moe_gp_vec_fwd (16-byte vectors of one dtype) live in
+ * glu_probs_math.h: the grouped GEMM's fused epilogue runs the same element loop. */
 
 /* h [R, F] ← a [R, F1] (F1 = 2F with GLU), probs [R] or NULL. VEC: 16-byte accesses (F % n == 0
  * and aligned pointers), else one element per thread. */
@@ -59,16 +32,13 @@ __global__ void __launch_bounds__(256) moe_glu_probs_fwd_kernel(void *h, const v
         const int64_t r = i / per_row, f = (i - r * per_row) * n;
         const double p = c.has_probs ? moe_load(probs, c.probs_dtype, r) : 1.0;
         if (VEC) {
-            moe_gp_vec g, l, out;
-            g.u = *(const uint4 *)((const char *)a + (r * width + f) * (int64_t)sizeof(uint4) / n);
-            if (c.gated)
-                l.u = *(const uint4 *)((const char *)a +
-                                        (r * width + ffn + f) * (int64_t)sizeof(uint4) / n);
-#pragma unroll
-            for (int e = 0; e < n; ++e)
-                moe_gp_vset<DT>(out, e, moe_gp_elem_fwd(&c, moe_gp_vget<DT>(g, e),
-                                                        c.gated ? moe_gp_vget<DT>(l, e) : 0.0, p));
-            *(uint4 *)((char *)h + (r * ffn + f) * (int64_t)sizeof(uint4) / n) = out.u;
+            const uint4 g = *(const uint4 *)((const char *)a +
+                                             (r * width + f) * (int64_t)sizeof(uint4) / n);
+            const uint4 l = c.gated ? *(const uint4 *)((const char *)a + (r * width + ffn + f) *
+                                                                            (int64_t)sizeof(uint4) / n)
+                                    : make_uint4(0, 0, 0, 0);
+            *(uint4 *)((char *)h + (r * ffn + f) * (int64_t)sizeof(uint4) / n) =
+                moe_gp_vec_fwd<DT>(&c, g, l, p);
         } else {
             const double g = moe_load(a, c.dtype, r * width + f);
             const double l = c.gated ? moe_load(a, c.dtype, r * width + ffn + f) : 0.0;

@@ -21,12 +21,16 @@
  * Order inside an expert (both modes): tiles go in bands of GG_BAND row tiles with the row tile
  * fastest, so the CTAs in flight share one weight column tile and one band of rows (kept in L2)
  * instead of streaming the whole expert's weight once per row tile.
+ *
+ * Also here: the dispatcher of fc1 fused with glu_probs (moe_cuda_grouped_gemm_glu_probs_fwd),
+ * the sm90 fused epilogue where it applies, else the two kernels composed.
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "cuda_common.cuh"
 #include "grouped_gemm_impl.cuh"
+#include "../glu_probs_math.h"
 
 #define GG_BAND 16 /* row tiles per band (see the header comment) */
 
@@ -662,4 +666,26 @@ extern "C" moe_status_t moe_cuda_grouped_gemm_wgrad(void *grad_weight, const voi
                 workspace, workspace_bytes, stream);
     return run_portable(GG_WGRAD, grad_weight, x, grad_y, expert_offsets, params, workspace,
                         (cudaStream_t)stream);
+}
+
+/* fc1 fused with glu_probs: on Hopper the sm90 kernel's epilogue computes h from the tile it has
+ * just rounded (one pass over a instead of a write and a re-read); everywhere else, and for the
+ * shapes that kernel does not take, the two existing kernels run back to back on the stream, so
+ * every device has the op and every path gives the composition's bits. */
+extern "C" moe_status_t moe_cuda_grouped_gemm_glu_probs_fwd(
+    void *h, void *a, const void *x, const void *weight, const int64_t *expert_offsets,
+    const void *probs, moe_dtype_t probs_dtype, const moe_grouped_gemm_params_t *params,
+    const moe_glu_probs_params_t *glu, void *workspace, size_t workspace_bytes, void *stream) {
+    moe_clear_error();
+    int64_t ffn = 0;
+    MOE_TRY(moe_gp_fused_check_args(h, a, probs, probs_dtype, params, glu, &ffn));
+    MOE_TRY(check_common(expert_offsets, params, workspace, workspace_bytes));
+    if (params->num_rows == 0) return MOE_OK;
+    MOE_CHECK(params->in_features == 0 || (x && weight), "x and weight must not be NULL");
+    GG_TRY_SM90(moe_cuda_gg_sm90_glu_probs_fwd, h, a, x, weight, expert_offsets, probs,
+                probs_dtype, params, glu, stream);
+    MOE_TRY(moe_cuda_grouped_gemm_fwd(a, x, weight, expert_offsets, params, workspace,
+                                      workspace_bytes, stream));
+    return moe_cuda_glu_probs_fwd(h, a, probs, params->num_rows, ffn, params->dtype, probs_dtype,
+                                  glu, NULL, 0, stream);
 }

@@ -35,6 +35,7 @@ from moe_core.ops.z_loss import z_loss_func
 from moe_core.ops.grouped_gemm import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_wgrad
 # the activation epilogue (issue 7, item 3)
 from moe_core.ops.glu_probs import activation_name, glu_probs
+from moe_core.ops.grouped_gemm_glu_probs import grouped_gemm_glu_probs
 
 __all__ = [
     "router_gating_linear",
@@ -73,4 +74,5 @@ __all__ = [
     "grouped_gemm_wgrad",
     "glu_probs",
     "activation_name",
+    "grouped_gemm_glu_probs",
 ]
