@@ -85,22 +85,32 @@ static inline int moe_pow2_clamp(int64_t n, int lo, int hi) {
     return p;
 }
 
-/* Rows whose index is not a token in [0, num_tokens) (padding, -1) are zero. One warp per row of
- * nvec vectors of W bytes. */
+/* Rows whose index is not a token in [0, num_tokens) (padding, -1) are zero. Launch one thread
+ * per row, blockDim a multiple of 32: a warp reads its 32 rows' indices in one coalesced load, a
+ * ballot names the padding rows, and the warp zeroes only those (nvec vectors of W bytes each),
+ * so a buffer without padding (the dropless layout) costs one load per 32 rows. */
 template <int W>
 __global__ void moe_zero_pad_rows_kernel(void *__restrict__ rows_base,
                                          const int64_t *__restrict__ sorted_indices,
                                          int64_t num_rows, int64_t num_tokens, int64_t nvec) {
     typedef typename moe_vec_t<W>::type V;
-    const int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int64_t r0 = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) & ~(int64_t)31;
     const int lane = threadIdx.x & 31;
-    if (r >= num_rows) return;
-    const int64_t t = sorted_indices[r];
-    if (t >= 0 && t < num_tokens) return;
+    if (r0 >= num_rows) return; /* whole warps: the ballot below sees all 32 lanes */
+    bool pad = false;
+    if (r0 + lane < num_rows) {
+        const int64_t t = sorted_indices[r0 + lane];
+        pad = t < 0 || t >= num_tokens;
+    }
+    uint32_t bits = __ballot_sync(0xffffffffu, pad);
     V zero;
     memset(&zero, 0, sizeof zero);
-    V *out = (V *)rows_base + r * nvec;
-    for (int64_t v = lane; v < nvec; v += 32) out[v] = zero;
+    while (bits) { /* warp-uniform */
+        const int j = __ffs(bits) - 1;
+        bits &= bits - 1;
+        V *out = (V *)rows_base + (r0 + j) * nvec;
+        for (int64_t v = lane; v < nvec; v += 32) out[v] = zero;
+    }
 }
 
 /* ---- one-block exclusive scan ---------------------------------------------------------------- */

@@ -15,10 +15,17 @@
  */
 #include "layout_cuda.cuh"
 
-/* Tokens per (chunk, expert) column: one 32-bit mask of routed flags per thread, loaded in one
- * burst. Short columns keep the column walk shallow; a warp-wide scan over the chunks puts
- * them back together. */
+/* Tokens per (chunk, expert) column: one warp, one token per lane, so a column's routed flags
+ * are one __ballot_sync and a token's rank inside the column is one __popc. */
 #define MOE_PERM_CHUNK 32
+/* Warps per block of the column kernels. Warp g owns column (chunk g / E, expert g % E), so a
+ * block covers several experts of one chunk (or several chunks when E is small): its warps read
+ * the same routing_map lines, and the grid has nchunks·E warps whatever E is. */
+#define MOE_PERM_WARPS 8
+/* The per-expert chunk scan: one block per expert, each thread owning MOE_CSCAN_ITEMS
+ * consecutive chunks (independent loads, unrolled), so E = 8 still has 8 full blocks. */
+#define MOE_CSCAN_THREADS 256
+#define MOE_CSCAN_ITEMS 4
 
 __device__ __forceinline__ int64_t d_round_up(int64_t x, int64_t m) {
     return m > 1 ? (x + m - 1) / m * m : x;
@@ -26,7 +33,7 @@ __device__ __forceinline__ int64_t d_round_up(int64_t x, int64_t m) {
 
 /* Workspace sections (each 16-byte aligned). */
 typedef struct {
-    int32_t *chunk_rank; /* [nchunks, E]: routed count of the chunk, then its exclusive prefix */
+    int32_t *chunk_rank; /* [E, nchunks]: routed count of the chunk, then its exclusive prefix */
     int64_t *count;      /* [E]: routed tokens of each expert */
     int32_t *row_of;     /* [T, E]: row of pair (t, e), or -1 */
 } perm_ws_t;
@@ -57,55 +64,71 @@ extern "C" size_t moe_cuda_permute_workspace_size(int64_t num_tokens, int64_t nu
     return perm_ws_layout(num_tokens, num_experts, NULL, NULL);
 }
 
-/* Bit j: token t0 + j of the chunk is routed to expert e. The 32 loads are independent and
- * issued together (one memory latency per column, not one per token). */
-__device__ __forceinline__ uint32_t column_bits(const uint8_t *__restrict__ routing_map, int64_t t0,
-                                                int64_t T, int64_t E, int64_t e) {
-    uint8_t f[MOE_PERM_CHUNK];
-#pragma unroll
-    for (int j = 0; j < MOE_PERM_CHUNK; ++j)
-        f[j] = t0 + j < T ? routing_map[(t0 + j) * E + e] : 0;
-    uint32_t bits = 0;
-#pragma unroll
-    for (int j = 0; j < MOE_PERM_CHUNK; ++j) bits |= (uint32_t)(f[j] != 0) << j;
-    return bits;
+/* chunk_rank[e, c] = routed tokens of expert e in chunk c. One warp per column, blockDim
+ * MOE_PERM_WARPS·32. */
+__global__ void __launch_bounds__(MOE_PERM_WARPS * 32)
+moe_permute_count_kernel(int32_t *chunk_rank, const uint8_t *__restrict__ routing_map, int64_t T,
+                         int64_t E, int64_t nchunks) {
+    const int64_t g = (int64_t)blockIdx.x * MOE_PERM_WARPS + (threadIdx.x >> 5);
+    if (g >= nchunks * E) return; /* whole warps: the ballot below sees all 32 lanes */
+    const int lane = threadIdx.x & 31;
+    const int64_t c = g / E, e = g % E, t = c * MOE_PERM_CHUNK + lane;
+    const uint32_t bits = __ballot_sync(0xffffffffu, t < T && routing_map[t * E + e] != 0);
+    if (lane == 0) chunk_rank[e * nchunks + c] = __popc(bits);
 }
 
-/* chunk_rank[c, e] = routed tokens of expert e in chunk c. Grid (nchunks, ceil(E / 128)). */
-__global__ void moe_permute_count_kernel(int32_t *chunk_rank, const uint8_t *__restrict__ routing_map,
-                                         int64_t T, int64_t E) {
-    const int64_t e = (int64_t)blockIdx.y * blockDim.x + threadIdx.x;
-    if (e >= E) return;
-    const int64_t t0 = (int64_t)blockIdx.x * MOE_PERM_CHUNK;
-    chunk_rank[blockIdx.x * E + e] = __popc(column_bits(routing_map, t0, T, E, e));
-}
-
-/* Per expert (one warp each): the exclusive scan of chunk_rank[:, e] over the chunks, in place,
- * and the expert's total. Lane l owns a contiguous run of chunks; the run sums are scanned
- * across the warp. Grid ceil(E / 8), block (32, 8). */
-__global__ void moe_permute_chunk_scan_kernel(int32_t *chunk_rank, int64_t *count,
-                                              int64_t nchunks, int64_t E) {
-    const int64_t e = (int64_t)blockIdx.x * blockDim.y + threadIdx.y;
-    if (e >= E) return;
-    const int lane = threadIdx.x;
-    const int64_t per = (nchunks + 31) / 32;
-    const int64_t c0 = lane * per < nchunks ? lane * per : nchunks;
-    const int64_t c1 = c0 + per < nchunks ? c0 + per : nchunks;
-    int64_t local = 0;
-    for (int64_t c = c0; c < c1; ++c) local += chunk_rank[c * E + e];
-    int64_t incl = local;
+/* Exclusive prefix sum over a block of NT threads (all must call it); *total gets the sum. */
+template <int NT>
+__device__ __forceinline__ int64_t d_block_exclusive_scan(int64_t v, int64_t *total) {
+    __shared__ int64_t warp_sums[NT / 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int64_t x = v;
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
-        const int64_t y = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += y;
+        const int64_t y = __shfl_up_sync(0xffffffffu, x, d);
+        if (lane >= d) x += y;
     }
-    int64_t run = incl - local;
-    for (int64_t c = c0; c < c1; ++c) {
-        const int32_t v = chunk_rank[c * E + e];
-        chunk_rank[c * E + e] = (int32_t)run;
-        run += v;
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    int64_t before = 0, sum = 0;
+#pragma unroll
+    for (int w = 0; w < NT / 32; ++w) { /* NT / 32 broadcast reads: cheaper than a second scan */
+        const int64_t s = warp_sums[w];
+        before += w < warp ? s : 0;
+        sum += s;
     }
-    if (lane == 31) count[e] = incl;
+    __syncthreads(); /* warp_sums is reused by the next call */
+    *total = sum;
+    return before + x - v;
+}
+
+/* Per expert (one block each): the exclusive scan of chunk_rank[e, :] in place, and the
+ * expert's total. Thread i owns chunks [tile + i·ITEMS, +ITEMS): its loads are independent and
+ * issued together, so a tile costs one memory latency plus one block scan. */
+__global__ void __launch_bounds__(MOE_CSCAN_THREADS)
+moe_permute_chunk_scan_kernel(int32_t *chunk_rank, int64_t *count, int64_t nchunks) {
+    int32_t *col = chunk_rank + (int64_t)blockIdx.x * nchunks;
+    int64_t run = 0;
+    for (int64_t tile = 0; tile < nchunks; tile += MOE_CSCAN_THREADS * MOE_CSCAN_ITEMS) {
+        const int64_t c0 = tile + (int64_t)threadIdx.x * MOE_CSCAN_ITEMS;
+        int32_t v[MOE_CSCAN_ITEMS];
+        int64_t local = 0;
+#pragma unroll
+        for (int j = 0; j < MOE_CSCAN_ITEMS; ++j) {
+            v[j] = c0 + j < nchunks ? col[c0 + j] : 0;
+            local += v[j];
+        }
+        int64_t total;
+        int64_t pre = run + d_block_exclusive_scan<MOE_CSCAN_THREADS>(local, &total);
+#pragma unroll
+        for (int j = 0; j < MOE_CSCAN_ITEMS; ++j)
+            if (c0 + j < nchunks) {
+                col[c0 + j] = (int32_t)pre; /* < T <= INT32_MAX */
+                pre += v[j];
+            }
+        run += total;
+    }
+    if (threadIdx.x == 0) count[blockIdx.x] = run;
 }
 
 /* One block: the block sizes (padded, or the capacity), their scan, and the cut at the row
@@ -133,49 +156,68 @@ moe_permute_plan_kernel(int64_t *expert_offsets, int64_t *tokens_per_expert,
     }
 }
 
-/* Every row starts as padding: index -1, prob 0 (the rank pass overwrites the real ones). */
-__global__ void moe_permute_init_rows_kernel(int64_t *sorted_indices, void *permuted_probs,
-                                             int64_t R, moe_dtype_t probs_dtype) {
-    const int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= R) return;
+/* A row with no token: index -1, prob 0. */
+__device__ __forceinline__ void d_pad_row(int64_t *sorted_indices, void *permuted_probs,
+                                          int64_t r, moe_dtype_t probs_dtype) {
     sorted_indices[r] = -1;
     if (permuted_probs) moe_store(permuted_probs, probs_dtype, r, 0.0);
 }
 
-/* Thread (chunk c, expert e) walks its column in ascending token order: a routed token takes the
- * next rank; with drop_and_pad an unrouted token t takes rank count_e + (t − routed before t),
- * which is the stable descending sort of the column. Ranks below the block's real length get a
- * row. Grid (nchunks, ceil(E / 128)). */
-__global__ void moe_permute_rank_kernel(int64_t *sorted_indices, void *permuted_probs,
-                                        int32_t *row_of, const int32_t *chunk_rank,
-                                        const int64_t *count, const int64_t *expert_offsets,
-                                        const int64_t *tokens_per_expert,
-                                        const uint8_t *__restrict__ routing_map, const void *probs, int64_t T,
-                                        int64_t E, int dap, int64_t capacity,
-                                        moe_dtype_t probs_dtype) {
-    const int64_t e = (int64_t)blockIdx.y * blockDim.x + threadIdx.x;
-    if (e >= E) return;
-    const int64_t t0 = (int64_t)blockIdx.x * MOE_PERM_CHUNK;
+/*
+ * Warp g owns column (chunk c = g / E, expert e = g % E), lane = token t = 32c + lane. The
+ * column's routed flags are one ballot; a routed token's position inside its expert is the
+ * chunk's prefix plus the routed lanes below it; with drop_and_pad an unrouted token t takes
+ * count_e + (t − routed before t), which is the stable descending sort of the column. Positions
+ * below the block's real length get a row; every lane stores its own.
+ *
+ * The same launch writes the rows that no token fills (index -1, prob 0), so each row of
+ * sorted_indices / permuted_probs is written exactly once: expert e's padding
+ * [base + filled_e, offsets[e + 1]) is shared by its ncols column warps, the tail
+ * [offsets[E], R) by all warps. ncols = max(nchunks, 1): with T = 0 the one column has no token
+ * but still writes the padding. Grid ceil(ncols·E / MOE_PERM_WARPS).
+ */
+__global__ void __launch_bounds__(MOE_PERM_WARPS * 32)
+moe_permute_rank_kernel(int64_t *sorted_indices, void *permuted_probs, int32_t *row_of,
+                        const int32_t *chunk_rank, const int64_t *count,
+                        const int64_t *expert_offsets, const int64_t *tokens_per_expert,
+                        const uint8_t *__restrict__ routing_map, const void *probs, int64_t T,
+                        int64_t E, int64_t nchunks, int64_t ncols, int64_t R, int dap,
+                        int64_t capacity, moe_dtype_t probs_dtype) {
+    const int64_t g = (int64_t)blockIdx.x * MOE_PERM_WARPS + (threadIdx.x >> 5);
+    const int64_t nwarps = ncols * E;
+    if (g >= nwarps) return; /* whole warps: the ballot below sees all 32 lanes */
+    const int lane = threadIdx.x & 31;
+    const int64_t c = g / E, e = g % E, t = c * MOE_PERM_CHUNK + lane;
     const int64_t n = tokens_per_expert[e], base = expert_offsets[e], count_e = count[e];
     const int64_t real = dap ? (capacity < T ? capacity : T) : n;
     const int64_t lim = real < n ? real : n;
-    int64_t routed = chunk_rank[blockIdx.x * E + e]; /* routed tokens before t */
-    const uint32_t bits = column_bits(routing_map, t0, T, E, e);
-    const int64_t t1 = t0 + MOE_PERM_CHUNK < T ? t0 + MOE_PERM_CHUNK : T;
-    for (int64_t t = t0; t < t1; ++t) {
-        const int64_t i = t * E + e;
-        int64_t pos = -1;
-        if ((bits >> (t - t0)) & 1u) pos = routed++;
-        else if (dap) pos = count_e + (t - routed);
-        int32_t row = -1;
-        if (pos >= 0 && pos < lim) {
-            row = (int32_t)(base + pos);
-            sorted_indices[row] = t;
-            if (permuted_probs)
-                moe_store(permuted_probs, probs_dtype, row, moe_load(probs, probs_dtype, i));
+    if (c < nchunks) { /* warp-uniform; false only for the T = 0 column */
+        const bool in = t < T;
+        const bool routed = in && routing_map[t * E + e] != 0;
+        const uint32_t bits = __ballot_sync(0xffffffffu, routed);
+        const int64_t before =
+            (int64_t)chunk_rank[e * nchunks + c] + __popc(bits & ((1u << lane) - 1u));
+        const int64_t pos = routed ? before : (dap && in) ? count_e + (t - before) : -1;
+        if (in) {
+            int32_t row = -1;
+            if (pos >= 0 && pos < lim) {
+                row = (int32_t)(base + pos);
+                sorted_indices[row] = t;
+                if (permuted_probs)
+                    moe_store(permuted_probs, probs_dtype, row,
+                              moe_load(probs, probs_dtype, t * E + e));
+            }
+            row_of[t * E + e] = row;
         }
-        row_of[i] = row;
     }
+    /* rows [base, base + filled) got a token above: positions 0..lim-1 all exist with
+     * drop_and_pad (every token has one), only the routed count_e of them without */
+    const int64_t have = dap ? T : count_e;
+    const int64_t filled = have < lim ? have : lim;
+    for (int64_t r = base + filled + c * 32 + lane; r < base + n; r += ncols * 32)
+        d_pad_row(sorted_indices, permuted_probs, r, probs_dtype);
+    for (int64_t r = expert_offsets[E] + g * 32 + lane; r < R; r += nwarps * 32)
+        d_pad_row(sorted_indices, permuted_probs, r, probs_dtype);
 }
 
 /* The data pass. blockDim = (X, Y): Y tokens per block, X threads per token. Each thread group
@@ -245,7 +287,7 @@ static moe_status_t launch_data(void *permuted_tokens, const void *tokens, const
         MOE_CHECK_LAUNCH("moe_permute_scatter_kernel");
     }
     if (R > 0) {
-        moe_zero_pad_rows_kernel<W><<<moe_blocks_for(R * 32, 256), 256, 0, stream>>>(
+        moe_zero_pad_rows_kernel<W><<<moe_blocks_for(R, 256), 256, 0, stream>>>(
             permuted_tokens, sorted_indices, R, T, nvec);
         MOE_CHECK_LAUNCH("moe_zero_pad_rows_kernel");
     }
@@ -299,15 +341,21 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
     const int64_t align = params->align_size > 1 ? params->align_size : 1;
     const int64_t capacity = dap ? params->num_out_tokens / E : 0;
     const int64_t nchunks = (T + MOE_PERM_CHUNK - 1) / MOE_PERM_CHUNK;
-    const dim3 col_grid((unsigned)nchunks, moe_blocks_for(E, 128));
+    const int64_t ncols = nchunks > 0 ? nchunks : 1;
+    /* one warp per (chunk, expert) column */
+    MOE_CHECK((ncols * E + MOE_PERM_WARPS - 1) / MOE_PERM_WARPS <= INT32_MAX,
+              "num_tokens=%lld x num_experts=%lld is too large for the CUDA kernel", (long long)T,
+              (long long)E);
+    MOE_CHECK(E <= INT32_MAX, "num_experts=%lld; the CUDA kernel supports at most %d",
+              (long long)E, INT32_MAX);
 
     if (nchunks > 0) {
-        moe_permute_count_kernel<<<col_grid, 128, 0, st>>>(ws.chunk_rank, routing_map, T, E);
+        moe_permute_count_kernel<<<moe_blocks_for(nchunks * E, MOE_PERM_WARPS),
+                                   MOE_PERM_WARPS * 32, 0, st>>>(ws.chunk_rank, routing_map, T, E,
+                                                                nchunks);
         MOE_CHECK_LAUNCH("moe_permute_count_kernel");
-    }
-    if (nchunks > 0) {
-        moe_permute_chunk_scan_kernel<<<moe_blocks_for(E, 8), dim3(32, 8), 0, st>>>(
-            ws.chunk_rank, ws.count, nchunks, E);
+        moe_permute_chunk_scan_kernel<<<(unsigned)E, MOE_CSCAN_THREADS, 0, st>>>(ws.chunk_rank,
+                                                                              ws.count, nchunks);
         MOE_CHECK_LAUNCH("moe_permute_chunk_scan_kernel");
     } else {
         MOE_CHECK(cudaMemsetAsync(ws.count, 0, (size_t)E * sizeof(int64_t), st) == cudaSuccess,
@@ -316,18 +364,12 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
     moe_permute_plan_kernel<<<1, MOE_SCAN_THREADS, 0, st>>>(expert_offsets, tokens_per_expert,
                                                              ws.count, E, R, dap, capacity, align);
     MOE_CHECK_LAUNCH("moe_permute_plan_kernel");
-    if (R > 0) {
-        moe_permute_init_rows_kernel<<<moe_blocks_for(R, 256), 256, 0, st>>>(
-            sorted_indices, permuted_probs, R, probs_dtype);
-        MOE_CHECK_LAUNCH("moe_permute_init_rows_kernel");
-    }
-    if (nchunks > 0) {
-        moe_permute_rank_kernel<<<col_grid, 128, 0, st>>>(
-            sorted_indices, permuted_probs, ws.row_of, ws.chunk_rank, ws.count, expert_offsets,
-            tokens_per_expert, routing_map, probs, T, E, dap, capacity, probs_dtype);
-        MOE_CHECK_LAUNCH("moe_permute_rank_kernel");
-    }
-    if (R == 0) return MOE_OK; /* no row to fill (the scatter would find no destination) */
+    if (R == 0) return MOE_OK; /* no row to fill (row_of is only read by the scatter) */
+    moe_permute_rank_kernel<<<moe_blocks_for(ncols * E, MOE_PERM_WARPS), MOE_PERM_WARPS * 32, 0,
+                              st>>>(sorted_indices, permuted_probs, ws.row_of, ws.chunk_rank,
+                                    ws.count, expert_offsets, tokens_per_expert, routing_map,
+                                    probs, T, E, nchunks, ncols, R, dap, capacity, probs_dtype);
+    MOE_CHECK_LAUNCH("moe_permute_rank_kernel");
 
     const size_t row_bytes = (size_t)hidden * esize;
     switch (moe_vec_bytes(row_bytes, permuted_tokens, tokens, NULL)) {

@@ -410,7 +410,7 @@ static moe_status_t launch_data(const data_args_t *a, moe_dtype_t dtype, math_t 
 static moe_status_t launch_zero_pad(void *rows_base, const int64_t *sorted_indices, int64_t R,
                                     int64_t T, size_t row_bytes, cudaStream_t st) {
     if (R == 0) return MOE_OK;
-    const unsigned grid = moe_blocks_for(R * 32, 256);
+    const unsigned grid = moe_blocks_for(R, 256); /* one thread per row, a warp per 32 rows */
     switch (moe_vec_bytes(row_bytes, rows_base, NULL, NULL)) {
     case 16: moe_zero_pad_rows_kernel<16><<<grid, 256, 0, st>>>(rows_base, sorted_indices, R, T, (int64_t)(row_bytes / 16)); break;
     case 8: moe_zero_pad_rows_kernel<8><<<grid, 256, 0, st>>>(rows_base, sorted_indices, R, T, (int64_t)(row_bytes / 8)); break;
