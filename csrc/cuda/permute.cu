@@ -4,10 +4,11 @@
  * The layout is planned with integers only, then the data moves once. Plan: per chunk of
  * MOE_PERM_CHUNK tokens × expert, the routed count; a scan over chunks (per expert) and over
  * experts (the block sizes, padded and cut at the row bound) gives each expert's first row and
- * each chunk's first rank inside its expert. A thread that walks its (chunk, expert) column in
- * ascending token order then knows every token's rank: the row order is the CPU's (expert
- * ascending, token ascending) with no sort and no atomics, so the integer outputs are the CPU's
- * bit for bit. It also records row_of[t, e] (the row of pair (t, e), or -1).
+ * each chunk's first rank inside its expert. One warp per (chunk, expert) column, a token per
+ * lane, then knows every token's rank from one ballot (the chunk's prefix + the routed lanes
+ * below): the row order is the CPU's (expert ascending, token ascending) with no sort and no
+ * atomics, so the integer outputs are the CPU's bit for bit. It also records row_of[t, e] (the
+ * row of pair (t, e), or -1) and writes the rows no token fills, so every row is written once.
  *
  * The one clever idea is the data pass: one thread group per TOKEN reads the token's row once,
  * 16 bytes per access, and stores each vector to all of the token's rows (row_of), so the

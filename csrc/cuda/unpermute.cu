@@ -48,19 +48,55 @@ __global__ void moe_token_rows_count_kernel(int64_t *start, const int64_t *sorte
     if (t >= 0 && t < T) atomicAdd((unsigned long long *)&start[t + 1], 1ull);
 }
 
-/* In-place inclusive scan of start[1..T] by one block: each thread owns a contiguous segment. */
+/* Tokens per thread per tile of the scan below: T <= MOE_SCAN_THREADS·16 = 16384 is one tile. */
+#define MOE_TR_SCAN_ITEMS 16
+
+/*
+ * In-place inclusive scan of start[1..T] by one block. Warp w owns a contiguous segment of
+ * 32·ITEMS tokens of the tile and reads it as ITEMS coalesced slices (lane = token), all loads
+ * in flight together: one memory latency per tile, not one per token. Each slice is scanned
+ * across the lanes, the slices are chained by their totals, and one block scan of the warp
+ * totals places the segments. S is the lane scan's type: int32 when every partial sum fits
+ * (num_rows <= INT32_MAX: a partial sum counts distinct rows), halving the shuffles.
+ */
+template <typename S>
 __global__ void __launch_bounds__(MOE_SCAN_THREADS)
 moe_token_rows_scan_kernel(int64_t *start, int64_t T) {
     int64_t *c = start + 1;
-    const int64_t per = (T + blockDim.x - 1) / blockDim.x;
-    const int64_t i0 = threadIdx.x * per, i1 = i0 + per < T ? i0 + per : T;
-    int64_t local = 0;
-    for (int64_t i = i0; i < i1; ++i) local += c[i];
-    int64_t total;
-    int64_t run = moe_block_exclusive_scan(local, &total);
-    for (int64_t i = i0; i < i1; ++i) {
-        run += c[i];
-        c[i] = run;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int64_t run = 0;
+    for (int64_t tile = 0; tile < T; tile += (int64_t)MOE_SCAN_THREADS * MOE_TR_SCAN_ITEMS) {
+        const int64_t seg = tile + (int64_t)warp * 32 * MOE_TR_SCAN_ITEMS + lane;
+        S v[MOE_TR_SCAN_ITEMS];
+#pragma unroll
+        for (int j = 0; j < MOE_TR_SCAN_ITEMS; ++j) {
+            const int64_t i = seg + j * 32;
+            v[j] = i < T ? (S)c[i] : (S)0;
+        }
+#pragma unroll
+        for (int d = 1; d < 32; d *= 2)
+#pragma unroll
+            for (int j = 0; j < MOE_TR_SCAN_ITEMS; ++j) { /* ITEMS independent chains */
+                const S y = __shfl_up_sync(0xffffffffu, v[j], d);
+                if (lane >= d) v[j] += y;
+            }
+        S carry = 0; /* the warp's tokens in the slices before j */
+#pragma unroll
+        for (int j = 0; j < MOE_TR_SCAN_ITEMS; ++j) {
+            const S slice = __shfl_sync(0xffffffffu, v[j], 31);
+            v[j] += carry;
+            carry += slice;
+        }
+        int64_t total;
+        /* lane 31 brings the warp's total, so every lane's exclusive prefix is the warps before */
+        const int64_t before =
+            run + moe_block_exclusive_scan(lane == 31 ? (int64_t)carry : 0, &total);
+#pragma unroll
+        for (int j = 0; j < MOE_TR_SCAN_ITEMS; ++j) {
+            const int64_t i = seg + j * 32;
+            if (i < T) c[i] = before + (int64_t)v[j];
+        }
+        run += total;
     }
 }
 
@@ -127,7 +163,10 @@ static moe_status_t build_token_rows(token_rows_t *m, void *workspace, size_t wo
         MOE_CHECK_LAUNCH("moe_token_rows_count_kernel");
     }
     if (T == 0) return MOE_OK;
-    moe_token_rows_scan_kernel<<<1, MOE_SCAN_THREADS, 0, st>>>(m->start, T);
+    if (R <= INT32_MAX)
+        moe_token_rows_scan_kernel<int32_t><<<1, MOE_SCAN_THREADS, 0, st>>>(m->start, T);
+    else
+        moe_token_rows_scan_kernel<int64_t><<<1, MOE_SCAN_THREADS, 0, st>>>(m->start, T);
     MOE_CHECK_LAUNCH("moe_token_rows_scan_kernel");
     if (R > 0) {
         moe_token_rows_fill_kernel<<<moe_blocks_for(R, 256), 256, 0, st>>>(
