@@ -140,6 +140,37 @@ def test_permute_bwd_cuda_equals_cpu(dtype, T, E, k, H):
         same(cpu[1], gpu[1], "grad_probs")
 
 
+@pytest.mark.parametrize("T,E,k,n,dap,align", [
+    (40000, 4, 2, 80000, False, 0),     # > 1024 chunks per expert: the chunk scan's tile loop
+    (40000, 3, 1, 40000, False, 4096),  # align padding past one pass of an expert's warps
+    (33000, 2, 1, 2 * 40000, True, 0),  # capacity > tokens: long -1 runs inside every block
+    (100, 1, 1, 500, False, 128),       # one expert; the tail [offsets[E], R) is mostly padding
+    (0, 5, 2, 40, True, 0),             # no token: every row is padding, written by one column
+])
+def test_permute_cuda_planning_edges(T, E, k, n, dap, align):
+    """The planning kernels' loops and padding writes on shapes the reference sizes miss."""
+    m = random_map(T, E, k)
+    x = torch.randn(T, 8, dtype=torch.float64).to(torch.bfloat16)
+    p = routed_probs(m, torch.float32)
+    for probs in (p, None):
+        cpu, gpu = both(lambda *a: OPS.permute(*a, n, dap, align), x, m, probs)
+        for name, a, b in zip(["rows", "probs", "sorted_indices", "offsets", "counts"], cpu, gpu):
+            same(a, b, name)
+
+
+@pytest.mark.parametrize("T", [16384, 16385, 40000])
+def test_unpermute_cuda_token_rows_scan_tiles(T):
+    """The token → rows scan at one tile exactly, one past it, and several tiles."""
+    E, k, H = 8, 2, 8
+    m, rows, idx, off = layout(T, E, k, H, torch.float32, align=16)
+    y = torch.randn(rows.shape, dtype=torch.float64).to(torch.float32)
+    p = routed_probs(m, torch.float32)
+    cpu, gpu = both(lambda *a: OPS.unpermute(*a), y, idx, T, p, off)
+    same(cpu, gpu, "unpermute")
+    cpu, gpu = both(lambda *a: OPS.permute_bwd(*a, T), y, None, idx, off)
+    same(cpu[0], gpu[0], "grad_tokens")
+
+
 def test_layout_cuda_round_trip_through_autograd():
     """permute → unpermute on CUDA with gradients, equal to the same graph on the CPU."""
     T, E, k, H = 700, 32, 8, 96
