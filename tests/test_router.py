@@ -371,6 +371,45 @@ def test_cuda_ties_signed_zeros_and_nan_like_cpu(dtype):
         assert_close_ulps(p_gpu, p_cpu, n_ulps=1, floor=1e-30, dtype=dtype)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("score", ["softmax", "sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("E,G,gk,k", [
+    (32, 32, 8, 8),    # one expert per group (P = 1): segments of one lane
+    (64, 32, 8, 8),    # P = 2
+    (64, 16, 4, 8),    # P = 4
+    (128, 16, 4, 8),   # P = 8
+    (256, 16, 4, 8),   # P = 16
+    (256, 8, 4, 8),    # P = 32: a group is one register slot (DeepSeek-V3's shape)
+    (128, 4, 2, 6),    # P = 32 with fewer slots
+    (512, 16, 4, 8),   # P = 32 on a 16-slot row: the serial group rounds
+    (256, 4, 2, 8),    # P = 64: the serial group rounds
+    (96, 8, 4, 8),     # P = 12 (does not divide the warp): the serial group rounds
+])
+def test_cuda_group_phase_paths_like_cpu(dtype, score, E, G, gk, k):
+    """Every group-phase path of the fused CUDA kernel (segments of P lanes reduced side by side
+    when P divides 32, the serial rounds otherwise) picks the CPU's experts, on random rows and
+    on rows full of ties (equal group sums, equal scores, where the lower id must win)."""
+    torch.manual_seed(E + G + k)
+    T = 257
+    x = torch.randn(T, E, dtype=torch.float64).to(dtype)
+    x[::3] = torch.randint(-2, 3, (len(range(0, T, 3)), E)).to(dtype)  # ties everywhere
+    x[1::7, ::5] = 0.5
+    bias = None if score == "softmax" else (0.1 * torch.randn(E)).round(decimals=1)
+    opts = dict(num_groups=G, group_topk=gk, score_function=score, scaling_factor=2.5)
+    for pre in ((False, True) if score == "softmax" else (False,)):
+        o = dict(opts, use_pre_softmax=pre)
+        p_cpu, i_cpu = ops.router_topk(x, k, expert_bias=bias, **o)
+        p_gpu, i_gpu = ops.router_topk(x.cuda(), k, expert_bias=None if bias is None else bias.cuda(), **o)
+        assert torch.equal(i_cpu, i_gpu.cpu()), o
+        assert_close_ulps(p_gpu, p_cpu, n_ulps=1, floor=1e-30, dtype=dtype)
+        pd_cpu, m_cpu = ops.topk_routing_with_score_function(x, k, expert_bias=bias, **o)
+        pd_gpu, m_gpu = ops.topk_routing_with_score_function(
+            x.cuda(), k, expert_bias=None if bias is None else bias.cuda(), **o)
+        assert torch.equal(m_cpu, m_gpu.cpu()), o
+        assert_close_ulps(pd_gpu, pd_cpu, n_ulps=1, floor=1e-30, dtype=dtype)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("score,pre", MODES)

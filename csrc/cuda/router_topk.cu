@@ -238,6 +238,25 @@ __device__ __forceinline__ uint64_t warp_max_key(uint64_t key) {
     return ((uint64_t)top << 32) | lo;
 }
 
+/* For every slot i, the maximum of v[i] over its segment of P lanes (P divides 32; P == 32 is the
+ * whole warp); every lane of the segment gets it. The VPL reductions are independent, so their
+ * latencies overlap. */
+template <int VPL>
+__device__ __forceinline__ void segment_max_keys(uint64_t (&v)[VPL], int P) {
+    if (P == 32) {
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) v[i] = warp_max_key(v[i]);
+        return;
+    }
+    for (int off = P / 2; off > 0; off >>= 1) {
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+            const uint64_t o = __shfl_xor_sync(MOE_FULL_MASK, v[i], off);
+            v[i] = o > v[i] ? o : v[i];
+        }
+    }
+}
+
 __device__ __forceinline__ int64_t key_expert(uint64_t key) {
     return (int64_t)(0xffffffffu - (uint32_t)key);
 }
@@ -330,19 +349,64 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
 #pragma unroll
         for (int i = 0; i < VPL; ++i) {
             const int e = lane + 32 * i;
-            double s, sel;
+            /* every score is fp32-valued here, and an fp32 sum rounded once is the C kernel's
+             * moe_cround(s + bias) (fp64 holds the exact sum of two floats' worth of bits) */
+            float s, sel;
             if (softmax) {
-                s = pre ? moe_topk_softmax_at(&ctx, x[i], m, inv) : (double)x[i];
+                s = pre ? (float)moe_topk_softmax_at(&ctx, x[i], m, inv) : x[i];
                 sel = s;
             } else {
-                s = moe_topk_score(&ctx, x[i]);
-                sel = expert_bias ? moe_cround(&ctx, s + (double)bias[i]) : s;
+                s = (float)moe_topk_score(&ctx, x[i]);
+                sel = expert_bias ? __fadd_rn(s, bias[i]) : s;
             }
             src[i] = (float)s;
             key[i] = e < E ? make_key(sel, e) : 0u;
         }
 
-        if (G > 0) {
+        if (VPL <= 8 && G > 0 && 32 % P == 0) {
+            /* A group is a segment of P lanes inside one register slot (P divides 32), so all
+             * of a lane's VPL slots belong to different groups and every group's rounds run
+             * side by side: VPL independent segment reductions per round instead of one
+             * dependent warp reduction per (group, round). Same keys, same order, same sums.
+             * (Wider rows keep the serial rounds: VPL more keys per lane would spill.) */
+            uint32_t taken = 0; /* bit i: slot i's key already counted in its group */
+            float acc[VPL];
+            uint64_t gkey[VPL]; /* the key of the group of slot i, on every lane of its segment */
+#pragma unroll
+            for (int i = 0; i < VPL; ++i) acc[i] = 0.0f;
+            for (int r = 0; r < gn; ++r) {
+                uint64_t win[VPL];
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) win[i] = (taken >> i & 1u) ? 0u : key[i];
+                segment_max_keys<VPL>(win, P);
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) {
+                    if (key[i] == win[i]) taken |= 1u << i;
+                    /* fp32 + fp32 rounded once: what moe_cround(acc + v) gives */
+                    acc[i] = __fadd_rn(acc[i], (float)key_value(win[i]));
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < VPL; ++i) {
+                double a = (double)acc[i];
+                if (softmax && !pre) a = moe_round_to(ctx.dtype, a);
+                gkey[i] = lane + 32 * i < E ? make_key(a, grp[i]) : 0u;
+            }
+            uint32_t kept = 0;
+            for (int r = 0; r < (int)ctx.group_topk; ++r) {
+                uint64_t best = 0;
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) best = gkey[i] > best ? gkey[i] : best;
+                best = warp_max_key(best);
+                kept |= 1u << key_expert(best);
+#pragma unroll
+                for (int i = 0; i < VPL; ++i)
+                    if (gkey[i] == best) gkey[i] = 0u;
+            }
+#pragma unroll
+            for (int i = 0; i < VPL; ++i)
+                if (!(kept >> grp[i] & 1u)) key[i] = 0u;
+        } else if (G > 0) {
             uint64_t my_group = 0; /* lane g holds group g's key */
             for (int g = 0; g < G; ++g) {
                 uint32_t taken = 0;
@@ -372,21 +436,30 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
         }
 
         int rank[VPL];
+        uint64_t best = 0; /* this lane's best remaining key */
 #pragma unroll
-        for (int i = 0; i < VPL; ++i) rank[i] = -1;
+        for (int i = 0; i < VPL; ++i) {
+            rank[i] = -1;
+            best = key[i] > best ? key[i] : best;
+        }
         for (int r = 0; r < k; ++r) {
-            uint64_t best = 0;
-#pragma unroll
-            for (int i = 0; i < VPL; ++i) best = key[i] > best ? key[i] : best;
             const uint64_t win = warp_max_key(best);
+            /* keys are unique (the id is in them), and the id names the one lane and slot that
+             * hold the winner: only that lane takes it out and rescans its slots */
+            const int e_w = (int)key_expert(win);
+            if (lane == (e_w & 31)) {
+                best = 0;
 #pragma unroll
-            for (int i = 0; i < VPL; ++i)
-                if (key[i] == win) { /* keys are unique (the id is in them): one lane, one slot */
-                    key[i] = 0u;
-                    rank[i] = r;
-                    win_p[r] = (double)src[i];
-                    win_i[r] = lane + 32 * i;
+                for (int i = 0; i < VPL; ++i) {
+                    if (key[i] == win) { /* not i == e_w / 32: that becomes a local-memory index */
+                        key[i] = 0u;
+                        rank[i] = r;
+                        win_p[r] = (double)src[i];
+                        win_i[r] = e_w;
+                    }
+                    best = key[i] > best ? key[i] : best;
                 }
+            }
         }
         __syncwarp();
         /* moe_topk_probs, with its sequential sums on lane 0 and the rest spread over lanes */
