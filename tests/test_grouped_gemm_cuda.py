@@ -313,3 +313,230 @@ def test_cuda_graph_forward_backward(trans_w):
             assert torch.equal(g, e), f"{name}: replay differs from eager, counts {counts}"
         kept = sum(counts)
         assert torch.equal(static_out[0][kept:], torch.zeros_like(static_out[0][kept:]))
+
+
+# ---- fc1 fused with glu_probs (issue 7, item 3): grouped_gemm_glu_probs -----------------------
+# The contract is the composition's bits (grouped_gemm, then glu_probs, on the same GPU), so the
+# fused op is compared with torch.equal-strictness; the composition itself is held to the fp64
+# truth by the tests above and by test_glu_probs.py. On Hopper, bf16/fp16 with trans_w and
+# F % 8 == 0 runs the sm90 kernel's fused epilogue; everything else composes the two kernels.
+
+GLU_ACTS = ["silu", "gelu", "gelu_tanh", "relu", "squared_relu", "quick_gelu"]
+GLU_CASES = [(True, 0.0, None), (True, -0.5, None), (True, 0.3, 2.01), (False, 0.0, None)]
+# (H, F): F % 8 == 0 with tails past both tile widths' halves (64, 128) and F below one half,
+# and an F that is no multiple of 8 (the composed path on every GPU)
+GLU_SIZES = {"tails": (136, 200), "narrow": (64, 24), "unaligned_f": (72, 44)}
+
+
+def is_hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def glu_inputs(counts, H, F_, gated, dtype, trans_w=True, tail=TAIL, probs_dtype=torch.float32):
+    R, E = sum(counts) + tail, len(counts)
+    F1 = 2 * F_ if gated else F_
+    x = torch.randn(R, H, dtype=torch.float64).to(dtype)
+    w = (torch.randn((E, F1, H) if trans_w else (E, H, F1), dtype=torch.float64) *
+         (2.0 / H**0.5)).to(dtype)
+    probs = None if probs_dtype is None else torch.rand(R, dtype=torch.float64).to(probs_dtype)
+    return (x.cuda(), w.cuda(), offsets_of(counts),
+            None if probs is None else probs.cuda())
+
+
+def glu_composed(x, w, off, probs, act, gated, offset, clamp, trans_w=True):
+    a = ops.grouped_gemm(x, w, off, trans_w)
+    return ops.glu_probs(a, probs, act, gated, offset, clamp), a
+
+
+def assert_bits(ours, ref, msg):
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape, msg
+    same = ((ours == ref) | (ours.isnan() & ref.isnan())) & \
+        (torch.signbit(ours) == torch.signbit(ref))
+    if not bool(same.all()):
+        i = (~same).nonzero()[0].tolist()
+        raise AssertionError(f"{msg}: {int((~same).sum())} of {ours.numel()} differ; first at "
+                             f"{i}: ours {ours[tuple(i)].item()!r} ref {ref[tuple(i)].item()!r}")
+
+
+@pytest.mark.parametrize("size", list(GLU_SIZES))
+@pytest.mark.parametrize("case", list(COUNTS))
+@pytest.mark.parametrize("gated,offset,clamp", GLU_CASES)
+@pytest.mark.parametrize("act", GLU_ACTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_glu_fused_equals_composition(dtype, act, gated, offset, clamp, case, size):
+    counts = make_counts(case)
+    H, F_ = GLU_SIZES[size]
+    for trans_w, pdt in ((True, torch.float32), (True, None), (True, torch.float64),
+                         (False, torch.float32)):
+        x, w, off, probs = glu_inputs(counts, H, F_, gated, dtype, trans_w, probs_dtype=pdt)
+        with poisoned():
+            h, a = ops.grouped_gemm_glu_probs(x, w, off, probs, act, gated, offset, clamp,
+                                              trans_w)
+            h_ref, a_ref = glu_composed(x, w, off, probs, act, gated, offset, clamp, trans_w)
+        msg = f"{act} {case} {size} trans_w={trans_w} probs={pdt}"
+        assert_bits(a, a_ref, "a " + msg)
+        assert_bits(h, h_ref, "h " + msg)
+        assert not a.isnan().any(), "a: unwritten (NaN-poisoned) elements " + msg
+        assert not h.isnan().any(), "h: unwritten (NaN-poisoned) elements " + msg
+        kept = sum(counts)
+        assert torch.equal(a[kept:], torch.zeros_like(a[kept:])), "a past the last offset"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_glu_wide_dtypes_compose(dtype):
+    """fp32/fp64 operands: the SIMT GEMM then glu_probs, the same bits as calling them apart."""
+    counts = make_counts("uneven")
+    x, w, off, probs = glu_inputs(counts, 45, 24, True, dtype)
+    with poisoned():
+        h, a = ops.grouped_gemm_glu_probs(x, w, off, probs, "gelu", True, 0.5, 3.0)
+        h_ref, a_ref = glu_composed(x, w, off, probs, "gelu", True, 0.5, 3.0)
+    assert_bits(a, a_ref, "a")
+    assert_bits(h, h_ref, "h")
+
+
+@pytest.mark.parametrize("tile", ["128", "256"])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_glu_fused_both_tile_widths(monkeypatch, dtype, gated, tile):
+    """MOE_GG_SM90_TILE forces each tile width (the plain GEMM honours it too, so both sides
+    use the same wgmma shape); reference-like sizes, many tiles, uneven counts."""
+    monkeypatch.setenv("MOE_GG_SM90_TILE", tile)
+    counts = [1100, 0, 37, 513, 2000, 1, 640, 250]
+    x, w, off, probs = glu_inputs(counts, 512, 392, gated, dtype)
+    with poisoned():
+        h, a = ops.grouped_gemm_glu_probs(x, w, off, probs, "silu", gated, 0.0, None)
+        h_ref, a_ref = glu_composed(x, w, off, probs, "silu", gated, 0.0, None)
+    assert_bits(a, a_ref, "a")
+    assert_bits(h, h_ref, "h")
+
+
+@pytest.mark.skipif(not is_hopper(), reason="the fused epilogue is the sm_90a kernel's")
+@pytest.mark.parametrize("gated", [True, False])
+def test_glu_sm90_fused_kernel_is_taken(gated):
+    """On Hopper the op is one GEMM kernel (plus the tail kernels), not GEMM + glu_probs."""
+    x, w, off, probs = glu_inputs([40, 0, 300, 7], 128, 256, gated, torch.bfloat16)
+    ops.grouped_gemm_glu_probs(x, w, off, probs, "silu", gated)  # warm-up (tensor maps, attrs)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ops.grouped_gemm_glu_probs(x, w, off, probs, "silu", gated)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]  # the kernels' names among the CPU-side ops
+    assert any("gg_sm90_kernel" in n for n in names), names
+    assert any("gg_sm90_glu_tail_kernel" in n for n in names), names
+    assert not any("glu_probs_fwd_kernel" in n for n in names), names
+
+
+@pytest.mark.parametrize("gated,offset,clamp", GLU_CASES)
+@pytest.mark.parametrize("act", ["silu", "gelu", "squared_relu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_glu_fused_vs_fp64(dtype, act, gated, offset, clamp):
+    """Against the fp64 truth: within 2x the error of torch's own unfused CUDA sequence."""
+    counts = [0, 1, 37, 0, 130, 9, 1, 250]
+    x, w, off, probs = glu_inputs(counts, 136, 200, gated, dtype)
+    with poisoned():
+        h, a = ops.grouped_gemm_glu_probs(x, w, off, probs, act, gated, offset, clamp)
+
+    def sequence(x, w, probs, dtype):
+        x, w, probs = x.to(dtype), w.to(dtype), probs.to(torch.float64 if dtype ==
+                                                         torch.float64 else torch.float32)
+        o = off.tolist()
+        a = x.new_zeros(x.shape[0], w.shape[1])
+        for e in range(len(o) - 1):
+            a[o[e]:o[e + 1]] = x[o[e]:o[e + 1]] @ w[e].t()
+        fn = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+              "squared_relu": lambda t: torch.relu(t) ** 2}[act]
+        if gated:
+            g, l = a.chunk(2, -1)
+            if clamp is not None:
+                g, l = g.clamp(max=clamp), l.clamp(-clamp, clamp)
+            hh = fn(g) * (l + offset)
+        else:
+            hh = fn(a)
+        return (hh * probs.unsqueeze(-1)).to(hh.dtype), a
+
+    h64, a64 = sequence(x.cpu(), w.cpu(), probs.cpu(), torch.float64)
+    h_t, a_t = sequence(x, w, probs, dtype)
+    assert_error_at_most(a, a_t, a64, msg="a")
+    assert_error_at_most(h, h_t, h64, msg="h")
+
+
+@pytest.mark.parametrize("trans_w", [True, False])
+@pytest.mark.parametrize("gated", [True, False])
+def test_glu_backward_equals_composition(gated, trans_w):
+    counts = [5, 0, 33, 1, 200]
+    x, w, off, probs = glu_inputs(counts, 64, 40, gated, torch.bfloat16, trans_w)
+    dy = torch.randn(x.shape[0], 40, device="cuda").to(torch.bfloat16)
+
+    def grads(fn):
+        xr, wr, pr = (t.clone().requires_grad_() for t in (x, w, probs))
+        h, _ = fn(xr, wr, pr)
+        h.backward(dy)
+        return xr.grad, wr.grad, pr.grad
+
+    ours = grads(lambda a, b, p: ops.grouped_gemm_glu_probs(a, b, off, p, "silu", gated, 0.5,
+                                                            None, trans_w))
+    ref = grads(lambda a, b, p: glu_composed(a, b, off, p, "silu", gated, 0.5, None, trans_w))
+    for name, o, r in zip(("dx", "dW", "dprobs"), ours, ref):
+        assert_bits(o, r, name)
+
+
+def test_glu_deterministic():
+    counts = [300, 0, 1211, 1, 513]
+    x, w, off, probs = glu_inputs(counts, 512, 384, True, torch.bfloat16)
+    first = ops.grouped_gemm_glu_probs(x, w, off, probs, "gelu", True, 0.5, 7.0)
+    second = ops.grouped_gemm_glu_probs(x, w, off, probs, "gelu", True, 0.5, 7.0)
+    for p, q in zip(first, second):
+        assert torch.equal(p, q)
+
+
+def test_glu_zero_rows():
+    w = torch.randn(3, 16, 8, device="cuda", dtype=torch.bfloat16)
+    with poisoned():
+        h, a = ops.grouped_gemm_glu_probs(torch.empty(0, 8, device="cuda", dtype=torch.bfloat16),
+                                          w, offsets_of([0, 0, 0]),
+                                          torch.empty(0, device="cuda"), "silu", True)
+    assert h.shape == (0, 8) and a.shape == (0, 16)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_glu_cuda_graph_forward_backward(gated):
+    """Capture the fused forward and its backward once; replay with new inputs and new offsets
+    (other counts, rows past the last offset): equal to eager, bit for bit."""
+    E, H, F_, R = 6, 128, 96, 600
+    dtype = torch.bfloat16
+
+    def draw(counts):
+        return glu_inputs(counts, H, F_, gated, dtype, tail=R - sum(counts))
+
+    sx, sw, soff, sp = draw([100, 0, 250, 1, 99, 50])
+    sdy = torch.randn(R, F_, device="cuda").to(dtype)
+    sx.requires_grad_(), sw.requires_grad_(), sp.requires_grad_()
+
+    def step():
+        h, a = ops.grouped_gemm_glu_probs(sx, sw, soff, sp, "silu", gated, 0.5 if gated else 0.0)
+        dx, dw, dp = torch.autograd.grad(h, (sx, sw, sp), sdy)
+        return h, a, dx, dw, dp
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    for counts in ([0, 0, 600, 0, 0, 0], [1, 2, 3, 4, 5, 6], [129, 0, 0, 128, 300, 1]):
+        x, w, off, p = draw(counts)
+        dy = torch.randn(R, F_, device="cuda").to(dtype)
+        with torch.no_grad():
+            sx.copy_(x), sw.copy_(w), soff.copy_(off), sp.copy_(p), sdy.copy_(dy)
+        graph.replay()
+        xr, wr, pr = x.clone().requires_grad_(), w.clone().requires_grad_(), p.clone().requires_grad_()
+        h, a = ops.grouped_gemm_glu_probs(xr, wr, off, pr, "silu", gated, 0.5 if gated else 0.0)
+        dx, dw, dp = torch.autograd.grad(h, (xr, wr, pr), dy)
+        torch.cuda.synchronize()
+        for name, g, e in zip(("h", "a", "dx", "dw", "dprobs"), static_out, (h, a, dx, dw, dp)):
+            assert torch.equal(g, e), f"{name}: replay differs from eager, counts {counts}"
+        kept = sum(counts)
+        assert torch.equal(static_out[1][kept:], torch.zeros_like(static_out[1][kept:]))
