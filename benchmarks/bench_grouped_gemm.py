@@ -10,7 +10,13 @@ never zeros; every output checked against torch._grouped_mm (or the loop) by rel
 error before it is timed. Printed per shape and product: ms, TFLOP/s, speed ratio vs grouped_mm
 and vs the loop (> 1: ours is faster), % of the dense ceiling; a short table last.
 
+Extra row set (issue 7, item 3), per layer: fc1 with SwiGLU and the router probs, forward only —
+ours fused (grouped_gemm_glu_probs: the activation in the GEMM's epilogue) vs ours unfused
+(grouped_gemm, then glu_probs) vs torch (torch._grouped_mm, then F.silu(g) * l * p in torch ops).
+The fused output must equal the unfused one bit for bit (asserted before timing).
+
     python3 benchmarks/bench_grouped_gemm.py [--layers mixtral,qwen3_30b_a3b] [--reps 15]
+                                             [--fused only|no]
 """
 import argparse
 import statistics
@@ -139,30 +145,95 @@ def bench_problem(name, rows_per_expert, K, N, reps, ceiling, results):
     torch.cuda.empty_cache()
 
 
+def bench_fused_fc1(name, rows_per_expert, H, ffn, reps, ceiling, results):
+    """fc1 + SwiGLU + probs: fused vs grouped GEMM + glu_probs vs torch._grouped_mm + torch."""
+    E, R = len(rows_per_expert), sum(rows_per_expert)
+    dev, dt = "cuda", torch.bfloat16
+    ends = torch.tensor(rows_per_expert, device=dev).cumsum(0)
+    off64 = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), ends])
+    offs32 = ends.to(torch.int32)
+    x = torch.randn(R, H, device=dev, dtype=dt)
+    w1 = torch.randn(E, 2 * ffn, H, device=dev, dtype=dt) / H**0.5  # [E, 2F, H], gate rows first
+    probs = torch.rand(R, device=dev)
+    flops = 2.0 * R * H * 2 * ffn
+
+    def fused():
+        return OPS.grouped_gemm_glu_probs(x, w1, off64, probs, "silu", True, 0.0, None, True)
+
+    def unfused():
+        a = OPS.grouped_gemm(x, w1, off64, True, None)
+        return OPS.glu_probs(a, probs, "silu", True, 0.0, None), a
+
+    def torch_path():
+        a = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs32)
+        g, lin = a.chunk(2, dim=-1)
+        return (torch.nn.functional.silu(g) * lin * probs.unsqueeze(-1)).to(dt), a
+
+    (h_f, a_f), (h_u, a_u) = fused(), unfused()
+    assert torch.equal(a_f, a_u) and torch.equal(h_f, h_u), f"{name}: fused != unfused bits"
+    del a_f, a_u, h_u
+    try:
+        h_t, _ = torch_path()
+        terr = rel_err(h_f, h_t)
+        del h_t
+        t_torch = time_ms(torch_path, 2, reps)
+    except (RuntimeError, NotImplementedError) as exc:
+        terr, t_torch = float("nan"), float("nan")
+        print(f"  torch._grouped_mm fc1+act: {str(exc).splitlines()[0][:100]}")
+    del h_f
+    t_fused = time_ms(fused, 2, reps)
+    t_unfused = time_ms(unfused, 2, reps)
+    tf = flops / t_fused / 1e9
+    row = dict(shape=name, ms=t_fused, tflops=tf, unfused_ms=t_unfused, torch_ms=t_torch,
+               vs_unfused=t_unfused / t_fused, vs_torch=t_torch / t_fused,
+               pct=100 * tf / ceiling, terr=terr)
+    results.append(row)
+    print(f"  fc1+act fused {t_fused:8.3f} ms {tf:6.1f} TFLOP/s | gemm+glu_probs {t_unfused:8.3f}"
+          f" ms (x{row['vs_unfused']:.2f}) | grouped_mm+torch {t_torch:8.3f} ms "
+          f"(x{row['vs_torch']:.2f}) | {row['pct']:5.1f}% of dense | rel err vs torch {terr:.1e}",
+          flush=True)
+    assert not terr > 2e-2, f"{name}: fused relative error {terr:.3e} vs torch"
+    del x, w1, probs
+    torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default=",".join(LAYERS))
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--fused", choices=("yes", "only", "no"), default="yes",
+                    help="the fc1 + SwiGLU + probs rows: with the products, alone, or not")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA {torch.version.cuda}")
     ceiling = dense_ceiling(args.reps)
     print(f"dense bf16 ceiling (torch.mm 8192^3): {ceiling:.0f} TFLOP/s")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    results = []
+    results, fused_rows = [], []
     for layer in args.layers.split(","):
         T, H, E, k, ffn = LAYERS[layer]
         counts = routing_counts(T, E, k, gen)
         print(f"{layer}: rows {T * k}, experts {E}, rows/expert min {min(counts)} "
               f"max {max(counts)}", flush=True)
-        for fc, (K, N) in (("fc1", (H, 2 * ffn)), ("fc2", (ffn, H))):
-            print(f" {layer}.{fc}: K={K} N={N}", flush=True)
-            bench_problem(f"{layer}.{fc}", counts, K, N, args.reps, ceiling, results)
-    print(f"\n{'shape':22s} {'prod':5s} {'ms':>8s} {'TFLOP/s':>8s} {'vs gmm':>7s} "
-          f"{'vs loop':>7s} {'%dense':>6s}")
+        if args.fused != "only":
+            for fc, (K, N) in (("fc1", (H, 2 * ffn)), ("fc2", (ffn, H))):
+                print(f" {layer}.{fc}: K={K} N={N}", flush=True)
+                bench_problem(f"{layer}.{fc}", counts, K, N, args.reps, ceiling, results)
+        if args.fused != "no":
+            print(f" {layer}.fc1+swiglu+probs: K={H} N={2 * ffn} -> F={ffn}", flush=True)
+            bench_fused_fc1(f"{layer}.fc1+act", counts, H, ffn, args.reps, ceiling, fused_rows)
+    if results:
+        print(f"\n{'shape':22s} {'prod':5s} {'ms':>8s} {'TFLOP/s':>8s} {'vs gmm':>7s} "
+              f"{'vs loop':>7s} {'%dense':>6s}")
     for r in results:
         print(f"{r['shape']:22s} {r['prod']:5s} {r['ms']:8.3f} {r['tflops']:8.1f} "
               f"{r['vs_gmm']:7.2f} {r['vs_loop']:7.2f} {r['pct']:6.1f}")
+    if fused_rows:
+        print(f"\n{'shape':22s} {'fused ms':>8s} {'TFLOP/s':>8s} {'unfused':>8s} {'vs unf':>7s} "
+              f"{'torch':>8s} {'vs torch':>8s} {'%dense':>6s}")
+    for r in fused_rows:
+        print(f"{r['shape']:22s} {r['ms']:8.3f} {r['tflops']:8.1f} {r['unfused_ms']:8.3f} "
+              f"{r['vs_unfused']:7.2f} {r['torch_ms']:8.3f} {r['vs_torch']:8.2f} {r['pct']:6.1f}")
 
 
 if __name__ == "__main__":
