@@ -100,11 +100,17 @@ def assert_same(ours, ref, msg):
 
 # ---- forward ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", list(COUNTS))
-@pytest.mark.parametrize("gated,offset,clamp", CASES)
-@pytest.mark.parametrize("act", ACTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_forward_equals_composition(poison, dtype, act, gated, offset, clamp, case):
+# the activation matters in one dtype; the dtype and the counts with one activation (the op is
+# the composition on the CPU by construction: this guards the wiring, not the math)
+MATRIX = ([(torch.bfloat16, act, case, "uneven") for act in ACTS for case in range(len(CASES))] +
+          [(dt, "gelu", case, counts) for dt in DTYPES for case in range(len(CASES))
+           for counts in COUNTS])
+
+
+@pytest.mark.parametrize("dtype,act,case,counts", MATRIX, ids=str)
+def test_forward_equals_composition(poison, dtype, act, case, counts):
+    gated, offset, clamp = CASES[case]
+    case = counts
     counts, tail = COUNTS[case]
     for trans_w, pdt in ((True, torch.float32), (False, None), (True, torch.float64)):
         x, w, off, probs = make_inputs(counts, tail, 24, 20, gated, dtype, trans_w, pdt)
@@ -170,11 +176,12 @@ def grads(fn, x, w, probs, dy, da=None):
     return xr.grad, wr.grad, None if pr is None else pr.grad
 
 
-@pytest.mark.parametrize("case", ["uneven", "one_expert", "tail_only"])
-@pytest.mark.parametrize("gated,offset,clamp", CASES)
-@pytest.mark.parametrize("act", ACTS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_backward_equals_composition(poison, dtype, act, gated, offset, clamp, case):
+@pytest.mark.parametrize("dtype,act,case,counts",
+                         [m for m in MATRIX if m[0] != torch.float64 and m[3] != "no_rows"],
+                         ids=str)
+def test_backward_equals_composition(poison, dtype, act, case, counts):
+    gated, offset, clamp = CASES[case]
+    case = counts
     counts, tail = COUNTS[case]
     for trans_w in (True, False):
         x, w, off, probs = make_inputs(counts, tail, 24, 16, gated, dtype, trans_w)

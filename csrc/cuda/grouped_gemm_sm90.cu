@@ -25,6 +25,12 @@
  * (both stay in L2). Static round-robin over CTAs; every output element has one writer and a
  * fixed summation order (ascending k blocks), no atomics: bitwise reproducible.
  *
+ * fc1 fused with glu_probs (FUSE != GG_FUSE_NONE, fwd with Megatron's [E, 2F, H] weight): the
+ * same mainloop, with the B tile built from the gate rows and their linear partners (two copy-
+ * engine boxes per stage), and an epilogue that stores fc1's output a and h = act(gate) *
+ * (linear + offset) * p computed from a's rounded bits by glu_probs' own element functions
+ * (glu_probs_math.h), so a and h are the unfused composition's bits (gg_store_fused).
+ *
  * Everything sm_90a-specific is compiled only under __CUDA_ARCH_FEAT_SM90_ALL; in other device
  * passes (sm_80, plain sm_90) the kernels are empty, and the host learns which case it is from
  * cudaFuncGetAttributes (the real kernel has static shared memory, the empty one none).
