@@ -6,7 +6,8 @@
  * experts (the block sizes, padded and cut at the row bound) gives each expert's first row and
  * each chunk's first rank inside its expert. One warp per (chunk, expert) column, a token per
  * lane, then knows every token's rank from one ballot (the chunk's prefix + the routed lanes
- * below): the row order is the CPU's (expert ascending, token ascending) with no sort and no
+ * below); a block loads a 32-token × 32-expert tile of the map in whole rows first, so no access
+ * strides by E: the row order is the CPU's (expert ascending, token ascending) with no sort and no
  * atomics, so the integer outputs are the CPU's bit for bit. It also records row_of[t, e] (the
  * row of pair (t, e), or -1) and writes the rows no token fills, so every row is written once.
  *
@@ -19,10 +20,11 @@
 /* Tokens per (chunk, expert) column: one warp, one token per lane, so a column's routed flags
  * are one __ballot_sync and a token's rank inside the column is one __popc. */
 #define MOE_PERM_CHUNK 32
-/* Warps per block of the column kernels. Warp g owns column (chunk g / E, expert g % E), so a
- * block covers several experts of one chunk (or several chunks when E is small): its warps read
- * the same routing_map lines, and the grid has nchunks·E warps whatever E is. */
+/* Warps per block of the column kernels; each takes every 8th column of the block's tile. */
 #define MOE_PERM_WARPS 8
+/* Experts per tile of the column kernels: a block loads the flags of 32 tokens × 32 experts in
+ * whole token rows (coalesced at any E) and its warps read the columns from shared memory. */
+#define MOE_PERM_TILE_E 32
 /* The per-expert chunk scan: one block per expert, each thread owning MOE_CSCAN_ITEMS
  * consecutive chunks (independent loads, unrolled), so E = 8 still has 8 full blocks. */
 #define MOE_CSCAN_THREADS 256
@@ -65,17 +67,33 @@ extern "C" size_t moe_cuda_permute_workspace_size(int64_t num_tokens, int64_t nu
     return perm_ws_layout(num_tokens, num_experts, NULL, NULL);
 }
 
-/* chunk_rank[e, c] = routed tokens of expert e in chunk c. One warp per column, blockDim
- * MOE_PERM_WARPS·32. */
+/* Flags of tokens [t0, t0 + 32) × experts [e0, e0 + 32) into s[token][expert] (0 outside the
+ * map): each warp reads whole token rows, so the loads are coalesced at any E, and the column
+ * phase then reads a column from shared memory instead of 32 rows E bytes apart. */
+__device__ __forceinline__ void load_flag_tile(uint8_t (*s)[MOE_PERM_TILE_E + 1],
+                                               const uint8_t *__restrict__ routing_map,
+                                               int64_t t0, int64_t e0, int64_t T, int64_t E) {
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    for (int j = ty; j < MOE_PERM_CHUNK; j += MOE_PERM_WARPS) {
+        const int64_t t = t0 + j, e = e0 + tx;
+        s[j][tx] = (t < T && e < E) ? (uint8_t)(routing_map[t * E + e] != 0) : (uint8_t)0;
+    }
+}
+
+/* chunk_rank[e, c] = routed tokens of expert e in chunk c. Block (chunk c, experts e0..e0+31):
+ * the tile's flags are loaded coalesced, then each warp ballots its columns. */
 __global__ void __launch_bounds__(MOE_PERM_WARPS * 32)
 moe_permute_count_kernel(int32_t *chunk_rank, const uint8_t *__restrict__ routing_map, int64_t T,
                          int64_t E, int64_t nchunks) {
-    const int64_t g = (int64_t)blockIdx.x * MOE_PERM_WARPS + (threadIdx.x >> 5);
-    if (g >= nchunks * E) return; /* whole warps: the ballot below sees all 32 lanes */
+    __shared__ uint8_t s_flag[MOE_PERM_CHUNK][MOE_PERM_TILE_E + 1];
+    const int64_t c = blockIdx.x, e0 = (int64_t)blockIdx.y * MOE_PERM_TILE_E;
+    load_flag_tile(s_flag, routing_map, c * MOE_PERM_CHUNK, e0, T, E);
+    __syncthreads();
     const int lane = threadIdx.x & 31;
-    const int64_t c = g / E, e = g % E, t = c * MOE_PERM_CHUNK + lane;
-    const uint32_t bits = __ballot_sync(0xffffffffu, t < T && routing_map[t * E + e] != 0);
-    if (lane == 0) chunk_rank[e * nchunks + c] = __popc(bits);
+    for (int col = threadIdx.x >> 5; col < MOE_PERM_TILE_E && e0 + col < E; col += MOE_PERM_WARPS) {
+        const uint32_t bits = __ballot_sync(0xffffffffu, s_flag[lane][col] != 0);
+        if (lane == 0) chunk_rank[(e0 + col) * nchunks + c] = __popc(bits);
+    }
 }
 
 /* Exclusive prefix sum over a block of NT threads (all must call it); *total gets the sum. */
@@ -165,17 +183,19 @@ __device__ __forceinline__ void d_pad_row(int64_t *sorted_indices, void *permute
 }
 
 /*
- * Warp g owns column (chunk c = g / E, expert e = g % E), lane = token t = 32c + lane. The
- * column's routed flags are one ballot; a routed token's position inside its expert is the
+ * Block (chunk c, experts e0..e0+31): the tile's flags (and probs) are loaded coalesced into
+ * shared memory; then each warp takes whole columns (expert e, lane = token t = 32c + lane).
+ * The column's routed flags are one ballot; a routed token's position inside its expert is the
  * chunk's prefix plus the routed lanes below it; with drop_and_pad an unrouted token t takes
  * count_e + (t − routed before t), which is the stable descending sort of the column. Positions
- * below the block's real length get a row; every lane stores its own.
+ * below the block's real length get a row; every lane stores its own; row_of goes back through
+ * shared memory so that it too is written in whole token rows.
  *
  * The same launch writes the rows that no token fills (index -1, prob 0), so each row of
  * sorted_indices / permuted_probs is written exactly once: expert e's padding
  * [base + filled_e, offsets[e + 1]) is shared by its ncols column warps, the tail
  * [offsets[E], R) by all warps. ncols = max(nchunks, 1): with T = 0 the one column has no token
- * but still writes the padding. Grid ceil(ncols·E / MOE_PERM_WARPS).
+ * but still writes the padding. Grid (ncols, ceil(E / 32)).
  */
 __global__ void __launch_bounds__(MOE_PERM_WARPS * 32)
 moe_permute_rank_kernel(int64_t *sorted_indices, void *permuted_probs, int32_t *row_of,
@@ -184,39 +204,60 @@ moe_permute_rank_kernel(int64_t *sorted_indices, void *permuted_probs, int32_t *
                         const uint8_t *__restrict__ routing_map, const void *probs, int64_t T,
                         int64_t E, int64_t nchunks, int64_t ncols, int64_t R, int dap,
                         int64_t capacity, moe_dtype_t probs_dtype) {
-    const int64_t g = (int64_t)blockIdx.x * MOE_PERM_WARPS + (threadIdx.x >> 5);
-    const int64_t nwarps = ncols * E;
-    if (g >= nwarps) return; /* whole warps: the ballot below sees all 32 lanes */
-    const int lane = threadIdx.x & 31;
-    const int64_t c = g / E, e = g % E, t = c * MOE_PERM_CHUNK + lane;
-    const int64_t n = tokens_per_expert[e], base = expert_offsets[e], count_e = count[e];
-    const int64_t real = dap ? (capacity < T ? capacity : T) : n;
-    const int64_t lim = real < n ? real : n;
-    if (c < nchunks) { /* warp-uniform; false only for the T = 0 column */
-        const bool in = t < T;
-        const bool routed = in && routing_map[t * E + e] != 0;
-        const uint32_t bits = __ballot_sync(0xffffffffu, routed);
-        const int64_t before =
-            (int64_t)chunk_rank[e * nchunks + c] + __popc(bits & ((1u << lane) - 1u));
-        const int64_t pos = routed ? before : (dap && in) ? count_e + (t - before) : -1;
-        if (in) {
+    __shared__ uint8_t s_flag[MOE_PERM_CHUNK][MOE_PERM_TILE_E + 1];
+    __shared__ double s_prob[MOE_PERM_CHUNK][MOE_PERM_TILE_E + 1];
+    __shared__ int32_t s_row[MOE_PERM_CHUNK][MOE_PERM_TILE_E + 1];
+    const int64_t c = blockIdx.x, e0 = (int64_t)blockIdx.y * MOE_PERM_TILE_E;
+    const int64_t t0 = c * MOE_PERM_CHUNK;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const bool tokens = c < nchunks; /* block-uniform; false only for the T = 0 column */
+    if (tokens) {
+        load_flag_tile(s_flag, routing_map, t0, e0, T, E);
+        if (permuted_probs)
+            for (int j = warp; j < MOE_PERM_CHUNK; j += MOE_PERM_WARPS) {
+                const int64_t t = t0 + j, e = e0 + lane;
+                if (t < T && e < E) s_prob[j][lane] = moe_load(probs, probs_dtype, t * E + e);
+            }
+        __syncthreads();
+    }
+    const int64_t real_cap = dap ? (capacity < T ? capacity : T) : 0;
+    for (int col = warp; col < MOE_PERM_TILE_E && e0 + col < E; col += MOE_PERM_WARPS) {
+        const int64_t e = e0 + col;
+        const int64_t n = tokens_per_expert[e], base = expert_offsets[e], count_e = count[e];
+        const int64_t real = dap ? real_cap : n;
+        const int64_t lim = real < n ? real : n;
+        if (tokens) {
+            const int64_t t = t0 + lane;
+            const bool in = t < T;
+            const bool routed = s_flag[lane][col] != 0;
+            const uint32_t bits = __ballot_sync(0xffffffffu, routed);
+            const int64_t before =
+                (int64_t)chunk_rank[e * nchunks + c] + __popc(bits & ((1u << lane) - 1u));
+            const int64_t pos = routed ? before : (dap && in) ? count_e + (t - before) : -1;
             int32_t row = -1;
-            if (pos >= 0 && pos < lim) {
+            if (in && pos >= 0 && pos < lim) {
                 row = (int32_t)(base + pos);
                 sorted_indices[row] = t;
-                if (permuted_probs)
-                    moe_store(permuted_probs, probs_dtype, row,
-                              moe_load(probs, probs_dtype, t * E + e));
+                if (permuted_probs) moe_store(permuted_probs, probs_dtype, row, s_prob[lane][col]);
             }
-            row_of[t * E + e] = row;
+            s_row[lane][col] = row;
+        }
+        /* rows [base, base + filled) got a token above: positions 0..lim-1 all exist with
+         * drop_and_pad (every token has one), only the routed count_e of them without */
+        const int64_t have = dap ? T : count_e;
+        const int64_t filled = have < lim ? have : lim;
+        for (int64_t r = base + filled + c * 32 + lane; r < base + n; r += ncols * 32)
+            d_pad_row(sorted_indices, permuted_probs, r, probs_dtype);
+    }
+    if (tokens) {
+        __syncthreads();
+        for (int j = warp; j < MOE_PERM_CHUNK; j += MOE_PERM_WARPS) {
+            const int64_t t = t0 + j, e = e0 + lane;
+            if (t < T && e < E) row_of[t * E + e] = s_row[j][lane];
         }
     }
-    /* rows [base, base + filled) got a token above: positions 0..lim-1 all exist with
-     * drop_and_pad (every token has one), only the routed count_e of them without */
-    const int64_t have = dap ? T : count_e;
-    const int64_t filled = have < lim ? have : lim;
-    for (int64_t r = base + filled + c * 32 + lane; r < base + n; r += ncols * 32)
-        d_pad_row(sorted_indices, permuted_probs, r, probs_dtype);
+    const int64_t nwarps = ncols * gridDim.y * MOE_PERM_WARPS;
+    const int64_t g = ((int64_t)blockIdx.y * ncols + c) * MOE_PERM_WARPS + warp;
     for (int64_t r = expert_offsets[E] + g * 32 + lane; r < R; r += nwarps * 32)
         d_pad_row(sorted_indices, permuted_probs, r, probs_dtype);
 }
@@ -272,7 +313,11 @@ static moe_status_t launch_data(void *permuted_tokens, const void *tokens, const
                                 size_t row_bytes, cudaStream_t stream) {
     const int64_t nvec = (int64_t)(row_bytes / W);
     if (T > 0) {
-        const int X = moe_pow2_clamp(nvec, 32, 256), Y = 256 / X;
+        /* a quarter of the row's vectors per thread group: every thread then has four 16-byte
+         * loads in flight (narrow rows, like qwen3's 4 KB, otherwise had one per thread); more
+         * tokens per block only while their destination lists fit 48 KB of shared memory */
+        int X = moe_pow2_clamp((nvec + 3) / 4, 32, 256), Y = 256 / X;
+        while (Y > 1 && (size_t)Y * (size_t)E * sizeof(int32_t) > 48 * 1024) X *= 2, Y /= 2;
         const size_t smem = (size_t)Y * (size_t)E * sizeof(int32_t);
         if (smem > 48 * 1024) {
             cudaError_t err = cudaFuncSetAttribute(moe_permute_scatter_kernel<W>,
@@ -343,15 +388,13 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
     const int64_t capacity = dap ? params->num_out_tokens / E : 0;
     const int64_t nchunks = (T + MOE_PERM_CHUNK - 1) / MOE_PERM_CHUNK;
     const int64_t ncols = nchunks > 0 ? nchunks : 1;
-    /* one warp per (chunk, expert) column */
-    MOE_CHECK((ncols * E + MOE_PERM_WARPS - 1) / MOE_PERM_WARPS <= INT32_MAX,
-              "num_tokens=%lld x num_experts=%lld is too large for the CUDA kernel", (long long)T,
-              (long long)E);
-    MOE_CHECK(E <= INT32_MAX, "num_experts=%lld; the CUDA kernel supports at most %d",
-              (long long)E, INT32_MAX);
+    /* column kernels: grid (chunks, tiles of 32 experts) */
+    const int64_t etiles = (E + MOE_PERM_TILE_E - 1) / MOE_PERM_TILE_E;
+    MOE_CHECK(etiles <= 65535, "num_experts=%lld; the CUDA kernel supports at most %d",
+              (long long)E, 65535 * MOE_PERM_TILE_E);
 
     if (nchunks > 0) {
-        moe_permute_count_kernel<<<moe_blocks_for(nchunks * E, MOE_PERM_WARPS),
+        moe_permute_count_kernel<<<dim3((unsigned)nchunks, (unsigned)etiles),
                                    MOE_PERM_WARPS * 32, 0, st>>>(ws.chunk_rank, routing_map, T, E,
                                                                 nchunks);
         MOE_CHECK_LAUNCH("moe_permute_count_kernel");
@@ -366,7 +409,7 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
                                                              ws.count, E, R, dap, capacity, align);
     MOE_CHECK_LAUNCH("moe_permute_plan_kernel");
     if (R == 0) return MOE_OK; /* no row to fill (row_of is only read by the scatter) */
-    moe_permute_rank_kernel<<<moe_blocks_for(ncols * E, MOE_PERM_WARPS), MOE_PERM_WARPS * 32, 0,
+    moe_permute_rank_kernel<<<dim3((unsigned)ncols, (unsigned)etiles), MOE_PERM_WARPS * 32, 0,
                               st>>>(sorted_indices, permuted_probs, ws.row_of, ws.chunk_rank,
                                     ws.count, expert_offsets, tokens_per_expert, routing_map,
                                     probs, T, E, nchunks, ncols, R, dap, capacity, probs_dtype);
