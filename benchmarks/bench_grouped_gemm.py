@@ -11,7 +11,8 @@ error before it is timed. Printed per shape and product: ms, TFLOP/s, speed rati
 and vs the loop (> 1: ours is faster), % of the dense ceiling; a short table last.
 
 Extra row set (issue 7, item 3), per layer: fc1 with SwiGLU and the router probs, forward only —
-ours fused (grouped_gemm_glu_probs: the activation in the GEMM's epilogue) vs ours unfused
+ours fused (grouped_gemm_glu_probs with MOE_GG_GLU_EPILOGUE=1: the activation in the sm90 GEMM's
+epilogue; the op's default is the two kernels) vs ours unfused
 (grouped_gemm, then glu_probs) vs torch (torch._grouped_mm, then F.silu(g) * l * p in torch ops).
 The fused output must equal the unfused one bit for bit (asserted before timing).
 
@@ -19,6 +20,7 @@ The fused output must equal the unfused one bit for bit (asserted before timing)
                                              [--fused only|no]
 """
 import argparse
+import os
 import statistics
 
 import torch
@@ -157,8 +159,12 @@ def bench_fused_fc1(name, rows_per_expert, H, ffn, reps, ceiling, results):
     probs = torch.rand(R, device=dev)
     flops = 2.0 * R * H * 2 * ffn
 
-    def fused():
-        return OPS.grouped_gemm_glu_probs(x, w1, off64, probs, "silu", True, 0.0, None, True)
+    def fused():  # the sm90 epilogue is opt-in (MOE_GG_GLU_EPILOGUE): measure it
+        os.environ["MOE_GG_GLU_EPILOGUE"] = "1"
+        try:
+            return OPS.grouped_gemm_glu_probs(x, w1, off64, probs, "silu", True, 0.0, None, True)
+        finally:
+            del os.environ["MOE_GG_GLU_EPILOGUE"]
 
     def unfused():
         a = OPS.grouped_gemm(x, w1, off64, True, None)

@@ -10,8 +10,8 @@ Numerics follow Megatron's expert MLP (SequentialMLP / TEGroupedMLP, unfused pat
                                                  (the two lines above are one ops.glu_probs pass
                                                  when the activation is one it knows; without
                                                  bias1, fc1 and that pass are one op,
-                                                 ops.grouped_gemm_glu_probs: the activation in
-                                                 fc1's epilogue, same bits)
+                                                 ops.grouped_gemm_glu_probs, same bits; its
+                                                 Hopper epilogue fusion is opt-in)
     y = h @ W2_eᵀ (+ b2_e * p)                   grouped GEMM
 
 Weights are stored per expert in Megatron's ``nn.Linear`` layout (``[E, out, in]``), so a stack of
@@ -112,7 +112,7 @@ class GroupedMLP(nn.Module):
         name = ops.activation_name(cfg.activation_func)
         row_expert = None
         if self.bias1 is None and name is not None:
-            # the activation and the probs multiply in fc1's epilogue (the bias would have to be
+            # fc1, the activation and the probs multiply as one op (the bias would have to be
             # added between the two, so with a bias the unfused path below runs)
             gated = cfg.gated_linear_unit
             h, _ = ops.grouped_gemm_glu_probs(

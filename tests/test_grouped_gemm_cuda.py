@@ -332,6 +332,14 @@ def is_hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+@pytest.fixture(autouse=True)
+def sm90_glu_epilogue(request, monkeypatch):
+    """The sm90 fused epilogue is opt-in (MOE_GG_GLU_EPILOGUE=1; the op's default is the two
+    kernels, which their own tests cover): the glu tests here exercise it."""
+    if "glu" in request.node.name and "default_dispatch" not in request.node.name:
+        monkeypatch.setenv("MOE_GG_GLU_EPILOGUE", "1")
+
+
 def glu_inputs(counts, H, F_, gated, dtype, trans_w=True, tail=TAIL, probs_dtype=torch.float32):
     R, E = sum(counts) + tail, len(counts)
     F1 = 2 * F_ if gated else F_
@@ -423,6 +431,23 @@ def test_glu_sm90_fused_kernel_is_taken(gated):
     assert any("gg_sm90_kernel" in n for n in names), names
     assert any("gg_sm90_glu_tail_kernel" in n for n in names), names
     assert not any("glu_probs_fwd_kernel" in n for n in names), names
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_glu_default_dispatch_is_the_two_kernels(gated):
+    """Without MOE_GG_GLU_EPILOGUE the op runs grouped GEMM then glu_probs (measured faster on
+    the H200), with the same bits as the fused epilogue."""
+    x, w, off, probs = glu_inputs([40, 0, 300, 7], 128, 256, gated, torch.bfloat16)
+    ops.grouped_gemm_glu_probs(x, w, off, probs, "silu", gated)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        h, a = ops.grouped_gemm_glu_probs(x, w, off, probs, "silu", gated)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert any("glu_probs_fwd_kernel" in n for n in names), names
+    assert not any("gg_sm90_glu_tail_kernel" in n for n in names), names
+    h_ref, a_ref = glu_composed(x, w, off, probs, "silu", gated, 0.0, None)
+    assert_bits(a, a_ref, "a")
+    assert_bits(h, h_ref, "h")
 
 
 @pytest.mark.parametrize("gated,offset,clamp", GLU_CASES)

@@ -1,5 +1,6 @@
 """grouped_gemm_glu_probs: the experts' fc1 with the gated activation and the router-probs
-multiply fused into its epilogue, returning ``h`` and fc1's output ``a``.
+multiply, as one op (optionally fused into the Hopper GEMM's epilogue), returning ``h`` and fc1's
+output ``a``.
 
 It is ``grouped_gemm`` followed by ``glu_probs``, as one op::
 
@@ -20,15 +21,20 @@ Precision contract
   How each path gets there:
 
   - CPU: the op *is* the composition (the two C functions called in turn).
-  - CUDA, Hopper (sm_90a), bf16/fp16, ``trans_w=True``, F a multiple of 8: one kernel. The wgmma
+  - CUDA, by default: the grouped GEMM kernel then the glu_probs kernel on the stream, i.e. the
+    composition. Measured on the H200 (2026-12-02) this is faster than the fused epilogue below
+    (which reaches 0.64-0.83x of it: the activation's fp64 element math runs inside the GEMM's
+    epilogue, where nothing overlaps it).
+  - CUDA, Hopper (sm_90a), with ``MOE_GG_GLU_EPILOGUE=1`` in the environment, bf16/fp16,
+    ``trans_w=True``, F a multiple of 8: one kernel. The wgmma
     tile holds gate columns and their linear partners side by side (two copy-engine boxes of the
     weight per stage); the epilogue rounds the accumulators to the dtype exactly as the plain
     GEMM's epilogue does (same tile width, same wgmma shape, same reduction order, so the same
     ``a``), stores them, and computes ``h`` from those stored bits with the same device functions
     as the ``glu_probs`` kernel (``csrc/glu_probs_math.h``). The CUDA tests assert equality with
     the composition, not a tolerance.
-  - CUDA, anything else (other GPUs, fp32/fp64, ``trans_w=False``, F not a multiple of 8): the
-    grouped GEMM kernel then the glu_probs kernel on the stream, i.e. the composition.
+  - CUDA with the variable set but a case that kernel does not take (other GPUs, fp32/fp64,
+    ``trans_w=False``, F not a multiple of 8): the composition.
 * Rows past ``expert_offsets[-1]`` (a buffer sized by a static bound): ``a`` is 0 there and ``h``
   is glu_probs of a zero row (0 for every activation, up to the sign that a negative
   ``linear_offset`` gives and NaN for a non-finite prob), as composed.
