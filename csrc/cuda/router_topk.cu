@@ -280,7 +280,7 @@ __device__ __forceinline__ double key_value(uint64_t key) {
  * rounds, skipped for softmax-pre without groups, whose routing keys are the aux keys.
  * Shared memory: 2k + 1 words per warp. */
 template <int VPL>
-__global__ void __launch_bounds__(32 * MOE_ROUTER32_WARPS)
+__global__ void __launch_bounds__(32 * MOE_ROUTER32_WARPS, VPL <= 2 ? 4 : VPL <= 8 ? 2 : 1)
 moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void *probs,
                                   uint8_t *routing_map, moe_router_topk_extras_t extras,
                                   const void *logits, const float *expert_bias,
@@ -302,8 +302,15 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
         bias[i] = expert_bias && e < E ? expert_bias[e] : 0.0f;
     }
     const int64_t stride = (int64_t)gridDim.x * MOE_ROUTER32_WARPS;
+    /* bytes of a logits row: 2 or 4 per element here (fp64 rows take the fp64 kernel) */
+    const int64_t row_bytes = (int64_t)E * (ctx.dtype == MOE_DTYPE_FP32 ? 4 : 2);
     for (int64_t t = (int64_t)blockIdx.x * MOE_ROUTER32_WARPS + warp; t < num_tokens; t += stride) {
         const int64_t base = t * E;
+        /* The next token's row into L2 while this one is routed: the grid is one wave of
+         * resident warps, each walking many tokens, so its loads then wait on L2, not DRAM. */
+        if (t + stride < num_tokens && lane * 128 < row_bytes)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)logits +
+                                                         (t + stride) * row_bytes + lane * 128));
         float x[VPL];
 #pragma unroll
         for (int i = 0; i < VPL; ++i) {
@@ -668,13 +675,20 @@ static moe_status_t check_common(int64_t num_tokens, int64_t num_experts, moe_dt
     return MOE_OK;
 }
 
-/* Blocks for the fused kernel's grid-stride loop: enough to fill the device, no more. */
-static unsigned warp32_blocks(int64_t num_tokens) {
-    int dev = 0, sms = 132;
+/* Blocks for the fused kernel's grid-stride loop: one wave of the blocks that are resident at
+ * once (the kernel's registers allow fewer than the 2048 threads an SM holds), no more, so each
+ * warp walks several tokens and can prefetch the next one's row. */
+static unsigned warp32_blocks(const void *kernel, size_t smem, int64_t num_tokens) {
+    int dev = 0, sms = 132, per_sm = 0;
     if (cudaGetDevice(&dev) == cudaSuccess)
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * MOE_ROUTER32_WARPS,
+                                                      smem) != cudaSuccess || per_sm < 1) {
+        (void)cudaGetLastError(); /* the query's failure is not the next launch's */
+        per_sm = 2048 / (32 * MOE_ROUTER32_WARPS);
+    }
     const int64_t need = (num_tokens + MOE_ROUTER32_WARPS - 1) / MOE_ROUTER32_WARPS;
-    const int64_t full = (int64_t)sms * (2048 / (32 * MOE_ROUTER32_WARPS));
+    const int64_t full = (int64_t)sms * per_sm;
     return (unsigned)(need < full ? need : full);
 }
 
@@ -703,7 +717,8 @@ static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *prob
         const size_t smem = (size_t)MOE_ROUTER32_WARPS * (2 * (size_t)k + 1) * sizeof(double);
         moe_topk_fwd_warp32_fn kernel = fwd_warp32_kernel(vpl);
         MOE_TRY(warp_smem((const void *)kernel, smem));
-        kernel<<<warp32_blocks(num_tokens), 32 * MOE_ROUTER32_WARPS, smem, (cudaStream_t)stream>>>(
+        kernel<<<warp32_blocks((const void *)kernel, smem, num_tokens), 32 * MOE_ROUTER32_WARPS,
+                 smem, (cudaStream_t)stream>>>(
             topk_probs, topk_indices, probs, routing_map, ex, logits, expert_bias, num_tokens,
             ctx);
         MOE_CHECK_LAUNCH("moe_router_topk_fwd_warp32_kernel");

@@ -224,40 +224,56 @@ moe_gather_sum_kernel(void *__restrict__ out, const void *__restrict__ rows_base
     if (t >= T) return;
     const P *src = (const P *)rows_base;
     P *dst = (P *)out + t * nvec;
-    for (int64_t v = x; v < nvec; v += blockDim.x) {
-        C acc[VE];
+    /* Two vectors per thread (v and v + X) × two rows per step: four 16-byte loads in flight
+     * whatever the row count (mixtral's 2 rows had 2 with one vector × four rows), in about the
+     * same registers. Each element's sum keeps its ascending row order. */
+    const int64_t X = blockDim.x;
+    for (int64_t v0 = x; v0 < nvec; v0 += 2 * X) {
+        const bool second = v0 + X < nvec;
+        C acc[2][VE];
 #pragma unroll
-        for (int k = 0; k < VE; ++k) acc[k] = (C)0;
-        for (int64_t i0 = 0; i0 < n; i0 += 4) {
-            P in[4];
-            C w[4];
+        for (int u = 0; u < 2; ++u)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
+            for (int k = 0; k < VE; ++k) acc[u][k] = (C)0;
+        for (int64_t i0 = 0; i0 < n; i0 += 2) {
+            P in[2][2];
+            C w[2];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
                 const int64_t i = i0 + j;
                 if (i < n) {
                     const int64_t r = i < MOE_GATHER_CAP ? s_row[y][i] : rows[b + i];
                     w[j] = i < MOE_GATHER_CAP ? s_w[y][i]
                            : probs ? (C)moe_load(probs, probs_dtype, t * E + rexp[b + i])
                                    : (C)1;
-                    in[j] = src[r * nvec + v];
+                    in[0][j] = src[r * nvec + v0];
+                    if (second) in[1][j] = src[r * nvec + v0 + X];
                 }
             }
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
+            for (int j = 0; j < 2; ++j) {
                 if (i0 + j < n) {
 #pragma unroll
-                    for (int k = 0; k < VE; ++k) {
-                        const C xv = (C)moe_widen(in[j].v[k]);
-                        const C term = probs ? moe_round_p<RP>(moe_mul_rn(xv, w[j])) : xv;
-                        acc[k] = moe_add_rn(acc[k], term);
+                    for (int u = 0; u < 2; ++u) {
+                        if (u == 1 && !second) continue;
+#pragma unroll
+                        for (int k = 0; k < VE; ++k) {
+                            const C xv = (C)moe_widen(in[u][j].v[k]);
+                            const C term = probs ? moe_round_p<RP>(moe_mul_rn(xv, w[j])) : xv;
+                            acc[u][k] = moe_add_rn(acc[u][k], term);
+                        }
                     }
                 }
             }
         }
-        P o;
 #pragma unroll
-        for (int k = 0; k < VE; ++k) o.v[k] = moe_narrow<ET>(acc[k]);
-        dst[v] = o;
+        for (int u = 0; u < 2; ++u) {
+            if (u == 1 && !second) continue;
+            P o;
+#pragma unroll
+            for (int k = 0; k < VE; ++k) o.v[k] = moe_narrow<ET>(acc[u][k]);
+            dst[v0 + u * X] = o;
+        }
     }
 }
 
@@ -406,8 +422,10 @@ static moe_status_t launch_data_ve(const data_args_t *a) {
     const int64_t nvec = a->hidden / VE;
     const int X = moe_pow2_clamp(nvec, 32, MOE_GATHER_THREADS);
     if (!a->backward) {
-        const int Y = MOE_GATHER_THREADS / X;
-        moe_gather_sum_kernel<ET, C, RP, VE><<<moe_blocks_for(a->T, Y), dim3(X, Y), 0, a->st>>>(
+        /* the gather-sum covers two vectors per thread: half the threads per token */
+        const int XG = moe_pow2_clamp((nvec + 1) / 2, 32, MOE_GATHER_THREADS);
+        const int Y = MOE_GATHER_THREADS / XG;
+        moe_gather_sum_kernel<ET, C, RP, VE><<<moe_blocks_for(a->T, Y), dim3(XG, Y), 0, a->st>>>(
             a->dst, a->src, a->m->start, a->m->rows, a->m->rexp, a->probs, a->probs_dtype, a->T,
             a->E, nvec);
         MOE_CHECK_LAUNCH("moe_gather_sum_kernel");
