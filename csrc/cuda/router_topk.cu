@@ -257,6 +257,21 @@ __device__ __forceinline__ void segment_max_keys(uint64_t (&v)[VPL], int P) {
     }
 }
 
+/* The lane holding the warp's maximum key, and that key's high word (its score's order bits).
+ * One 32-bit reduction and a ballot; the low words (the ids) are reduced only when the best
+ * score is tied across lanes, which is rare for real-valued scores. */
+__device__ __forceinline__ int warp_argmax_key(uint64_t key, uint32_t *top_out) {
+    const uint32_t hi = (uint32_t)(key >> 32);
+    const uint32_t top = __reduce_max_sync(MOE_FULL_MASK, hi);
+    uint32_t tied = __ballot_sync(MOE_FULL_MASK, hi == top);
+    if (__popc(tied) > 1) { /* warp-uniform */
+        const uint32_t lo = __reduce_max_sync(MOE_FULL_MASK, hi == top ? (uint32_t)key : 0u);
+        tied = __ballot_sync(MOE_FULL_MASK, hi == top && (uint32_t)key == lo);
+    }
+    *top_out = top;
+    return __ffs(tied) - 1;
+}
+
 __device__ __forceinline__ int64_t key_expert(uint64_t key) {
     return (int64_t)(0xffffffffu - (uint32_t)key);
 }
@@ -382,6 +397,17 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
 #pragma unroll
             for (int i = 0; i < VPL; ++i) acc[i] = 0.0f;
             for (int r = 0; r < gn; ++r) {
+                if (P == 32) { /* warp-uniform: a group is a whole slot */
+#pragma unroll
+                    for (int i = 0; i < VPL; ++i) {
+                        uint32_t top;
+                        const int wl = warp_argmax_key((taken >> i & 1u) ? 0u : key[i], &top);
+                        if (lane == wl) taken |= 1u << i;
+                        /* fp32 + fp32 rounded once: what moe_cround(acc + v) gives */
+                        acc[i] = __fadd_rn(acc[i], from_order_bits(top));
+                    }
+                    continue;
+                }
                 uint64_t win[VPL];
 #pragma unroll
                 for (int i = 0; i < VPL; ++i) win[i] = (taken >> i & 1u) ? 0u : key[i];
@@ -389,7 +415,6 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
 #pragma unroll
                 for (int i = 0; i < VPL; ++i) {
                     if (key[i] == win[i]) taken |= 1u << i;
-                    /* fp32 + fp32 rounded once: what moe_cround(acc + v) gives */
                     acc[i] = __fadd_rn(acc[i], (float)key_value(win[i]));
                 }
             }
@@ -404,7 +429,7 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
                 uint64_t best = 0;
 #pragma unroll
                 for (int i = 0; i < VPL; ++i) best = gkey[i] > best ? gkey[i] : best;
-                best = warp_max_key(best);
+                if (P < 32) best = warp_max_key(best); /* P == 32: every lane holds every group */
                 kept |= 1u << key_expert(best);
 #pragma unroll
                 for (int i = 0; i < VPL; ++i)
@@ -450,11 +475,13 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
             best = key[i] > best ? key[i] : best;
         }
         for (int r = 0; r < k; ++r) {
-            const uint64_t win = warp_max_key(best);
-            /* keys are unique (the id is in them), and the id names the one lane and slot that
-             * hold the winner: only that lane takes it out and rescans its slots */
-            const int e_w = (int)key_expert(win);
-            if (lane == (e_w & 31)) {
+            /* keys are unique (the id is in them): one lane holds the winner, and only that
+             * lane takes it out and rescans its slots */
+            uint32_t top;
+            const int wl = warp_argmax_key(best, &top);
+            if (lane == wl) {
+                const uint64_t win = best;
+                const int e_w = (int)key_expert(win);
                 best = 0;
 #pragma unroll
                 for (int i = 0; i < VPL; ++i) {
