@@ -80,31 +80,20 @@ __device__ __forceinline__ void load_flag_tile(uint8_t (*s)[MOE_PERM_TILE_E + 1]
     }
 }
 
-/* chunk_rank[e, c] = routed tokens of expert e in chunk c. Block (chunks 4b..4b+3, experts
- * e0..e0+31): all of the tile's flags are loaded at once (one memory latency per block, and a
- * quarter of the blocks of a chunk-per-block grid), then each warp ballots its columns. */
-#define MOE_PERM_COUNT_CHUNKS 4
+/* chunk_rank[e, c] = routed tokens of expert e in chunk c. Block (chunk c, experts e0..e0+31):
+ * the tile's flags are loaded coalesced, then each warp ballots its columns. */
 __global__ void __launch_bounds__(MOE_PERM_WARPS * 32)
 moe_permute_count_kernel(int32_t *chunk_rank, const uint8_t *__restrict__ routing_map, int64_t T,
                          int64_t E, int64_t nchunks) {
-    __shared__ uint8_t s_flag[MOE_PERM_COUNT_CHUNKS * MOE_PERM_CHUNK][MOE_PERM_TILE_E + 1];
-    const int64_t c0 = (int64_t)blockIdx.x * MOE_PERM_COUNT_CHUNKS;
-    const int64_t e0 = (int64_t)blockIdx.y * MOE_PERM_TILE_E;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int j = warp; j < MOE_PERM_COUNT_CHUNKS * MOE_PERM_CHUNK; j += MOE_PERM_WARPS) {
-        const int64_t t = c0 * MOE_PERM_CHUNK + j, e = e0 + lane;
-        s_flag[j][lane] = (t < T && e < E) ? (uint8_t)(routing_map[t * E + e] != 0) : (uint8_t)0;
-    }
+    __shared__ uint8_t s_flag[MOE_PERM_CHUNK][MOE_PERM_TILE_E + 1];
+    const int64_t c = blockIdx.x, e0 = (int64_t)blockIdx.y * MOE_PERM_TILE_E;
+    load_flag_tile(s_flag, routing_map, c * MOE_PERM_CHUNK, e0, T, E);
     __syncthreads();
-    for (int col = warp; col < MOE_PERM_TILE_E && e0 + col < E; col += MOE_PERM_WARPS)
-#pragma unroll
-        for (int q = 0; q < MOE_PERM_COUNT_CHUNKS; ++q) {
-            const uint32_t bits =
-                __ballot_sync(0xffffffffu, s_flag[q * MOE_PERM_CHUNK + lane][col] != 0);
-            if (lane == 0 && c0 + q < nchunks)
-                chunk_rank[(e0 + col) * nchunks + c0 + q] = __popc(bits);
-        }
+    const int lane = threadIdx.x & 31;
+    for (int col = threadIdx.x >> 5; col < MOE_PERM_TILE_E && e0 + col < E; col += MOE_PERM_WARPS) {
+        const uint32_t bits = __ballot_sync(0xffffffffu, s_flag[lane][col] != 0);
+        if (lane == 0) chunk_rank[(e0 + col) * nchunks + c] = __popc(bits);
+    }
 }
 
 /* Exclusive prefix sum over a block of NT threads (all must call it); *total gets the sum. */
@@ -221,18 +210,7 @@ moe_permute_rank_kernel(int64_t *sorted_indices, void *permuted_probs, int32_t *
     const int64_t c = blockIdx.x, e0 = (int64_t)blockIdx.y * MOE_PERM_TILE_E;
     const int64_t t0 = c * MOE_PERM_CHUNK;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    /* each column's plan values, loaded with the tile (not one dependent load chain per column) */
-    __shared__ int64_t s_n[MOE_PERM_TILE_E], s_base[MOE_PERM_TILE_E], s_cnt[MOE_PERM_TILE_E];
-    __shared__ int32_t s_crank[MOE_PERM_TILE_E];
     const bool tokens = c < nchunks; /* block-uniform; false only for the T = 0 column */
-    const int64_t tail0 = expert_offsets[E]; /* issued now, used last */
-    if (warp == MOE_PERM_WARPS - 1 && e0 + lane < E) {
-        const int64_t e = e0 + lane;
-        s_n[lane] = tokens_per_expert[e];
-        s_base[lane] = expert_offsets[e];
-        s_cnt[lane] = count[e];
-        s_crank[lane] = tokens ? chunk_rank[e * nchunks + c] : 0;
-    }
     if (tokens) {
         load_flag_tile(s_flag, routing_map, t0, e0, T, E);
         if (permuted_probs)
@@ -240,11 +218,12 @@ moe_permute_rank_kernel(int64_t *sorted_indices, void *permuted_probs, int32_t *
                 const int64_t t = t0 + j, e = e0 + lane;
                 if (t < T && e < E) s_prob[j][lane] = moe_load(probs, probs_dtype, t * E + e);
             }
+        __syncthreads();
     }
-    __syncthreads();
     const int64_t real_cap = dap ? (capacity < T ? capacity : T) : 0;
     for (int col = warp; col < MOE_PERM_TILE_E && e0 + col < E; col += MOE_PERM_WARPS) {
-        const int64_t n = s_n[col], base = s_base[col], count_e = s_cnt[col];
+        const int64_t e = e0 + col;
+        const int64_t n = tokens_per_expert[e], base = expert_offsets[e], count_e = count[e];
         const int64_t real = dap ? real_cap : n;
         const int64_t lim = real < n ? real : n;
         if (tokens) {
@@ -252,7 +231,8 @@ moe_permute_rank_kernel(int64_t *sorted_indices, void *permuted_probs, int32_t *
             const bool in = t < T;
             const bool routed = s_flag[lane][col] != 0;
             const uint32_t bits = __ballot_sync(0xffffffffu, routed);
-            const int64_t before = (int64_t)s_crank[col] + __popc(bits & ((1u << lane) - 1u));
+            const int64_t before =
+                (int64_t)chunk_rank[e * nchunks + c] + __popc(bits & ((1u << lane) - 1u));
             const int64_t pos = routed ? before : (dap && in) ? count_e + (t - before) : -1;
             int32_t row = -1;
             if (in && pos >= 0 && pos < lim) {
@@ -278,7 +258,7 @@ moe_permute_rank_kernel(int64_t *sorted_indices, void *permuted_probs, int32_t *
     }
     const int64_t nwarps = ncols * gridDim.y * MOE_PERM_WARPS;
     const int64_t g = ((int64_t)blockIdx.y * ncols + c) * MOE_PERM_WARPS + warp;
-    for (int64_t r = tail0 + g * 32 + lane; r < R; r += nwarps * 32)
+    for (int64_t r = expert_offsets[E] + g * 32 + lane; r < R; r += nwarps * 32)
         d_pad_row(sorted_indices, permuted_probs, r, probs_dtype);
 }
 
@@ -414,9 +394,7 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
               (long long)E, 65535 * MOE_PERM_TILE_E);
 
     if (nchunks > 0) {
-        moe_permute_count_kernel<<<dim3((unsigned)((nchunks + MOE_PERM_COUNT_CHUNKS - 1) /
-                                                   MOE_PERM_COUNT_CHUNKS),
-                                        (unsigned)etiles),
+        moe_permute_count_kernel<<<dim3((unsigned)nchunks, (unsigned)etiles),
                                    MOE_PERM_WARPS * 32, 0, st>>>(ws.chunk_rank, routing_map, T, E,
                                                                 nchunks);
         MOE_CHECK_LAUNCH("moe_permute_count_kernel");

@@ -257,21 +257,6 @@ __device__ __forceinline__ void segment_max_keys(uint64_t (&v)[VPL], int P) {
     }
 }
 
-/* The lane holding the warp's maximum key, and that key's high word (its score's order bits).
- * One 32-bit reduction and a ballot; the low words (the ids) are reduced only when the best
- * score is tied across lanes, which is rare for real-valued scores. */
-__device__ __forceinline__ int warp_argmax_key(uint64_t key, uint32_t *top_out) {
-    const uint32_t hi = (uint32_t)(key >> 32);
-    const uint32_t top = __reduce_max_sync(MOE_FULL_MASK, hi);
-    uint32_t tied = __ballot_sync(MOE_FULL_MASK, hi == top);
-    if (__popc(tied) > 1) { /* warp-uniform */
-        const uint32_t lo = __reduce_max_sync(MOE_FULL_MASK, hi == top ? (uint32_t)key : 0u);
-        tied = __ballot_sync(MOE_FULL_MASK, hi == top && (uint32_t)key == lo);
-    }
-    *top_out = top;
-    return __ffs(tied) - 1;
-}
-
 __device__ __forceinline__ int64_t key_expert(uint64_t key) {
     return (int64_t)(0xffffffffu - (uint32_t)key);
 }
@@ -295,7 +280,7 @@ __device__ __forceinline__ double key_value(uint64_t key) {
  * rounds, skipped for softmax-pre without groups, whose routing keys are the aux keys.
  * Shared memory: 2k + 1 words per warp. */
 template <int VPL>
-__global__ void __launch_bounds__(32 * MOE_ROUTER32_WARPS, VPL <= 2 ? 4 : VPL <= 8 ? 2 : 1)
+__global__ void __launch_bounds__(32 * MOE_ROUTER32_WARPS)
 moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void *probs,
                                   uint8_t *routing_map, moe_router_topk_extras_t extras,
                                   const void *logits, const float *expert_bias,
@@ -317,15 +302,8 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
         bias[i] = expert_bias && e < E ? expert_bias[e] : 0.0f;
     }
     const int64_t stride = (int64_t)gridDim.x * MOE_ROUTER32_WARPS;
-    /* bytes of a logits row: 2 or 4 per element here (fp64 rows take the fp64 kernel) */
-    const int64_t row_bytes = (int64_t)E * (ctx.dtype == MOE_DTYPE_FP32 ? 4 : 2);
     for (int64_t t = (int64_t)blockIdx.x * MOE_ROUTER32_WARPS + warp; t < num_tokens; t += stride) {
         const int64_t base = t * E;
-        /* The next token's row into L2 while this one is routed: the grid is one wave of
-         * resident warps, each walking many tokens, so its loads then wait on L2, not DRAM. */
-        if (t + stride < num_tokens && lane * 128 < row_bytes)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)logits +
-                                                         (t + stride) * row_bytes + lane * 128));
         float x[VPL];
 #pragma unroll
         for (int i = 0; i < VPL; ++i) {
@@ -397,17 +375,6 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
 #pragma unroll
             for (int i = 0; i < VPL; ++i) acc[i] = 0.0f;
             for (int r = 0; r < gn; ++r) {
-                if (P == 32) { /* warp-uniform: a group is a whole slot */
-#pragma unroll
-                    for (int i = 0; i < VPL; ++i) {
-                        uint32_t top;
-                        const int wl = warp_argmax_key((taken >> i & 1u) ? 0u : key[i], &top);
-                        if (lane == wl) taken |= 1u << i;
-                        /* fp32 + fp32 rounded once: what moe_cround(acc + v) gives */
-                        acc[i] = __fadd_rn(acc[i], from_order_bits(top));
-                    }
-                    continue;
-                }
                 uint64_t win[VPL];
 #pragma unroll
                 for (int i = 0; i < VPL; ++i) win[i] = (taken >> i & 1u) ? 0u : key[i];
@@ -415,6 +382,7 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
 #pragma unroll
                 for (int i = 0; i < VPL; ++i) {
                     if (key[i] == win[i]) taken |= 1u << i;
+                    /* fp32 + fp32 rounded once: what moe_cround(acc + v) gives */
                     acc[i] = __fadd_rn(acc[i], (float)key_value(win[i]));
                 }
             }
@@ -429,7 +397,7 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
                 uint64_t best = 0;
 #pragma unroll
                 for (int i = 0; i < VPL; ++i) best = gkey[i] > best ? gkey[i] : best;
-                if (P < 32) best = warp_max_key(best); /* P == 32: every lane holds every group */
+                best = warp_max_key(best);
                 kept |= 1u << key_expert(best);
 #pragma unroll
                 for (int i = 0; i < VPL; ++i)
@@ -475,13 +443,11 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
             best = key[i] > best ? key[i] : best;
         }
         for (int r = 0; r < k; ++r) {
-            /* keys are unique (the id is in them): one lane holds the winner, and only that
-             * lane takes it out and rescans its slots */
-            uint32_t top;
-            const int wl = warp_argmax_key(best, &top);
-            if (lane == wl) {
-                const uint64_t win = best;
-                const int e_w = (int)key_expert(win);
+            const uint64_t win = warp_max_key(best);
+            /* keys are unique (the id is in them), and the id names the one lane and slot that
+             * hold the winner: only that lane takes it out and rescans its slots */
+            const int e_w = (int)key_expert(win);
+            if (lane == (e_w & 31)) {
                 best = 0;
 #pragma unroll
                 for (int i = 0; i < VPL; ++i) {
@@ -702,20 +668,13 @@ static moe_status_t check_common(int64_t num_tokens, int64_t num_experts, moe_dt
     return MOE_OK;
 }
 
-/* Blocks for the fused kernel's grid-stride loop: one wave of the blocks that are resident at
- * once (the kernel's registers allow fewer than the 2048 threads an SM holds), no more, so each
- * warp walks several tokens and can prefetch the next one's row. */
-static unsigned warp32_blocks(const void *kernel, size_t smem, int64_t num_tokens) {
-    int dev = 0, sms = 132, per_sm = 0;
+/* Blocks for the fused kernel's grid-stride loop: enough to fill the device, no more. */
+static unsigned warp32_blocks(int64_t num_tokens) {
+    int dev = 0, sms = 132;
     if (cudaGetDevice(&dev) == cudaSuccess)
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * MOE_ROUTER32_WARPS,
-                                                      smem) != cudaSuccess || per_sm < 1) {
-        (void)cudaGetLastError(); /* the query's failure is not the next launch's */
-        per_sm = 2048 / (32 * MOE_ROUTER32_WARPS);
-    }
     const int64_t need = (num_tokens + MOE_ROUTER32_WARPS - 1) / MOE_ROUTER32_WARPS;
-    const int64_t full = (int64_t)sms * per_sm;
+    const int64_t full = (int64_t)sms * (2048 / (32 * MOE_ROUTER32_WARPS));
     return (unsigned)(need < full ? need : full);
 }
 
@@ -744,8 +703,7 @@ static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *prob
         const size_t smem = (size_t)MOE_ROUTER32_WARPS * (2 * (size_t)k + 1) * sizeof(double);
         moe_topk_fwd_warp32_fn kernel = fwd_warp32_kernel(vpl);
         MOE_TRY(warp_smem((const void *)kernel, smem));
-        kernel<<<warp32_blocks((const void *)kernel, smem, num_tokens), 32 * MOE_ROUTER32_WARPS,
-                 smem, (cudaStream_t)stream>>>(
+        kernel<<<warp32_blocks(num_tokens), 32 * MOE_ROUTER32_WARPS, smem, (cudaStream_t)stream>>>(
             topk_probs, topk_indices, probs, routing_map, ex, logits, expert_bias, num_tokens,
             ctx);
         MOE_CHECK_LAUNCH("moe_router_topk_fwd_warp32_kernel");
