@@ -2,11 +2,12 @@
 # One device session: build with CUDA, run the C tests, the GPU test suite (CUDA parity, CPU-vs-CUDA
 # equality), compute-sanitizer on the CUDA kernels, and the benchmarks; the table comes last.
 # Run on the lent GPU machine from the repo root, with megatron-core carried as a wheel in .whl/.
-# Durations on the H200 (2026-12-02): build 65-85 s; test groups (-n 16) layout 40 s, router +
-# graphs 35 s, glu + grouped GEMM 30-110 s, balancing 75 s, layer 47 s; bench_ops 60 s,
-# bench_grouped_gemm 60 s. A 30-minute device budget fits two calls: everything with
-# SKIP_SANITIZER=1 first, then SKIP_BUILD=1 right after (the machine stays warm 30 s) for
-# compute-sanitizer and PROFILE=1 with BENCHES="".
+# Durations on the H200 (2026-12-02, third session): machine start 30-90 s; build 62-70 s; test
+# groups (-n 16) router + graphs + opcheck 34 s, layout 30 s, grouped GEMM + glu 24 s, balancing
+# 25 s, layer 21 s; bench_ops 60 s (--graph 45 s), bench_grouped_gemm 60 s (--fused only 25 s);
+# compute-sanitizer on the default selection (239 tests) memcheck 20 s, racecheck 76 s. The
+# whole suite + bench_ops --graph + profiles is one ~275 s call. A 30-minute device budget then
+# leaves room for about three more build-and-measure calls; keep the last 2-3 minutes unspent.
 # Knobs: TESTS='g1|g2' (pytest groups), TCAP / PT_TIMEOUT (group / per-test caps, s), NFAIL,
 # SKIP_BUILD, SKIP_SANITIZER, SAN_TOOLS / SAN_TESTS / SAN_K / SCAP, PROFILE, BENCHES, BENCH_ARGS.
 set -uo pipefail
