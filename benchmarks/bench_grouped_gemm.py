@@ -20,6 +20,7 @@ The fused output must equal the unfused one bit for bit (asserted before timing)
                                              [--fused only|no]
 """
 import argparse
+import contextlib
 import os
 import statistics
 
@@ -77,13 +78,17 @@ def routing_counts(tokens: int, experts: int, topk: int, gen: torch.Generator) -
     return torch.bincount(idx.flatten(), minlength=experts).tolist()
 
 
+def expert_offsets(rows_per_expert):
+    """(ours: [E + 1] int64 offsets, torch._grouped_mm's: [E] int32 group ends), on the GPU."""
+    ends = torch.tensor(rows_per_expert, device="cuda").cumsum(0)
+    return torch.cat([torch.zeros(1, dtype=torch.long, device="cuda"), ends]), ends.to(torch.int32)
+
+
 def bench_problem(name, rows_per_expert, K, N, reps, ceiling, results):
     E, R = len(rows_per_expert), sum(rows_per_expert)
     dev, dt = "cuda", torch.bfloat16
-    ends = torch.tensor(rows_per_expert, device=dev).cumsum(0)
-    off64 = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), ends])
-    offs32 = ends.to(torch.int32)
-    bounds = [0] + ends.tolist()
+    off64, offs32 = expert_offsets(rows_per_expert)
+    bounds = off64.tolist()
     x = torch.randn(R, K, device=dev, dtype=dt)
     w = torch.randn(E, N, K, device=dev, dtype=dt) / K**0.5  # [E, N, K]: nn.Linear layout
     dy = torch.randn(R, N, device=dev, dtype=dt)
@@ -147,24 +152,28 @@ def bench_problem(name, rows_per_expert, K, N, reps, ceiling, results):
     torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def glu_epilogue():
+    """MOE_GG_GLU_EPILOGUE=1 for the duration: the op then takes the sm90 fused epilogue."""
+    os.environ["MOE_GG_GLU_EPILOGUE"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["MOE_GG_GLU_EPILOGUE"]
+
+
 def bench_fused_fc1(name, rows_per_expert, H, ffn, reps, ceiling, results):
     """fc1 + SwiGLU + probs: fused vs grouped GEMM + glu_probs vs torch._grouped_mm + torch."""
     E, R = len(rows_per_expert), sum(rows_per_expert)
     dev, dt = "cuda", torch.bfloat16
-    ends = torch.tensor(rows_per_expert, device=dev).cumsum(0)
-    off64 = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), ends])
-    offs32 = ends.to(torch.int32)
+    off64, offs32 = expert_offsets(rows_per_expert)
     x = torch.randn(R, H, device=dev, dtype=dt)
     w1 = torch.randn(E, 2 * ffn, H, device=dev, dtype=dt) / H**0.5  # [E, 2F, H], gate rows first
     probs = torch.rand(R, device=dev)
     flops = 2.0 * R * H * 2 * ffn
 
-    def fused():  # the sm90 epilogue is opt-in (MOE_GG_GLU_EPILOGUE): measure it
-        os.environ["MOE_GG_GLU_EPILOGUE"] = "1"
-        try:
-            return OPS.grouped_gemm_glu_probs(x, w1, off64, probs, "silu", True, 0.0, None, True)
-        finally:
-            del os.environ["MOE_GG_GLU_EPILOGUE"]
+    def fused():  # run under glu_epilogue(): the sm90 epilogue is opt-in
+        return OPS.grouped_gemm_glu_probs(x, w1, off64, probs, "silu", True, 0.0, None, True)
 
     def unfused():
         a = OPS.grouped_gemm(x, w1, off64, True, None)
@@ -175,7 +184,9 @@ def bench_fused_fc1(name, rows_per_expert, H, ffn, reps, ceiling, results):
         g, lin = a.chunk(2, dim=-1)
         return (torch.nn.functional.silu(g) * lin * probs.unsqueeze(-1)).to(dt), a
 
-    (h_f, a_f), (h_u, a_u) = fused(), unfused()
+    with glu_epilogue():
+        h_f, a_f = fused()
+    h_u, a_u = unfused()
     assert torch.equal(a_f, a_u) and torch.equal(h_f, h_u), f"{name}: fused != unfused bits"
     del a_f, a_u, h_u
     try:
@@ -187,7 +198,8 @@ def bench_fused_fc1(name, rows_per_expert, H, ffn, reps, ceiling, results):
         terr, t_torch = float("nan"), float("nan")
         print(f"  torch._grouped_mm fc1+act: {str(exc).splitlines()[0][:100]}")
     del h_f
-    t_fused = time_ms(fused, 2, reps)
+    with glu_epilogue():
+        t_fused = time_ms(fused, 2, reps)
     t_unfused = time_ms(unfused, 2, reps)
     tf = flops / t_fused / 1e9
     row = dict(shape=name, ms=t_fused, tflops=tf, unfused_ms=t_unfused, torch_ms=t_torch,

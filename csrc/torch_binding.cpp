@@ -1271,13 +1271,9 @@ moe_activation_t to_activation(c10::string_view name) {
   return MOE_ACT_SILU;
 }
 
-// Validates a and probs; returns the options and F.
-moe_glu_probs_params_t glu_probs_params(const at::Tensor &a, const c10::optional<at::Tensor> &probs,
-                                        c10::string_view activation, bool gated_linear_unit,
-                                        double linear_offset, c10::optional<double> clamp_value,
-                                        int64_t *ffn) {
-  check_dim(a, 2, "a");
-  check_float(a, "a");
+// The activation options of glu_probs and of fc1 + glu_probs, validated.
+moe_glu_probs_params_t glu_options(c10::string_view activation, bool gated_linear_unit,
+                                   double linear_offset, c10::optional<double> clamp_value) {
   moe_glu_probs_params_t p;
   p.activation = to_activation(activation);
   p.gated_linear_unit = gated_linear_unit ? 1 : 0;
@@ -1287,6 +1283,18 @@ moe_glu_probs_params_t glu_probs_params(const at::Tensor &a, const c10::optional
   MOE_CHECK_VALUE(!clamp_value.has_value() || *clamp_value >= 0.0,
                   "clamp_value must be >= 0 (the linear half is clamped to [-v, v]), got ",
                   p.clamp_value);
+  return p;
+}
+
+// Validates a and probs; returns the options and F.
+moe_glu_probs_params_t glu_probs_params(const at::Tensor &a, const c10::optional<at::Tensor> &probs,
+                                        c10::string_view activation, bool gated_linear_unit,
+                                        double linear_offset, c10::optional<double> clamp_value,
+                                        int64_t *ffn) {
+  check_dim(a, 2, "a");
+  check_float(a, "a");
+  const moe_glu_probs_params_t p =
+      glu_options(activation, gated_linear_unit, linear_offset, clamp_value);
   const int64_t width = a.size(1);
   if (gated_linear_unit) {
     MOE_CHECK_VALUE(width >= 2 && width % 2 == 0, "a.shape[1] must be 2F (even, >= 2) with "
@@ -1379,15 +1387,8 @@ std::tuple<at::Tensor, at::Tensor> grouped_gemm_glu_probs(
                     weight_.sizes());
   }
   const int64_t F = gated_linear_unit ? N / 2 : N;
-  moe_glu_probs_params_t g;
-  g.activation = to_activation(activation);
-  g.gated_linear_unit = gated_linear_unit ? 1 : 0;
-  g.linear_offset = linear_offset;
-  g.has_clamp = clamp_value.has_value() ? 1 : 0;
-  g.clamp_value = clamp_value.value_or(0.0);
-  MOE_CHECK_VALUE(!clamp_value.has_value() || *clamp_value >= 0.0,
-                  "clamp_value must be >= 0 (the linear half is clamped to [-v, v]), got ",
-                  g.clamp_value);
+  const moe_glu_probs_params_t g =
+      glu_options(activation, gated_linear_unit, linear_offset, clamp_value);
   at::Tensor probs;
   if (probs_.has_value()) {
     check_dim(*probs_, 1, "probs");

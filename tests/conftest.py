@@ -26,6 +26,15 @@ def megatron_moe_utils():
     return moe_utils
 
 
+@pytest.fixture
+def poison():
+    """Outputs start as NaN / the dtype's max (gg_utils.poisoned), so unwritten rows show."""
+    from gg_utils import poisoned
+
+    with poisoned():
+        yield
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param

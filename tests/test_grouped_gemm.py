@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_core import ops
+from gg_utils import offsets_of
 from tolerances import assert_error_at_most
 
 OPS = torch.ops.moe_core
@@ -26,19 +27,6 @@ COUNTS = {
     "no_rows": [0, 0, 0],
 }
 SIZES = {"uneven": (45, 70), "one_expert": (129, 33), "random": (64, 300), "no_rows": (16, 24)}
-
-
-@pytest.fixture
-def poison():
-    prev = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    assert torch.utils.deterministic.fill_uninitialized_memory
-    yield
-    torch.use_deterministic_algorithms(prev)
-
-
-def offsets_of(counts):
-    return torch.tensor([0] + list(torch.tensor(counts).cumsum(0).tolist()), dtype=torch.long)
 
 
 def make_counts(case):

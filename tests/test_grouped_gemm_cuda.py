@@ -11,12 +11,11 @@ Poisoning: deterministic algorithms make every torch.empty (the op's own output 
 the binding included) fill with NaN, so an element the kernel forgets to write shows as NaN;
 torch's cuBLAS references run outside that mode (cuBLAS refuses it without a workspace config).
 """
-import contextlib
-
 import pytest
 import torch
 
 from moe_core import ops
+from gg_utils import capture_graph, offsets_of, poisoned
 from tolerances import assert_error_at_most
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -35,28 +34,12 @@ TAIL = 19
 SIZES = {"aligned": (136, 264), "unaligned": (45, 70)}
 
 
-@contextlib.contextmanager
-def poisoned():
-    prev = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    assert torch.utils.deterministic.fill_uninitialized_memory
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(prev)
-
-
 def make_counts(case):
     if COUNTS[case] is not None:
         return COUNTS[case]
     c = torch.randint(0, 300, (12,))
     c[3] = c[7] = 0
     return c.tolist()
-
-
-def offsets_of(counts, device="cuda"):
-    return torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.long,
-                        device=device)
 
 
 def make_inputs(counts, K, N, trans_w, dtype, tail=TAIL, device="cuda"):
@@ -236,7 +219,7 @@ def test_many_experts():
 
 @pytest.mark.parametrize("trans_w", [False, True])
 def test_zero_sizes(trans_w):
-    off = offsets_of([0, 0, 0])
+    off = offsets_of([0, 0, 0], "cuda")
     w = torch.randn((3, 8, 16) if trans_w else (3, 16, 8), device="cuda", dtype=torch.bfloat16)
     with poisoned():
         y = ops.grouped_gemm(torch.empty(0, 16, device="cuda", dtype=torch.bfloat16), w, off, trans_w)
@@ -246,7 +229,7 @@ def test_zero_sizes(trans_w):
     assert y.shape == (0, 8)
     assert torch.equal(dw, torch.zeros_like(dw))  # no rows: every expert's gradient is zero
     # K = 0: y is an empty sum
-    off2 = offsets_of([2, 0, 3])
+    off2 = offsets_of([2, 0, 3], "cuda")
     w0 = torch.randn((3, 8, 0) if trans_w else (3, 0, 8), device="cuda")
     with poisoned():
         y0 = ops.grouped_gemm(torch.randn(5, 0, device="cuda"), w0, off2, trans_w)
@@ -290,15 +273,7 @@ def test_cuda_graph_forward_backward(trans_w):
         dx, dw = torch.autograd.grad(y, (sx, sw), sdy)
         return y, dx, dw
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture_graph(step)
 
     for counts in ([0, 0, 600, 0, 0, 0], [1, 2, 3, 4, 5, 6], [129, 0, 0, 128, 300, 1]):
         x, w, dy, off = draw(counts)
@@ -347,7 +322,7 @@ def glu_inputs(counts, H, F_, gated, dtype, trans_w=True, tail=TAIL, probs_dtype
     w = (torch.randn((E, F1, H) if trans_w else (E, H, F1), dtype=torch.float64) *
          (2.0 / H**0.5)).to(dtype)
     probs = None if probs_dtype is None else torch.rand(R, dtype=torch.float64).to(probs_dtype)
-    return (x.cuda(), w.cuda(), offsets_of(counts),
+    return (x.cuda(), w.cuda(), offsets_of(counts, "cuda"),
             None if probs is None else probs.cuda())
 
 
@@ -517,7 +492,7 @@ def test_glu_zero_rows():
     w = torch.randn(3, 16, 8, device="cuda", dtype=torch.bfloat16)
     with poisoned():
         h, a = ops.grouped_gemm_glu_probs(torch.empty(0, 8, device="cuda", dtype=torch.bfloat16),
-                                          w, offsets_of([0, 0, 0]),
+                                          w, offsets_of([0, 0, 0], "cuda"),
                                           torch.empty(0, device="cuda"), "silu", True)
     assert h.shape == (0, 8) and a.shape == (0, 16)
 
@@ -541,15 +516,7 @@ def test_glu_cuda_graph_forward_backward(gated):
         dx, dw, dp = torch.autograd.grad(h, (sx, sw, sp), sdy)
         return h, a, dx, dw, dp
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture_graph(step)
 
     for counts in ([0, 0, 600, 0, 0, 0], [1, 2, 3, 4, 5, 6], [129, 0, 0, 128, 300, 1]):
         x, w, off, p = draw(counts)

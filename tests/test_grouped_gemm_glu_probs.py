@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from moe_core import MoEConfig, ops
 from moe_core.experts import GroupedMLP, activation_times_probs, apply_activation
+from gg_utils import offsets_of
 from tolerances import assert_error_at_most
 
 OPS = torch.ops.moe_core
@@ -39,20 +40,6 @@ TORCH_ACT = {
     "relu": F.relu, "squared_relu": lambda x: torch.pow(F.relu(x), 2),
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
 }
-
-
-@pytest.fixture
-def poison():
-    prev = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    assert torch.utils.deterministic.fill_uninitialized_memory
-    yield
-    torch.use_deterministic_algorithms(prev)
-
-
-def offsets_of(counts):
-    return torch.tensor([0] + torch.tensor(counts, dtype=torch.long).cumsum(0).tolist(),
-                        dtype=torch.long)
 
 
 def make_inputs(counts, tail, H, F_, gated, dtype, trans_w=True, probs_dtype=torch.float32):

@@ -117,11 +117,12 @@ __global__ void moe_zero_pad_rows_kernel(void *__restrict__ rows_base,
 
 #define MOE_SCAN_THREADS 1024
 
-/* Exclusive prefix sum of one value per thread over a block of MOE_SCAN_THREADS threads (all must
- * call it). Returns the thread's exclusive prefix; *total gets the block's sum. Integer only, so
- * the order of the additions does not matter. */
-__device__ __forceinline__ int64_t moe_block_exclusive_scan(int64_t v, int64_t *total) {
-    __shared__ int64_t warp_sums[MOE_SCAN_THREADS / 32];
+/* Exclusive prefix sum of one value per thread over a block of NT threads (a multiple of 32, at
+ * most 1024; all must call it). Returns the thread's exclusive prefix; *total gets the block's
+ * sum. Integer only, so the order of the additions does not matter. */
+template <int NT>
+__device__ __forceinline__ int64_t moe_block_exclusive_scan_n(int64_t v, int64_t *total) {
+    __shared__ int64_t warp_sums[NT / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int64_t x = v;
 #pragma unroll
@@ -132,19 +133,24 @@ __device__ __forceinline__ int64_t moe_block_exclusive_scan(int64_t v, int64_t *
     if (lane == 31) warp_sums[warp] = x;
     __syncthreads();
     if (warp == 0) {
-        int64_t s = warp_sums[lane];
+        int64_t s = lane < NT / 32 ? warp_sums[lane] : 0;
 #pragma unroll
         for (int d = 1; d < 32; d *= 2) {
             int64_t y = __shfl_up_sync(0xffffffffu, s, d);
             if (lane >= d) s += y;
         }
-        warp_sums[lane] = s; /* inclusive over warps */
+        if (lane < NT / 32) warp_sums[lane] = s; /* inclusive over warps */
     }
     __syncthreads();
     const int64_t before = warp > 0 ? warp_sums[warp - 1] : 0;
-    *total = warp_sums[MOE_SCAN_THREADS / 32 - 1];
+    *total = warp_sums[NT / 32 - 1];
     __syncthreads(); /* warp_sums may be reused by the next call */
     return before + x - v;
+}
+
+/* The same over a block of MOE_SCAN_THREADS threads. */
+__device__ __forceinline__ int64_t moe_block_exclusive_scan(int64_t v, int64_t *total) {
+    return moe_block_exclusive_scan_n<MOE_SCAN_THREADS>(v, total);
 }
 
 #endif /* MOE_CORE_LAYOUT_CUDA_CUH_ */

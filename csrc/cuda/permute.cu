@@ -96,31 +96,6 @@ moe_permute_count_kernel(int32_t *chunk_rank, const uint8_t *__restrict__ routin
     }
 }
 
-/* Exclusive prefix sum over a block of NT threads (all must call it); *total gets the sum. */
-template <int NT>
-__device__ __forceinline__ int64_t d_block_exclusive_scan(int64_t v, int64_t *total) {
-    __shared__ int64_t warp_sums[NT / 32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int64_t x = v;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-        const int64_t y = __shfl_up_sync(0xffffffffu, x, d);
-        if (lane >= d) x += y;
-    }
-    if (lane == 31) warp_sums[warp] = x;
-    __syncthreads();
-    int64_t before = 0, sum = 0;
-#pragma unroll
-    for (int w = 0; w < NT / 32; ++w) { /* NT / 32 broadcast reads: cheaper than a second scan */
-        const int64_t s = warp_sums[w];
-        before += w < warp ? s : 0;
-        sum += s;
-    }
-    __syncthreads(); /* warp_sums is reused by the next call */
-    *total = sum;
-    return before + x - v;
-}
-
 /* Per expert (one block each): the exclusive scan of chunk_rank[e, :] in place, and the
  * expert's total. Thread i owns chunks [tile + i·ITEMS, +ITEMS): its loads are independent and
  * issued together, so a tile costs one memory latency plus one block scan. */
@@ -138,7 +113,7 @@ moe_permute_chunk_scan_kernel(int32_t *chunk_rank, int64_t *count, int64_t nchun
             local += v[j];
         }
         int64_t total;
-        int64_t pre = run + d_block_exclusive_scan<MOE_CSCAN_THREADS>(local, &total);
+        int64_t pre = run + moe_block_exclusive_scan_n<MOE_CSCAN_THREADS>(local, &total);
 #pragma unroll
         for (int j = 0; j < MOE_CSCAN_ITEMS; ++j)
             if (c0 + j < nchunks) {
