@@ -8,6 +8,7 @@
 #define MOE_CORE_CUDA_COMMON_CUH_
 
 #include <cuda_runtime.h>
+#include <stdlib.h>
 
 #include "../common.h"
 
@@ -24,5 +25,65 @@
 static inline unsigned moe_blocks_for(int64_t n, int64_t threads) {
     return (unsigned)((n + threads - 1) / threads);
 }
+
+/* ---- programmatic dependent launch (sm_90+) -------------------------------------------------
+ * The kernels of one op form a chain. Each kernel after the first is launched with programmatic
+ * stream serialization (MOE_LAUNCH_CHAINED): its blocks may start while the previous kernel
+ * still runs, do the work that needs only the op's inputs (loads of the tokens, the map), and
+ * call moe_pdl_wait() before touching anything the previous kernel writes; the wait returns once
+ * that kernel has finished and its writes are visible. Every kernel of a chain calls
+ * moe_pdl_trigger() first, so the next one is launched as early as possible; that is safe because
+ * the next one still waits for the whole grid. The first kernel of an op is launched normally,
+ * which orders the chain after the op's inputs; the launch gaps between the rest disappear.
+ * Without the attribute (before sm_90, or with MOE_CORE_PDL=0 in the environment) the two
+ * instructions do nothing and the launches are ordinary. */
+__device__ __forceinline__ void moe_pdl_wait(void) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void moe_pdl_trigger(void) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/* Whether the current device takes programmatic launches (compute capability >= 9), asked once
+ * per device: a host-side attribute query, nothing on the stream. */
+static inline int moe_pdl_enabled(void) {
+    static int by_device[64]; /* 0: not asked yet, 1: no, 2: yes (racing writers agree) */
+    static int env = -1;
+    if (env < 0) {
+        const char *v = getenv("MOE_CORE_PDL");
+        env = !(v != NULL && v[0] == '0');
+    }
+    if (!env) return 0;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+    if (by_device[dev] == 0) {
+        int major = 0;
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+        by_device[dev] = major >= 9 ? 2 : 1;
+    }
+    return by_device[dev] == 2;
+}
+
+/* kernel<<<grid, block, smem, stream>>>(args...) as a chained launch (see above). The launch
+ * error, if any, is left for MOE_CHECK_LAUNCH. */
+#define MOE_LAUNCH_CHAINED(kernel_, grid_, block_, smem_, stream_, ...)                        \
+    do {                                                                                  \
+        cudaLaunchAttribute moe_attr_[1];                                                 \
+        moe_attr_[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;             \
+        moe_attr_[0].val.programmaticStreamSerializationAllowed = 1;                      \
+        cudaLaunchConfig_t moe_cfg_ = {};                                                 \
+        moe_cfg_.gridDim = (grid_);                                                        \
+        moe_cfg_.blockDim = (block_);                                                      \
+        moe_cfg_.dynamicSmemBytes = (smem_);                                               \
+        moe_cfg_.stream = (stream_);                                                       \
+        moe_cfg_.attrs = moe_attr_;                                                       \
+        moe_cfg_.numAttrs = moe_pdl_enabled() ? 1 : 0;                                    \
+        cudaLaunchKernelEx(&moe_cfg_, kernel_, __VA_ARGS__);                               \
+    } while (0)
 
 #endif /* MOE_CORE_CUDA_COMMON_CUH_ */

@@ -85,18 +85,17 @@ static inline int moe_pow2_clamp(int64_t n, int lo, int hi) {
     return p;
 }
 
-/* Rows whose index is not a token in [0, num_tokens) (padding, -1) are zero. Launch one thread
- * per row, blockDim a multiple of 32: a warp reads its 32 rows' indices in one coalesced load, a
+/* Rows [r0, r0 + 32) whose index is not a token in [0, num_tokens) (padding, -1) are zeroed by
+ * one warp (all 32 lanes call it with the same r0): the 32 indices are one coalesced load, a
  * ballot names the padding rows, and the warp zeroes only those (nvec vectors of W bytes each),
  * so a buffer without padding (the dropless layout) costs one load per 32 rows. */
 template <int W>
-__global__ void moe_zero_pad_rows_kernel(void *__restrict__ rows_base,
-                                         const int64_t *__restrict__ sorted_indices,
-                                         int64_t num_rows, int64_t num_tokens, int64_t nvec) {
+__device__ __forceinline__ void moe_zero_pad_warp(void *__restrict__ rows_base,
+                                                  const int64_t *__restrict__ sorted_indices,
+                                                  int64_t r0, int64_t num_rows,
+                                                  int64_t num_tokens, int64_t nvec) {
     typedef typename moe_vec_t<W>::type V;
-    const int64_t r0 = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) & ~(int64_t)31;
     const int lane = threadIdx.x & 31;
-    if (r0 >= num_rows) return; /* whole warps: the ballot below sees all 32 lanes */
     bool pad = false;
     if (r0 + lane < num_rows) {
         const int64_t t = sorted_indices[r0 + lane];
@@ -111,6 +110,19 @@ __global__ void moe_zero_pad_rows_kernel(void *__restrict__ rows_base,
         V *out = (V *)rows_base + (r0 + j) * nvec;
         for (int64_t v = lane; v < nvec; v += 32) out[v] = zero;
     }
+}
+
+/* The padding rows of a whole buffer: one thread per row, blockDim a multiple of 32. It may be
+ * the chained kernel of an op (it reads sorted_indices only after the wait). */
+template <int W>
+__global__ void moe_zero_pad_rows_kernel(void *__restrict__ rows_base,
+                                         const int64_t *__restrict__ sorted_indices,
+                                         int64_t num_rows, int64_t num_tokens, int64_t nvec) {
+    moe_pdl_trigger();
+    moe_pdl_wait();
+    const int64_t r0 = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) & ~(int64_t)31;
+    if (r0 >= num_rows) return; /* whole warps: the ballot sees all 32 lanes */
+    moe_zero_pad_warp<W>(rows_base, sorted_indices, r0, num_rows, num_tokens, nvec);
 }
 
 /* ---- one-block exclusive scan ---------------------------------------------------------------- */

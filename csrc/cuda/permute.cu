@@ -11,6 +11,11 @@
  * atomics, so the integer outputs are the CPU's bit for bit. It also records row_of[t, e] (the
  * row of pair (t, e), or -1) and writes the rows no token fills, so every row is written once.
  *
+ * The four kernels (count, chunk scan + plan, rank, scatter) are one programmatic-launch chain:
+ * each starts while the previous one finishes and first loads what needs only the op's inputs
+ * (the rank kernel its map tile, the scatter its token's first vectors), so the planning costs
+ * little more than its own latency.
+ *
  * The one clever idea is the data pass: one thread group per TOKEN reads the token's row once,
  * 16 bytes per access, and stores each vector to all of the token's rows (row_of), so the
  * tokens are read T·H times, not T·topk·H times, and every output row still has one writer.
@@ -39,6 +44,7 @@ typedef struct {
     int32_t *chunk_rank; /* [E, nchunks]: routed count of the chunk, then its exclusive prefix */
     int64_t *count;      /* [E]: routed tokens of each expert */
     int32_t *row_of;     /* [T, E]: row of pair (t, e), or -1 */
+    unsigned *done;      /* [1]: chunk-scan blocks finished (the last one plans) */
 } perm_ws_t;
 
 static size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
@@ -52,10 +58,13 @@ static size_t perm_ws_layout(int64_t T, int64_t E, perm_ws_t *ws, void *base) {
     off += align16((size_t)E * sizeof(int64_t));
     const size_t c = off;
     off += align16((size_t)(T * E) * sizeof(int32_t));
+    const size_t d = off;
+    off += align16(sizeof(unsigned));
     if (ws) {
         ws->chunk_rank = (int32_t *)((char *)base + a);
         ws->count = (int64_t *)((char *)base + b);
         ws->row_of = (int32_t *)((char *)base + c);
+        ws->done = (unsigned *)((char *)base + d);
     }
     return off;
 }
@@ -83,10 +92,14 @@ __device__ __forceinline__ void load_flag_tile(uint8_t (*s)[MOE_PERM_TILE_E + 1]
 /* chunk_rank[e, c] = routed tokens of expert e in chunk c. Block (chunk c, experts e0..e0+31):
  * the tile's flags are loaded coalesced, then each warp ballots its columns. */
 __global__ void __launch_bounds__(MOE_PERM_WARPS * 32)
-moe_permute_count_kernel(int32_t *chunk_rank, const uint8_t *__restrict__ routing_map, int64_t T,
-                         int64_t E, int64_t nchunks) {
+moe_permute_count_kernel(int32_t *chunk_rank, unsigned *done,
+                         const uint8_t *__restrict__ routing_map, int64_t T, int64_t E,
+                         int64_t nchunks) {
     __shared__ uint8_t s_flag[MOE_PERM_CHUNK][MOE_PERM_TILE_E + 1];
+    moe_pdl_trigger();
     const int64_t c = blockIdx.x, e0 = (int64_t)blockIdx.y * MOE_PERM_TILE_E;
+    /* the chunk scan, which counts its finished blocks here, starts after this grid ends */
+    if (c == 0 && blockIdx.y == 0 && threadIdx.x == 0) *done = 0u;
     load_flag_tile(s_flag, routing_map, c * MOE_PERM_CHUNK, e0, T, E);
     __syncthreads();
     const int lane = threadIdx.x & 31;
@@ -96,11 +109,53 @@ moe_permute_count_kernel(int32_t *chunk_rank, const uint8_t *__restrict__ routin
     }
 }
 
+/* One block of NT threads: the block sizes (padded, or the capacity), their scan, and the cut at
+ * the row bound R: offsets[e + 1] = min(R, Σ_{e' <= e} block_e') (equivalent to the CPU's running
+ * "room" cut). count is read past L1: other blocks of the same grid may have just written it. */
+template <int NT>
+__device__ __forceinline__ void plan_block(int64_t *expert_offsets, int64_t *tokens_per_expert,
+                                           const int64_t *count, int64_t E, int64_t R, int dap,
+                                           int64_t capacity, int64_t align) {
+    /* each thread owns a contiguous run of experts */
+    const int64_t per = (E + NT - 1) / NT;
+    const int64_t e0 = threadIdx.x * per, e1 = e0 + per < E ? e0 + per : E;
+    int64_t local = 0;
+    for (int64_t e = e0; e < e1; ++e)
+        local += dap ? d_round_up(capacity, align) : d_round_up(__ldcg(count + e), align);
+    int64_t total;
+    int64_t run = moe_block_exclusive_scan_n<NT>(local, &total);
+    if (threadIdx.x == 0) expert_offsets[0] = 0;
+    for (int64_t e = e0; e < e1; ++e) {
+        const int64_t lo = run < R ? run : R;
+        run += dap ? d_round_up(capacity, align) : d_round_up(__ldcg(count + e), align);
+        const int64_t hi = run < R ? run : R;
+        expert_offsets[e + 1] = hi;
+        tokens_per_expert[e] = hi - lo;
+    }
+}
+
+/* The plan alone (T = 0: no chunk to scan). */
+__global__ void __launch_bounds__(MOE_SCAN_THREADS)
+moe_permute_plan_kernel(int64_t *expert_offsets, int64_t *tokens_per_expert,
+                        const int64_t *count, int64_t E, int64_t R, int dap, int64_t capacity,
+                        int64_t align) {
+    plan_block<MOE_SCAN_THREADS>(expert_offsets, tokens_per_expert, count, E, R, dap, capacity,
+                                 align);
+}
+
 /* Per expert (one block each): the exclusive scan of chunk_rank[e, :] in place, and the
  * expert's total. Thread i owns chunks [tile + i·ITEMS, +ITEMS): its loads are independent and
- * issued together, so a tile costs one memory latency plus one block scan. */
+ * issued together, so a tile costs one memory latency plus one block scan. The block that
+ * finishes last (an integer ticket; which block it is does not change any value) then plans
+ * the layout from the totals: no separate launch for E numbers. */
 __global__ void __launch_bounds__(MOE_CSCAN_THREADS)
-moe_permute_chunk_scan_kernel(int32_t *chunk_rank, int64_t *count, int64_t nchunks) {
+moe_permute_chunk_scan_kernel(int32_t *chunk_rank, int64_t *count, unsigned *done,
+                              int64_t *expert_offsets, int64_t *tokens_per_expert,
+                              int64_t nchunks, int64_t E, int64_t R, int dap, int64_t capacity,
+                              int64_t align) {
+    __shared__ int s_last;
+    moe_pdl_trigger();
+    moe_pdl_wait();
     int32_t *col = chunk_rank + (int64_t)blockIdx.x * nchunks;
     int64_t run = 0;
     for (int64_t tile = 0; tile < nchunks; tile += MOE_CSCAN_THREADS * MOE_CSCAN_ITEMS) {
@@ -122,32 +177,16 @@ moe_permute_chunk_scan_kernel(int32_t *chunk_rank, int64_t *count, int64_t nchun
             }
         run += total;
     }
-    if (threadIdx.x == 0) count[blockIdx.x] = run;
-}
-
-/* One block: the block sizes (padded, or the capacity), their scan, and the cut at the row
- * bound R: offsets[e + 1] = min(R, Σ_{e' <= e} block_e') (equivalent to the CPU's running
- * "room" cut). */
-__global__ void __launch_bounds__(MOE_SCAN_THREADS)
-moe_permute_plan_kernel(int64_t *expert_offsets, int64_t *tokens_per_expert,
-                        const int64_t *count, int64_t E, int64_t R, int dap, int64_t capacity,
-                        int64_t align) {
-    /* each thread owns a contiguous run of experts */
-    const int64_t per = (E + blockDim.x - 1) / blockDim.x;
-    const int64_t e0 = threadIdx.x * per, e1 = e0 + per < E ? e0 + per : E;
-    int64_t local = 0;
-    for (int64_t e = e0; e < e1; ++e)
-        local += dap ? d_round_up(capacity, align) : d_round_up(count[e], align);
-    int64_t total;
-    int64_t run = moe_block_exclusive_scan(local, &total);
-    if (threadIdx.x == 0) expert_offsets[0] = 0;
-    for (int64_t e = e0; e < e1; ++e) {
-        const int64_t lo = run < R ? run : R;
-        run += dap ? d_round_up(capacity, align) : d_round_up(count[e], align);
-        const int64_t hi = run < R ? run : R;
-        expert_offsets[e + 1] = hi;
-        tokens_per_expert[e] = hi - lo;
+    if (threadIdx.x == 0) {
+        count[blockIdx.x] = run;
+        __threadfence(); /* the total is visible before the ticket that counts it */
+        s_last = atomicAdd(done, 1u) == gridDim.x - 1;
     }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    plan_block<MOE_CSCAN_THREADS>(expert_offsets, tokens_per_expert, count, E, R, dap, capacity,
+                                  align);
 }
 
 /* A row with no token: index -1, prob 0. */
@@ -186,15 +225,17 @@ moe_permute_rank_kernel(int64_t *sorted_indices, void *permuted_probs, int32_t *
     const int64_t t0 = c * MOE_PERM_CHUNK;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const bool tokens = c < nchunks; /* block-uniform; false only for the T = 0 column */
-    if (tokens) {
+    moe_pdl_trigger();
+    if (tokens) { /* the op's inputs: loaded while the chunk scan may still run */
         load_flag_tile(s_flag, routing_map, t0, e0, T, E);
         if (permuted_probs)
             for (int j = warp; j < MOE_PERM_CHUNK; j += MOE_PERM_WARPS) {
                 const int64_t t = t0 + j, e = e0 + lane;
                 if (t < T && e < E) s_prob[j][lane] = moe_load(probs, probs_dtype, t * E + e);
             }
-        __syncthreads();
     }
+    moe_pdl_wait(); /* the chunk ranks, counts and offsets are the chunk scan's */
+    if (tokens) __syncthreads();
     const int64_t real_cap = dap ? (capacity < T ? capacity : T) : 0;
     for (int col = warp; col < MOE_PERM_TILE_E && e0 + col < E; col += MOE_PERM_WARPS) {
         const int64_t e = e0 + col;
@@ -237,49 +278,64 @@ moe_permute_rank_kernel(int64_t *sorted_indices, void *permuted_probs, int32_t *
         d_pad_row(sorted_indices, permuted_probs, r, probs_dtype);
 }
 
-/* The data pass. blockDim = (X, Y): Y tokens per block, X threads per token. Each thread group
- * gathers its token's destination rows into shared memory (their order does not matter: each
- * row has one writer), then streams the token's row once, storing each vector to every row. */
+/* The data pass. blockDim = (X, Y), X·Y = 256: Y tokens per block, X threads per token. Each
+ * thread group loads its token's first vectors (the op's input, before the wait), gathers the
+ * token's destination rows into shared memory (their order does not matter: each row has one
+ * writer), then streams the token's row once, storing each vector to every row. The rows that no
+ * token fills (padding, the tail after offsets[E]) are zeroed by the same grid, 32 per warp, so
+ * no further launch follows. */
 template <int W>
-__global__ void moe_permute_scatter_kernel(void *__restrict__ permuted_tokens,
-                                           const void *__restrict__ tokens,
-                                           const int32_t *__restrict__ row_of, int64_t T,
-                                           int64_t E, int64_t nvec) {
+__global__ void __launch_bounds__(256)
+moe_permute_scatter_kernel(void *__restrict__ permuted_tokens, const void *__restrict__ tokens,
+                           const int32_t *__restrict__ row_of,
+                           const int64_t *__restrict__ sorted_indices, int64_t T, int64_t E,
+                           int64_t R, int64_t nvec) {
     typedef typename moe_vec_t<W>::type V;
     extern __shared__ int32_t s_dst[]; /* [Y, E] */
     __shared__ int s_n[32];
+    moe_pdl_trigger();
     const int y = threadIdx.y, x = threadIdx.x;
+    const int64_t X = blockDim.x;
     const int64_t t = (int64_t)blockIdx.x * blockDim.y + y;
+    const bool live = t < T;
+    const V *src = (const V *)tokens + t * nvec;
+    /* four independent 16-byte loads in flight per thread before their stores */
+    V val[4];
+    int64_t v0 = x;
+    if (live)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            if (v0 + j * X < nvec) val[j] = src[v0 + j * X];
+    moe_pdl_wait(); /* row_of and sorted_indices are the rank kernel's */
     int32_t *dst = s_dst + (int64_t)y * E;
     if (x == 0) s_n[y] = 0;
     __syncthreads();
-    if (t < T)
-        for (int64_t e = x; e < E; e += blockDim.x) {
+    if (live)
+        for (int64_t e = x; e < E; e += X) {
             const int32_t r = row_of[t * E + e];
             if (r >= 0) dst[atomicAdd(&s_n[y], 1)] = r;
         }
     __syncthreads();
-    if (t >= T) return;
-    const int n = s_n[y];
-    const V *src = (const V *)tokens + t * nvec;
     V *out = (V *)permuted_tokens;
-    /* four independent 16-byte loads in flight per thread before their stores */
-    for (int64_t v0 = x; v0 < nvec; v0 += 4 * (int64_t)blockDim.x) {
-        V val[4];
+    if (live) {
+        const int n = s_n[y];
+        for (;;) {
+            for (int k = 0; k < n; ++k) {
+                V *row = out + (int64_t)dst[k] * nvec;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int64_t v = v0 + j * (int64_t)blockDim.x;
-            if (v < nvec) val[j] = src[v];
-        }
-        for (int k = 0; k < n; ++k) {
-            V *row = out + (int64_t)dst[k] * nvec;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int64_t v = v0 + j * (int64_t)blockDim.x;
-                if (v < nvec) row[v] = val[j];
+                for (int j = 0; j < 4; ++j)
+                    if (v0 + j * X < nvec) row[v0 + j * X] = val[j];
             }
+            v0 += 4 * X;
+            if (v0 >= nvec) break;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                if (v0 + j * X < nvec) val[j] = src[v0 + j * X];
         }
     }
+    const int64_t tid = (int64_t)y * X + x, nwarps = (int64_t)gridDim.x * 8;
+    for (int64_t r0 = ((int64_t)blockIdx.x * 8 + tid / 32) * 32; r0 < R; r0 += nwarps * 32)
+        moe_zero_pad_warp<W>(permuted_tokens, sorted_indices, r0, R, T, nvec);
 }
 
 template <int W>
@@ -294,8 +350,10 @@ static moe_status_t launch_data(void *permuted_tokens, const void *tokens, const
         int X = moe_pow2_clamp((nvec + 3) / 4, 32, 256), Y = 256 / X;
         while (Y > 1 && (size_t)Y * (size_t)E * sizeof(int32_t) > 48 * 1024) X *= 2, Y /= 2;
         const size_t smem = (size_t)Y * (size_t)E * sizeof(int32_t);
+        void (*scatter)(void *, const void *, const int32_t *, const int64_t *, int64_t, int64_t,
+                        int64_t, int64_t) = moe_permute_scatter_kernel<W>;
         if (smem > 48 * 1024) {
-            cudaError_t err = cudaFuncSetAttribute(moe_permute_scatter_kernel<W>,
+            cudaError_t err = cudaFuncSetAttribute(scatter,
                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                    (int)smem);
             if (err != cudaSuccess)
@@ -303,13 +361,14 @@ static moe_status_t launch_data(void *permuted_tokens, const void *tokens, const
                                 "permute: num_experts=%lld needs %zu bytes of shared memory: %s",
                                 (long long)E, smem, cudaGetErrorString(err));
         }
-        moe_permute_scatter_kernel<W><<<moe_blocks_for(T, Y), dim3(X, Y), smem, stream>>>(
-            permuted_tokens, tokens, row_of, T, E, nvec);
+        MOE_LAUNCH_CHAINED(scatter, dim3(moe_blocks_for(T, Y)), dim3(X, Y), smem, stream,
+                           permuted_tokens, tokens, row_of, sorted_indices, T, E, R, nvec);
         MOE_CHECK_LAUNCH("moe_permute_scatter_kernel");
-    }
-    if (R > 0) {
-        moe_zero_pad_rows_kernel<W><<<moe_blocks_for(R, 256), 256, 0, stream>>>(
-            permuted_tokens, sorted_indices, R, T, nvec);
+    } else if (R > 0) {
+        void (*pad)(void *, const int64_t *, int64_t, int64_t, int64_t) =
+            moe_zero_pad_rows_kernel<W>;
+        MOE_LAUNCH_CHAINED(pad, dim3(moe_blocks_for(R, 256)), dim3(256), 0, stream,
+                           permuted_tokens, sorted_indices, R, T, nvec);
         MOE_CHECK_LAUNCH("moe_zero_pad_rows_kernel");
     }
     return MOE_OK;
@@ -368,26 +427,30 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
     MOE_CHECK(etiles <= 65535, "num_experts=%lld; the CUDA kernel supports at most %d",
               (long long)E, 65535 * MOE_PERM_TILE_E);
 
+    /* count → chunk scan (+ plan) → rank → scatter: the first launch is ordinary, the rest
+     * are chained (cuda_common.cuh) */
     if (nchunks > 0) {
         moe_permute_count_kernel<<<dim3((unsigned)nchunks, (unsigned)etiles),
-                                   MOE_PERM_WARPS * 32, 0, st>>>(ws.chunk_rank, routing_map, T, E,
-                                                                nchunks);
+                                   MOE_PERM_WARPS * 32, 0, st>>>(ws.chunk_rank, ws.done,
+                                                                routing_map, T, E, nchunks);
         MOE_CHECK_LAUNCH("moe_permute_count_kernel");
-        moe_permute_chunk_scan_kernel<<<(unsigned)E, MOE_CSCAN_THREADS, 0, st>>>(ws.chunk_rank,
-                                                                              ws.count, nchunks);
+        MOE_LAUNCH_CHAINED(moe_permute_chunk_scan_kernel, dim3((unsigned)E),
+                           dim3(MOE_CSCAN_THREADS), 0, st, ws.chunk_rank, ws.count, ws.done,
+                           expert_offsets, tokens_per_expert, nchunks, E, R, dap, capacity,
+                           align);
         MOE_CHECK_LAUNCH("moe_permute_chunk_scan_kernel");
     } else {
         MOE_CHECK(cudaMemsetAsync(ws.count, 0, (size_t)E * sizeof(int64_t), st) == cudaSuccess,
                   "permute: cudaMemsetAsync of the expert counts failed");
+        moe_permute_plan_kernel<<<1, MOE_SCAN_THREADS, 0, st>>>(
+            expert_offsets, tokens_per_expert, ws.count, E, R, dap, capacity, align);
+        MOE_CHECK_LAUNCH("moe_permute_plan_kernel");
     }
-    moe_permute_plan_kernel<<<1, MOE_SCAN_THREADS, 0, st>>>(expert_offsets, tokens_per_expert,
-                                                             ws.count, E, R, dap, capacity, align);
-    MOE_CHECK_LAUNCH("moe_permute_plan_kernel");
     if (R == 0) return MOE_OK; /* no row to fill (row_of is only read by the scatter) */
-    moe_permute_rank_kernel<<<dim3((unsigned)ncols, (unsigned)etiles), MOE_PERM_WARPS * 32, 0,
-                              st>>>(sorted_indices, permuted_probs, ws.row_of, ws.chunk_rank,
-                                    ws.count, expert_offsets, tokens_per_expert, routing_map,
-                                    probs, T, E, nchunks, ncols, R, dap, capacity, probs_dtype);
+    MOE_LAUNCH_CHAINED(moe_permute_rank_kernel, dim3((unsigned)ncols, (unsigned)etiles),
+                       dim3(MOE_PERM_WARPS * 32), 0, st, sorted_indices, permuted_probs,
+                       ws.row_of, ws.chunk_rank, ws.count, expert_offsets, tokens_per_expert,
+                       routing_map, probs, T, E, nchunks, ncols, R, dap, capacity, probs_dtype);
     MOE_CHECK_LAUNCH("moe_permute_rank_kernel");
 
     const size_t row_bytes = (size_t)hidden * esize;
