@@ -158,15 +158,31 @@ def test_permute_cuda_planning_edges(T, E, k, n, dap, align):
             same(a, b, name)
 
 
-@pytest.mark.parametrize("T", [16384, 16385, 40000])
-def test_unpermute_cuda_token_rows_scan_tiles(T):
-    """The token → rows scan at one tile exactly, one past it, and several tiles."""
+@pytest.mark.parametrize("T,align", [(8192, 0), (16384, 0), (16384, 16), (16385, 16), (40000, 16)])
+def test_unpermute_cuda_token_rows_scan_tiles(T, align):
+    """The token → rows scan below one tile (mixtral's shape, no padding), at one tile exactly
+    (with and without padding rows), one past it, and several tiles."""
     E, k, H = 8, 2, 8
-    m, rows, idx, off = layout(T, E, k, H, torch.float32, align=16)
+    m, rows, idx, off = layout(T, E, k, H, torch.float32, align=align)
     y = torch.randn(rows.shape, dtype=torch.float64).to(torch.float32)
     p = routed_probs(m, torch.float32)
     cpu, gpu = both(lambda *a: OPS.unpermute(*a), y, idx, T, p, off)
     same(cpu, gpu, "unpermute")
+    cpu, gpu = both(lambda *a: OPS.permute_bwd(*a, T), y, None, idx, off)
+    same(cpu[0], gpu[0], "grad_tokens")
+
+
+@pytest.mark.parametrize("align", [0, 4])
+def test_unpermute_cuda_tokens_with_more_rows_than_staged(align):
+    """Tokens with more rows (40) than the gather stages in shared memory (32): the rest are read
+    from the map in global memory, still in the CPU's ascending order, with probs too."""
+    T, E, k, H = 50, 64, 40, 24
+    m, rows, idx, off = layout(T, E, k, H, torch.float32, align=align)
+    y = torch.randn(rows.shape, dtype=torch.float64).to(torch.bfloat16)
+    p = routed_probs(m, torch.float32)
+    for probs, offsets in ((p, off), (None, None)):
+        cpu, gpu = both(lambda *a: OPS.unpermute(*a), y, idx, T, probs, offsets)
+        same(cpu, gpu, "unpermute")
     cpu, gpu = both(lambda *a: OPS.permute_bwd(*a, T), y, None, idx, off)
     same(cpu[0], gpu[0], "grad_tokens")
 

@@ -8,7 +8,8 @@
  * (each weighted row rounded to the promoted dtype P, a running fp32/fp64 sum, one final
  * rounding), so the output is the CPU's bit for bit. The CSR build uses integer atomics only for
  * counts and slot claims; each token's short segment is then sorted, so nothing depends on
- * their order.
+ * their order. The kernels after the first are one programmatic-launch chain (cuda_common.cuh),
+ * so their launch gaps vanish.
  *
  * Data kernels read and write 16 bytes per access when the row size and the pointers allow it,
  * and issue the loads of up to four rows before adding them, so a token's rows are in flight
@@ -42,6 +43,7 @@ extern "C" size_t moe_cuda_unpermute_workspace_size(int64_t num_tokens, int64_t 
 
 __global__ void moe_token_rows_count_kernel(int64_t *start, const int64_t *sorted_indices,
                                             int64_t T, int64_t R) {
+    moe_pdl_trigger();
     const int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= R) return;
     const int64_t t = sorted_indices[r];
@@ -62,6 +64,8 @@ __global__ void moe_token_rows_count_kernel(int64_t *start, const int64_t *sorte
 template <typename S>
 __global__ void __launch_bounds__(MOE_SCAN_THREADS)
 moe_token_rows_scan_kernel(int64_t *start, int64_t T) {
+    moe_pdl_trigger();
+    moe_pdl_wait();
     int64_t *c = start + 1;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int64_t run = 0;
@@ -102,6 +106,8 @@ moe_token_rows_scan_kernel(int64_t *start, int64_t T) {
 
 __global__ void moe_token_rows_fill_kernel(int64_t *rows, int64_t *cursor, const int64_t *start,
                                            const int64_t *sorted_indices, int64_t T, int64_t R) {
+    moe_pdl_trigger();
+    moe_pdl_wait();
     const int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= R) return;
     const int64_t t = sorted_indices[r];
@@ -125,6 +131,8 @@ __device__ __forceinline__ int64_t d_row_expert(const int64_t *offsets, int64_t 
  * order independent of the fill's atomics; then each entry's expert. */
 __global__ void moe_token_rows_sort_kernel(int64_t *rows, int64_t *rexp, const int64_t *start,
                                            const int64_t *expert_offsets, int64_t T, int64_t E) {
+    moe_pdl_trigger();
+    moe_pdl_wait();
     const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= T) return;
     const int64_t b = start[t], n = start[t + 1] - b;
@@ -153,6 +161,7 @@ static moe_status_t build_token_rows(token_rows_t *m, void *workspace, size_t wo
               workspace_bytes, need);
     MOE_CHECK(R == 0 || sorted_indices, "sorted_indices must not be NULL");
     token_rows_layout(m, workspace, T, R);
+    /* memset, count (ordinary launches), then the chained scan, fill and sort */
     cudaError_t err = cudaMemsetAsync(m->start, 0, (size_t)(2 * T + 1) * sizeof(int64_t), st);
     if (err != cudaSuccess)
         return moe_fail(MOE_ERR_CUDA, "token rows: cudaMemsetAsync failed: %s",
@@ -164,17 +173,19 @@ static moe_status_t build_token_rows(token_rows_t *m, void *workspace, size_t wo
     }
     if (T == 0) return MOE_OK;
     if (R <= INT32_MAX)
-        moe_token_rows_scan_kernel<int32_t><<<1, MOE_SCAN_THREADS, 0, st>>>(m->start, T);
+        MOE_LAUNCH_CHAINED(moe_token_rows_scan_kernel<int32_t>, dim3(1), dim3(MOE_SCAN_THREADS),
+                           0, st, m->start, T);
     else
-        moe_token_rows_scan_kernel<int64_t><<<1, MOE_SCAN_THREADS, 0, st>>>(m->start, T);
+        MOE_LAUNCH_CHAINED(moe_token_rows_scan_kernel<int64_t>, dim3(1), dim3(MOE_SCAN_THREADS),
+                           0, st, m->start, T);
     MOE_CHECK_LAUNCH("moe_token_rows_scan_kernel");
     if (R > 0) {
-        moe_token_rows_fill_kernel<<<moe_blocks_for(R, 256), 256, 0, st>>>(
-            m->rows, m->cursor, m->start, sorted_indices, T, R);
+        MOE_LAUNCH_CHAINED(moe_token_rows_fill_kernel, dim3(moe_blocks_for(R, 256)), dim3(256),
+                           0, st, m->rows, m->cursor, m->start, sorted_indices, T, R);
         MOE_CHECK_LAUNCH("moe_token_rows_fill_kernel");
     }
-    moe_token_rows_sort_kernel<<<moe_blocks_for(T, 128), 128, 0, st>>>(
-        m->rows, m->rexp, m->start, expert_offsets, T, E);
+    MOE_LAUNCH_CHAINED(moe_token_rows_sort_kernel, dim3(moe_blocks_for(T, 128)), dim3(128), 0,
+                       st, m->rows, m->rexp, m->start, expert_offsets, T, E);
     MOE_CHECK_LAUNCH("moe_token_rows_sort_kernel");
     return MOE_OK;
 }
@@ -209,6 +220,8 @@ moe_gather_sum_kernel(void *__restrict__ out, const void *__restrict__ rows_base
     typedef moe_pack<ET, VE> P;
     __shared__ int64_t s_row[MOE_GATHER_THREADS / 32][MOE_GATHER_CAP];
     __shared__ C s_w[MOE_GATHER_THREADS / 32][MOE_GATHER_CAP];
+    moe_pdl_trigger();
+    moe_pdl_wait(); /* the token → rows map is the previous kernel's */
     const int y = threadIdx.y, x = threadIdx.x;
     const int64_t t = (int64_t)blockIdx.x * blockDim.y + y;
     int64_t b = 0, n = 0;
@@ -297,6 +310,8 @@ moe_unpermute_bwd_kernel(void *__restrict__ grad_x, double *__restrict__ dots,
                          moe_dtype_t probs_dtype, int64_t E, int64_t nvec, int want_dots) {
     typedef moe_pack<ET, VE> P;
     __shared__ C s_red[MOE_GATHER_THREADS / 32][MOE_BWD_GROUP];
+    moe_pdl_trigger();
+    moe_pdl_wait();
     const int x = threadIdx.x, lane = x & 31, warp = x >> 5, nwarps = blockDim.x >> 5;
     const int64_t t = blockIdx.x;
     const int64_t b = start[t], n = start[t + 1] - b;
@@ -369,6 +384,8 @@ __global__ void moe_token_expert_sum_kernel(void *grad_probs, const double *dots
                                             const int64_t *start, const int64_t *rows,
                                             const int64_t *rexp, int64_t T, int64_t E,
                                             moe_dtype_t probs_dtype) {
+    moe_pdl_trigger();
+    moe_pdl_wait();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= T * E) return;
     const int64_t t = i / E, e = i % E;
@@ -425,14 +442,20 @@ static moe_status_t launch_data_ve(const data_args_t *a) {
         /* the gather-sum covers two vectors per thread: half the threads per token */
         const int XG = moe_pow2_clamp((nvec + 1) / 2, 32, MOE_GATHER_THREADS);
         const int Y = MOE_GATHER_THREADS / XG;
-        moe_gather_sum_kernel<ET, C, RP, VE><<<moe_blocks_for(a->T, Y), dim3(XG, Y), 0, a->st>>>(
-            a->dst, a->src, a->m->start, a->m->rows, a->m->rexp, a->probs, a->probs_dtype, a->T,
-            a->E, nvec);
+        void (*gather)(void *, const void *, const int64_t *, const int64_t *, const int64_t *,
+                       const void *, moe_dtype_t, int64_t, int64_t, int64_t) =
+            moe_gather_sum_kernel<ET, C, RP, VE>;
+        MOE_LAUNCH_CHAINED(gather, dim3(moe_blocks_for(a->T, Y)), dim3(XG, Y), 0, a->st, a->dst,
+                           a->src, a->m->start, a->m->rows, a->m->rexp, a->probs, a->probs_dtype,
+                           a->T, a->E, nvec);
         MOE_CHECK_LAUNCH("moe_gather_sum_kernel");
     } else {
-        moe_unpermute_bwd_kernel<ET, C, RP, VE><<<(unsigned)a->T, X, 0, a->st>>>(
-            a->dst, a->dots, a->src, a->x_rows, a->m->start, a->m->rows, a->m->rexp, a->probs,
-            a->probs_dtype, a->E, nvec, a->x_rows != NULL);
+        void (*bwd)(void *, double *, const void *, const void *, const int64_t *,
+                    const int64_t *, const int64_t *, const void *, moe_dtype_t, int64_t, int64_t,
+                    int) = moe_unpermute_bwd_kernel<ET, C, RP, VE>;
+        MOE_LAUNCH_CHAINED(bwd, dim3((unsigned)a->T), dim3(X), 0, a->st, a->dst, a->dots, a->src,
+                           a->x_rows, a->m->start, a->m->rows, a->m->rexp, a->probs,
+                           a->probs_dtype, a->E, nvec, a->x_rows != NULL);
         MOE_CHECK_LAUNCH("moe_unpermute_bwd_kernel");
     }
     return MOE_OK;
@@ -467,14 +490,17 @@ static moe_status_t launch_data(const data_args_t *a, moe_dtype_t dtype, math_t 
 static moe_status_t launch_zero_pad(void *rows_base, const int64_t *sorted_indices, int64_t R,
                                     int64_t T, size_t row_bytes, cudaStream_t st) {
     if (R == 0) return MOE_OK;
-    const unsigned grid = moe_blocks_for(R, 256); /* one thread per row, a warp per 32 rows */
+    const dim3 grid(moe_blocks_for(R, 256)); /* one thread per row, a warp per 32 rows */
+    void (*pad)(void *, const int64_t *, int64_t, int64_t, int64_t);
+    int64_t nvec;
     switch (moe_vec_bytes(row_bytes, rows_base, NULL, NULL)) {
-    case 16: moe_zero_pad_rows_kernel<16><<<grid, 256, 0, st>>>(rows_base, sorted_indices, R, T, (int64_t)(row_bytes / 16)); break;
-    case 8: moe_zero_pad_rows_kernel<8><<<grid, 256, 0, st>>>(rows_base, sorted_indices, R, T, (int64_t)(row_bytes / 8)); break;
-    case 4: moe_zero_pad_rows_kernel<4><<<grid, 256, 0, st>>>(rows_base, sorted_indices, R, T, (int64_t)(row_bytes / 4)); break;
-    case 2: moe_zero_pad_rows_kernel<2><<<grid, 256, 0, st>>>(rows_base, sorted_indices, R, T, (int64_t)(row_bytes / 2)); break;
-    default: moe_zero_pad_rows_kernel<1><<<grid, 256, 0, st>>>(rows_base, sorted_indices, R, T, (int64_t)row_bytes); break;
+    case 16: pad = moe_zero_pad_rows_kernel<16>, nvec = (int64_t)(row_bytes / 16); break;
+    case 8: pad = moe_zero_pad_rows_kernel<8>, nvec = (int64_t)(row_bytes / 8); break;
+    case 4: pad = moe_zero_pad_rows_kernel<4>, nvec = (int64_t)(row_bytes / 4); break;
+    case 2: pad = moe_zero_pad_rows_kernel<2>, nvec = (int64_t)(row_bytes / 2); break;
+    default: pad = moe_zero_pad_rows_kernel<1>, nvec = (int64_t)row_bytes; break;
     }
+    MOE_LAUNCH_CHAINED(pad, grid, dim3(256), 0, st, rows_base, sorted_indices, R, T, nvec);
     MOE_CHECK_LAUNCH("moe_zero_pad_rows_kernel");
     return MOE_OK;
 }
@@ -546,9 +572,10 @@ extern "C" moe_status_t moe_cuda_permute_bwd(void *grad_tokens, void *grad_probs
                      num_tokens, num_experts, hidden, 0, st};
     MOE_TRY(launch_data(&a, dtype, math_for(dtype, NULL, probs_dtype)));
     if (grad_probs && num_tokens > 0) {
-        moe_token_expert_sum_kernel<<<moe_blocks_for(num_tokens * num_experts, 256), 256, 0, st>>>(
-            grad_probs, NULL, grad_permuted_probs, m.start, m.rows, m.rexp, num_tokens,
-            num_experts, probs_dtype);
+        MOE_LAUNCH_CHAINED(moe_token_expert_sum_kernel,
+                           dim3(moe_blocks_for(num_tokens * num_experts, 256)), dim3(256), 0, st,
+                           grad_probs, (const double *)NULL, grad_permuted_probs, m.start, m.rows,
+                           m.rexp, num_tokens, num_experts, probs_dtype);
         MOE_CHECK_LAUNCH("moe_token_expert_sum_kernel");
     }
     return MOE_OK;
@@ -585,9 +612,10 @@ extern "C" moe_status_t moe_cuda_unpermute_bwd(void *grad_permuted_tokens, void 
                      num_tokens, num_experts, hidden, 1, st};
     MOE_TRY(launch_data(&a, dtype, math_for(dtype, probs, probs_dtype)));
     if (grad_probs && num_tokens > 0) {
-        moe_token_expert_sum_kernel<<<moe_blocks_for(num_tokens * num_experts, 256), 256, 0, st>>>(
-            grad_probs, m.dots, NULL, m.start, m.rows, m.rexp, num_tokens, num_experts,
-            probs_dtype);
+        MOE_LAUNCH_CHAINED(moe_token_expert_sum_kernel,
+                           dim3(moe_blocks_for(num_tokens * num_experts, 256)), dim3(256), 0, st,
+                           grad_probs, m.dots, (const void *)NULL, m.start, m.rows, m.rexp,
+                           num_tokens, num_experts, probs_dtype);
         MOE_CHECK_LAUNCH("moe_token_expert_sum_kernel");
     }
     return MOE_OK;
