@@ -6,9 +6,10 @@ copies larger than L2 so no run reads a warm cache), after measuring the device-
 bandwidth. Per op and shape it prints: our time, Megatron-Core's, the speed-up, the bytes the op
 must move at least, the achieved TB/s and its % of the copy bandwidth (TFLOP/s for the gating
 GEMM). Both sides are called eagerly through their Python API, as a training step calls them.
-With --graph each side is captured in CUDA graphs (one per input copy, sharing a memory pool) and
-the replays are timed: the GPU time without the Python / dispatcher cost of an eager call (a
-Megatron-Core function that syncs with the host cannot be captured: shown as n/a).
+With --graph each side is captured in one CUDA graph of 8 calls back to back (cycling through the
+input copies) and the replay time per call is reported: the GPU time the op adds to a captured
+step, without the Python / dispatcher cost of an eager call or the graph's own launch latency
+(a Megatron-Core function that syncs with the host cannot be captured: shown as n/a).
 
     python benchmarks/bench_ops.py [--iters N] [--shapes mixtral,qwen3_30b_a3b,...] [--ops ...]
                                    [--graph]
@@ -59,9 +60,14 @@ def timer(fn, args_list, iters):
     return median_event_time(lambda i: fn(*args_list[i % len(args_list)]), iters)
 
 
+GRAPH_CALLS = 8
+
+
 def graph_timer(fn, args_list, iters):
-    """Median seconds of one CUDA-graph replay of fn(*args), cycling through args_list; None when
-    fn cannot be captured (it waits on the host)."""
+    """Median seconds per call of fn(*args) replayed from a CUDA graph of GRAPH_CALLS calls back to
+    back, cycling through args_list (cold L2): the time the op adds to a captured training step,
+    without the graph's own launch latency (about 8-10 us a replay, which would otherwise be
+    charged to one call). None when fn cannot be captured (it waits on the host)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
@@ -69,20 +75,18 @@ def graph_timer(fn, args_list, iters):
             fn(*a)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    graphs = []
+    g = torch.cuda.CUDAGraph()
     try:
-        for a in args_list:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=graphs[0].pool() if graphs else None):
-                fn(*a)
-            graphs.append(g)
+        with torch.cuda.graph(g):
+            for i in range(GRAPH_CALLS):
+                fn(*args_list[i % len(args_list)])
     except RuntimeError:
         torch.cuda.synchronize()
         return None
-    for g in graphs[:3]:
+    for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
-    return median_event_time(lambda i: graphs[i % len(graphs)].replay(), iters)
+    return median_event_time(lambda i: g.replay(), iters) / GRAPH_CALLS
 
 
 def copies(make, nbytes):
