@@ -8,6 +8,8 @@
 # compute-sanitizer on the default selection (239 tests) memcheck 20 s, racecheck 76 s. The
 # whole suite + bench_ops --graph + profiles is one ~275 s call. A 30-minute device budget then
 # leaves room for about three more build-and-measure calls; keep the last 2-3 minutes unspent.
+# A refused start (no machine free) also costs device time, 15 s up to about 2 min, and the tool
+# then waits 3-10 min before it tries again: put the verification run first, not last.
 # Knobs: TESTS='g1|g2' (pytest groups), TCAP / PT_TIMEOUT (group / per-test caps, s), NFAIL,
 # SKIP_BUILD, SKIP_SANITIZER, SAN_TOOLS / SAN_TESTS / SAN_K / SCAP, PROFILE, BENCHES, BENCH_ARGS.
 set -uo pipefail
