@@ -278,7 +278,7 @@ moe_permute_rank_kernel(int64_t *sorted_indices, void *permuted_probs, int32_t *
         d_pad_row(sorted_indices, permuted_probs, r, probs_dtype);
 }
 
-/* The data pass. blockDim = (X, Y), X·Y = 256: Y tokens per block, X threads per token. Each
+/* The data pass. blockDim = (X, Y), X a multiple of 32: Y tokens per block, X threads per token. Each
  * thread group loads its token's first vectors (the op's input, before the wait), gathers the
  * token's destination rows into shared memory (their order does not matter: each row has one
  * writer), then streams the token's row once, storing each vector to every row. The rows that no
@@ -333,8 +333,9 @@ moe_permute_scatter_kernel(void *__restrict__ permuted_tokens, const void *__res
                 if (v0 + j * X < nvec) val[j] = src[v0 + j * X];
         }
     }
-    const int64_t tid = (int64_t)y * X + x, nwarps = (int64_t)gridDim.x * 8;
-    for (int64_t r0 = ((int64_t)blockIdx.x * 8 + tid / 32) * 32; r0 < R; r0 += nwarps * 32)
+    const int64_t wpb = X * blockDim.y / 32; /* warps per block */
+    const int64_t tid = (int64_t)y * X + x, nwarps = (int64_t)gridDim.x * wpb;
+    for (int64_t r0 = ((int64_t)blockIdx.x * wpb + tid / 32) * 32; r0 < R; r0 += nwarps * 32)
         moe_zero_pad_warp<W>(permuted_tokens, sorted_indices, r0, R, T, nvec);
 }
 
