@@ -60,10 +60,14 @@ static inline int moe_pdl_enabled(void) {
     }
     if (!env) return 0;
     int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+        cudaGetLastError(); /* a failed query is not the next launch's error */
+        return 0;
+    }
     if (by_device[dev] == 0) {
         int major = 0;
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+            cudaGetLastError();
         by_device[dev] = major >= 9 ? 2 : 1;
     }
     return by_device[dev] == 2;

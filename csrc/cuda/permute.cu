@@ -109,21 +109,21 @@ moe_permute_count_kernel(int32_t *chunk_rank, unsigned *done,
     }
 }
 
-/* One block of NT threads: the block sizes (padded, or the capacity), their scan, and the cut at
- * the row bound R: offsets[e + 1] = min(R, Σ_{e' <= e} block_e') (equivalent to the CPU's running
- * "room" cut). count is read past L1: other blocks of the same grid may have just written it. */
-template <int NT>
+/* The chunk scan's last block: the block sizes (padded, or the capacity), their scan, and the cut
+ * at the row bound R: offsets[e + 1] = min(R, Σ_{e' <= e} block_e') (equivalent to the CPU's
+ * running "room" cut). count is read past L1: other blocks of the same grid have just written it.
+ * With T = 0 there is no chunk and every count is 0, but the same block plans. */
 __device__ __forceinline__ void plan_block(int64_t *expert_offsets, int64_t *tokens_per_expert,
                                            const int64_t *count, int64_t E, int64_t R, int dap,
                                            int64_t capacity, int64_t align) {
     /* each thread owns a contiguous run of experts */
-    const int64_t per = (E + NT - 1) / NT;
+    const int64_t per = (E + MOE_CSCAN_THREADS - 1) / MOE_CSCAN_THREADS;
     const int64_t e0 = threadIdx.x * per, e1 = e0 + per < E ? e0 + per : E;
     int64_t local = 0;
     for (int64_t e = e0; e < e1; ++e)
         local += dap ? d_round_up(capacity, align) : d_round_up(__ldcg(count + e), align);
     int64_t total;
-    int64_t run = moe_block_exclusive_scan_n<NT>(local, &total);
+    int64_t run = moe_block_exclusive_scan_n<MOE_CSCAN_THREADS>(local, &total);
     if (threadIdx.x == 0) expert_offsets[0] = 0;
     for (int64_t e = e0; e < e1; ++e) {
         const int64_t lo = run < R ? run : R;
@@ -132,15 +132,6 @@ __device__ __forceinline__ void plan_block(int64_t *expert_offsets, int64_t *tok
         expert_offsets[e + 1] = hi;
         tokens_per_expert[e] = hi - lo;
     }
-}
-
-/* The plan alone (T = 0: no chunk to scan). */
-__global__ void __launch_bounds__(MOE_SCAN_THREADS)
-moe_permute_plan_kernel(int64_t *expert_offsets, int64_t *tokens_per_expert,
-                        const int64_t *count, int64_t E, int64_t R, int dap, int64_t capacity,
-                        int64_t align) {
-    plan_block<MOE_SCAN_THREADS>(expert_offsets, tokens_per_expert, count, E, R, dap, capacity,
-                                 align);
 }
 
 /* Per expert (one block each): the exclusive scan of chunk_rank[e, :] in place, and the
@@ -185,8 +176,7 @@ moe_permute_chunk_scan_kernel(int32_t *chunk_rank, int64_t *count, unsigned *don
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    plan_block<MOE_CSCAN_THREADS>(expert_offsets, tokens_per_expert, count, E, R, dap, capacity,
-                                  align);
+    plan_block(expert_offsets, tokens_per_expert, count, E, R, dap, capacity, align);
 }
 
 /* A row with no token: index -1, prob 0. */
@@ -278,9 +268,9 @@ moe_permute_rank_kernel(int64_t *sorted_indices, void *permuted_probs, int32_t *
         d_pad_row(sorted_indices, permuted_probs, r, probs_dtype);
 }
 
-/* The data pass. blockDim = (X, Y), X a multiple of 32: Y tokens per block, X threads per token. Each
- * thread group loads its token's first vectors (the op's input, before the wait), gathers the
- * token's destination rows into shared memory (their order does not matter: each row has one
+/* The data pass. blockDim = (X, Y), X a multiple of 32: Y tokens per block, X threads per token.
+ * Each thread group loads its token's first vectors (the op's input, before the wait), gathers
+ * the token's destination rows into shared memory (their order does not matter: each row has one
  * writer), then streams the token's row once, storing each vector to every row. The rows that no
  * token fills (padding, the tail after offsets[E]) are zeroed by the same grid, 32 per warp, so
  * no further launch follows. */
@@ -435,18 +425,14 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
                                    MOE_PERM_WARPS * 32, 0, st>>>(ws.chunk_rank, ws.done,
                                                                 routing_map, T, E, nchunks);
         MOE_CHECK_LAUNCH("moe_permute_count_kernel");
-        MOE_LAUNCH_CHAINED(moe_permute_chunk_scan_kernel, dim3((unsigned)E),
-                           dim3(MOE_CSCAN_THREADS), 0, st, ws.chunk_rank, ws.count, ws.done,
-                           expert_offsets, tokens_per_expert, nchunks, E, R, dap, capacity,
-                           align);
-        MOE_CHECK_LAUNCH("moe_permute_chunk_scan_kernel");
-    } else {
-        MOE_CHECK(cudaMemsetAsync(ws.count, 0, (size_t)E * sizeof(int64_t), st) == cudaSuccess,
-                  "permute: cudaMemsetAsync of the expert counts failed");
-        moe_permute_plan_kernel<<<1, MOE_SCAN_THREADS, 0, st>>>(
-            expert_offsets, tokens_per_expert, ws.count, E, R, dap, capacity, align);
-        MOE_CHECK_LAUNCH("moe_permute_plan_kernel");
+    } else { /* T = 0: no chunk to count; the scan below only writes zero counts and plans */
+        MOE_CHECK(cudaMemsetAsync(ws.done, 0, sizeof(unsigned), st) == cudaSuccess,
+                  "permute: cudaMemsetAsync of the chunk-scan ticket failed");
     }
+    MOE_LAUNCH_CHAINED(moe_permute_chunk_scan_kernel, dim3((unsigned)E), dim3(MOE_CSCAN_THREADS),
+                       0, st, ws.chunk_rank, ws.count, ws.done, expert_offsets, tokens_per_expert,
+                       nchunks, E, R, dap, capacity, align);
+    MOE_CHECK_LAUNCH("moe_permute_chunk_scan_kernel");
     if (R == 0) return MOE_OK; /* no row to fill (row_of is only read by the scatter) */
     MOE_LAUNCH_CHAINED(moe_permute_rank_kernel, dim3((unsigned)ncols, (unsigned)etiles),
                        dim3(MOE_PERM_WARPS * 32), 0, st, sorted_indices, permuted_probs,
