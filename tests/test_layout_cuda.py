@@ -88,6 +88,16 @@ def test_permute_cuda_unaligned_pointer_fallback():
 
 # ---- unpermute / permute backward ---------------------------------------------------------------
 
+
+@pytest.fixture(params=["slots", "csr"])
+def gather_map(request, monkeypatch):
+    """The map of the forward gathers (and of unpermute_bwd without probs): the slots table, or
+    the CSR of the backwards with probs when MOE_CORE_UNPERMUTE_SLOTS=0 (read at every call)."""
+    if request.param == "csr":
+        monkeypatch.setenv("MOE_CORE_UNPERMUTE_SLOTS", "0")
+    return request.param
+
+
 DTYPE_PAIRS = [(d, d) for d in FLOATS] + [(torch.bfloat16, torch.float32),
                                           (torch.float16, torch.float32),
                                           (torch.float32, torch.float64),
@@ -104,7 +114,7 @@ def layout(T, E, k, H, dtype, align=0):
 
 @pytest.mark.parametrize("dtype,probs_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize("T,E,k,H", LAYOUT_SIZES)
-def test_unpermute_cuda_equals_cpu(dtype, probs_dtype, T, E, k, H):
+def test_unpermute_cuda_equals_cpu(dtype, probs_dtype, T, E, k, H, gather_map):
     m, rows, idx, off = layout(T, E, k, H, dtype, align=4)
     y = torch.randn(rows.shape, dtype=torch.float64).to(dtype)
     p = routed_probs(m, probs_dtype)
@@ -129,7 +139,7 @@ def test_unpermute_cuda_equals_cpu(dtype, probs_dtype, T, E, k, H):
 
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("T,E,k,H", LAYOUT_SIZES)
-def test_permute_bwd_cuda_equals_cpu(dtype, T, E, k, H):
+def test_permute_bwd_cuda_equals_cpu(dtype, T, E, k, H, gather_map):
     m, rows, idx, off = layout(T, E, k, H, dtype, align=8)
     R = rows.shape[0]
     gr = torch.randn(R, H, dtype=torch.float64).to(dtype)
@@ -161,7 +171,8 @@ def test_permute_cuda_planning_edges(T, E, k, n, dap, align):
 @pytest.mark.parametrize("T,align", [(8192, 0), (16384, 0), (16384, 16), (16385, 16), (40000, 16)])
 def test_unpermute_cuda_token_rows_scan_tiles(T, align):
     """The token → rows scan below one tile (mixtral's shape, no padding), at one tile exactly
-    (with and without padding rows), one past it, and several tiles."""
+    (with and without padding rows), one past it, and several tiles. The CSR serves the
+    backwards with probs (the forward gathers take the slots table)."""
     E, k, H = 8, 2, 8
     m, rows, idx, off = layout(T, E, k, H, torch.float32, align=align)
     y = torch.randn(rows.shape, dtype=torch.float64).to(torch.float32)
@@ -170,12 +181,20 @@ def test_unpermute_cuda_token_rows_scan_tiles(T, align):
     same(cpu, gpu, "unpermute")
     cpu, gpu = both(lambda *a: OPS.permute_bwd(*a, T), y, None, idx, off)
     same(cpu[0], gpu[0], "grad_tokens")
+    gp = torch.randn(rows.shape[0], dtype=torch.float64).to(torch.float32)
+    cpu, gpu = both(lambda *a: OPS.permute_bwd(*a, T), y, gp, idx, off)  # CSR
+    same(cpu[0], gpu[0], "grad_tokens (CSR)")
+    same(cpu[1], gpu[1], "grad_probs (CSR)")
+    g = torch.randn(T, H, dtype=torch.float64).to(torch.float32)
+    (gx_c, _), (gx_g, _) = both(lambda *a: OPS.unpermute_bwd(*a), g, idx, p, off, None)  # CSR
+    same(gx_c, gx_g, "grad_permuted_tokens (CSR)")
 
 
 @pytest.mark.parametrize("align", [0, 4])
-def test_unpermute_cuda_tokens_with_more_rows_than_staged(align):
-    """Tokens with more rows (40) than the gather stages in shared memory (32): the rest are read
-    from the map in global memory, still in the CPU's ascending order, with probs too."""
+def test_unpermute_cuda_tokens_with_more_rows_than_staged(align, gather_map):
+    """Tokens with more rows (40) than the slots (16) and than the CSR gather stages in shared
+    memory (32): the rest come from the overflow list, or from the CSR in global memory, still in
+    the CPU's ascending order, with probs too."""
     T, E, k, H = 50, 64, 40, 24
     m, rows, idx, off = layout(T, E, k, H, torch.float32, align=align)
     y = torch.randn(rows.shape, dtype=torch.float64).to(torch.bfloat16)
@@ -185,6 +204,54 @@ def test_unpermute_cuda_tokens_with_more_rows_than_staged(align):
         same(cpu, gpu, "unpermute")
     cpu, gpu = both(lambda *a: OPS.permute_bwd(*a, T), y, None, idx, off)
     same(cpu[0], gpu[0], "grad_tokens")
+
+
+@pytest.mark.parametrize("H,dtype", [(24, torch.float32), (1000, torch.bfloat16)])
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_unpermute_cuda_row_counts_around_the_slots(H, dtype, with_probs, gather_map):
+    """The forward gathers keep 16 rows per token in a table, take the rest from an overflow list
+    (up to 256 rows, sorted in shared memory) and scan sorted_indices beyond that. Tokens with 0,
+    1, 15, 16, 17, 31, 40, 255, 256, 257 and 300 rows, rows in random order, several overflowing
+    tokens in one block (8 or 4 tokens per block): every token equals the CPU bit for bit."""
+    counts = [0, 1, 2, 15, 16, 17, 31, 40, 255, 256, 257, 300, 3]
+    T, E = len(counts), 4
+    owner = torch.cat([torch.full((c,), t, dtype=torch.long) for t, c in enumerate(counts)])
+    R = owner.numel()
+    idx = owner[torch.randperm(R)]
+    idx[::97] = -1  # a few padding rows among them
+    y = torch.randn(R, H, dtype=torch.float64).to(dtype)
+    probs = offsets = None
+    if with_probs:
+        probs = torch.rand(T, E, dtype=torch.float32)
+        offsets = torch.tensor([0, R // 4, R // 2, R // 2, R], dtype=torch.long)
+    cpu, gpu = both(lambda *a: OPS.unpermute(*a), y, idx, T, probs, offsets)
+    same(cpu, gpu, "unpermute")
+    off = torch.tensor([0, R // 4, R // 2, R // 2, R], dtype=torch.long)
+    cpu, gpu = both(lambda *a: OPS.permute_bwd(*a, T), y, None, idx, off)
+    same(cpu[0], gpu[0], "grad_tokens")
+    # unpermute's backward without probs copies each token's gradient to its rows, overflow too
+    g = torch.randn(T, H, dtype=torch.float64).to(dtype)
+    (gx_c, _), (gx_g, _) = both(lambda *a: OPS.unpermute_bwd(*a), g, idx, None, None, None)
+    same(gx_c, gx_g, "grad_permuted_tokens")
+
+
+@pytest.mark.parametrize("E,k", [(64, 2), (16, 4)])
+def test_unpermute_cuda_drop_and_pad_fillers(E, k):
+    """drop_and_pad fills short experts with the lowest unrouted tokens, so those tokens own a row
+    in many experts (past the 16 slots when E = 64) while the rest own k or fewer."""
+    T, H = 600, 40
+    m = random_map(T, E, k)
+    m[:, 0] = False  # expert 0 short: every block's fillers come first from tokens 0, 1, ...
+    x = torch.randn(T, H, dtype=torch.float64).to(torch.bfloat16)
+    n = (T * k // E + 7) * E
+    rows, _, idx, off, _ = OPS.permute(x, m, None, n, True, 0)
+    p = routed_probs(m, torch.float32)
+    for probs, offsets in ((p, off), (None, None)):
+        cpu, gpu = both(lambda *a: OPS.unpermute(*a), rows, idx, T, probs, offsets)
+        same(cpu, gpu, "unpermute")
+    g = torch.randn(T, H, dtype=torch.float64).to(torch.bfloat16)
+    (gx_c, _), (gx_g, _) = both(lambda *a: OPS.unpermute_bwd(*a), g, idx, None, None, None)
+    same(gx_c, gx_g, "grad_permuted_tokens")
 
 
 def test_layout_cuda_round_trip_through_autograd():

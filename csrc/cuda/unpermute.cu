@@ -2,14 +2,25 @@
  * unpermute.cu: the combine (rows of the expert-grouped layout → tokens) and its backward, plus
  * permute's backward (the same gather-sum without weights), on CUDA.
  *
- * The one idea: invert sorted_indices into a token → rows map (CSR) once, then every output token
- * is owned by one thread group that adds its own rows in ascending row order. A gather, not a
- * scatter-add: no atomics on data, one writer per element, and the CPU's exact rounding points
- * (each weighted row rounded to the promoted dtype P, a running fp32/fp64 sum, one final
- * rounding), so the output is the CPU's bit for bit. The CSR build uses integer atomics only for
- * counts and slot claims; each token's short segment is then sorted, so nothing depends on
- * their order. The kernels after the first are one programmatic-launch chain (cuda_common.cuh),
- * so their launch gaps vanish.
+ * The one idea: every output token is owned by one thread group that adds its own rows in
+ * ascending row order. A gather, not a scatter-add: no atomics on data, one writer per element,
+ * and the CPU's exact rounding points (each weighted row rounded to the promoted dtype P, a
+ * running fp32/fp64 sum, one final rounding), so the output is the CPU's bit for bit. The token →
+ * rows maps use integer atomics only, for counts and slot claims, and whatever reads them sorts
+ * first, so nothing depends on the atomics' order.
+ *
+ * Two maps. The forward gathers (the combine, permute's backward without grad_probs) and
+ * unpermute's backward without probs use the slots table: one kernel drops each row into its
+ * token's next free slot of a [T, MOE_SLOTS] table (a counter per token; rows past the slots go
+ * to an overflow list), and the gather's first warp per token reads the count and the slots with
+ * one load and ranks them across its lanes. That chain is memset → slots → gather; the CSR's is
+ * memset → count → scan → fill → sort → gather (at mixtral's shape on an H200 its build kernels
+ * take 9.7 µs, the slots kernel 2.0 µs; the combine went from 0.067 to 0.061 ms). A token with
+ * more rows than slots (drop-and-pad's filler tokens, topk > 16) collects the rest from the
+ * overflow list with the whole block and ranks them in shared memory; one with more than
+ * MOE_SLOT_CAP rows scans sorted_indices. The backwards with probs keep the CSR (start, rows,
+ * rexp, dots): their grad_probs sums need each (token, expert) entry in order. The kernels after
+ * the first are one programmatic-launch chain (cuda_common.cuh), so their launch gaps vanish.
  *
  * Data kernels read and write 16 bytes per access when the row size and the pointers allow it,
  * and issue the loads of up to four rows before adding them, so a token's rows are in flight
@@ -36,9 +47,38 @@ static void token_rows_layout(token_rows_t *m, void *ws, int64_t T, int64_t R) {
     m->dots = (double *)(m->rexp + R);
 }
 
+/* ---- the token → slots table (forward gathers) ------------------------------------------------ */
+
+#define MOE_SLOTS 16     /* rows per token held in the table; topk <= 16 never overflows */
+#define MOE_SLOT_CAP 256 /* rows per token the gather can stage and sort in shared memory */
+
+typedef struct {
+    int64_t *count;  /* [T]: the token's rows (all of them, slots and overflow) */
+    int64_t *ovf_n;  /* [1]: entries in the overflow list */
+    int64_t *slot;   /* [T, MOE_SLOTS]: the token's first rows, in arrival order */
+    longlong2 *ovf;  /* [R]: (token, row) of every row past its token's slots */
+} token_slots_t;
+
+static size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+static size_t token_slots_layout(token_slots_t *m, void *ws, int64_t T, int64_t R) {
+    uint8_t *p = (uint8_t *)ws;
+    const size_t a = align16((size_t)(T + 1) * sizeof(int64_t));
+    const size_t b = align16((size_t)T * MOE_SLOTS * sizeof(int64_t));
+    if (m) {
+        m->count = (int64_t *)p;
+        m->ovf_n = m->count + T;
+        m->slot = (int64_t *)(p + a);
+        m->ovf = (longlong2 *)(p + a + b);
+    }
+    return a + b + (size_t)R * sizeof(longlong2);
+}
+
 extern "C" size_t moe_cuda_unpermute_workspace_size(int64_t num_tokens, int64_t num_rows) {
     if (num_tokens < 0 || num_rows < 0) return 0;
-    return (size_t)(2 * num_tokens + 1 + 3 * num_rows) * sizeof(int64_t);
+    const size_t csr = (size_t)(2 * num_tokens + 1 + 3 * num_rows) * sizeof(int64_t);
+    const size_t slots = token_slots_layout(NULL, NULL, num_tokens, num_rows);
+    return csr > slots ? csr : slots;
 }
 
 __global__ void moe_token_rows_count_kernel(int64_t *start, const int64_t *sorted_indices,
@@ -150,16 +190,68 @@ __global__ void moe_token_rows_sort_kernel(int64_t *rows, int64_t *rexp, const i
         for (int64_t i = 0; i < n; ++i) rexp[b + i] = d_row_expert(expert_offsets, E, seg[i]);
 }
 
-static moe_status_t build_token_rows(token_rows_t *m, void *workspace, size_t workspace_bytes,
-                                     const int64_t *sorted_indices,
-                                     const int64_t *expert_offsets, int64_t T, int64_t E,
-                                     int64_t R, cudaStream_t st) {
+/* Both maps (CSR, slots) live in the same workspace, of one size. */
+static moe_status_t check_workspace(const void *workspace, size_t workspace_bytes,
+                                    const int64_t *sorted_indices, int64_t T, int64_t R) {
     const size_t need = moe_cuda_unpermute_workspace_size(T, R);
     MOE_CHECK(workspace_bytes >= need && (need == 0 || workspace),
               "workspace too small: %zu bytes, need at least %zu "
               "(moe_cuda_unpermute_workspace_size)",
               workspace_bytes, need);
     MOE_CHECK(R == 0 || sorted_indices, "sorted_indices must not be NULL");
+    return MOE_OK;
+}
+
+/* Row r into the next slot of its token; past MOE_SLOTS, into the overflow list. The slot order
+ * and the list order follow the atomics, so the gather sorts: only the sets are fixed. */
+__global__ void moe_token_slots_kernel(int64_t *count, int64_t *slot, int64_t *ovf_n,
+                                       longlong2 *ovf, const int64_t *sorted_indices, int64_t T,
+                                       int64_t R) {
+    moe_pdl_trigger();
+    const int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= R) return;
+    const int64_t t = sorted_indices[r];
+    if (t < 0 || t >= T) return;
+    const int64_t s = (int64_t)atomicAdd((unsigned long long *)&count[t], 1ull);
+    if (s < MOE_SLOTS) {
+        slot[t * MOE_SLOTS + s] = r;
+    } else { /* < R entries: one per row at most */
+        const int64_t o = (int64_t)atomicAdd((unsigned long long *)ovf_n, 1ull);
+        ovf[o] = make_longlong2(t, r);
+    }
+}
+
+/* Whether the forward gathers (and unpermute_bwd without probs) take the slots: always, unless
+ * MOE_CORE_UNPERMUTE_SLOTS=0 is in the environment (read per call), which keeps them on the CSR,
+ * the backwards' map, for A/B timing; the tests run both. T = 0 has nothing to gather. */
+static int use_slots(int64_t T) {
+    const char *v = getenv("MOE_CORE_UNPERMUTE_SLOTS");
+    /* (the copy kernel's grid is T + MOE_OVF_BLOCKS blocks: T just below 2^31 keeps the CSR) */
+    return T > 0 && T <= 0x7fffffffLL - 1024 && !(v != NULL && v[0] == '0');
+}
+
+static moe_status_t build_token_slots(token_slots_t *m, void *workspace, size_t workspace_bytes,
+                                      const int64_t *sorted_indices, int64_t T, int64_t R,
+                                      cudaStream_t st) {
+    MOE_TRY(check_workspace(workspace, workspace_bytes, sorted_indices, T, R));
+    token_slots_layout(m, workspace, T, R);
+    cudaError_t err = cudaMemsetAsync(m->count, 0, (size_t)(T + 1) * sizeof(int64_t), st);
+    if (err != cudaSuccess)
+        return moe_fail(MOE_ERR_CUDA, "token slots: cudaMemsetAsync failed: %s",
+                        cudaGetErrorString(err));
+    if (R > 0) {
+        moe_token_slots_kernel<<<moe_blocks_for(R, 256), 256, 0, st>>>(
+            m->count, m->slot, m->ovf_n, m->ovf, sorted_indices, T, R);
+        MOE_CHECK_LAUNCH("moe_token_slots_kernel");
+    }
+    return MOE_OK;
+}
+
+static moe_status_t build_token_rows(token_rows_t *m, void *workspace, size_t workspace_bytes,
+                                     const int64_t *sorted_indices,
+                                     const int64_t *expert_offsets, int64_t T, int64_t E,
+                                     int64_t R, cudaStream_t st) {
+    MOE_TRY(check_workspace(workspace, workspace_bytes, sorted_indices, T, R));
     token_rows_layout(m, workspace, T, R);
     /* memset, count (ordinary launches), then the chained scan, fill and sort */
     cudaError_t err = cudaMemsetAsync(m->start, 0, (size_t)(2 * T + 1) * sizeof(int64_t), st);
@@ -207,40 +299,24 @@ union moe_pack {
 /* ---- forward gather-sum (unpermute, and permute_bwd without weights) ------------------------- */
 
 /*
- * out[t] = narrow_ET(Σ_i v_i) over the token's rows in ascending order, the sum in C (fp32, or
- * fp64 when P is fp64), v_i = round_P(row_i · w_i) with probs, row_i without.
- * blockDim = (X, Y): Y tokens per block, X threads per token.
+ * One token's gather-sum: dst = narrow_ET(Σ_i v_i) over its n rows in ascending order, the sum in
+ * C (fp32, or fp64 when P is fp64), v_i = round_P(row_i · w_i) with probs, row_i without. Entry i
+ * comes from shared memory (s_row, s_w) when i < MOE_GATHER_CAP or !SPILL, else from the CSR in
+ * global memory (rows_g, rexp_g: the token's segment). The token's X threads start at x.
  */
-template <typename ET, typename C, int RP, int VE>
-__global__ void __launch_bounds__(MOE_GATHER_THREADS)
-moe_gather_sum_kernel(void *__restrict__ out, const void *__restrict__ rows_base,
-                      const int64_t *__restrict__ start, const int64_t *__restrict__ rows,
-                      const int64_t *__restrict__ rexp, const void *__restrict__ probs,
-                      moe_dtype_t probs_dtype, int64_t T, int64_t E, int64_t nvec) {
+template <typename ET, typename C, int RP, int VE, bool SPILL>
+__device__ __forceinline__ void gather_token(moe_pack<ET, VE> *__restrict__ dst,
+                                             const moe_pack<ET, VE> *__restrict__ src,
+                                             const int64_t *s_row, const C *s_w, int64_t n,
+                                             const int64_t *__restrict__ rows_g,
+                                             const int64_t *__restrict__ rexp_g,
+                                             const void *__restrict__ probs,
+                                             moe_dtype_t probs_dtype, int64_t prow, int x,
+                                             int64_t X, int64_t nvec) {
     typedef moe_pack<ET, VE> P;
-    __shared__ int64_t s_row[MOE_GATHER_THREADS / 32][MOE_GATHER_CAP];
-    __shared__ C s_w[MOE_GATHER_THREADS / 32][MOE_GATHER_CAP];
-    moe_pdl_trigger();
-    moe_pdl_wait(); /* the token → rows map is the previous kernel's */
-    const int y = threadIdx.y, x = threadIdx.x;
-    const int64_t t = (int64_t)blockIdx.x * blockDim.y + y;
-    int64_t b = 0, n = 0;
-    if (t < T) {
-        b = start[t];
-        n = start[t + 1] - b;
-        for (int64_t i = x; i < n && i < MOE_GATHER_CAP; i += blockDim.x) {
-            s_row[y][i] = rows[b + i];
-            s_w[y][i] = probs ? (C)moe_load(probs, probs_dtype, t * E + rexp[b + i]) : (C)1;
-        }
-    }
-    __syncthreads();
-    if (t >= T) return;
-    const P *src = (const P *)rows_base;
-    P *dst = (P *)out + t * nvec;
     /* Two vectors per thread (v and v + X) × two rows per step: four 16-byte loads in flight
      * whatever the row count (mixtral's 2 rows had 2 with one vector × four rows), in about the
      * same registers. Each element's sum keeps its ascending row order. */
-    const int64_t X = blockDim.x;
     for (int64_t v0 = x; v0 < nvec; v0 += 2 * X) {
         const bool second = v0 + X < nvec;
         C acc[2][VE];
@@ -255,9 +331,10 @@ moe_gather_sum_kernel(void *__restrict__ out, const void *__restrict__ rows_base
             for (int j = 0; j < 2; ++j) {
                 const int64_t i = i0 + j;
                 if (i < n) {
-                    const int64_t r = i < MOE_GATHER_CAP ? s_row[y][i] : rows[b + i];
-                    w[j] = i < MOE_GATHER_CAP ? s_w[y][i]
-                           : probs ? (C)moe_load(probs, probs_dtype, t * E + rexp[b + i])
+                    const bool staged = !SPILL || i < MOE_GATHER_CAP;
+                    const int64_t r = staged ? s_row[i] : rows_g[i];
+                    w[j] = staged ? s_w[i]
+                           : probs ? (C)moe_load(probs, probs_dtype, prow + rexp_g[i])
                                    : (C)1;
                     in[0][j] = src[r * nvec + v0];
                     if (second) in[1][j] = src[r * nvec + v0 + X];
@@ -287,6 +364,169 @@ moe_gather_sum_kernel(void *__restrict__ out, const void *__restrict__ rows_base
             for (int k = 0; k < VE; ++k) o.v[k] = moe_narrow<ET>(acc[u][k]);
             dst[v0 + u * X] = o;
         }
+    }
+}
+
+/*
+ * out[t] = the gather-sum of token t's rows, from the CSR map (start, rows, rexp).
+ * blockDim = (X, Y): Y tokens per block, X threads per token.
+ */
+template <typename ET, typename C, int RP, int VE>
+__global__ void __launch_bounds__(MOE_GATHER_THREADS)
+moe_gather_sum_kernel(void *__restrict__ out, const void *__restrict__ rows_base,
+                      const int64_t *__restrict__ start, const int64_t *__restrict__ rows,
+                      const int64_t *__restrict__ rexp, const void *__restrict__ probs,
+                      moe_dtype_t probs_dtype, int64_t T, int64_t E, int64_t nvec) {
+    typedef moe_pack<ET, VE> P;
+    __shared__ int64_t s_row[MOE_GATHER_THREADS / 32][MOE_GATHER_CAP];
+    __shared__ C s_w[MOE_GATHER_THREADS / 32][MOE_GATHER_CAP];
+    moe_pdl_trigger();
+    moe_pdl_wait(); /* the token → rows map is the previous kernel's */
+    const int y = threadIdx.y, x = threadIdx.x;
+    const int64_t t = (int64_t)blockIdx.x * blockDim.y + y;
+    int64_t b = 0, n = 0;
+    if (t < T) {
+        b = start[t];
+        n = start[t + 1] - b;
+        for (int64_t i = x; i < n && i < MOE_GATHER_CAP; i += blockDim.x) {
+            s_row[y][i] = rows[b + i];
+            s_w[y][i] = probs ? (C)moe_load(probs, probs_dtype, t * E + rexp[b + i]) : (C)1;
+        }
+    }
+    __syncthreads();
+    if (t >= T) return;
+    gather_token<ET, C, RP, VE, true>((P *)out + t * nvec, (const P *)rows_base, s_row[y],
+                                      s_w[y], n, rows + b, rexp + b, probs, probs_dtype, t * E, x,
+                                      blockDim.x, nvec);
+}
+
+/*
+ * A token with more than MOE_SLOT_CAP rows (only a malformed map or drop-and-pad over more than
+ * 256 experts gets there): its rows found by scanning all of sorted_indices, ascending, as the
+ * CPU lists them. O(R) per such token; out of line so that it costs the common path no registers.
+ */
+template <typename ET, typename C, int RP, int VE>
+__device__ __noinline__ void gather_token_scan(moe_pack<ET, VE> *__restrict__ dst,
+                                               const moe_pack<ET, VE> *__restrict__ src,
+                                               const int64_t *__restrict__ sorted_indices,
+                                               const int64_t *__restrict__ expert_offsets,
+                                               const void *__restrict__ probs,
+                                               moe_dtype_t probs_dtype, int64_t t, int64_t E,
+                                               int64_t R, int x, int64_t X, int64_t nvec) {
+    typedef moe_pack<ET, VE> P;
+    for (int64_t v = x; v < nvec; v += X) {
+        C acc[VE];
+#pragma unroll
+        for (int k = 0; k < VE; ++k) acc[k] = (C)0;
+        for (int64_t r = 0; r < R; ++r) {
+            if (sorted_indices[r] != t) continue;
+            const P in = src[r * nvec + v];
+            const C w = probs ? (C)moe_load(probs, probs_dtype,
+                                            t * E + d_row_expert(expert_offsets, E, r))
+                              : (C)1;
+#pragma unroll
+            for (int k = 0; k < VE; ++k) {
+                const C xv = (C)moe_widen(in.v[k]);
+                acc[k] = moe_add_rn(acc[k], probs ? moe_round_p<RP>(moe_mul_rn(xv, w)) : xv);
+            }
+        }
+        P o;
+#pragma unroll
+        for (int k = 0; k < VE; ++k) o.v[k] = moe_narrow<ET>(acc[k]);
+        dst[v] = o;
+    }
+}
+
+/*
+ * out[t] = the gather-sum of token t's rows, from the slots table. blockDim = (X, Y), X >= 32 a
+ * multiple of 32. The token's first warp loads its count and its MOE_SLOTS slots together (one
+ * memory latency) and, when they hold every row, places each at its rank among them (a shuffle
+ * loop: rows are distinct, so ranks are too). Tokens with more rows go after, one at a time: the
+ * whole block gathers the token's overflow entries into shared memory, ranks them there, and the
+ * token's own threads sum them.
+ */
+template <typename ET, typename C, int RP, int VE>
+__global__ void __launch_bounds__(MOE_GATHER_THREADS)
+moe_gather_sum_slots_kernel(void *__restrict__ out, const void *__restrict__ rows_base,
+                            token_slots_t m, const int64_t *__restrict__ sorted_indices,
+                            const int64_t *__restrict__ expert_offsets,
+                            const void *__restrict__ probs, moe_dtype_t probs_dtype, int64_t T,
+                            int64_t E, int64_t R, int64_t nvec) {
+    typedef moe_pack<ET, VE> P;
+    __shared__ int64_t s_row[MOE_GATHER_THREADS / 32][MOE_SLOTS];
+    __shared__ C s_w[MOE_GATHER_THREADS / 32][MOE_SLOTS];
+    __shared__ int64_t s_n[MOE_GATHER_THREADS / 32];
+    __shared__ int64_t s_big[MOE_SLOT_CAP]; /* an overflowing token's rows, unordered */
+    __shared__ int64_t s_sorted[MOE_SLOT_CAP];
+    __shared__ C s_bigw[MOE_SLOT_CAP];
+    __shared__ int s_fill;
+    moe_pdl_trigger();
+    const int y = threadIdx.y, x = threadIdx.x, Y = blockDim.y;
+    const int64_t X = blockDim.x;
+    const int64_t t = (int64_t)blockIdx.x * Y + y;
+    moe_pdl_wait(); /* the slots are the previous kernel's */
+    if (t < T && x < 32) {
+        const int64_t n = m.count[t];
+        const int64_t r = x < MOE_SLOTS ? m.slot[t * MOE_SLOTS + x] : 0;
+        if (n <= MOE_SLOTS) {
+            int rank = 0;
+#pragma unroll
+            for (int j = 0; j < MOE_SLOTS; ++j) {
+                const int64_t o = __shfl_sync(0xffffffffu, (long long)r, j);
+                rank += j < n && o < r;
+            }
+            if (x < n) {
+                s_row[y][rank] = r;
+                s_w[y][rank] = probs ? (C)moe_load(probs, probs_dtype,
+                                                   t * E + d_row_expert(expert_offsets, E, r))
+                                     : (C)1;
+            }
+        }
+        if (x == 0) s_n[y] = n;
+    }
+    __syncthreads();
+    if (t < T && s_n[y] <= MOE_SLOTS)
+        gather_token<ET, C, RP, VE, false>((P *)out + t * nvec, (const P *)rows_base, s_row[y],
+                                           s_w[y], s_n[y], NULL, NULL, probs, probs_dtype, t * E,
+                                           x, X, nvec);
+    /* block-uniform from here: s_n and ovf_n are the same for every thread */
+    const int tid = y * (int)X + x, nt = Y * (int)X;
+    for (int yy = 0; yy < Y; ++yy) {
+        const int64_t tt = (int64_t)blockIdx.x * Y + yy;
+        if (tt >= T) break;
+        const int64_t n = s_n[yy];
+        if (n <= MOE_SLOTS) continue;
+        if (n > MOE_SLOT_CAP) {
+            if (y == yy)
+                gather_token_scan<ET, C, RP, VE>((P *)out + tt * nvec, (const P *)rows_base,
+                                                 sorted_indices, expert_offsets, probs,
+                                                 probs_dtype, tt, E, R, x, X, nvec);
+            continue;
+        }
+        if (tid < MOE_SLOTS) s_big[tid] = m.slot[tt * MOE_SLOTS + tid];
+        if (tid == 0) s_fill = MOE_SLOTS;
+        __syncthreads();
+        const int64_t L = *m.ovf_n;
+        for (int64_t i = tid; i < L; i += nt) {
+            const longlong2 o = m.ovf[i];
+            if (o.x == tt) s_big[atomicAdd(&s_fill, 1)] = o.y;
+        }
+        __syncthreads();
+        for (int i = tid; i < (int)n; i += nt) { /* rank among the token's n distinct rows */
+            const int64_t r = s_big[i];
+            int rank = 0;
+            for (int j = 0; j < n; ++j) rank += s_big[j] < r;
+            s_sorted[rank] = r;
+            s_bigw[rank] = probs ? (C)moe_load(probs, probs_dtype,
+                                               tt * E + d_row_expert(expert_offsets, E, r))
+                                 : (C)1;
+        }
+        __syncthreads();
+        if (y == yy)
+            gather_token<ET, C, RP, VE, false>((P *)out + tt * nvec, (const P *)rows_base,
+                                               s_sorted, s_bigw, n, NULL, NULL, probs,
+                                               probs_dtype, tt * E, x, X, nvec);
+        __syncthreads(); /* s_big is the next overflowing token's */
     }
 }
 
@@ -397,6 +637,64 @@ __global__ void moe_token_expert_sum_kernel(void *grad_probs, const double *dots
     moe_store(grad_probs, probs_dtype, i, v);
 }
 
+/*
+ * unpermute_bwd without probs: grad_x[r] = grad_output[token of r], a copy in which nothing is
+ * summed and every row has one writer, so the slots serve unsorted. Blocks [0, T): token t's
+ * gradient row read once and stored to each of its slot rows; the MOE_OVF_BLOCKS blocks after
+ * them take the overflow list's entries in turn (none, unless a token has more than MOE_SLOTS
+ * rows). Raw W-byte vectors, any dtype.
+ */
+#define MOE_OVF_BLOCKS 64
+template <int W>
+__global__ void __launch_bounds__(MOE_GATHER_THREADS)
+moe_copy_rows_slots_kernel(void *__restrict__ grad_x, const void *__restrict__ grad_output,
+                           token_slots_t m, int64_t T, int64_t nvec) {
+    typedef typename moe_vec_t<W>::type V;
+    moe_pdl_trigger();
+    moe_pdl_wait(); /* the slots are the slots kernel's */
+    const V *g = (const V *)grad_output;
+    V *gx = (V *)grad_x;
+    if ((int64_t)blockIdx.x < T) {
+        const int64_t t = blockIdx.x;
+        const int64_t c = m.count[t];
+        const int n = c < MOE_SLOTS ? (int)c : MOE_SLOTS;
+        int64_t r[MOE_SLOTS];
+#pragma unroll
+        for (int j = 0; j < MOE_SLOTS; ++j) r[j] = j < n ? m.slot[t * MOE_SLOTS + j] : 0;
+        for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+            const V val = g[t * nvec + v];
+#pragma unroll
+            for (int j = 0; j < MOE_SLOTS; ++j)
+                if (j < n) gx[r[j] * nvec + v] = val;
+        }
+        return;
+    }
+    const int64_t L = *m.ovf_n;
+    for (int64_t i = (int64_t)blockIdx.x - T; i < L; i += (int64_t)gridDim.x - T) {
+        const longlong2 o = m.ovf[i];
+        for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) gx[o.y * nvec + v] = g[o.x * nvec + v];
+    }
+}
+
+static moe_status_t launch_copy_rows_slots(void *grad_x, const void *grad_output,
+                                           const token_slots_t *m, int64_t T, size_t row_bytes,
+                                           cudaStream_t st) {
+    void (*copy)(void *, const void *, token_slots_t, int64_t, int64_t);
+    int64_t nvec;
+    switch (moe_vec_bytes(row_bytes, grad_x, grad_output, NULL)) {
+    case 16: copy = moe_copy_rows_slots_kernel<16>, nvec = (int64_t)(row_bytes / 16); break;
+    case 8: copy = moe_copy_rows_slots_kernel<8>, nvec = (int64_t)(row_bytes / 8); break;
+    case 4: copy = moe_copy_rows_slots_kernel<4>, nvec = (int64_t)(row_bytes / 4); break;
+    case 2: copy = moe_copy_rows_slots_kernel<2>, nvec = (int64_t)(row_bytes / 2); break;
+    default: copy = moe_copy_rows_slots_kernel<1>, nvec = (int64_t)row_bytes; break;
+    }
+    const int X = moe_pow2_clamp(nvec, 32, MOE_GATHER_THREADS);
+    MOE_LAUNCH_CHAINED(copy, dim3((unsigned)(T + MOE_OVF_BLOCKS)), dim3(X), 0, st, grad_x,
+                       grad_output, *m, T, nvec);
+    MOE_CHECK_LAUNCH("moe_copy_rows_slots_kernel");
+    return MOE_OK;
+}
+
 /* ---- dispatch -------------------------------------------------------------------------------- */
 
 /* Compute type and product rounding for a token dtype and (optional) probs dtype. */
@@ -426,7 +724,10 @@ typedef struct {
     double *dots;          /* bwd only */
     const void *src;       /* gather: rows [R, H]; bwd: grad_output [T, H] */
     const void *x_rows;    /* bwd only: permuted_tokens, or NULL */
-    const token_rows_t *m;
+    const token_rows_t *m;    /* the CSR map, or NULL when the gather reads the slots */
+    const token_slots_t *sl;  /* forward only: the slots table, or NULL */
+    const int64_t *sorted_indices, *expert_offsets; /* the slots gather's own lookups */
+    int64_t num_rows;
     const void *probs;
     moe_dtype_t probs_dtype;
     int64_t T, E, hidden;
@@ -442,6 +743,16 @@ static moe_status_t launch_data_ve(const data_args_t *a) {
         /* the gather-sum covers two vectors per thread: half the threads per token */
         const int XG = moe_pow2_clamp((nvec + 1) / 2, 32, MOE_GATHER_THREADS);
         const int Y = MOE_GATHER_THREADS / XG;
+        if (a->sl) {
+            void (*slots)(void *, const void *, token_slots_t, const int64_t *, const int64_t *,
+                          const void *, moe_dtype_t, int64_t, int64_t, int64_t, int64_t) =
+                moe_gather_sum_slots_kernel<ET, C, RP, VE>;
+            MOE_LAUNCH_CHAINED(slots, dim3(moe_blocks_for(a->T, Y)), dim3(XG, Y), 0, a->st,
+                               a->dst, a->src, *a->sl, a->sorted_indices, a->expert_offsets,
+                               a->probs, a->probs_dtype, a->T, a->E, a->num_rows, nvec);
+            MOE_CHECK_LAUNCH("moe_gather_sum_slots_kernel");
+            return MOE_OK;
+        }
         void (*gather)(void *, const void *, const int64_t *, const int64_t *, const int64_t *,
                        const void *, moe_dtype_t, int64_t, int64_t, int64_t) =
             moe_gather_sum_kernel<ET, C, RP, VE>;
@@ -535,11 +846,19 @@ extern "C" moe_status_t moe_cuda_unpermute_fwd(void *output, const void *permute
     MOE_CHECK(num_tokens == 0 || output, "output must not be NULL");
     MOE_CHECK(num_rows == 0 || permuted_tokens, "permuted_tokens must not be NULL");
     cudaStream_t st = (cudaStream_t)stream;
+    const int64_t *offsets = probs ? expert_offsets : NULL;
     token_rows_t m;
-    MOE_TRY(build_token_rows(&m, workspace, workspace_bytes, sorted_indices,
-                             probs ? expert_offsets : NULL, num_tokens, num_experts, num_rows, st));
-    data_args_t a = {output, NULL, permuted_tokens, NULL, &m, probs, probs_dtype,
-                     num_tokens, num_experts, hidden, 0, st};
+    token_slots_t sl;
+    data_args_t a = {output, NULL, permuted_tokens, NULL, &m, NULL, sorted_indices, offsets,
+                     num_rows, probs, probs_dtype, num_tokens, num_experts, hidden, 0, st};
+    if (use_slots(num_tokens)) {
+        MOE_TRY(build_token_slots(&sl, workspace, workspace_bytes, sorted_indices, num_tokens,
+                                  num_rows, st));
+        a.m = NULL, a.sl = &sl;
+    } else {
+        MOE_TRY(build_token_rows(&m, workspace, workspace_bytes, sorted_indices, offsets,
+                                 num_tokens, num_experts, num_rows, st));
+    }
     return launch_data(&a, dtype, math_for(dtype, probs, probs_dtype));
 }
 
@@ -565,11 +884,19 @@ extern "C" moe_status_t moe_cuda_permute_bwd(void *grad_tokens, void *grad_probs
     MOE_CHECK(num_rows == 0 || grad_permuted_tokens, "grad_permuted_tokens must not be NULL");
     cudaStream_t st = (cudaStream_t)stream;
     token_rows_t m;
-    MOE_TRY(build_token_rows(&m, workspace, workspace_bytes, sorted_indices,
-                             grad_probs ? expert_offsets : NULL, num_tokens, num_experts,
-                             num_rows, st));
-    data_args_t a = {grad_tokens, NULL, grad_permuted_tokens, NULL, &m, NULL, probs_dtype,
-                     num_tokens, num_experts, hidden, 0, st};
+    token_slots_t sl;
+    data_args_t a = {grad_tokens, NULL, grad_permuted_tokens, NULL, &m, NULL, sorted_indices,
+                     NULL, num_rows, NULL, probs_dtype, num_tokens, num_experts, hidden, 0, st};
+    /* grad_probs sums per (token, expert) over the CSR; the plain gather takes the slots */
+    if (!grad_probs && use_slots(num_tokens)) {
+        MOE_TRY(build_token_slots(&sl, workspace, workspace_bytes, sorted_indices, num_tokens,
+                                  num_rows, st));
+        a.m = NULL, a.sl = &sl;
+    } else {
+        MOE_TRY(build_token_rows(&m, workspace, workspace_bytes, sorted_indices,
+                                 grad_probs ? expert_offsets : NULL, num_tokens, num_experts,
+                                 num_rows, st));
+    }
     MOE_TRY(launch_data(&a, dtype, math_for(dtype, NULL, probs_dtype)));
     if (grad_probs && num_tokens > 0) {
         MOE_LAUNCH_CHAINED(moe_token_expert_sum_kernel,
@@ -601,15 +928,24 @@ extern "C" moe_status_t moe_cuda_unpermute_bwd(void *grad_permuted_tokens, void 
     MOE_CHECK(!grad_probs || num_rows == 0 || permuted_tokens,
               "permuted_tokens must not be NULL when grad_probs is requested");
     cudaStream_t st = (cudaStream_t)stream;
+    const size_t esize = moe_dtype_size(dtype);
+    if (!probs && use_slots(num_tokens)) { /* a plain copy back to the rows */
+        token_slots_t sl;
+        MOE_TRY(build_token_slots(&sl, workspace, workspace_bytes, sorted_indices, num_tokens,
+                                  num_rows, st));
+        MOE_TRY(launch_zero_pad(grad_permuted_tokens, sorted_indices, num_rows, num_tokens,
+                                (size_t)hidden * esize, st));
+        return launch_copy_rows_slots(grad_permuted_tokens, grad_output, &sl, num_tokens,
+                                      (size_t)hidden * esize, st);
+    }
     token_rows_t m;
     MOE_TRY(build_token_rows(&m, workspace, workspace_bytes, sorted_indices,
                              probs ? expert_offsets : NULL, num_tokens, num_experts, num_rows, st));
-    const size_t esize = moe_dtype_size(dtype);
     MOE_TRY(launch_zero_pad(grad_permuted_tokens, sorted_indices, num_rows, num_tokens,
                             (size_t)hidden * esize, st));
     data_args_t a = {grad_permuted_tokens, m.dots, grad_output,
-                     grad_probs ? permuted_tokens : NULL, &m, probs, probs_dtype,
-                     num_tokens, num_experts, hidden, 1, st};
+                     grad_probs ? permuted_tokens : NULL, &m, NULL, NULL, NULL, num_rows, probs,
+                     probs_dtype, num_tokens, num_experts, hidden, 1, st};
     MOE_TRY(launch_data(&a, dtype, math_for(dtype, probs, probs_dtype)));
     if (grad_probs && num_tokens > 0) {
         MOE_LAUNCH_CHAINED(moe_token_expert_sum_kernel,
