@@ -466,6 +466,7 @@ moe_gather_sum_slots_kernel(void *__restrict__ out, const void *__restrict__ row
     const int64_t t = (int64_t)blockIdx.x * Y + y;
     moe_pdl_wait(); /* the slots are the previous kernel's */
     if (t < T && x < 32) {
+        /* both loads at once: slots past the count hold stale values, never used below */
         const int64_t n = m.count[t];
         const int64_t r = x < MOE_SLOTS ? m.slot[t * MOE_SLOTS + x] : 0;
         if (n <= MOE_SLOTS) {
