@@ -18,10 +18,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # 16 pytest workers on 16 cores: one intra-op thread each, or the CPU references oversubscribe
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
+source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 t0=$(date +%s)
