@@ -190,9 +190,9 @@ __global__ void moe_token_rows_sort_kernel(int64_t *rows, int64_t *rexp, const i
         for (int64_t i = 0; i < n; ++i) rexp[b + i] = d_row_expert(expert_offsets, E, seg[i]);
 }
 
-/* Both maps (CSR, slots) live in the same workspace, of one size. */
-static moe_status_t check_workspace(const void *workspace, size_t workspace_bytes,
-                                    const int64_t *sorted_indices, int64_t T, int64_t R) {
+/* What both maps (CSR, slots) need: the workspace (one size for both) and the indices. */
+static moe_status_t check_map_args(const void *workspace, size_t workspace_bytes,
+                                   const int64_t *sorted_indices, int64_t T, int64_t R) {
     const size_t need = moe_cuda_unpermute_workspace_size(T, R);
     MOE_CHECK(workspace_bytes >= need && (need == 0 || workspace),
               "workspace too small: %zu bytes, need at least %zu "
@@ -233,7 +233,7 @@ static int use_slots(int64_t T) {
 static moe_status_t build_token_slots(token_slots_t *m, void *workspace, size_t workspace_bytes,
                                       const int64_t *sorted_indices, int64_t T, int64_t R,
                                       cudaStream_t st) {
-    MOE_TRY(check_workspace(workspace, workspace_bytes, sorted_indices, T, R));
+    MOE_TRY(check_map_args(workspace, workspace_bytes, sorted_indices, T, R));
     token_slots_layout(m, workspace, T, R);
     cudaError_t err = cudaMemsetAsync(m->count, 0, (size_t)(T + 1) * sizeof(int64_t), st);
     if (err != cudaSuccess)
@@ -251,7 +251,7 @@ static moe_status_t build_token_rows(token_rows_t *m, void *workspace, size_t wo
                                      const int64_t *sorted_indices,
                                      const int64_t *expert_offsets, int64_t T, int64_t E,
                                      int64_t R, cudaStream_t st) {
-    MOE_TRY(check_workspace(workspace, workspace_bytes, sorted_indices, T, R));
+    MOE_TRY(check_map_args(workspace, workspace_bytes, sorted_indices, T, R));
     token_rows_layout(m, workspace, T, R);
     /* memset, count (ordinary launches), then the chained scan, fill and sort */
     cudaError_t err = cudaMemsetAsync(m->start, 0, (size_t)(2 * T + 1) * sizeof(int64_t), st);
