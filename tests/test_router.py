@@ -35,6 +35,16 @@ def tie_free_logits(T, E, dtype, num_groups=None, device="cpu"):
     return ((vals - E / 2) / max(E / 8, 1)).to(dtype).to(device)
 
 
+@pytest.fixture(params=["lanes", "strided"])
+def router_kernel(request, monkeypatch):
+    """The fused fp32 router's kernel on CUDA: the lanes kernel (rows of up to 256 experts, no
+    extras), or the strided kernel (which also serves the extras and wider rows), forced by
+    MOE_CORE_ROUTER_LANES=0 (read at every call)."""
+    if request.param == "strided":
+        monkeypatch.setenv("MOE_CORE_ROUTER_LANES", "0")
+    return request.param
+
+
 def make_case(T, E, k, score, pre, variant, dtype, device):
     """Options for one case: 'plain', or 'full' = groups (when valid) + scaling + expert bias."""
     opts = dict(topk=k, use_pre_softmax=pre, score_function=score)
@@ -281,7 +291,7 @@ def test_deterministic_bitwise(device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("score,pre", MODES)
-def test_cpu_cuda_same_routing(score, pre, dtype):
+def test_cpu_cuda_same_routing(score, pre, dtype, router_kernel):
     logits, opts = make_case(2048, 64, 6, score, pre, "full", dtype, "cpu")
     p_cpu, i_cpu = ops.router_topk(logits, **opts)
     cuda_opts = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
@@ -300,7 +310,7 @@ def test_cpu_cuda_same_routing(score, pre, dtype):
     (300, 1024, 16, 32, 8, "sqrtsoftplus"),    # the widest warp kernel
     (77, 3, 3, None, None, "softmax"),         # fewer experts than lanes
 ])
-def test_cpu_cuda_same_routing_all_kernel_paths(T, E, k, G, gk, score):
+def test_cpu_cuda_same_routing_all_kernel_paths(T, E, k, G, gk, score, router_kernel):
     logits = torch.randn(T, E, dtype=torch.float64).float()
     opts = dict(num_groups=G, group_topk=gk, score_function=score, use_pre_softmax=score == "softmax")
     x_cpu = logits.clone().requires_grad_()
@@ -354,7 +364,7 @@ def test_router_cuda_graph_capture_and_replay():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_cuda_ties_signed_zeros_and_nan_like_cpu(dtype):
+def test_cuda_ties_signed_zeros_and_nan_like_cpu(dtype, router_kernel):
     """The fp32 CUDA kernel ranks by packed keys: ties (including -0 vs +0) go to the lower id and
     NaN ranks first, exactly as on the CPU."""
     x = torch.zeros(64, 40, dtype=dtype)
@@ -386,9 +396,10 @@ def test_cuda_ties_signed_zeros_and_nan_like_cpu(dtype):
     (256, 4, 2, 8),    # P = 64: the serial group rounds
     (96, 8, 4, 8),     # P = 12 (does not divide the warp): the serial group rounds
 ])
-def test_cuda_group_phase_paths_like_cpu(dtype, score, E, G, gk, k):
-    """Every group-phase path of the fused CUDA kernel (segments of P lanes reduced side by side
-    when P divides 32, the serial rounds otherwise) picks the CPU's experts, on random rows and
+def test_cuda_group_phase_paths_like_cpu(dtype, score, E, G, gk, k, router_kernel):
+    """Every group-phase path of the fused CUDA kernels (lanes kernel: a group is P / VPL lanes
+    when that is a power of two, else the strided kernel; strided kernel: segments of P lanes
+    reduced side by side when P divides 32, the serial rounds otherwise) picks the CPU's experts, on random rows and
     on rows full of ties (equal group sums, equal scores, where the lower id must win)."""
     torch.manual_seed(E + G + k)
     T = 257
@@ -408,6 +419,56 @@ def test_cuda_group_phase_paths_like_cpu(dtype, score, E, G, gk, k):
             x.cuda(), k, expert_bias=None if bias is None else bias.cuda(), **o)
         assert torch.equal(m_cpu, m_gpu.cpu()), o
         assert_close_ulps(pd_gpu, pd_cpu, n_ulps=1, floor=1e-30, dtype=dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_sigmoid_and_exp_equal_cpu_bitwise():
+    """The lanes kernel computes the fp64 sigmoid and exp with its own polynomial, not CUDA's
+    library; rounded to fp32 they are the CPU's values bit for bit. One expert with k = 1 routes
+    with prob = sigmoid(x); two experts (0, x <= 0) under softmax-pre give exp(x) / (1 + exp(x))."""
+    n = 1 << 20
+    gen = torch.Generator().manual_seed(7)
+    x = torch.cat([torch.linspace(-110, 110, n, dtype=torch.float64).float(),
+                   20 * torch.randn(n, generator=gen),
+                   torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 88.72,
+                                 -88.72, 103.27, -103.27, 103.28, -103.28, 708.5, -708.5, 1e30,
+                                 -1e30])])
+    p_cpu, _ = ops.router_topk(x[:, None], 1, score_function="sigmoid")
+    p_gpu, _ = ops.router_topk(x[:, None].cuda(), 1, score_function="sigmoid")
+    assert torch.equal(p_cpu.isnan(), p_gpu.cpu().isnan())
+    assert torch.equal(p_cpu.nan_to_num(), p_gpu.cpu().nan_to_num())
+    assert (p_cpu > 0).any() and (p_cpu < 1).any() and (p_cpu == 0).any()
+    pairs = torch.stack([torch.zeros_like(x), -x.abs()], dim=1)
+    p_cpu, i_cpu = ops.router_topk(pairs, 2, use_pre_softmax=True)
+    p_gpu, i_gpu = ops.router_topk(pairs.cuda(), 2, use_pre_softmax=True)
+    assert torch.equal(i_cpu, i_gpu.cpu())
+    assert torch.equal(p_cpu.nan_to_num(), p_gpu.cpu().nan_to_num())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("E,k", [(132, 8), (100, 6), (33, 4), (255, 8), (256, 8), (64, 1)])
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("score", ["sigmoid", "softmax"])
+def test_cuda_row_widths_and_alignment_like_cpu(E, k, offset, score, router_kernel):
+    """Rows that are no whole number of a lane's run of experts (the lanes kernel then uses no
+    16-byte access) and logits that start 4 bytes past a 16-byte boundary route as on the CPU,
+    dense and compact, bit for bit."""
+    torch.manual_seed(E + k + offset)
+    T = 301
+    flat = torch.randn(T * E + offset, dtype=torch.float64).float()
+    x = flat[offset:].view(T, E)
+    bias = (0.1 * torch.randn(E)) if score == "sigmoid" else None
+    opts = dict(score_function=score, scaling_factor=2.5)
+    xg = flat.cuda()[offset:].view(T, E)
+    assert xg.data_ptr() % 16 == 4 * offset
+    bg = None if bias is None else bias.cuda()
+    p_cpu, m_cpu = ops.topk_routing_with_score_function(x, k, expert_bias=bias, **opts)
+    p_gpu, m_gpu = ops.topk_routing_with_score_function(xg, k, expert_bias=bg, **opts)
+    assert torch.equal(m_cpu, m_gpu.cpu())
+    assert torch.equal(p_cpu, p_gpu.cpu())
+    c_cpu, i_cpu = ops.router_topk(x, k, expert_bias=bias, **opts)
+    c_gpu, i_gpu = ops.router_topk(xg, k, expert_bias=bg, **opts)
+    assert torch.equal(i_cpu, i_gpu.cpu()) and torch.equal(c_cpu, c_gpu.cpu())
 
 
 @pytest.mark.parametrize("device", DEVICES)

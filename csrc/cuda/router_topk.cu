@@ -547,6 +547,275 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
     }
 }
 
+/* ---- the lanes kernel: a lane holds VPL neighbouring experts ---------------------------------
+ * The same routing as the fused fp32 kernel above, for rows of up to 256 experts without extras
+ * (the plain and the dense router calls), at a fraction of its instructions. Lane l holds experts
+ * l·VPL .. l·VPL + VPL − 1, so a group of P experts is a segment of P / VPL lanes: a group's
+ * top-n is a lane-local scan plus log2(P / VPL) shuffles, where the strided layout above needs
+ * one warp reduction per (group, round). The fp64 sigmoid and exp, half the instructions of a
+ * row, are the polynomial below instead of the library's (same fp32 result: see moe_exp_fd).
+ * A row is read with 16-byte loads and the dense outputs written with 16-byte stores where the
+ * layout allows. */
+
+/* exp(a) in fp64 for a in [-708, 708]: a = k·ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series
+ * to degree 13 (truncation < 0.03 ulp), 2^k added to the exponent field. Within 1 ulp of glibc's
+ * exp; rounded to fp32 it agreed with (float)exp(x) on every 3rd fp32 x in [-110, 0] and, as
+ * (float)(1 / (1 + exp(-x))), on every 7th fp32 x in [-120, 120] (checked on the host,
+ * 2026-12-03). The caller clamps a: past ±708 the fp32 results no longer change. */
+__device__ __forceinline__ double moe_exp_fd(double a) {
+    const double kd = rint(a * 1.4426950408889634);
+    double r = fma(-kd, 6.93147180369123816490e-01, a); /* ln2's high part: kd·hi is exact */
+    r = fma(-kd, 1.90821492927058770002e-10, r);
+    double p = 1.0 / 6227020800.0;
+    p = fma(p, r, 1.0 / 479001600.0);
+    p = fma(p, r, 1.0 / 39916800.0);
+    p = fma(p, r, 1.0 / 3628800.0);
+    p = fma(p, r, 1.0 / 362880.0);
+    p = fma(p, r, 1.0 / 40320.0);
+    p = fma(p, r, 1.0 / 5040.0);
+    p = fma(p, r, 1.0 / 720.0);
+    p = fma(p, r, 1.0 / 120.0);
+    p = fma(p, r, 1.0 / 24.0);
+    p = fma(p, r, 1.0 / 6.0);
+    p = fma(p, r, 0.5);
+    p = fma(p, r, 1.0);
+    p = fma(p, r, 1.0);
+    return __hiloint2double(__double2hiint(p) + ((int)kd << 20), __double2loint(p));
+}
+
+/* moe_topk_score's sigmoid: (float)(1 / (1 + exp(-x))) computed in fp64. */
+__device__ __forceinline__ float moe_sigmoid_fd(float x) {
+    const double a = fmin(fmax(-(double)x, -708.0), 708.0);
+    const float y = (float)__drcp_rn(1.0 + moe_exp_fd(a));
+    return x != x ? x : y;
+}
+
+/* moe_topk_softmax_at below fp64: (float)exp((float)(x - m)) · inv, each step rounded to fp32
+ * (an fp32 product rounded once is the fp64 product rounded to fp32). */
+__device__ __forceinline__ float moe_softmax_at_fd(float x, float m, float inv) {
+    const float d = __fsub_rn(x, m);
+    const float e = (float)moe_exp_fd(fmax((double)d, -708.0));
+    return __fmul_rn(d != d ? d : e, inv);
+}
+
+__device__ __forceinline__ uint64_t make_key_f(float f, int e) {
+    if (f == 0.0f) f = 0.0f;
+    return ((uint64_t)order_bits(f) << 32) | (uint64_t)(0xffffffffu - (uint32_t)e);
+}
+
+/* What the lanes kernel may do with 16-byte accesses, decided on the host from the pointers. */
+#define MOE_LANES_VEC_LOAD 1u  /* fp32 logits rows, 16-byte aligned at every lane */
+#define MOE_LANES_VEC_PROBS 2u /* fp32 dense probs, likewise */
+#define MOE_LANES_VEC_MAP 4u   /* the map's VPL bytes of a lane are one aligned word */
+
+template <int VPL>
+__device__ __forceinline__ void lanes_store_map(uint8_t *dst, const int (&rank)[VPL]) {
+    if constexpr (VPL == 4 || VPL == 8 || VPL == 16) {
+        uint32_t w[(VPL + 3) / 4];
+#pragma unroll
+        for (int j = 0; j < (VPL + 3) / 4; ++j) w[j] = 0;
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) w[i / 4] |= (uint32_t)(rank[i] >= 0) << (8 * (i % 4));
+        if constexpr (VPL == 4) *(uint32_t *)dst = w[0];
+        if constexpr (VPL == 8) *(uint2 *)dst = make_uint2(w[0], w[1]);
+        if constexpr (VPL == 16) *(uint4 *)dst = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+/* logits [T, E] (fp32 / bf16 / fp16) → topk_indices [T, k], and any of topk_probs [T, k],
+ * probs [T, E], routing_map [T, E]. One warp per token, grid-stride; seg = P / VPL lanes per group
+ * (a power of two), 0 without groups. Shared memory: 2k + 1 words per warp. */
+template <int VPL>
+__global__ void __launch_bounds__(32 * MOE_ROUTER32_WARPS, 3)
+moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *probs,
+                                 uint8_t *routing_map, const void *logits,
+                                 const float *expert_bias, int64_t num_tokens, moe_topk_ctx_t ctx,
+                                 int seg, unsigned vec) {
+    extern __shared__ double moe_router_smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int E = (int)ctx.num_experts, k = (int)ctx.topk, e0 = lane * VPL;
+    double *win_p = moe_router_smem + (int64_t)warp * (2 * k + 1);
+    int *win_i = (int *)(win_p + k);
+    double *norm = win_p + 2 * k;
+    const int softmax = ctx.score_function == MOE_SCORE_SOFTMAX, pre = ctx.pre_softmax;
+    const int sigmoid = ctx.score_function == MOE_SCORE_SIGMOID;
+    const int gn = (int)ctx.group_n, group = seg > 0 ? lane / seg : 0;
+    const int has_group = seg > 0 && e0 < E;
+    const int64_t stride = (int64_t)gridDim.x * MOE_ROUTER32_WARPS;
+    for (int64_t t = (int64_t)blockIdx.x * MOE_ROUTER32_WARPS + warp; t < num_tokens; t += stride) {
+        const int64_t base = t * E;
+        float x[VPL];
+        if (vec & MOE_LANES_VEC_LOAD) {
+            if (e0 < E) {
+#pragma unroll
+                for (int i = 0; i < VPL; i += 4) {
+                    const float4 v = *(const float4 *)((const float *)logits + base + e0 + i);
+                    x[i] = v.x, x[i + 1] = v.y, x[i + 2] = v.z, x[i + 3] = v.w;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < VPL; ++i)
+                x[i] = e0 + i < E ? (float)moe_load(logits, ctx.dtype, base + e0 + i) : 0.0f;
+        }
+        float m = 0.0f, inv = 0.0f;
+        if (softmax && pre) { /* softmax statistics, NaN wins the max, fp32-rounded terms */
+            double mx = -INFINITY;
+#pragma unroll
+            for (int i = 0; i < VPL; ++i)
+                if (e0 + i < E) mx = (x[i] != x[i] || x[i] > mx) ? (double)x[i] : mx;
+            m = (float)warp_max_nan(mx);
+            double sum = 0.0;
+#pragma unroll
+            for (int i = 0; i < VPL; ++i) {
+                const float d = __fsub_rn(x[i], m);
+                if (e0 + i < E) sum += d != d ? (double)d : (double)(float)moe_exp_fd(fmax((double)d, -708.0));
+            }
+            sum = warp_sum(sum);
+            inv = (float)(1.0 / (double)(float)sum);
+        }
+        uint64_t key[VPL];
+        float src[VPL];
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+            float s, sel;
+            if (softmax) {
+                s = pre ? moe_softmax_at_fd(x[i], m, inv) : x[i];
+                sel = s;
+            } else {
+                s = sigmoid ? moe_sigmoid_fd(x[i]) : (float)moe_topk_score(&ctx, x[i]);
+                /* re-read per token (an L1 hit): 8 registers fewer, no spill at 3 blocks/SM */
+                if (expert_bias && e0 + i < E) sel = __fadd_rn(s, __ldg(expert_bias + e0 + i));
+                else sel = s;
+            }
+            src[i] = s;
+            key[i] = e0 + i < E ? make_key_f(sel, e0 + i) : 0u;
+        }
+
+        if (seg > 0) {
+            /* the group's top gn: a lane-local best, then the segment's best by shuffles; the
+             * fp32 sum in rank order, as the C kernel's */
+            uint32_t taken = 0;
+            float acc = 0.0f;
+            for (int r = 0; r < gn; ++r) {
+                uint64_t b = 0;
+#pragma unroll
+                for (int i = 0; i < VPL; ++i)
+                    if (!(taken >> i & 1u) && key[i] > b) b = key[i];
+                for (int off = seg / 2; off > 0; off >>= 1) {
+                    const uint64_t o = __shfl_xor_sync(MOE_FULL_MASK, b, off);
+                    b = o > b ? o : b;
+                }
+#pragma unroll
+                for (int i = 0; i < VPL; ++i)
+                    if (key[i] == b) taken |= 1u << i;
+                acc = __fadd_rn(acc, (float)key_value(b));
+            }
+            double a = (double)acc;
+            if (softmax && !pre) a = moe_round_to(ctx.dtype, a);
+            /* the kept groups: group_topk rounds over the segment leaders' group keys */
+            uint64_t gkey = has_group && lane % seg == 0 ? make_key(a, group) : 0u;
+            int kept = 0;
+            for (int r = 0; r < (int)ctx.group_topk; ++r) {
+                const uint64_t best = warp_max_key(gkey);
+                if (gkey == best && best != 0u) kept = 1, gkey = 0u;
+            }
+            kept = __shfl_sync(MOE_FULL_MASK, kept, lane - lane % seg);
+            if (!kept) {
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) key[i] = 0u;
+            }
+        }
+
+        int rank[VPL];
+        uint64_t best = 0; /* this lane's best remaining key */
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+            rank[i] = -1;
+            best = key[i] > best ? key[i] : best;
+        }
+        for (int r = 0; r < k; ++r) {
+            const uint64_t win = warp_max_key(best);
+            const int e_w = (int)key_expert(win);
+            if (lane == e_w / VPL) { /* the one lane that holds the winner */
+                best = 0;
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) {
+                    if (key[i] == win) {
+                        key[i] = 0u;
+                        rank[i] = r;
+                        win_p[r] = (double)src[i];
+                        win_i[r] = e_w;
+                    }
+                    best = key[i] > best ? key[i] : best;
+                }
+            }
+        }
+        __syncwarp();
+        /* moe_topk_probs: the order-dependent sums on lane 0, the rest across lanes */
+        if (softmax && !pre) {
+            const double top = win_p[0];
+            __syncwarp();
+            for (int j = lane; j < k; j += 32) {
+                const float d = __fsub_rn((float)win_p[j], (float)top);
+                win_p[j] = d != d ? (double)d : (double)(float)moe_exp_fd(fmax((double)d, -708.0));
+            }
+        }
+        __syncwarp();
+        if (lane == 0 && !(softmax && pre)) {
+            double sum = 0.0;
+            if (softmax) {
+                for (int j = 0; j < k; ++j) sum += win_p[j];
+                *norm = moe_cround(&ctx, 1.0 / moe_cround(&ctx, sum));
+            } else {
+                for (int j = 0; j < k; ++j) sum = moe_cround(&ctx, sum + win_p[j]);
+                *norm = moe_cround(&ctx, sum + moe_cround(&ctx, 1e-20));
+            }
+        }
+        __syncwarp();
+        for (int j = lane; j < k; j += 32) {
+            double p = win_p[j];
+            if (softmax && !pre) p = moe_cround(&ctx, p * *norm);
+            else if (!softmax && k > 1) p = moe_cround(&ctx, p / *norm);
+            if (ctx.has_scaling) p = moe_cround(&ctx, p * ctx.scaling_factor);
+            win_p[j] = p;
+            topk_indices[t * k + j] = win_i[j];
+            if (topk_probs) moe_store(topk_probs, ctx.dtype, t * k + j, p);
+        }
+        __syncwarp();
+        if (probs) {
+            if (vec & MOE_LANES_VEC_PROBS) {
+                if (e0 < E) {
+#pragma unroll
+                    for (int i = 0; i < VPL; i += 4) {
+                        float4 v;
+                        v.x = rank[i] >= 0 ? (float)win_p[rank[i]] : 0.0f;
+                        v.y = rank[i + 1] >= 0 ? (float)win_p[rank[i + 1]] : 0.0f;
+                        v.z = rank[i + 2] >= 0 ? (float)win_p[rank[i + 2]] : 0.0f;
+                        v.w = rank[i + 3] >= 0 ? (float)win_p[rank[i + 3]] : 0.0f;
+                        *(float4 *)((float *)probs + base + e0 + i) = v;
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < VPL; ++i)
+                    if (e0 + i < E)
+                        moe_store(probs, ctx.dtype, base + e0 + i, rank[i] >= 0 ? win_p[rank[i]] : 0.0);
+            }
+        }
+        if (routing_map) {
+            if (vec & MOE_LANES_VEC_MAP) {
+                if (e0 < E) lanes_store_map<VPL>(routing_map + base + e0, rank);
+            } else {
+#pragma unroll
+                for (int i = 0; i < VPL; ++i)
+                    if (e0 + i < E) routing_map[base + e0 + i] = rank[i] >= 0;
+            }
+        }
+        __syncwarp(); /* the next token reuses this warp's shared slots */
+    }
+}
+
 typedef void (*moe_topk_fwd_warp_fn)(void *, int64_t *, const void *, const float *, int64_t,
                                      moe_topk_ctx_t);
 typedef void (*moe_topk_fwd_warp32_fn)(void *, int64_t *, void *, uint8_t *,
@@ -571,6 +840,43 @@ MOE_VPL_SELECTOR(fwd_warp_kernel, moe_topk_fwd_warp_fn, moe_router_topk_fwd_warp
 MOE_VPL_SELECTOR(fwd_warp32_kernel, moe_topk_fwd_warp32_fn, moe_router_topk_fwd_warp32_kernel)
 MOE_VPL_SELECTOR(bwd_warp_kernel, moe_topk_bwd_warp_fn, moe_router_topk_bwd_warp_kernel)
 #undef MOE_VPL_SELECTOR
+
+typedef void (*moe_topk_fwd_lanes_fn)(void *, int64_t *, void *, uint8_t *, const void *,
+                                      const float *, int64_t, moe_topk_ctx_t, int, unsigned);
+static moe_topk_fwd_lanes_fn fwd_lanes_kernel(int vpl) {
+    switch (vpl) {
+    case 1: return moe_router_topk_fwd_lanes_kernel<1>;
+    case 2: return moe_router_topk_fwd_lanes_kernel<2>;
+    case 4: return moe_router_topk_fwd_lanes_kernel<4>;
+    default: return moe_router_topk_fwd_lanes_kernel<8>;
+    }
+}
+
+/* Lanes per group for the lanes kernel (0 without groups), or -1 where it does not apply: rows
+ * wider than 256 experts (VPL = 16 spills), or groups that are not whole power-of-two runs of lanes.
+ * MOE_CORE_ROUTER_LANES=0 (read at every call) keeps the strided kernel, for A/B timing. */
+static int lanes_seg(const moe_topk_ctx_t *c, int vpl) {
+    const char *env = getenv("MOE_CORE_ROUTER_LANES");
+    if ((env && env[0] == '0') || vpl > 8) return -1;
+    if (c->num_groups == 0) return 0;
+    if (c->per_group % vpl != 0) return -1;
+    const int64_t s = c->per_group / vpl;
+    return s <= 32 && (s & (s - 1)) == 0 ? (int)s : -1;
+}
+
+/* The lanes kernel's 16-byte access flags for these pointers. */
+static unsigned lanes_vec(int64_t num_experts, int vpl, moe_dtype_t dt, const void *logits,
+                          const void *probs, const uint8_t *routing_map) {
+    unsigned vec = 0;
+    if (num_experts % vpl != 0) return 0; /* a lane's run would cross into the next row */
+    if (dt == MOE_DTYPE_FP32 && vpl % 4 == 0) {
+        if ((uintptr_t)logits % 16 == 0) vec |= MOE_LANES_VEC_LOAD;
+        if (probs && (uintptr_t)probs % 16 == 0) vec |= MOE_LANES_VEC_PROBS;
+    }
+    if ((vpl == 4 || vpl == 8 || vpl == 16) && routing_map && (uintptr_t)routing_map % vpl == 0)
+        vec |= MOE_LANES_VEC_MAP;
+    return vec;
+}
 
 /* Dynamic shared memory of the warp kernels, opted in above the 48 KiB default when needed. */
 static moe_status_t warp_smem(const void *kernel, size_t bytes) {
@@ -701,6 +1007,16 @@ static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *prob
     if (extras) ex = *extras;
     if (vpl > 0 && dt != MOE_DTYPE_FP64) {
         const size_t smem = (size_t)MOE_ROUTER32_WARPS * (2 * (size_t)k + 1) * sizeof(double);
+        const int seg = lanes_seg(&ctx, vpl);
+        if (seg >= 0 && !ex.aux_scores && !ex.lse) {
+            moe_topk_fwd_lanes_fn lanes = fwd_lanes_kernel(vpl);
+            MOE_TRY(warp_smem((const void *)lanes, smem));
+            lanes<<<warp32_blocks(num_tokens), 32 * MOE_ROUTER32_WARPS, smem, (cudaStream_t)stream>>>(
+                topk_probs, topk_indices, probs, routing_map, logits, expert_bias, num_tokens, ctx,
+                seg, lanes_vec(num_experts, vpl, dt, logits, probs, routing_map));
+            MOE_CHECK_LAUNCH("moe_router_topk_fwd_lanes_kernel");
+            return MOE_OK;
+        }
         moe_topk_fwd_warp32_fn kernel = fwd_warp32_kernel(vpl);
         MOE_TRY(warp_smem((const void *)kernel, smem));
         kernel<<<warp32_blocks(num_tokens), 32 * MOE_ROUTER32_WARPS, smem, (cudaStream_t)stream>>>(
