@@ -446,13 +446,15 @@ def test_cuda_sigmoid_and_exp_equal_cpu_bitwise():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("E,k", [(132, 8), (100, 6), (33, 4), (255, 8), (256, 8), (64, 1)])
+@pytest.mark.parametrize("E,k", [(132, 8), (100, 6), (33, 4), (255, 8), (256, 8), (64, 1),
+                                 (256, 40), (256, 127), (256, 128)])
 @pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("score", ["sigmoid", "softmax"])
 def test_cuda_row_widths_and_alignment_like_cpu(E, k, offset, score, router_kernel):
     """Rows that are no whole number of a lane's run of experts (the lanes kernel then uses no
     16-byte access) and logits that start 4 bytes past a 16-byte boundary route as on the CPU,
-    dense and compact, bit for bit."""
+    dense and compact, bit for bit; so do k > 32 (more winners than candidate slots: the lanes
+    kernel's rounds) and k = 128 (past its int8 ranks: the strided kernel)."""
     torch.manual_seed(E + k + offset)
     T = 301
     flat = torch.randn(T * E + offset, dtype=torch.float64).float()

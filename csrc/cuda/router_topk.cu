@@ -622,9 +622,34 @@ __device__ __forceinline__ void lanes_store_map(uint8_t *dst, const int (&rank)[
     }
 }
 
+/* Shared memory of the lanes kernel, per warp: the k winners (expert, prob source), the
+ * candidates of the selection (key, prob source) and each expert's rank (int8, -1: not picked). */
+#define MOE_LANES_CAND 32
+MOE_HD static inline size_t lanes_warp_bytes(int64_t topk, int vpl) {
+    return (size_t)topk * 8 + MOE_LANES_CAND * 12 + (size_t)vpl * 32 + 8;
+}
+
+/* The segment's (lanes lane − lane % seg ...) top two of every lane's v[], as keys. */
+__device__ __forceinline__ void seg_top2(uint32_t *a, uint32_t *b, int seg) {
+    for (int off = seg / 2; off > 0; off >>= 1) {
+        const uint32_t oa = __shfl_xor_sync(MOE_FULL_MASK, *a, off);
+        const uint32_t ob = __shfl_xor_sync(MOE_FULL_MASK, *b, off);
+        *b = max(min(*a, oa), max(*b, ob));
+        *a = max(*a, oa);
+    }
+}
+
 /* logits [T, E] (fp32 / bf16 / fp16) → topk_indices [T, k], and any of topk_probs [T, k],
  * probs [T, E], routing_map [T, E]. One warp per token, grid-stride; seg = P / VPL lanes per group
- * (a power of two), 0 without groups. Shared memory: 2k + 1 words per warp. */
+ * (a power of two), 0 without groups. Shared memory: lanes_warp_bytes per warp.
+ *
+ * Keys are the 32-bit monotone bits of the fp32 selection value (0: absent or excluded); the
+ * expert id breaks ties, lower first, and since a lane's experts are neighbours that is the lower
+ * lane, then the lower slot. The top k runs in three steps instead of k rounds that rescan the
+ * winner's lane: (1) k rounds over the lanes' best keys only give tau, the k-th best of those,
+ * and every expert of the top k has a key >= tau; (2) the experts with key >= tau (about k + a
+ * few) are compacted into shared memory; (3) each of them counts the candidates ranked before
+ * it. More than 32 candidates (rows full of ties) take k rounds over 64-bit keys instead. */
 template <int VPL>
 __global__ void __launch_bounds__(32 * MOE_ROUTER32_WARPS, 3)
 moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *probs,
@@ -634,13 +659,17 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
     extern __shared__ double moe_router_smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int E = (int)ctx.num_experts, k = (int)ctx.topk, e0 = lane * VPL;
-    double *win_p = moe_router_smem + (int64_t)warp * (2 * k + 1);
+    char *ws = (char *)moe_router_smem + (size_t)warp * lanes_warp_bytes(k, VPL);
+    uint64_t *cand_key = (uint64_t *)ws;
+    float *cand_src = (float *)(cand_key + MOE_LANES_CAND);
+    float *win_p = cand_src + MOE_LANES_CAND;
     int *win_i = (int *)(win_p + k);
-    double *norm = win_p + 2 * k;
+    float *norm = (float *)(win_i + k);
+    int8_t *rank_of = (int8_t *)(norm + 2); /* 8-byte aligned: k words of each kind, + 2 */
     const int softmax = ctx.score_function == MOE_SCORE_SOFTMAX, pre = ctx.pre_softmax;
     const int sigmoid = ctx.score_function == MOE_SCORE_SIGMOID;
-    const int gn = (int)ctx.group_n, group = seg > 0 ? lane / seg : 0;
-    const int has_group = seg > 0 && e0 < E;
+    const int gn = (int)ctx.group_n, has_group = seg > 0 && e0 < E;
+    const float sf = (float)ctx.scaling_factor;
     const int64_t stride = (int64_t)gridDim.x * MOE_ROUTER32_WARPS;
     for (int64_t t = (int64_t)blockIdx.x * MOE_ROUTER32_WARPS + warp; t < num_tokens; t += stride) {
         const int64_t base = t * E;
@@ -672,9 +701,9 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
                 if (e0 + i < E) sum += d != d ? (double)d : (double)(float)moe_exp_fd(fmax((double)d, -708.0));
             }
             sum = warp_sum(sum);
-            inv = (float)(1.0 / (double)(float)sum);
+            inv = __frcp_rn((float)sum);
         }
-        uint64_t key[VPL];
+        uint32_t hi[VPL];
         float src[VPL];
 #pragma unroll
         for (int i = 0; i < VPL; ++i) {
@@ -684,115 +713,198 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
                 sel = s;
             } else {
                 s = sigmoid ? moe_sigmoid_fd(x[i]) : (float)moe_topk_score(&ctx, x[i]);
-                /* re-read per token (an L1 hit): 8 registers fewer, no spill at 3 blocks/SM */
+                /* re-read per token (an L1 hit): 8 registers fewer */
                 if (expert_bias && e0 + i < E) sel = __fadd_rn(s, __ldg(expert_bias + e0 + i));
                 else sel = s;
             }
             src[i] = s;
-            key[i] = e0 + i < E ? make_key_f(sel, e0 + i) : 0u;
+            hi[i] = e0 + i < E ? order_bits(sel == 0.0f ? 0.0f : sel) : 0u; /* -0 ranks as +0 */
         }
 
         if (seg > 0) {
-            /* the group's top gn: a lane-local best, then the segment's best by shuffles; the
-             * fp32 sum in rank order, as the C kernel's */
-            uint32_t taken = 0;
+            /* the group's top gn values and their fp32 sum in rank order, as the C kernel's */
             float acc = 0.0f;
-            for (int r = 0; r < gn; ++r) {
-                uint64_t b = 0;
+            if (gn <= 2) {
+                uint32_t a = 0, b = 0;
 #pragma unroll
-                for (int i = 0; i < VPL; ++i)
-                    if (!(taken >> i & 1u) && key[i] > b) b = key[i];
-                for (int off = seg / 2; off > 0; off >>= 1) {
-                    const uint64_t o = __shfl_xor_sync(MOE_FULL_MASK, b, off);
-                    b = o > b ? o : b;
+                for (int i = 0; i < VPL; ++i) {
+                    b = max(b, min(a, hi[i]));
+                    a = max(a, hi[i]);
                 }
+                seg_top2(&a, &b, seg);
+                acc = __fadd_rn(acc, from_order_bits(a));
+                if (gn == 2) acc = __fadd_rn(acc, from_order_bits(b));
+            } else {
+                uint32_t hv[VPL];
 #pragma unroll
-                for (int i = 0; i < VPL; ++i)
-                    if (key[i] == b) taken |= 1u << i;
-                acc = __fadd_rn(acc, (float)key_value(b));
+                for (int i = 0; i < VPL; ++i) hv[i] = hi[i];
+                const uint32_t segmask = (seg == 32 ? ~0u : (1u << seg) - 1u) << (lane - lane % seg);
+                for (int r = 0; r < gn; ++r) {
+                    uint32_t b = 0;
+#pragma unroll
+                    for (int i = 0; i < VPL; ++i) b = max(b, hv[i]);
+                    uint32_t sb = b;
+                    for (int off = seg / 2; off > 0; off >>= 1)
+                        sb = max(sb, __shfl_xor_sync(MOE_FULL_MASK, sb, off));
+                    /* one copy of the value leaves per round, from the segment's lowest lane */
+                    const uint32_t own = __ballot_sync(MOE_FULL_MASK, b == sb) & segmask;
+                    if (lane == __ffs(own) - 1) {
+                        int done = 0;
+#pragma unroll
+                        for (int i = 0; i < VPL; ++i)
+                            if (!done && hv[i] == sb) hv[i] = 0u, done = 1;
+                    }
+                    acc = __fadd_rn(acc, from_order_bits(sb));
+                }
             }
-            double a = (double)acc;
-            if (softmax && !pre) a = moe_round_to(ctx.dtype, a);
-            /* the kept groups: group_topk rounds over the segment leaders' group keys */
-            uint64_t gkey = has_group && lane % seg == 0 ? make_key(a, group) : 0u;
+            float a = acc;
+            if (softmax && !pre) a = (float)moe_round_to(ctx.dtype, (double)a);
+            /* the kept groups: group_topk rounds over the segment leaders' keys, ties to the
+             * lower group (the lower lane) */
+            uint32_t gk = has_group && lane % seg == 0 ? order_bits(a == 0.0f ? 0.0f : a) : 0u;
             int kept = 0;
             for (int r = 0; r < (int)ctx.group_topk; ++r) {
-                const uint64_t best = warp_max_key(gkey);
-                if (gkey == best && best != 0u) kept = 1, gkey = 0u;
+                const uint32_t top = __reduce_max_sync(MOE_FULL_MASK, gk);
+                const uint32_t own = __ballot_sync(MOE_FULL_MASK, gk == top && top != 0u);
+                if (lane == __ffs(own) - 1) kept = 1, gk = 0u;
             }
             kept = __shfl_sync(MOE_FULL_MASK, kept, lane - lane % seg);
             if (!kept) {
 #pragma unroll
-                for (int i = 0; i < VPL; ++i) key[i] = 0u;
+                for (int i = 0; i < VPL; ++i) hi[i] = 0u;
             }
         }
 
-        int rank[VPL];
-        uint64_t best = 0; /* this lane's best remaining key */
+        /* (1) tau: the k-th best of the lanes' best keys (1 when fewer than k lanes have one) */
+        uint32_t head = 0;
 #pragma unroll
-        for (int i = 0; i < VPL; ++i) {
-            rank[i] = -1;
-            best = key[i] > best ? key[i] : best;
+        for (int i = 0; i < VPL; ++i) head = max(head, hi[i]);
+        uint32_t tau = 1u;
+        {
+            uint32_t h = head;
+            int r = 0;
+            for (; r < k; ++r) {
+                const uint32_t top = __reduce_max_sync(MOE_FULL_MASK, h);
+                if (top == 0u) break;
+                const uint32_t own = __ballot_sync(MOE_FULL_MASK, h == top);
+                if (lane == __ffs(own) - 1) h = 0u;
+                tau = top;
+            }
+            if (r < k) tau = 1u;
         }
-        for (int r = 0; r < k; ++r) {
-            const uint64_t win = warp_max_key(best);
-            const int e_w = (int)key_expert(win);
-            if (lane == e_w / VPL) { /* the one lane that holds the winner */
-                best = 0;
+        /* (2) the candidates, compacted in expert order */
+        uint32_t cmask = 0;
 #pragma unroll
-                for (int i = 0; i < VPL; ++i) {
-                    if (key[i] == win) {
-                        key[i] = 0u;
-                        rank[i] = r;
-                        win_p[r] = (double)src[i];
-                        win_i[r] = e_w;
+        for (int i = 0; i < VPL; ++i) cmask |= (uint32_t)(hi[i] >= tau) << i;
+        const int c = __popc(cmask);
+        int incl = c;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int v = __shfl_up_sync(MOE_FULL_MASK, incl, off);
+            if (lane >= off) incl += v;
+        }
+        const int n = __shfl_sync(MOE_FULL_MASK, incl, 31);
+#pragma unroll
+        for (int i = 0; i < VPL; i += 4) /* rank_of = -1 on this lane's experts */
+            if (i + 4 <= VPL) *(uint32_t *)(rank_of + e0 + i) = 0xffffffffu;
+        if (VPL < 4) {
+#pragma unroll
+            for (int i = 0; i < VPL; ++i) rank_of[e0 + i] = -1;
+        }
+        if (n <= MOE_LANES_CAND) {
+            int pos = incl - c;
+#pragma unroll
+            for (int i = 0; i < VPL; ++i) {
+                if (cmask >> i & 1u) {
+                    cand_key[pos] = ((uint64_t)hi[i] << 32) | (uint64_t)(0xffffffffu - (uint32_t)(e0 + i));
+                    cand_src[pos] = src[i];
+                    ++pos;
+                }
+            }
+            __syncwarp();
+            /* (3) each candidate's rank: the candidates with a larger key */
+            if (lane < n) {
+                const uint64_t my = cand_key[lane];
+                int r = 0;
+                for (int j = 0; j < n; ++j) r += cand_key[j] > my;
+                if (r < k) {
+                    const int e = (int)key_expert(my);
+                    win_i[r] = e;
+                    win_p[r] = cand_src[lane];
+                    rank_of[e] = (int8_t)r;
+                }
+            }
+        } else { /* a row full of ties: k rounds over 64-bit keys, the winner's lane rescans */
+            uint64_t best = 0;
+#pragma unroll
+            for (int i = 0; i < VPL; ++i)
+                if (hi[i] != 0u) best = max(best, ((uint64_t)hi[i] << 32) | (0xffffffffu - (uint32_t)(e0 + i)));
+            for (int r = 0; r < k; ++r) {
+                const uint64_t win = warp_max_key(best);
+                const int e_w = (int)key_expert(win);
+                if (lane == e_w / VPL) {
+                    best = 0;
+#pragma unroll
+                    for (int i = 0; i < VPL; ++i) {
+                        if (e0 + i == e_w) {
+                            hi[i] = 0u;
+                            win_i[r] = e_w;
+                            win_p[r] = src[i];
+                            rank_of[e_w] = (int8_t)r;
+                        }
+                        if (hi[i] != 0u)
+                            best = max(best, ((uint64_t)hi[i] << 32) | (0xffffffffu - (uint32_t)(e0 + i)));
                     }
-                    best = key[i] > best ? key[i] : best;
                 }
             }
         }
         __syncwarp();
-        /* moe_topk_probs: the order-dependent sums on lane 0, the rest across lanes */
+        /* moe_topk_probs in fp32 (every value here is fp32; an fp32 op rounded once is the C
+         * kernel's fp64 op rounded to fp32): the order-dependent sums on lane 0 */
         if (softmax && !pre) {
-            const double top = win_p[0];
+            const float top = win_p[0];
             __syncwarp();
             for (int j = lane; j < k; j += 32) {
-                const float d = __fsub_rn((float)win_p[j], (float)top);
-                win_p[j] = d != d ? (double)d : (double)(float)moe_exp_fd(fmax((double)d, -708.0));
+                const float d = __fsub_rn(win_p[j], top);
+                win_p[j] = d != d ? d : (float)moe_exp_fd(fmax((double)d, -708.0));
             }
         }
         __syncwarp();
         if (lane == 0 && !(softmax && pre)) {
-            double sum = 0.0;
             if (softmax) {
-                for (int j = 0; j < k; ++j) sum += win_p[j];
-                *norm = moe_cround(&ctx, 1.0 / moe_cround(&ctx, sum));
+                double sum = 0.0;
+                for (int j = 0; j < k; ++j) sum += (double)win_p[j];
+                *norm = __frcp_rn((float)sum);
             } else {
-                for (int j = 0; j < k; ++j) sum = moe_cround(&ctx, sum + win_p[j]);
-                *norm = moe_cround(&ctx, sum + moe_cround(&ctx, 1e-20));
+                float sum = 0.0f;
+                for (int j = 0; j < k; ++j) sum = __fadd_rn(sum, win_p[j]);
+                *norm = __fadd_rn(sum, 1e-20f);
             }
         }
         __syncwarp();
         for (int j = lane; j < k; j += 32) {
-            double p = win_p[j];
-            if (softmax && !pre) p = moe_cround(&ctx, p * *norm);
-            else if (!softmax && k > 1) p = moe_cround(&ctx, p / *norm);
-            if (ctx.has_scaling) p = moe_cround(&ctx, p * ctx.scaling_factor);
+            float p = win_p[j];
+            if (softmax && !pre) p = __fmul_rn(p, *norm);
+            else if (!softmax && k > 1) p = __fdiv_rn(p, *norm);
+            if (ctx.has_scaling) p = __fmul_rn(p, sf);
             win_p[j] = p;
             topk_indices[t * k + j] = win_i[j];
-            if (topk_probs) moe_store(topk_probs, ctx.dtype, t * k + j, p);
+            if (topk_probs) moe_store(topk_probs, ctx.dtype, t * k + j, (double)p);
         }
         __syncwarp();
+        int rk[VPL];
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) rk[i] = rank_of[e0 + i];
         if (probs) {
             if (vec & MOE_LANES_VEC_PROBS) {
                 if (e0 < E) {
 #pragma unroll
                     for (int i = 0; i < VPL; i += 4) {
                         float4 v;
-                        v.x = rank[i] >= 0 ? (float)win_p[rank[i]] : 0.0f;
-                        v.y = rank[i + 1] >= 0 ? (float)win_p[rank[i + 1]] : 0.0f;
-                        v.z = rank[i + 2] >= 0 ? (float)win_p[rank[i + 2]] : 0.0f;
-                        v.w = rank[i + 3] >= 0 ? (float)win_p[rank[i + 3]] : 0.0f;
+                        v.x = rk[i] >= 0 ? win_p[rk[i]] : 0.0f;
+                        v.y = rk[i + 1] >= 0 ? win_p[rk[i + 1]] : 0.0f;
+                        v.z = rk[i + 2] >= 0 ? win_p[rk[i + 2]] : 0.0f;
+                        v.w = rk[i + 3] >= 0 ? win_p[rk[i + 3]] : 0.0f;
                         *(float4 *)((float *)probs + base + e0 + i) = v;
                     }
                 }
@@ -800,19 +912,19 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
 #pragma unroll
                 for (int i = 0; i < VPL; ++i)
                     if (e0 + i < E)
-                        moe_store(probs, ctx.dtype, base + e0 + i, rank[i] >= 0 ? win_p[rank[i]] : 0.0);
+                        moe_store(probs, ctx.dtype, base + e0 + i, rk[i] >= 0 ? (double)win_p[rk[i]] : 0.0);
             }
         }
         if (routing_map) {
             if (vec & MOE_LANES_VEC_MAP) {
-                if (e0 < E) lanes_store_map<VPL>(routing_map + base + e0, rank);
+                if (e0 < E) lanes_store_map<VPL>(routing_map + base + e0, rk);
             } else {
 #pragma unroll
                 for (int i = 0; i < VPL; ++i)
-                    if (e0 + i < E) routing_map[base + e0 + i] = rank[i] >= 0;
+                    if (e0 + i < E) routing_map[base + e0 + i] = rk[i] >= 0;
             }
         }
-        __syncwarp(); /* the next token reuses this warp's shared slots */
+        __syncwarp(); /* the next token reuses this warp's shared memory */
     }
 }
 
@@ -853,11 +965,11 @@ static moe_topk_fwd_lanes_fn fwd_lanes_kernel(int vpl) {
 }
 
 /* Lanes per group for the lanes kernel (0 without groups), or -1 where it does not apply: rows
- * wider than 256 experts (VPL = 16 spills), or groups that are not whole power-of-two runs of lanes.
- * MOE_CORE_ROUTER_LANES=0 (read at every call) keeps the strided kernel, for A/B timing. */
+ * wider than 256 experts (VPL = 16 spills), topk above 127, or groups that are not whole
+ * power-of-two runs of lanes. MOE_CORE_ROUTER_LANES=0 (read at every call) keeps the strided kernel, for A/B timing. */
 static int lanes_seg(const moe_topk_ctx_t *c, int vpl) {
     const char *env = getenv("MOE_CORE_ROUTER_LANES");
-    if ((env && env[0] == '0') || vpl > 8) return -1;
+    if ((env && env[0] == '0') || vpl > 8 || c->topk > 127) return -1; /* int8 ranks */
     if (c->num_groups == 0) return 0;
     if (c->per_group % vpl != 0) return -1;
     const int64_t s = c->per_group / vpl;
@@ -1009,9 +1121,10 @@ static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *prob
         const size_t smem = (size_t)MOE_ROUTER32_WARPS * (2 * (size_t)k + 1) * sizeof(double);
         const int seg = lanes_seg(&ctx, vpl);
         if (seg >= 0 && !ex.aux_scores && !ex.lse) {
+            const size_t lsmem = MOE_ROUTER32_WARPS * lanes_warp_bytes(k, vpl);
             moe_topk_fwd_lanes_fn lanes = fwd_lanes_kernel(vpl);
-            MOE_TRY(warp_smem((const void *)lanes, smem));
-            lanes<<<warp32_blocks(num_tokens), 32 * MOE_ROUTER32_WARPS, smem, (cudaStream_t)stream>>>(
+            MOE_TRY(warp_smem((const void *)lanes, lsmem));
+            lanes<<<warp32_blocks(num_tokens), 32 * MOE_ROUTER32_WARPS, lsmem, (cudaStream_t)stream>>>(
                 topk_probs, topk_indices, probs, routing_map, logits, expert_bias, num_tokens, ctx,
                 seg, lanes_vec(num_experts, vpl, dt, logits, probs, routing_map));
             MOE_CHECK_LAUNCH("moe_router_topk_fwd_lanes_kernel");
