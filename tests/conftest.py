@@ -44,3 +44,13 @@ def device(request):
 def _seed():
     torch.manual_seed(1234)
     yield
+
+
+@pytest.fixture(params=["lanes", "strided"])
+def router_kernel(request, monkeypatch):
+    """The fused fp32 router's kernel on CUDA: the lanes kernel (rows of up to 256 experts,
+    topk <= 127, groups of whole power-of-two runs of lanes), or the strided kernel (which serves
+    the other rows), forced by MOE_CORE_ROUTER_LANES=0 (read at every call)."""
+    if request.param == "strided":
+        monkeypatch.setenv("MOE_CORE_ROUTER_LANES", "0")
+    return request.param

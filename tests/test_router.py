@@ -35,16 +35,6 @@ def tie_free_logits(T, E, dtype, num_groups=None, device="cpu"):
     return ((vals - E / 2) / max(E / 8, 1)).to(dtype).to(device)
 
 
-@pytest.fixture(params=["lanes", "strided"])
-def router_kernel(request, monkeypatch):
-    """The fused fp32 router's kernel on CUDA: the lanes kernel (rows of up to 256 experts, no
-    extras), or the strided kernel (which also serves the extras and wider rows), forced by
-    MOE_CORE_ROUTER_LANES=0 (read at every call)."""
-    if request.param == "strided":
-        monkeypatch.setenv("MOE_CORE_ROUTER_LANES", "0")
-    return request.param
-
-
 def make_case(T, E, k, score, pre, variant, dtype, device):
     """Options for one case: 'plain', or 'full' = groups (when valid) + scaling + expert bias."""
     opts = dict(topk=k, use_pre_softmax=pre, score_function=score)

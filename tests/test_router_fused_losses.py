@@ -150,7 +150,7 @@ def run_fused(logits, k, sf, pre=False, mask=None, groups=None, bias=None, scali
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("sf", SCORES)
 @pytest.mark.parametrize("mask_kind", ["none", "some", "all"])
-def test_fused_extras_equal_separate_ops(device, dtype, sf, mask_kind):
+def test_fused_extras_equal_separate_ops(device, dtype, sf, mask_kind, router_kernel):
     T, E, k = 53, 40, 5
     logits = make_logits(T, E, dtype, device)
     mask = make_mask(T, device, mask_kind)
@@ -177,7 +177,8 @@ def test_fused_extras_equal_separate_ops(device, dtype, sf, mask_kind):
     (33, 33, 4, None, "sqrtsoftplus", torch.float64),    # fp64 warp kernel
 ])
 @pytest.mark.parametrize("masked", [False, True])
-def test_fused_extras_odd_shapes_and_paths(device, T, E, k, groups, sf, dtype, masked):
+def test_fused_extras_odd_shapes_and_paths(device, T, E, k, groups, sf, dtype, masked,
+                                          router_kernel):
     logits = make_logits(T, E, dtype, device)
     mask = make_mask(T, device, "some" if masked else "none")
     bias = torch.randn(E, device=device) if sf != "softmax" and groups else None
@@ -291,7 +292,7 @@ def test_zero_tokens_z_loss_contract(device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("E,k", [(64, 6), (256, 8), (2048, 8)])
-def test_cpu_cuda_same_extras(dtype, E, k):
+def test_cpu_cuda_same_extras(dtype, E, k, router_kernel):
     T = 999
     logits = make_logits(T, E, dtype, "cpu")
     mask = make_mask(T, "cpu", "some")

@@ -9,6 +9,12 @@
  * construction and compute the probs with the same rounding points; only the math library may
  * differ, in the last bit of fp64.
  *
+ * Below fp64 the fused router (dense outputs, aux scores, lse) runs one of two kernels on the
+ * same order and rounding points. Rows of up to 256 experts take the lanes kernel: a lane holds
+ * neighbouring experts, so a group is a run of lanes and the top-k a threshold plus a count over
+ * a few candidates, with a polynomial fp64 sigmoid / exp; other rows take the strided kernel
+ * (expert lane + 32·i, k rounds of 64-bit warp arg-max).
+ *
  * Rows wider than 1024 experts, or more than 32 groups, take the fallback: one thread per token
  * running the C routine whole, with its scratch in the caller's workspace. Nothing is allocated
  * and nothing waits on the host.
@@ -607,20 +613,8 @@ __device__ __forceinline__ uint64_t make_key_f(float f, int e) {
 #define MOE_LANES_VEC_LOAD 1u  /* fp32 logits rows, 16-byte aligned at every lane */
 #define MOE_LANES_VEC_PROBS 2u /* fp32 dense probs, likewise */
 #define MOE_LANES_VEC_MAP 4u   /* the map's VPL bytes of a lane are one aligned word */
-
-template <int VPL>
-__device__ __forceinline__ void lanes_store_map(uint8_t *dst, const int (&rank)[VPL]) {
-    if constexpr (VPL == 4 || VPL == 8 || VPL == 16) {
-        uint32_t w[(VPL + 3) / 4];
-#pragma unroll
-        for (int j = 0; j < (VPL + 3) / 4; ++j) w[j] = 0;
-#pragma unroll
-        for (int i = 0; i < VPL; ++i) w[i / 4] |= (uint32_t)(rank[i] >= 0) << (8 * (i % 4));
-        if constexpr (VPL == 4) *(uint32_t *)dst = w[0];
-        if constexpr (VPL == 8) *(uint2 *)dst = make_uint2(w[0], w[1]);
-        if constexpr (VPL == 16) *(uint4 *)dst = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-}
+#define MOE_LANES_VEC_AUX 8u   /* fp32 aux scores, as the probs */
+#define MOE_LANES_VEC_AUX_MAP 16u /* the aux map, as the map */
 
 /* Shared memory of the lanes kernel, per warp: the k winners (expert, prob source), the
  * candidates of the selection (key, prob source) and each expert's rank (int8, -1: not picked). */
@@ -639,26 +633,149 @@ __device__ __forceinline__ void seg_top2(uint32_t *a, uint32_t *b, int seg) {
     }
 }
 
+/* The top k of the warp's keys hi (0: absent or excluded; ties to the lower expert, which is the
+ * lower lane, then the lower slot): rank_of[e] = rank for the k winners (-1 elsewhere on the
+ * lanes' experts) and, when win_i is not NULL, win_i / win_p[rank] = expert, src. Three steps
+ * instead of k rounds that rescan the winner's lane: (1) k rounds over the lanes' best keys give
+ * tau, the k-th best of those, and every expert of the top k has a key >= tau; (2) the experts
+ * with key >= tau (about k + a few) are compacted into shared memory; (3) each counts the
+ * candidates ranked before it. More than MOE_LANES_CAND candidates (rows full of ties) take k
+ * rounds over 64-bit keys instead. Ends with the warp synchronised. */
+template <int VPL>
+__device__ __forceinline__ void lanes_topk(uint32_t (&hi)[VPL], const float (&src)[VPL], int k,
+                                           int lane, int e0, uint64_t *cand_key, float *cand_src,
+                                           int8_t *rank_of, int *win_i, float *win_p) {
+    uint32_t head = 0;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) head = max(head, hi[i]);
+    uint32_t tau = 1u; /* when fewer than k lanes have a key: every key */
+    {
+        uint32_t h = head;
+        int r = 0;
+        for (; r < k; ++r) {
+            const uint32_t top = __reduce_max_sync(MOE_FULL_MASK, h);
+            if (top == 0u) break;
+            const uint32_t own = __ballot_sync(MOE_FULL_MASK, h == top);
+            if (lane == __ffs(own) - 1) h = 0u;
+            tau = top;
+        }
+        if (r < k) tau = 1u;
+    }
+    uint32_t cmask = 0;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) cmask |= (uint32_t)(hi[i] >= tau) << i;
+    const int c = __popc(cmask);
+    int incl = c;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int v = __shfl_up_sync(MOE_FULL_MASK, incl, off);
+        if (lane >= off) incl += v;
+    }
+    const int n = __shfl_sync(MOE_FULL_MASK, incl, 31);
+    if constexpr (VPL >= 4) {
+#pragma unroll
+        for (int i = 0; i < VPL; i += 4) *(uint32_t *)(rank_of + e0 + i) = 0xffffffffu;
+    } else {
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) rank_of[e0 + i] = -1;
+    }
+    if (n <= MOE_LANES_CAND) {
+        int pos = incl - c;
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+            if (cmask >> i & 1u) {
+                cand_key[pos] = ((uint64_t)hi[i] << 32) | (uint64_t)(0xffffffffu - (uint32_t)(e0 + i));
+                cand_src[pos] = src[i];
+                ++pos;
+            }
+        }
+        __syncwarp();
+        if (lane < n) {
+            const uint64_t my = cand_key[lane];
+            int r = 0;
+            for (int j = 0; j < n; ++j) r += cand_key[j] > my;
+            if (r < k) {
+                const int e = (int)key_expert(my);
+                rank_of[e] = (int8_t)r;
+                if (win_i) win_i[r] = e, win_p[r] = cand_src[lane];
+            }
+        }
+    } else {
+        uint64_t best = 0;
+#pragma unroll
+        for (int i = 0; i < VPL; ++i)
+            if (hi[i] != 0u) best = max(best, ((uint64_t)hi[i] << 32) | (0xffffffffu - (uint32_t)(e0 + i)));
+        for (int r = 0; r < k; ++r) {
+            const uint64_t win = warp_max_key(best);
+            const int e_w = (int)key_expert(win);
+            if (lane == e_w / VPL) {
+                best = 0;
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) {
+                    if (e0 + i == e_w) {
+                        hi[i] = 0u;
+                        rank_of[e_w] = (int8_t)r;
+                        if (win_i) win_i[r] = e_w, win_p[r] = src[i];
+                    }
+                    if (hi[i] != 0u)
+                        best = max(best, ((uint64_t)hi[i] << 32) | (0xffffffffu - (uint32_t)(e0 + i)));
+                }
+            }
+        }
+    }
+    __syncwarp();
+}
+
+/* Stores a lane's VPL fp32 values at dst (16-byte stores when vec4), or in dtype dt. */
+template <int VPL>
+__device__ __forceinline__ void lanes_store_row(void *dst, moe_dtype_t dt, int64_t at, int valid,
+                                                const float (&v)[VPL], int vec4) {
+    if (vec4) {
+#pragma unroll
+        for (int i = 0; i < VPL; i += 4)
+            *(float4 *)((float *)dst + at + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < VPL; ++i)
+            if (i < valid) moe_store(dst, dt, at + i, (double)v[i]);
+    }
+}
+
+/* Stores a lane's VPL map bytes (flag bit i) at dst (one word when aligned). */
+template <int VPL>
+__device__ __forceinline__ void lanes_store_bits(uint8_t *dst, int valid, uint32_t bits, int word) {
+    if constexpr (VPL == 4 || VPL == 8) {
+        if (word) {
+            uint32_t w[VPL / 4];
+#pragma unroll
+            for (int j = 0; j < VPL / 4; ++j) w[j] = 0;
+#pragma unroll
+            for (int i = 0; i < VPL; ++i) w[i / 4] |= (bits >> i & 1u) << (8 * (i % 4));
+            if constexpr (VPL == 4) *(uint32_t *)dst = w[0];
+            else *(uint2 *)dst = make_uint2(w[0], w[1]);
+            return;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < VPL; ++i)
+        if (i < valid) dst[i] = (uint8_t)(bits >> i & 1u);
+}
+
 /* logits [T, E] (fp32 / bf16 / fp16) → topk_indices [T, k], and any of topk_probs [T, k],
- * probs [T, E], routing_map [T, E]. One warp per token, grid-stride; seg = P / VPL lanes per group
- * (a power of two), 0 without groups. Shared memory: lanes_warp_bytes per warp.
- *
- * Keys are the 32-bit monotone bits of the fp32 selection value (0: absent or excluded); the
- * expert id breaks ties, lower first, and since a lane's experts are neighbours that is the lower
- * lane, then the lower slot. The top k runs in three steps instead of k rounds that rescan the
- * winner's lane: (1) k rounds over the lanes' best keys only give tau, the k-th best of those,
- * and every expert of the top k has a key >= tau; (2) the experts with key >= tau (about k + a
- * few) are compacted into shared memory; (3) each of them counts the candidates ranked before
- * it. More than 32 candidates (rows full of ties) take k rounds over 64-bit keys instead. */
+ * probs [T, E], routing_map [T, E], and the extras (aux scores + map, lse) of the fused router.
+ * One warp per token, grid-stride; seg = P / VPL lanes per group (a power of two), 0 without
+ * groups. Shared memory: lanes_warp_bytes per warp. Keys are the 32-bit monotone bits of the
+ * fp32 selection value (0: absent or excluded), ties to the lower expert. */
 template <int VPL>
 __global__ void __launch_bounds__(32 * MOE_ROUTER32_WARPS, 3)
 moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *probs,
-                                 uint8_t *routing_map, const void *logits,
-                                 const float *expert_bias, int64_t num_tokens, moe_topk_ctx_t ctx,
-                                 int seg, unsigned vec) {
+                                 uint8_t *routing_map, moe_router_topk_extras_t extras,
+                                 const void *logits, const float *expert_bias, int64_t num_tokens,
+                                 moe_topk_ctx_t ctx, int seg, unsigned vec) {
     extern __shared__ double moe_router_smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int E = (int)ctx.num_experts, k = (int)ctx.topk, e0 = lane * VPL;
+    const int valid = E - e0; /* this lane's experts in the row: VPL or fewer (<= 0: none) */
     char *ws = (char *)moe_router_smem + (size_t)warp * lanes_warp_bytes(k, VPL);
     uint64_t *cand_key = (uint64_t *)ws;
     float *cand_src = (float *)(cand_key + MOE_LANES_CAND);
@@ -685,23 +802,42 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
         } else {
 #pragma unroll
             for (int i = 0; i < VPL; ++i)
-                x[i] = e0 + i < E ? (float)moe_load(logits, ctx.dtype, base + e0 + i) : 0.0f;
+                x[i] = i < valid ? (float)moe_load(logits, ctx.dtype, base + e0 + i) : 0.0f;
         }
+        /* warp-uniform: which extras this token needs */
+        const int pad = extras.padding_mask != NULL && extras.padding_mask[t] != 0;
+        const int aux = extras.aux_scores != NULL && !pad;
+        const int want_lse = extras.lse != NULL && !pad;
+        const int stats = (softmax && pre) || (aux && softmax);
         float m = 0.0f, inv = 0.0f;
-        if (softmax && pre) { /* softmax statistics, NaN wins the max, fp32-rounded terms */
+        if (stats || want_lse) { /* row max, NaN wins */
             double mx = -INFINITY;
 #pragma unroll
             for (int i = 0; i < VPL; ++i)
-                if (e0 + i < E) mx = (x[i] != x[i] || x[i] > mx) ? (double)x[i] : mx;
+                if (i < valid) mx = (x[i] != x[i] || x[i] > mx) ? (double)x[i] : mx;
             m = (float)warp_max_nan(mx);
+        }
+        if (stats) { /* softmax statistics: fp32-rounded terms, as the CPU */
             double sum = 0.0;
 #pragma unroll
             for (int i = 0; i < VPL; ++i) {
                 const float d = __fsub_rn(x[i], m);
-                if (e0 + i < E) sum += d != d ? (double)d : (double)(float)moe_exp_fd(fmax((double)d, -708.0));
+                if (i < valid) sum += d != d ? (double)d : (double)(float)moe_exp_fd(fmax((double)d, -708.0));
             }
-            sum = warp_sum(sum);
-            inv = __frcp_rn((float)sum);
+            inv = __frcp_rn((float)warp_sum(sum));
+        }
+        if (extras.lse != NULL) { /* z_loss.c's row_lse: NaN propagates, a ±inf max is the lse */
+            double l = 0.0;
+            if (want_lse && (m != m || isinf(m))) {
+                l = m;
+            } else if (want_lse) {
+                double sum = 0.0;
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) /* exact differences; below -708 the terms are 0 */
+                    if (i < valid) sum += moe_exp_fd(fmax((double)x[i] - (double)m, -708.0));
+                l = (double)m + log(warp_sum(sum));
+            }
+            if (lane == 0) extras.lse[t] = l;
         }
         uint32_t hi[VPL];
         float src[VPL];
@@ -714,13 +850,12 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
             } else {
                 s = sigmoid ? moe_sigmoid_fd(x[i]) : (float)moe_topk_score(&ctx, x[i]);
                 /* re-read per token (an L1 hit): 8 registers fewer */
-                if (expert_bias && e0 + i < E) sel = __fadd_rn(s, __ldg(expert_bias + e0 + i));
+                if (expert_bias && i < valid) sel = __fadd_rn(s, __ldg(expert_bias + e0 + i));
                 else sel = s;
             }
             src[i] = s;
-            hi[i] = e0 + i < E ? order_bits(sel == 0.0f ? 0.0f : sel) : 0u; /* -0 ranks as +0 */
+            hi[i] = i < valid ? order_bits(sel == 0.0f ? 0.0f : sel) : 0u; /* -0 ranks as +0 */
         }
-
         if (seg > 0) {
             /* the group's top gn values and their fp32 sum in rank order, as the C kernel's */
             float acc = 0.0f;
@@ -775,90 +910,7 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
             }
         }
 
-        /* (1) tau: the k-th best of the lanes' best keys (1 when fewer than k lanes have one) */
-        uint32_t head = 0;
-#pragma unroll
-        for (int i = 0; i < VPL; ++i) head = max(head, hi[i]);
-        uint32_t tau = 1u;
-        {
-            uint32_t h = head;
-            int r = 0;
-            for (; r < k; ++r) {
-                const uint32_t top = __reduce_max_sync(MOE_FULL_MASK, h);
-                if (top == 0u) break;
-                const uint32_t own = __ballot_sync(MOE_FULL_MASK, h == top);
-                if (lane == __ffs(own) - 1) h = 0u;
-                tau = top;
-            }
-            if (r < k) tau = 1u;
-        }
-        /* (2) the candidates, compacted in expert order */
-        uint32_t cmask = 0;
-#pragma unroll
-        for (int i = 0; i < VPL; ++i) cmask |= (uint32_t)(hi[i] >= tau) << i;
-        const int c = __popc(cmask);
-        int incl = c;
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            const int v = __shfl_up_sync(MOE_FULL_MASK, incl, off);
-            if (lane >= off) incl += v;
-        }
-        const int n = __shfl_sync(MOE_FULL_MASK, incl, 31);
-#pragma unroll
-        for (int i = 0; i < VPL; i += 4) /* rank_of = -1 on this lane's experts */
-            if (i + 4 <= VPL) *(uint32_t *)(rank_of + e0 + i) = 0xffffffffu;
-        if (VPL < 4) {
-#pragma unroll
-            for (int i = 0; i < VPL; ++i) rank_of[e0 + i] = -1;
-        }
-        if (n <= MOE_LANES_CAND) {
-            int pos = incl - c;
-#pragma unroll
-            for (int i = 0; i < VPL; ++i) {
-                if (cmask >> i & 1u) {
-                    cand_key[pos] = ((uint64_t)hi[i] << 32) | (uint64_t)(0xffffffffu - (uint32_t)(e0 + i));
-                    cand_src[pos] = src[i];
-                    ++pos;
-                }
-            }
-            __syncwarp();
-            /* (3) each candidate's rank: the candidates with a larger key */
-            if (lane < n) {
-                const uint64_t my = cand_key[lane];
-                int r = 0;
-                for (int j = 0; j < n; ++j) r += cand_key[j] > my;
-                if (r < k) {
-                    const int e = (int)key_expert(my);
-                    win_i[r] = e;
-                    win_p[r] = cand_src[lane];
-                    rank_of[e] = (int8_t)r;
-                }
-            }
-        } else { /* a row full of ties: k rounds over 64-bit keys, the winner's lane rescans */
-            uint64_t best = 0;
-#pragma unroll
-            for (int i = 0; i < VPL; ++i)
-                if (hi[i] != 0u) best = max(best, ((uint64_t)hi[i] << 32) | (0xffffffffu - (uint32_t)(e0 + i)));
-            for (int r = 0; r < k; ++r) {
-                const uint64_t win = warp_max_key(best);
-                const int e_w = (int)key_expert(win);
-                if (lane == e_w / VPL) {
-                    best = 0;
-#pragma unroll
-                    for (int i = 0; i < VPL; ++i) {
-                        if (e0 + i == e_w) {
-                            hi[i] = 0u;
-                            win_i[r] = e_w;
-                            win_p[r] = src[i];
-                            rank_of[e_w] = (int8_t)r;
-                        }
-                        if (hi[i] != 0u)
-                            best = max(best, ((uint64_t)hi[i] << 32) | (0xffffffffu - (uint32_t)(e0 + i)));
-                    }
-                }
-            }
-        }
-        __syncwarp();
+        lanes_topk<VPL>(hi, src, k, lane, e0, cand_key, cand_src, rank_of, win_i, win_p);
         /* moe_topk_probs in fp32 (every value here is fp32; an fp32 op rounded once is the C
          * kernel's fp64 op rounded to fp32): the order-dependent sums on lane 0 */
         if (softmax && !pre) {
@@ -892,36 +944,54 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
             if (topk_probs) moe_store(topk_probs, ctx.dtype, t * k + j, (double)p);
         }
         __syncwarp();
-        int rk[VPL];
+        uint32_t picked = 0; /* bit i: expert e0 + i is routed */
+        float pv[VPL];
 #pragma unroll
-        for (int i = 0; i < VPL; ++i) rk[i] = rank_of[e0 + i];
-        if (probs) {
-            if (vec & MOE_LANES_VEC_PROBS) {
-                if (e0 < E) {
-#pragma unroll
-                    for (int i = 0; i < VPL; i += 4) {
-                        float4 v;
-                        v.x = rk[i] >= 0 ? win_p[rk[i]] : 0.0f;
-                        v.y = rk[i + 1] >= 0 ? win_p[rk[i + 1]] : 0.0f;
-                        v.z = rk[i + 2] >= 0 ? win_p[rk[i + 2]] : 0.0f;
-                        v.w = rk[i + 3] >= 0 ? win_p[rk[i + 3]] : 0.0f;
-                        *(float4 *)((float *)probs + base + e0 + i) = v;
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < VPL; ++i)
-                    if (e0 + i < E)
-                        moe_store(probs, ctx.dtype, base + e0 + i, rk[i] >= 0 ? (double)win_p[rk[i]] : 0.0);
-            }
+        for (int i = 0; i < VPL; ++i) {
+            const int r = rank_of[e0 + i];
+            picked |= (uint32_t)(r >= 0) << i;
+            pv[i] = r >= 0 ? win_p[r] : 0.0f;
         }
-        if (routing_map) {
-            if (vec & MOE_LANES_VEC_MAP) {
-                if (e0 < E) lanes_store_map<VPL>(routing_map + base + e0, rk);
-            } else {
+        if (probs && e0 < E)
+            lanes_store_row<VPL>(probs, ctx.dtype, base + e0, valid, pv, vec & MOE_LANES_VEC_PROBS);
+        if (routing_map && e0 < E)
+            lanes_store_bits<VPL>(routing_map + base + e0, valid, picked, vec & MOE_LANES_VEC_MAP);
+        if (extras.aux_scores != NULL) {
+            /* the aux scores from src (softmax: the logit or the softmax value; else the unbiased
+             * score): softmax over all experts, or s / (sum s + 1e-20); their top k is the aux
+             * map, the routing's own for softmax-pre without groups (the same keys) */
+            float av[VPL];
+            uint32_t hit = 0;
+            if (aux && softmax) {
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) av[i] = pre ? src[i] : moe_softmax_at_fd(src[i], m, inv);
+            } else if (aux) {
+                double sum = 0.0;
 #pragma unroll
                 for (int i = 0; i < VPL; ++i)
-                    if (e0 + i < E) routing_map[base + e0 + i] = rk[i] >= 0;
+                    if (i < valid) sum += (double)src[i];
+                const float d = __fadd_rn((float)warp_sum(sum), 1e-20f);
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) av[i] = __fdiv_rn(src[i], d);
+            } else {
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) av[i] = 0.0f;
+            }
+            if (aux && softmax && pre && seg == 0) {
+                hit = picked;
+            } else if (aux) {
+#pragma unroll
+                for (int i = 0; i < VPL; ++i)
+                    hi[i] = i < valid ? order_bits(av[i] == 0.0f ? 0.0f : av[i]) : 0u;
+                lanes_topk<VPL>(hi, av, k, lane, e0, cand_key, cand_src, rank_of, NULL, NULL);
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) hit |= (uint32_t)(rank_of[e0 + i] >= 0) << i;
+            }
+            if (e0 < E) {
+                lanes_store_row<VPL>(extras.aux_scores, MOE_DTYPE_FP32, base + e0, valid, av,
+                                     vec & MOE_LANES_VEC_AUX);
+                lanes_store_bits<VPL>(extras.aux_map + base + e0, valid, hit,
+                                      vec & MOE_LANES_VEC_AUX_MAP);
             }
         }
         __syncwarp(); /* the next token reuses this warp's shared memory */
@@ -953,8 +1023,9 @@ MOE_VPL_SELECTOR(fwd_warp32_kernel, moe_topk_fwd_warp32_fn, moe_router_topk_fwd_
 MOE_VPL_SELECTOR(bwd_warp_kernel, moe_topk_bwd_warp_fn, moe_router_topk_bwd_warp_kernel)
 #undef MOE_VPL_SELECTOR
 
-typedef void (*moe_topk_fwd_lanes_fn)(void *, int64_t *, void *, uint8_t *, const void *,
-                                      const float *, int64_t, moe_topk_ctx_t, int, unsigned);
+typedef void (*moe_topk_fwd_lanes_fn)(void *, int64_t *, void *, uint8_t *,
+                                      moe_router_topk_extras_t, const void *, const float *,
+                                      int64_t, moe_topk_ctx_t, int, unsigned);
 static moe_topk_fwd_lanes_fn fwd_lanes_kernel(int vpl) {
     switch (vpl) {
     case 1: return moe_router_topk_fwd_lanes_kernel<1>;
@@ -978,15 +1049,19 @@ static int lanes_seg(const moe_topk_ctx_t *c, int vpl) {
 
 /* The lanes kernel's 16-byte access flags for these pointers. */
 static unsigned lanes_vec(int64_t num_experts, int vpl, moe_dtype_t dt, const void *logits,
-                          const void *probs, const uint8_t *routing_map) {
+                          const void *probs, const uint8_t *routing_map,
+                          const moe_router_topk_extras_t *ex) {
     unsigned vec = 0;
     if (num_experts % vpl != 0) return 0; /* a lane's run would cross into the next row */
-    if (dt == MOE_DTYPE_FP32 && vpl % 4 == 0) {
-        if ((uintptr_t)logits % 16 == 0) vec |= MOE_LANES_VEC_LOAD;
-        if (probs && (uintptr_t)probs % 16 == 0) vec |= MOE_LANES_VEC_PROBS;
+    if (vpl % 4 == 0) {
+        if (dt == MOE_DTYPE_FP32 && (uintptr_t)logits % 16 == 0) vec |= MOE_LANES_VEC_LOAD;
+        if (dt == MOE_DTYPE_FP32 && probs && (uintptr_t)probs % 16 == 0) vec |= MOE_LANES_VEC_PROBS;
+        if (ex->aux_scores && (uintptr_t)ex->aux_scores % 16 == 0) vec |= MOE_LANES_VEC_AUX;
     }
-    if ((vpl == 4 || vpl == 8 || vpl == 16) && routing_map && (uintptr_t)routing_map % vpl == 0)
-        vec |= MOE_LANES_VEC_MAP;
+    if (vpl == 4 || vpl == 8) {
+        if (routing_map && (uintptr_t)routing_map % vpl == 0) vec |= MOE_LANES_VEC_MAP;
+        if (ex->aux_map && (uintptr_t)ex->aux_map % vpl == 0) vec |= MOE_LANES_VEC_AUX_MAP;
+    }
     return vec;
 }
 
@@ -1102,7 +1177,8 @@ static size_t compact_bytes(int64_t num_tokens, int64_t topk, moe_dtype_t dt) {
 }
 
 /* The forward behind both layouts: compact topk_probs and/or dense probs + map, and the extras.
- * fp32/bf16/fp16 rows up to 1024 experts take the fused kernel (extras included); fp64 rows
+ * fp32/bf16/fp16 rows up to 1024 experts take a fused kernel (lanes or strided, extras
+ * included); fp64 rows
  * take the fp64 warp kernel, wider rows or more than 32 groups the thread-per-token fallback;
  * those two write the dense layout with a second kernel from compact probs kept in the
  * workspace, and the extras with a third (moe_router_extras_kernel). */
@@ -1120,13 +1196,13 @@ static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *prob
     if (vpl > 0 && dt != MOE_DTYPE_FP64) {
         const size_t smem = (size_t)MOE_ROUTER32_WARPS * (2 * (size_t)k + 1) * sizeof(double);
         const int seg = lanes_seg(&ctx, vpl);
-        if (seg >= 0 && !ex.aux_scores && !ex.lse) {
+        if (seg >= 0) {
             const size_t lsmem = MOE_ROUTER32_WARPS * lanes_warp_bytes(k, vpl);
             moe_topk_fwd_lanes_fn lanes = fwd_lanes_kernel(vpl);
             MOE_TRY(warp_smem((const void *)lanes, lsmem));
             lanes<<<warp32_blocks(num_tokens), 32 * MOE_ROUTER32_WARPS, lsmem, (cudaStream_t)stream>>>(
-                topk_probs, topk_indices, probs, routing_map, logits, expert_bias, num_tokens, ctx,
-                seg, lanes_vec(num_experts, vpl, dt, logits, probs, routing_map));
+                topk_probs, topk_indices, probs, routing_map, ex, logits, expert_bias, num_tokens,
+                ctx, seg, lanes_vec(num_experts, vpl, dt, logits, probs, routing_map, &ex));
             MOE_CHECK_LAUNCH("moe_router_topk_fwd_lanes_kernel");
             return MOE_OK;
         }
