@@ -414,8 +414,9 @@ def test_cuda_group_phase_paths_like_cpu(dtype, score, E, G, gk, k, router_kerne
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_sigmoid_and_exp_equal_cpu_bitwise():
     """The lanes kernel computes the fp64 sigmoid and exp with its own polynomial, not CUDA's
-    library; rounded to fp32 they are the CPU's values bit for bit. One expert with k = 1 routes
-    with prob = sigmoid(x); two experts (0, x <= 0) under softmax-pre give exp(x) / (1 + exp(x))."""
+    library; rounded to fp32 they are the CPU's values bit for bit. Rows of 64 experts, all -inf
+    but the first one or two: with k = 1 the prob is sigmoid(x) itself; softmax-pre over
+    (0, -|x|) gives 1 / (1 + exp(-|x|)) and exp(-|x|) / (1 + exp(-|x|))."""
     n = 1 << 20
     gen = torch.Generator().manual_seed(7)
     x = torch.cat([torch.linspace(-110, 110, n, dtype=torch.float64).float(),
@@ -423,14 +424,18 @@ def test_cuda_sigmoid_and_exp_equal_cpu_bitwise():
                    torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 88.72,
                                  -88.72, 103.27, -103.27, 103.28, -103.28, 708.5, -708.5, 1e30,
                                  -1e30])])
-    p_cpu, _ = ops.router_topk(x[:, None], 1, score_function="sigmoid")
-    p_gpu, _ = ops.router_topk(x[:, None].cuda(), 1, score_function="sigmoid")
+    rows = torch.full((len(x), 64), -float("inf"))
+    rows[:, 0] = x
+    p_cpu, i_cpu = ops.router_topk(rows, 1, score_function="sigmoid")
+    p_gpu, i_gpu = ops.router_topk(rows.cuda(), 1, score_function="sigmoid")
+    assert torch.equal(i_cpu, i_gpu.cpu()) and (i_cpu == 0).all()
     assert torch.equal(p_cpu.isnan(), p_gpu.cpu().isnan())
     assert torch.equal(p_cpu.nan_to_num(), p_gpu.cpu().nan_to_num())
     assert (p_cpu > 0).any() and (p_cpu < 1).any() and (p_cpu == 0).any()
-    pairs = torch.stack([torch.zeros_like(x), -x.abs()], dim=1)
-    p_cpu, i_cpu = ops.router_topk(pairs, 2, use_pre_softmax=True)
-    p_gpu, i_gpu = ops.router_topk(pairs.cuda(), 2, use_pre_softmax=True)
+    rows[:, 0] = 0.0
+    rows[:, 1] = -x.abs()
+    p_cpu, i_cpu = ops.router_topk(rows, 2, use_pre_softmax=True)
+    p_gpu, i_gpu = ops.router_topk(rows.cuda(), 2, use_pre_softmax=True)
     assert torch.equal(i_cpu, i_gpu.cpu())
     assert torch.equal(p_cpu.nan_to_num(), p_gpu.cpu().nan_to_num())
 

@@ -766,8 +766,8 @@ __device__ __forceinline__ void lanes_store_bits(uint8_t *dst, int valid, uint32
  * One warp per token, grid-stride; seg = P / VPL lanes per group (a power of two), 0 without
  * groups. Shared memory: lanes_warp_bytes per warp. Keys are the 32-bit monotone bits of the
  * fp32 selection value (0: absent or excluded), ties to the lower expert. */
-template <int VPL>
-__global__ void __launch_bounds__(32 * MOE_ROUTER32_WARPS, 3)
+template <int VPL, int MINB>
+__global__ void __launch_bounds__(32 * MOE_ROUTER32_WARPS, MINB)
 moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *probs,
                                  uint8_t *routing_map, moe_router_topk_extras_t extras,
                                  const void *logits, const float *expert_bias, int64_t num_tokens,
@@ -1027,20 +1027,31 @@ typedef void (*moe_topk_fwd_lanes_fn)(void *, int64_t *, void *, uint8_t *,
                                       moe_router_topk_extras_t, const void *, const float *,
                                       int64_t, moe_topk_ctx_t, int, unsigned);
 static moe_topk_fwd_lanes_fn fwd_lanes_kernel(int vpl) {
+    const char *occ = getenv("MOE_CORE_ROUTER_LANES_OCC"); /* DEBUG A/B of 3 vs 4 blocks / SM */
+    if (occ && occ[0] == '4') {
+        switch (vpl) {
+        case 1: return moe_router_topk_fwd_lanes_kernel<1, 4>;
+        case 2: return moe_router_topk_fwd_lanes_kernel<2, 4>;
+        case 4: return moe_router_topk_fwd_lanes_kernel<4, 4>;
+        default: return moe_router_topk_fwd_lanes_kernel<8, 4>;
+        }
+    }
     switch (vpl) {
-    case 1: return moe_router_topk_fwd_lanes_kernel<1>;
-    case 2: return moe_router_topk_fwd_lanes_kernel<2>;
-    case 4: return moe_router_topk_fwd_lanes_kernel<4>;
-    default: return moe_router_topk_fwd_lanes_kernel<8>;
+    case 1: return moe_router_topk_fwd_lanes_kernel<1, 3>;
+    case 2: return moe_router_topk_fwd_lanes_kernel<2, 3>;
+    case 4: return moe_router_topk_fwd_lanes_kernel<4, 3>;
+    default: return moe_router_topk_fwd_lanes_kernel<8, 3>;
     }
 }
 
 /* Lanes per group for the lanes kernel (0 without groups), or -1 where it does not apply: rows
- * wider than 256 experts (VPL = 16 spills), topk above 127, or groups that are not whole
- * power-of-two runs of lanes. MOE_CORE_ROUTER_LANES=0 (read at every call) keeps the strided kernel, for A/B timing. */
+ * of up to 32 experts (one per lane: both layouts are the same and k rounds cost less than the
+ * threshold), rows wider than 256 (VPL = 16 spills), topk above 127, or groups that are not
+ * whole power-of-two runs of lanes. MOE_CORE_ROUTER_LANES=0 (read at every call) keeps the
+ * strided kernel, for A/B timing. */
 static int lanes_seg(const moe_topk_ctx_t *c, int vpl) {
     const char *env = getenv("MOE_CORE_ROUTER_LANES");
-    if ((env && env[0] == '0') || vpl > 8 || c->topk > 127) return -1; /* int8 ranks */
+    if ((env && env[0] == '0') || vpl < 2 || vpl > 8 || c->topk > 127) return -1; /* int8 ranks */
     if (c->num_groups == 0) return 0;
     if (c->per_group % vpl != 0) return -1;
     const int64_t s = c->per_group / vpl;
