@@ -189,95 +189,28 @@ __device__ __forceinline__ void d_pad_row(int64_t *sorted_indices, void *permute
 }
 
 /*
- * Block (chunk c, experts e0..e0+31): the tile's flags (and probs) are loaded coalesced into
- * shared memory; then each warp takes whole columns (expert e, lane = token t = 32c + lane).
- * The column's routed flags are one ballot; a routed token's position inside its expert is the
- * chunk's prefix plus the routed lanes below it; with drop_and_pad an unrouted token t takes
- * count_e + (t − routed before t), which is the stable descending sort of the column. Positions
- * below the block's real length get a row; every lane stores its own; row_of goes back through
- * shared memory so that it too is written in whole token rows.
+ * The rank kernel. Block (RG chunks of 32 tokens, experts e0..e0+31): the tile's flags (and
+ * probs) are loaded coalesced into shared memory; then each warp takes whole columns (expert e),
+ * and for each chunk of the group lane = token t = 32c + lane. The column's routed flags are one
+ * ballot; a routed token's position inside its expert is the chunk's prefix plus the routed lanes
+ * below it; with drop_and_pad an unrouted token t takes count_e + (t − routed before t), which is
+ * the stable descending sort of the column. Positions below the block's real length get a row;
+ * every lane stores its own; row_of goes back through shared memory so that it too is written in
+ * whole token rows.
  *
  * The same launch writes the rows that no token fills (index -1, prob 0), so each row of
  * sorted_indices / permuted_probs is written exactly once: expert e's padding
  * [base + filled_e, offsets[e + 1]) is shared by its ncols column warps, the tail
  * [offsets[E], R) by all warps. ncols = max(nchunks, 1): with T = 0 the one column has no token
- * but still writes the padding. Grid (ncols, ceil(E / 32)).
- */
-__global__ void __launch_bounds__(MOE_PERM_WARPS * 32)
-moe_permute_rank_kernel(int64_t *sorted_indices, void *permuted_probs, int32_t *row_of,
-                        const int32_t *chunk_rank, const int64_t *count,
-                        const int64_t *expert_offsets, const int64_t *tokens_per_expert,
-                        const uint8_t *__restrict__ routing_map, const void *probs, int64_t T,
-                        int64_t E, int64_t nchunks, int64_t ncols, int64_t R, int dap,
-                        int64_t capacity, moe_dtype_t probs_dtype) {
-    __shared__ uint8_t s_flag[MOE_PERM_CHUNK][MOE_PERM_TILE_E + 1];
-    __shared__ double s_prob[MOE_PERM_CHUNK][MOE_PERM_TILE_E + 1];
-    __shared__ int32_t s_row[MOE_PERM_CHUNK][MOE_PERM_TILE_E + 1];
-    const int64_t c = blockIdx.x, e0 = (int64_t)blockIdx.y * MOE_PERM_TILE_E;
-    const int64_t t0 = c * MOE_PERM_CHUNK;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const bool tokens = c < nchunks; /* block-uniform; false only for the T = 0 column */
-    moe_pdl_trigger();
-    if (tokens) { /* the op's inputs: loaded while the chunk scan may still run */
-        load_flag_tile(s_flag, routing_map, t0, e0, T, E);
-        if (permuted_probs)
-            for (int j = warp; j < MOE_PERM_CHUNK; j += MOE_PERM_WARPS) {
-                const int64_t t = t0 + j, e = e0 + lane;
-                if (t < T && e < E) s_prob[j][lane] = moe_load(probs, probs_dtype, t * E + e);
-            }
-    }
-    moe_pdl_wait(); /* the chunk ranks, counts and offsets are the chunk scan's */
-    if (tokens) __syncthreads();
-    const int64_t real_cap = dap ? (capacity < T ? capacity : T) : 0;
-    for (int col = warp; col < MOE_PERM_TILE_E && e0 + col < E; col += MOE_PERM_WARPS) {
-        const int64_t e = e0 + col;
-        const int64_t n = tokens_per_expert[e], base = expert_offsets[e], count_e = count[e];
-        const int64_t real = dap ? real_cap : n;
-        const int64_t lim = real < n ? real : n;
-        if (tokens) {
-            const int64_t t = t0 + lane;
-            const bool in = t < T;
-            const bool routed = s_flag[lane][col] != 0;
-            const uint32_t bits = __ballot_sync(0xffffffffu, routed);
-            const int64_t before =
-                (int64_t)chunk_rank[e * nchunks + c] + __popc(bits & ((1u << lane) - 1u));
-            const int64_t pos = routed ? before : (dap && in) ? count_e + (t - before) : -1;
-            int32_t row = -1;
-            if (in && pos >= 0 && pos < lim) {
-                row = (int32_t)(base + pos);
-                sorted_indices[row] = t;
-                if (permuted_probs) moe_store(permuted_probs, probs_dtype, row, s_prob[lane][col]);
-            }
-            s_row[lane][col] = row;
-        }
-        /* rows [base, base + filled) got a token above: positions 0..lim-1 all exist with
-         * drop_and_pad (every token has one), only the routed count_e of them without */
-        const int64_t have = dap ? T : count_e;
-        const int64_t filled = have < lim ? have : lim;
-        for (int64_t r = base + filled + c * 32 + lane; r < base + n; r += ncols * 32)
-            d_pad_row(sorted_indices, permuted_probs, r, probs_dtype);
-    }
-    if (tokens) {
-        __syncthreads();
-        for (int j = warp; j < MOE_PERM_CHUNK; j += MOE_PERM_WARPS) {
-            const int64_t t = t0 + j, e = e0 + lane;
-            if (t < T && e < E) row_of[t * E + e] = s_row[j][lane];
-        }
-    }
-    const int64_t nwarps = ncols * gridDim.y * MOE_PERM_WARPS;
-    const int64_t g = ((int64_t)blockIdx.y * ncols + c) * MOE_PERM_WARPS + warp;
-    for (int64_t r = expert_offsets[E] + g * 32 + lane; r < R; r += nwarps * 32)
-        d_pad_row(sorted_indices, permuted_probs, r, probs_dtype);
-}
-
-/*
- * The rank kernel over groups of chunks (RG_CHUNKS chunks of 32 tokens per block): the same
- * outputs as moe_permute_rank_kernel, with each column's setup (its count, offsets, block length)
- * done once per group instead of once per chunk, and the probs loaded by code specialised to
- * their dtype (PDT: a moe_dtype_t, or -1 without probs) and staged as float (double for fp64),
- * where the generic kernel spent about 25 instructions per element on moe_load's switch.
- * (ncu at qwen3: the generic kernel is instruction-bound, 7549 warp instructions per 32 x 32
- * block, 31% in the tile loads and 55% in the column loop.) Grid (ceil(ncols / RG), E tiles).
+ * but still writes the padding.
+ *
+ * Groups of chunks because a column's setup (its count, offsets, block length) is then done once
+ * per group instead of once per chunk, and the probs are loaded by code specialised to their dtype
+ * (PDT: a moe_dtype_t, or -1 without probs) and staged as float (double for fp64), where a
+ * generic load spent about 25 instructions per element on moe_load's switch. (ncu at qwen3, the
+ * one-chunk kernel: instruction-bound, 7549 warp instructions per 32 x 32 block, 31% in the tile
+ * loads and 55% in the column loop; with groups, qwen3's permute went 0.197 → 0.188 ms, same run,
+ * 2026-12-03.) Grid (ceil(ncols / RG), E tiles).
  */
 #define MOE_RG_CHUNKS(PDT) ((PDT) == MOE_DTYPE_FP64 ? 2 : 4)
 
@@ -520,36 +453,24 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
                        nchunks, E, R, dap, capacity, align);
     MOE_CHECK_LAUNCH("moe_permute_chunk_scan_kernel");
     if (R == 0) return MOE_OK; /* no row to fill (row_of is only read by the scatter) */
-    const char *v1 = getenv("MOE_CORE_PERMUTE_RANK_V1"); /* WIP: A/B against the per-chunk kernel */
-    if (v1 != NULL && v1[0] == '1') {
-        MOE_LAUNCH_CHAINED(moe_permute_rank_kernel, dim3((unsigned)ncols, (unsigned)etiles),
-                           dim3(MOE_PERM_WARPS * 32), 0, st, sorted_indices, permuted_probs,
-                           ws.row_of, ws.chunk_rank, ws.count, expert_offsets,
-                           tokens_per_expert, routing_map, probs, T, E, nchunks, ncols, R, dap,
-                           capacity, probs_dtype);
-        MOE_CHECK_LAUNCH("moe_permute_rank_kernel");
-    } else {
-        typedef void (*rank_fn)(int64_t *, void *, int32_t *, const int32_t *, const int64_t *,
-                                const int64_t *, const int64_t *, const uint8_t *, const void *,
-                                int64_t, int64_t, int64_t, int64_t, int64_t, int, int64_t);
-        rank_fn rank;
-        int rg;
-        switch (permuted_probs ? (int)probs_dtype : -1) {
-        case MOE_DTYPE_FP32: rank = moe_permute_rank_groups_kernel<MOE_DTYPE_FP32>; break;
-        case MOE_DTYPE_FP64: rank = moe_permute_rank_groups_kernel<MOE_DTYPE_FP64>; break;
-        case MOE_DTYPE_FP16: rank = moe_permute_rank_groups_kernel<MOE_DTYPE_FP16>; break;
-        case MOE_DTYPE_BF16: rank = moe_permute_rank_groups_kernel<MOE_DTYPE_BF16>; break;
-        default: rank = moe_permute_rank_groups_kernel<-1>; break;
-        }
-        rg = permuted_probs && probs_dtype == MOE_DTYPE_FP64 ? MOE_RG_CHUNKS(MOE_DTYPE_FP64)
-                                                             : MOE_RG_CHUNKS(MOE_DTYPE_FP32);
-        MOE_LAUNCH_CHAINED(rank, dim3((unsigned)((ncols + rg - 1) / rg), (unsigned)etiles),
-                           dim3(MOE_PERM_WARPS * 32), 0, st, sorted_indices, permuted_probs,
-                           ws.row_of, ws.chunk_rank, ws.count, expert_offsets,
-                           tokens_per_expert, routing_map, probs, T, E, nchunks, ncols, R, dap,
-                           capacity);
-        MOE_CHECK_LAUNCH("moe_permute_rank_groups_kernel");
+    typedef void (*rank_fn)(int64_t *, void *, int32_t *, const int32_t *, const int64_t *,
+                            const int64_t *, const int64_t *, const uint8_t *, const void *,
+                            int64_t, int64_t, int64_t, int64_t, int64_t, int, int64_t);
+    rank_fn rank;
+    switch (permuted_probs ? (int)probs_dtype : -1) {
+    case MOE_DTYPE_FP32: rank = moe_permute_rank_groups_kernel<MOE_DTYPE_FP32>; break;
+    case MOE_DTYPE_FP64: rank = moe_permute_rank_groups_kernel<MOE_DTYPE_FP64>; break;
+    case MOE_DTYPE_FP16: rank = moe_permute_rank_groups_kernel<MOE_DTYPE_FP16>; break;
+    case MOE_DTYPE_BF16: rank = moe_permute_rank_groups_kernel<MOE_DTYPE_BF16>; break;
+    default: rank = moe_permute_rank_groups_kernel<-1>; break;
     }
+    const int rg = permuted_probs && probs_dtype == MOE_DTYPE_FP64 ? MOE_RG_CHUNKS(MOE_DTYPE_FP64)
+                                                                   : MOE_RG_CHUNKS(MOE_DTYPE_FP32);
+    MOE_LAUNCH_CHAINED(rank, dim3((unsigned)((ncols + rg - 1) / rg), (unsigned)etiles),
+                       dim3(MOE_PERM_WARPS * 32), 0, st, sorted_indices, permuted_probs,
+                       ws.row_of, ws.chunk_rank, ws.count, expert_offsets, tokens_per_expert,
+                       routing_map, probs, T, E, nchunks, ncols, R, dap, capacity);
+    MOE_CHECK_LAUNCH("moe_permute_rank_groups_kernel");
 
     const size_t row_bytes = (size_t)hidden * esize;
     switch (moe_vec_bytes(row_bytes, permuted_tokens, tokens, NULL)) {
