@@ -23,6 +23,7 @@ import torch
 
 import moe_core
 from moe_core import ops
+from moe_core.ops.router_topk import router_topk_fused, z_loss_from_lse
 
 warnings.filterwarnings("ignore")
 from megatron.core.transformer.moe import moe_utils as mcore  # noqa: E402
@@ -127,6 +128,20 @@ def cases(name, T, H, E, k, o):
            lambda x: ops.topk_routing_with_score_function(x, **rkw),
            lambda x: mcore.topk_routing_with_score_function(x, **rkw),
            mk_logits, T * E * (4 + 4 + 1), 0)
+
+    def ours_train(x):
+        out = router_topk_fused(x, with_aux=True, with_lse=True, **rkw)
+        return out, z_loss_from_lse(out[5], 1e-3)
+
+    def mcore_train(x):
+        return (mcore.topk_routing_with_score_function(x, **rkw),
+                mcore.compute_routing_scores_for_aux_loss(x, k, o["score_function"]),
+                mcore.z_loss_func(x, 1e-3))
+
+    # the layer's training call: routing + the aux-loss scores and map + the z-loss; Megatron's
+    # router makes these three calls over the logits, ours one pass (and a [T] z-loss reduction)
+    yield ("router fwd + aux + z-loss", "router_topk_fused", ours_train, mcore_train,
+           mk_logits, T * E * (4 + 4 + 1 + 4 + 1), 0)
 
     def mk_tokens():
         return (torch.randn(T, H, device="cuda", dtype=bf), map0, probs0)
