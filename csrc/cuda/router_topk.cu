@@ -554,8 +554,8 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
 }
 
 /* ---- the lanes kernel: a lane holds VPL neighbouring experts ---------------------------------
- * The same routing as the fused fp32 kernel above, for rows of up to 256 experts without extras
- * (the plain and the dense router calls), at a fraction of its instructions. Lane l holds experts
+ * The same routing and extras as the fused fp32 kernel above, for rows of 33-256 experts, at
+ * about half its instructions. Lane l holds experts
  * l·VPL .. l·VPL + VPL − 1, so a group of P experts is a segment of P / VPL lanes: a group's
  * top-n is a lane-local scan plus log2(P / VPL) shuffles, where the strided layout above needs
  * one warp reduction per (group, round). The fp64 sigmoid and exp, half the instructions of a
@@ -596,17 +596,16 @@ __device__ __forceinline__ float moe_sigmoid_fd(float x) {
     return x != x ? x : y;
 }
 
+/* (float)exp(d) computed in fp64, for d <= 0 or NaN (a softmax term x − max): NaN stays NaN,
+ * below -708 the fp32 result is 0 either way. */
+__device__ __forceinline__ float moe_expf_fd(float d) {
+    return d != d ? d : (float)moe_exp_fd(fmax((double)d, -708.0));
+}
+
 /* moe_topk_softmax_at below fp64: (float)exp((float)(x - m)) · inv, each step rounded to fp32
  * (an fp32 product rounded once is the fp64 product rounded to fp32). */
 __device__ __forceinline__ float moe_softmax_at_fd(float x, float m, float inv) {
-    const float d = __fsub_rn(x, m);
-    const float e = (float)moe_exp_fd(fmax((double)d, -708.0));
-    return __fmul_rn(d != d ? d : e, inv);
-}
-
-__device__ __forceinline__ uint64_t make_key_f(float f, int e) {
-    if (f == 0.0f) f = 0.0f;
-    return ((uint64_t)order_bits(f) << 32) | (uint64_t)(0xffffffffu - (uint32_t)e);
+    return __fmul_rn(moe_expf_fd(__fsub_rn(x, m)), inv);
 }
 
 /* What the lanes kernel may do with 16-byte accesses, decided on the host from the pointers. */
@@ -822,10 +821,8 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
         if (stats) { /* softmax statistics: fp32-rounded terms, as the CPU */
             double sum = 0.0;
 #pragma unroll
-            for (int i = 0; i < VPL; ++i) {
-                const float d = __fsub_rn(x[i], m);
-                if (i < valid) sum += d != d ? (double)d : (double)(float)moe_exp_fd(fmax((double)d, -708.0));
-            }
+            for (int i = 0; i < VPL; ++i)
+                if (i < valid) sum += (double)moe_expf_fd(__fsub_rn(x[i], m));
             inv = __frcp_rn((float)warp_sum(sum));
         }
         if (extras.lse != NULL) { /* z_loss.c's row_lse: NaN propagates, a ±inf max is the lse */
@@ -918,10 +915,7 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
         if (softmax && !pre) {
             const float top = win_p[0];
             __syncwarp();
-            for (int j = lane; j < k; j += 32) {
-                const float d = __fsub_rn(win_p[j], top);
-                win_p[j] = d != d ? d : (float)moe_exp_fd(fmax((double)d, -708.0));
-            }
+            for (int j = lane; j < k; j += 32) win_p[j] = moe_expf_fd(__fsub_rn(win_p[j], top));
         }
         __syncwarp();
         if (lane == 0 && !(softmax && pre)) {
