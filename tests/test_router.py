@@ -449,16 +449,19 @@ def test_cuda_row_widths_and_alignment_like_cpu(E, k, offset, score, router_kern
     """Rows that are no whole number of a lane's run of experts (the lanes kernel then uses no
     16-byte access) and logits that start 4 bytes past a 16-byte boundary route as on the CPU,
     dense and compact, bit for bit; so do k > 32 (more winners than candidate slots: the lanes
-    kernel's rounds) and k = 128 (past its int8 ranks: the strided kernel)."""
+    kernel's rounds) and k = 128 (past its int8 ranks: the strided kernel). The expert bias
+    starts at the same offset (the lanes kernel's 16-byte bias loads, or scalar ones)."""
     torch.manual_seed(E + k + offset)
     T = 301
     flat = torch.randn(T * E + offset, dtype=torch.float64).float()
     x = flat[offset:].view(T, E)
-    bias = (0.1 * torch.randn(E)) if score == "sigmoid" else None
+    bflat = 0.1 * torch.randn(E + offset)
+    bias = bflat[offset:] if score == "sigmoid" else None
     opts = dict(score_function=score, scaling_factor=2.5)
     xg = flat.cuda()[offset:].view(T, E)
     assert xg.data_ptr() % 16 == 4 * offset
-    bg = None if bias is None else bias.cuda()
+    bg = None if bias is None else bflat.cuda()[offset:]
+    assert bg is None or bg.data_ptr() % 16 == 4 * offset
     p_cpu, m_cpu = ops.topk_routing_with_score_function(x, k, expert_bias=bias, **opts)
     p_gpu, m_gpu = ops.topk_routing_with_score_function(xg, k, expert_bias=bg, **opts)
     assert torch.equal(m_cpu, m_gpu.cpu())

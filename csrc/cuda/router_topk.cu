@@ -221,9 +221,15 @@ moe_router_topk_bwd_warp_kernel(void *grad_logits, const void *grad_probs, const
  * (redux.sync) instead of five double+int64 shuffle-and-compare steps. */
 
 __device__ __forceinline__ uint32_t order_bits(float v) {
-    uint32_t u = __float_as_uint(v);
+    const uint32_t u = __float_as_uint(v);
     if (v != v) return 0xffffffffu;
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u); /* negative: ~u; else: u | sign */
+}
+
+/* order_bits with -0 ranked as +0 (-0 + +0 is +0 when rounding to nearest; every other value is
+ * unchanged, NaN stays NaN). */
+__device__ __forceinline__ uint32_t order_bits_z(float v) {
+    return order_bits(__fadd_rn(v, 0.0f));
 }
 
 __device__ __forceinline__ float from_order_bits(uint32_t k) {
@@ -558,48 +564,79 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
  * about half its instructions. Lane l holds experts
  * l·VPL .. l·VPL + VPL − 1, so a group of P experts is a segment of P / VPL lanes: a group's
  * top-n is a lane-local scan plus log2(P / VPL) shuffles, where the strided layout above needs
- * one warp reduction per (group, round). The fp64 sigmoid and exp, half the instructions of a
- * row, are the polynomial below instead of the library's (same fp32 result: see moe_exp_fd).
- * A row is read with 16-byte loads and the dense outputs written with 16-byte stores where the
- * layout allows. */
+ * one warp reduction per (group, round). The fp64 sigmoid and exp, the largest share of a
+ * row's instructions, are the polynomial below instead of the library's (same fp32 result: see
+ * moe_exp_fd), evaluated four experts at a time. One instantiation per score function, so a row
+ * carries no per-expert switch. A row is read with 16-byte loads and the dense outputs written
+ * with 16-byte stores where the layout allows. */
 
 /* exp(a) in fp64 for a in [-708, 708]: a = k·ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series
  * to degree 13 (truncation < 0.03 ulp), 2^k added to the exponent field. Within 1 ulp of glibc's
  * exp; rounded to fp32 it agreed with (float)exp(x) on every 3rd fp32 x in [-110, 0] and, as
  * (float)(1 / (1 + exp(-x))), on every 7th fp32 x in [-120, 120] (checked on the host,
- * 2026-12-03). The caller clamps a: past ±708 the fp32 results no longer change. */
-__device__ __forceinline__ double moe_exp_fd(double a) {
-    const double kd = rint(a * 1.4426950408889634);
-    double r = fma(-kd, 6.93147180369123816490e-01, a); /* ln2's high part: kd·hi is exact */
-    r = fma(-kd, 1.90821492927058770002e-10, r);
-    double p = 1.0 / 6227020800.0;
-    p = fma(p, r, 1.0 / 479001600.0);
-    p = fma(p, r, 1.0 / 39916800.0);
-    p = fma(p, r, 1.0 / 3628800.0);
-    p = fma(p, r, 1.0 / 362880.0);
-    p = fma(p, r, 1.0 / 40320.0);
-    p = fma(p, r, 1.0 / 5040.0);
-    p = fma(p, r, 1.0 / 720.0);
-    p = fma(p, r, 1.0 / 120.0);
-    p = fma(p, r, 1.0 / 24.0);
-    p = fma(p, r, 1.0 / 6.0);
-    p = fma(p, r, 0.5);
-    p = fma(p, r, 1.0);
-    p = fma(p, r, 1.0);
-    return __hiloint2double(__double2hiint(p) + ((int)kd << 20), __double2loint(p));
+ * 2026-12-03). The caller clamps a: past ±708 the fp32 results no longer change.
+ * The coefficients: 1/13!, 1/12!, ..., 1/2!, then ln2's high and low parts and log2(e). In
+ * constant memory, a batch loads each into a uniform register once; as literals each DFMA cost
+ * two uniform moves (12% of the lanes kernel's instructions in ncu, 2026-12-03). */
+__constant__ double moe_exp_coef[15] = {
+    1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0,
+    1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5,
+    6.93147180369123816490e-01, 1.90821492927058770002e-10, 1.4426950408889634};
+
+/* N exponentials side by side: each coefficient is loaded once per batch instead of once per
+ * DFMA, and the N chains of dependent DFMAs hide each other's latency. Same operations in the same
+ * order for each value as N separate calls. */
+template <int N>
+__device__ __forceinline__ void moe_exp_fd_n(const double (&a)[N], double (&e)[N]) {
+    double r[N], p[N];
+    int kk[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const double kd = rint(a[i] * moe_exp_coef[14]);
+        r[i] = fma(-kd, moe_exp_coef[12], a[i]); /* ln2's high part: kd·hi is exact */
+        r[i] = fma(-kd, moe_exp_coef[13], r[i]);
+        kk[i] = (int)kd;
+        p[i] = moe_exp_coef[0];
+    }
+#pragma unroll
+    for (int j = 1; j < 12; ++j) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) p[i] = fma(p[i], r[i], moe_exp_coef[j]);
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const double q = fma(fma(p[i], r[i], 1.0), r[i], 1.0);
+        e[i] = __hiloint2double(__double2hiint(q) + (kk[i] << 20), __double2loint(q));
+    }
 }
 
-/* moe_topk_score's sigmoid: (float)(1 / (1 + exp(-x))) computed in fp64. */
-__device__ __forceinline__ float moe_sigmoid_fd(float x) {
-    const double a = fmin(fmax(-(double)x, -708.0), 708.0);
-    const float y = (float)__drcp_rn(1.0 + moe_exp_fd(a));
-    return x != x ? x : y;
+__device__ __forceinline__ double moe_exp_fd(double a) {
+    const double in[1] = {a};
+    double out[1];
+    moe_exp_fd_n<1>(in, out);
+    return out[0];
+}
+
+/* moe_topk_score's sigmoid, (float)(1 / (1 + exp(-x))) computed in fp64, of N values. */
+template <int N>
+__device__ __forceinline__ void moe_sigmoid_fd_n(const float *x, float *y) {
+    double a[N], e[N];
+    /* clamped in fp32 (±708 are fp32 values, so the double is the same): fp64 fmin / fmax cost
+     * five instructions each; NaN is handled below */
+#pragma unroll
+    for (int i = 0; i < N; ++i) a[i] = (double)fminf(fmaxf(-x[i], -708.0f), 708.0f);
+    moe_exp_fd_n<N>(a, e);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const float v = (float)__drcp_rn(1.0 + e[i]);
+        y[i] = x[i] != x[i] ? x[i] : v;
+    }
 }
 
 /* (float)exp(d) computed in fp64, for d <= 0 or NaN (a softmax term x − max): NaN stays NaN,
  * below -708 the fp32 result is 0 either way. */
 __device__ __forceinline__ float moe_expf_fd(float d) {
-    return d != d ? d : (float)moe_exp_fd(fmax((double)d, -708.0));
+    return d != d ? d : (float)moe_exp_fd((double)fmaxf(d, -708.0f));
 }
 
 /* moe_topk_softmax_at below fp64: (float)exp((float)(x - m)) · inv, each step rounded to fp32
@@ -614,6 +651,7 @@ __device__ __forceinline__ float moe_softmax_at_fd(float x, float m, float inv) 
 #define MOE_LANES_VEC_MAP 4u   /* the map's VPL bytes of a lane are one aligned word */
 #define MOE_LANES_VEC_AUX 8u   /* fp32 aux scores, as the probs */
 #define MOE_LANES_VEC_AUX_MAP 16u /* the aux map, as the map */
+#define MOE_LANES_VEC_BIAS 32u /* the expert bias, as the logits */
 
 /* Shared memory of the lanes kernel, per warp: the k winners (expert, prob source), the
  * candidates of the selection (key, prob source) and each expert's rank (int8, -1: not picked). */
@@ -647,18 +685,17 @@ __device__ __forceinline__ void lanes_topk(uint32_t (&hi)[VPL], const float (&sr
     uint32_t head = 0;
 #pragma unroll
     for (int i = 0; i < VPL; ++i) head = max(head, hi[i]);
-    uint32_t tau = 1u; /* when fewer than k lanes have a key: every key */
-    {
-        uint32_t h = head;
-        int r = 0;
-        for (; r < k; ++r) {
-            const uint32_t top = __reduce_max_sync(MOE_FULL_MASK, h);
-            if (top == 0u) break;
+    /* when fewer than k lanes have a key (always when k > 32): tau = 1, every key. Once the
+     * keys run out, top stays 0 for the remaining rounds: no exit test inside the loop. */
+    uint32_t tau = 1u;
+    if (k <= 32) {
+        uint32_t h = head, top = 0u;
+        for (int r = 0; r < k; ++r) {
+            top = __reduce_max_sync(MOE_FULL_MASK, h);
             const uint32_t own = __ballot_sync(MOE_FULL_MASK, h == top);
             if (lane == __ffs(own) - 1) h = 0u;
-            tau = top;
         }
-        if (r < k) tau = 1u;
+        tau = top != 0u ? top : 1u;
     }
     uint32_t cmask = 0;
 #pragma unroll
@@ -766,8 +803,10 @@ __device__ __forceinline__ void lanes_store_bits(uint8_t *dst, int valid, uint32
  * groups. Shared memory: lanes_warp_bytes per warp. Keys are the 32-bit monotone bits of the
  * fp32 selection value (0: absent or excluded), ties to the lower expert. */
 /* 4 blocks of 8 warps per SM (64 registers, a few spilled at VPL = 8): 16.0x Megatron at
- * T = 16384 against 14.9x at 3 blocks (72 registers), same run, 2026-12-03. */
-template <int VPL>
+ * T = 16384 against 14.9x at 3 blocks (72 registers), same run, 2026-12-03. Then 1557 -> 1239
+ * warp instructions per token (ncu; one instantiation per score function, batched exp, fp32
+ * clamps, divisions out of the token loop, vector bias loads): 22x, same day. */
+template <int VPL, int SF>
 __global__ void __launch_bounds__(32 * MOE_ROUTER32_WARPS, 4)
 moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *probs,
                                  uint8_t *routing_map, moe_router_topk_extras_t extras,
@@ -784,10 +823,14 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
     int *win_i = (int *)(win_p + k);
     float *norm = (float *)(win_i + k);
     int8_t *rank_of = (int8_t *)(norm + 2); /* 8-byte aligned: k words of each kind, + 2 */
-    const int softmax = ctx.score_function == MOE_SCORE_SOFTMAX, pre = ctx.pre_softmax;
-    const int sigmoid = ctx.score_function == MOE_SCORE_SIGMOID;
+    constexpr int softmax = SF == MOE_SCORE_SOFTMAX, sigmoid = SF == MOE_SCORE_SIGMOID;
+    const int pre = ctx.pre_softmax;
     const int gn = (int)ctx.group_n, has_group = seg > 0 && e0 < E;
     const float sf = (float)ctx.scaling_factor;
+    /* the first lane of this lane's group and the group's lanes (seg is not a compile-time value:
+     * the divisions stay out of the token loop) */
+    const int seg_base = seg > 0 ? lane - lane % seg : 0;
+    const uint32_t segmask = seg > 0 ? (seg == 32 ? ~0u : (1u << seg) - 1u) << seg_base : 0u;
     const int64_t stride = (int64_t)gridDim.x * MOE_ROUTER32_WARPS;
     for (int64_t t = (int64_t)blockIdx.x * MOE_ROUTER32_WARPS + warp; t < num_tokens; t += stride) {
         const int64_t base = t * E;
@@ -840,21 +883,42 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
         }
         uint32_t hi[VPL];
         float src[VPL];
+        if constexpr (softmax) {
+            if (pre) {
 #pragma unroll
-        for (int i = 0; i < VPL; ++i) {
-            float s, sel;
-            if (softmax) {
-                s = pre ? moe_softmax_at_fd(x[i], m, inv) : x[i];
-                sel = s;
+                for (int i = 0; i < VPL; ++i) src[i] = moe_softmax_at_fd(x[i], m, inv);
             } else {
-                s = sigmoid ? moe_sigmoid_fd(x[i]) : (float)moe_topk_score(&ctx, x[i]);
-                /* re-read per token (an L1 hit): 8 registers fewer */
-                if (expert_bias && i < valid) sel = __fadd_rn(s, __ldg(expert_bias + e0 + i));
-                else sel = s;
+#pragma unroll
+                for (int i = 0; i < VPL; ++i) src[i] = x[i];
             }
-            src[i] = s;
-            hi[i] = i < valid ? order_bits(sel == 0.0f ? 0.0f : sel) : 0u; /* -0 ranks as +0 */
+        } else if constexpr (sigmoid) { /* four at a time: the batch shares its coefficients */
+            constexpr int B = VPL < 4 ? VPL : 4;
+#pragma unroll
+            for (int i = 0; i < VPL; i += B) moe_sigmoid_fd_n<B>(x + i, src + i);
+        } else {
+#pragma unroll
+            for (int i = 0; i < VPL; ++i) src[i] = (float)moe_topk_score(&ctx, x[i]);
         }
+        float sel[VPL];
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) sel[i] = src[i];
+        if (!softmax && expert_bias && e0 < E) { /* re-read per token (an L1 hit): fewer registers */
+            if (vec & MOE_LANES_VEC_BIAS) {
+#pragma unroll
+                for (int i = 0; i < VPL; i += 4) {
+                    const float4 b = __ldg((const float4 *)(expert_bias + e0 + i));
+                    sel[i] = __fadd_rn(src[i], b.x), sel[i + 1] = __fadd_rn(src[i + 1], b.y);
+                    sel[i + 2] = __fadd_rn(src[i + 2], b.z), sel[i + 3] = __fadd_rn(src[i + 3], b.w);
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < VPL; ++i)
+                    if (i < valid) sel[i] = __fadd_rn(src[i], __ldg(expert_bias + e0 + i));
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) /* -0 ranks as +0 */
+            hi[i] = i < valid ? order_bits_z(sel[i]) : 0u;
         if (seg > 0) {
             /* the group's top gn values and their fp32 sum in rank order, as the C kernel's */
             float acc = 0.0f;
@@ -872,7 +936,6 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
                 uint32_t hv[VPL];
 #pragma unroll
                 for (int i = 0; i < VPL; ++i) hv[i] = hi[i];
-                const uint32_t segmask = (seg == 32 ? ~0u : (1u << seg) - 1u) << (lane - lane % seg);
                 for (int r = 0; r < gn; ++r) {
                     uint32_t b = 0;
 #pragma unroll
@@ -895,14 +958,14 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
             if (softmax && !pre) a = (float)moe_round_to(ctx.dtype, (double)a);
             /* the kept groups: group_topk rounds over the segment leaders' keys, ties to the
              * lower group (the lower lane) */
-            uint32_t gk = has_group && lane % seg == 0 ? order_bits(a == 0.0f ? 0.0f : a) : 0u;
+            uint32_t gk = has_group && lane == seg_base ? order_bits_z(a) : 0u;
             int kept = 0;
             for (int r = 0; r < (int)ctx.group_topk; ++r) {
                 const uint32_t top = __reduce_max_sync(MOE_FULL_MASK, gk);
                 const uint32_t own = __ballot_sync(MOE_FULL_MASK, gk == top && top != 0u);
                 if (lane == __ffs(own) - 1) kept = 1, gk = 0u;
             }
-            kept = __shfl_sync(MOE_FULL_MASK, kept, lane - lane % seg);
+            kept = __shfl_sync(MOE_FULL_MASK, kept, seg_base);
             if (!kept) {
 #pragma unroll
                 for (int i = 0; i < VPL; ++i) hi[i] = 0u;
@@ -978,7 +1041,7 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
             } else if (aux) {
 #pragma unroll
                 for (int i = 0; i < VPL; ++i)
-                    hi[i] = i < valid ? order_bits(av[i] == 0.0f ? 0.0f : av[i]) : 0u;
+                    hi[i] = i < valid ? order_bits_z(av[i]) : 0u;
                 lanes_topk<VPL>(hi, av, k, lane, e0, cand_key, cand_src, rank_of, NULL, NULL);
 #pragma unroll
                 for (int i = 0; i < VPL; ++i) hit |= (uint32_t)(rank_of[e0 + i] >= 0) << i;
@@ -1022,13 +1085,22 @@ MOE_VPL_SELECTOR(bwd_warp_kernel, moe_topk_bwd_warp_fn, moe_router_topk_bwd_warp
 typedef void (*moe_topk_fwd_lanes_fn)(void *, int64_t *, void *, uint8_t *,
                                       moe_router_topk_extras_t, const void *, const float *,
                                       int64_t, moe_topk_ctx_t, int, unsigned);
-static moe_topk_fwd_lanes_fn fwd_lanes_kernel(int vpl) {
+#define MOE_LANES_SF(vpl_)                                                     \
+    switch (score_function) {                                                  \
+    case MOE_SCORE_SOFTMAX: return moe_router_topk_fwd_lanes_kernel<vpl_, MOE_SCORE_SOFTMAX>; \
+    case MOE_SCORE_SIGMOID: return moe_router_topk_fwd_lanes_kernel<vpl_, MOE_SCORE_SIGMOID>; \
+    default: return moe_router_topk_fwd_lanes_kernel<vpl_, MOE_SCORE_SQRTSOFTPLUS>;          \
+    }
+/* One instantiation per (row width, score function): the score function is then known at compile
+ * time, so a row's code carries no per-expert switch and no other function's registers. */
+static moe_topk_fwd_lanes_fn fwd_lanes_kernel(int vpl, int score_function) {
     switch (vpl) {
-    case 2: return moe_router_topk_fwd_lanes_kernel<2>;
-    case 4: return moe_router_topk_fwd_lanes_kernel<4>;
-    default: return moe_router_topk_fwd_lanes_kernel<8>;
+    case 2: MOE_LANES_SF(2)
+    case 4: MOE_LANES_SF(4)
+    default: MOE_LANES_SF(8)
     }
 }
+#undef MOE_LANES_SF
 
 /* Lanes per group for the lanes kernel (0 without groups), or -1 where it does not apply: rows
  * of up to 32 experts (one per lane: both layouts are the same and k rounds cost less than the
@@ -1046,14 +1118,15 @@ static int lanes_seg(const moe_topk_ctx_t *c, int vpl) {
 
 /* The lanes kernel's 16-byte access flags for these pointers. */
 static unsigned lanes_vec(int64_t num_experts, int vpl, moe_dtype_t dt, const void *logits,
-                          const void *probs, const uint8_t *routing_map,
-                          const moe_router_topk_extras_t *ex) {
+                          const float *expert_bias, const void *probs,
+                          const uint8_t *routing_map, const moe_router_topk_extras_t *ex) {
     unsigned vec = 0;
     if (num_experts % vpl != 0) return 0; /* a lane's run would cross into the next row */
     if (vpl % 4 == 0) {
         if (dt == MOE_DTYPE_FP32 && (uintptr_t)logits % 16 == 0) vec |= MOE_LANES_VEC_LOAD;
         if (dt == MOE_DTYPE_FP32 && probs && (uintptr_t)probs % 16 == 0) vec |= MOE_LANES_VEC_PROBS;
         if (ex->aux_scores && (uintptr_t)ex->aux_scores % 16 == 0) vec |= MOE_LANES_VEC_AUX;
+        if (expert_bias && (uintptr_t)expert_bias % 16 == 0) vec |= MOE_LANES_VEC_BIAS;
     }
     if (vpl == 4 || vpl == 8) {
         if (routing_map && (uintptr_t)routing_map % vpl == 0) vec |= MOE_LANES_VEC_MAP;
@@ -1195,11 +1268,11 @@ static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *prob
         const int seg = lanes_seg(&ctx, vpl);
         if (seg >= 0) {
             const size_t lsmem = MOE_ROUTER32_WARPS * lanes_warp_bytes(k, vpl);
-            moe_topk_fwd_lanes_fn lanes = fwd_lanes_kernel(vpl);
+            moe_topk_fwd_lanes_fn lanes = fwd_lanes_kernel(vpl, ctx.score_function);
             MOE_TRY(warp_smem((const void *)lanes, lsmem));
             lanes<<<warp32_blocks(num_tokens), 32 * MOE_ROUTER32_WARPS, lsmem, (cudaStream_t)stream>>>(
                 topk_probs, topk_indices, probs, routing_map, ex, logits, expert_bias, num_tokens,
-                ctx, seg, lanes_vec(num_experts, vpl, dt, logits, probs, routing_map, &ex));
+                ctx, seg, lanes_vec(num_experts, vpl, dt, logits, expert_bias, probs, routing_map, &ex));
             MOE_CHECK_LAUNCH("moe_router_topk_fwd_lanes_kernel");
             return MOE_OK;
         }
