@@ -21,6 +21,7 @@
  */
 #include "cuda_common.cuh"
 #include "../router_topk_math.h"
+#include "exp_poly_math.h"
 
 static int64_t row_words(const moe_router_topk_params_t *p) {
     return moe_topk_scratch_words(p->topk, p->num_groups) + p->topk;
@@ -570,22 +571,17 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
  * carries no per-expert switch. A row is read with 16-byte loads and the dense outputs written
  * with 16-byte stores where the layout allows. */
 
-/* exp(a) in fp64 for a in [-708, 708]: a = k·ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series
- * to degree 13 (truncation < 0.03 ulp), 2^k added to the exponent field. Within 1 ulp of glibc's
- * exp; rounded to fp32 it agreed with (float)exp(x) on every 3rd fp32 x in [-110, 0] and, as
- * (float)(1 / (1 + exp(-x))), on every 7th fp32 x in [-120, 120] (checked on the host,
- * 2026-12-03). The caller clamps a: past ±708 the fp32 results no longer change.
- * The coefficients: 1/13!, 1/12!, ..., 1/2!, then ln2's high and low parts and log2(e). In
- * constant memory, a batch loads each into a uniform register once; as literals each DFMA cost
- * two uniform moves (12% of the lanes kernel's instructions in ncu, 2026-12-03). */
-__constant__ double moe_exp_coef[15] = {
-    1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0,
-    1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5,
-    6.93147180369123816490e-01, 1.90821492927058770002e-10, 1.4426950408889634};
+/* exp(a) in fp64 for a in [-708, 708]: the degree-13 polynomial of exp_poly_math.h, which
+ * rounded to fp32 agrees with glibc's exp on every fp32 input as (float)exp(d), d <= 0, and as
+ * (float)(1 / (1 + exp(-x))) (exhaustive host check, tests/c/test_exp_poly.c). The caller clamps
+ * a: past ±708 the fp32 results no longer change. The coefficients live in constant memory: a
+ * batch loads each into a uniform register once; as literals each DFMA cost two uniform moves
+ * (12% of the lanes kernel's instructions in ncu, 2026-12-03). */
+__constant__ double moe_exp_coef[15] = MOE_EXP_POLY_COEFS;
 
 /* N exponentials side by side: each coefficient is loaded once per batch instead of once per
- * DFMA, and the N chains of dependent DFMAs hide each other's latency. Same operations in the same
- * order for each value as N separate calls. */
+ * DFMA, and the N chains of dependent DFMAs hide each other's latency. For each value, the
+ * operations of moe_exp_poly (exp_poly_math.h) in the same order. */
 template <int N>
 __device__ __forceinline__ void moe_exp_fd_n(const double (&a)[N], double (&e)[N]) {
     double r[N], p[N];
