@@ -85,6 +85,23 @@ static inline int moe_pow2_clamp(int64_t n, int lo, int hi) {
     return p;
 }
 
+/* Zero the rows r0 + j for each bit j of pad_bits (a ballot over the warp's 32 rows; all 32
+ * lanes call it with the same arguments), nvec vectors of W bytes each. */
+template <int W>
+__device__ __forceinline__ void moe_zero_rows_warp(void *__restrict__ rows_base, uint32_t pad_bits,
+                                                   int64_t r0, int64_t nvec) {
+    typedef typename moe_vec_t<W>::type V;
+    const int lane = threadIdx.x & 31;
+    V zero;
+    memset(&zero, 0, sizeof zero);
+    while (pad_bits) { /* warp-uniform */
+        const int j = __ffs(pad_bits) - 1;
+        pad_bits &= pad_bits - 1;
+        V *out = (V *)rows_base + (r0 + j) * nvec;
+        for (int64_t v = lane; v < nvec; v += 32) out[v] = zero;
+    }
+}
+
 /* Rows [r0, r0 + 32) whose index is not a token in [0, num_tokens) (padding, -1) are zeroed by
  * one warp (all 32 lanes call it with the same r0): the 32 indices are one coalesced load, a
  * ballot names the padding rows, and the warp zeroes only those (nvec vectors of W bytes each),
@@ -94,22 +111,13 @@ __device__ __forceinline__ void moe_zero_pad_warp(void *__restrict__ rows_base,
                                                   const int64_t *__restrict__ sorted_indices,
                                                   int64_t r0, int64_t num_rows,
                                                   int64_t num_tokens, int64_t nvec) {
-    typedef typename moe_vec_t<W>::type V;
     const int lane = threadIdx.x & 31;
     bool pad = false;
     if (r0 + lane < num_rows) {
         const int64_t t = sorted_indices[r0 + lane];
         pad = t < 0 || t >= num_tokens;
     }
-    uint32_t bits = __ballot_sync(0xffffffffu, pad);
-    V zero;
-    memset(&zero, 0, sizeof zero);
-    while (bits) { /* warp-uniform */
-        const int j = __ffs(bits) - 1;
-        bits &= bits - 1;
-        V *out = (V *)rows_base + (r0 + j) * nvec;
-        for (int64_t v = lane; v < nvec; v += 32) out[v] = zero;
-    }
+    moe_zero_rows_warp<W>(rows_base, __ballot_sync(0xffffffffu, pad), r0, nvec);
 }
 
 /* The padding rows of a whole buffer: one thread per row, blockDim a multiple of 32. It may be

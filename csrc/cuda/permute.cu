@@ -218,7 +218,6 @@ typedef struct {
 template <int W>
 __device__ __forceinline__ void permute_pad_warp(const perm_scatter_args_t &a, int64_t r0,
                                                  int64_t real_cap) {
-    typedef typename moe_vec_t<W>::type V;
     const int lane = (int)(threadIdx.x & 31); /* blockDim.x is a multiple of 32 */
     const int64_t r = r0 + lane;
     bool pad = false;
@@ -241,15 +240,7 @@ __device__ __forceinline__ void permute_pad_warp(const perm_scatter_args_t &a, i
         a.sorted_indices[r] = -1;
         if (a.permuted_probs) moe_store(a.permuted_probs, a.probs_dtype, r, 0.0);
     }
-    uint32_t bits = __ballot_sync(0xffffffffu, pad);
-    V zero;
-    memset(&zero, 0, sizeof zero);
-    while (bits) { /* warp-uniform */
-        const int j = __ffs(bits) - 1;
-        bits &= bits - 1;
-        V *out = (V *)a.permuted_tokens + (r0 + j) * a.nvec;
-        for (int64_t v = lane; v < a.nvec; v += 32) out[v] = zero;
-    }
+    moe_zero_rows_warp<W>(a.permuted_tokens, __ballot_sync(0xffffffffu, pad), r0, a.nvec);
 }
 
 /*
