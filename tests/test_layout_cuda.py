@@ -155,7 +155,7 @@ def test_permute_bwd_cuda_equals_cpu(dtype, T, E, k, H, gather_map):
     (40000, 3, 1, 40000, False, 4096),  # align padding past one pass of an expert's warps
     (33000, 2, 1, 2 * 40000, True, 0),  # capacity > tokens: long -1 runs inside every block
     (100, 1, 1, 500, False, 128),       # one expert; the tail [offsets[E], R) is mostly padding
-    (0, 5, 2, 40, True, 0),             # no token: every row is padding, written by the scatter grid
+    (0, 5, 2, 40, True, 0),             # no token: every row is padding, written by the scatter
 ])
 def test_permute_cuda_planning_edges(T, E, k, n, dap, align):
     """The planning kernels' loops and padding writes on shapes the reference sizes miss."""

@@ -37,10 +37,28 @@ __device__ __forceinline__ int64_t d_round_up(int64_t x, int64_t m) {
     return m > 1 ? (x + m - 1) / m * m : x;
 }
 
+/* The rows of a block that tokens may take. With drop_and_pad every token has a position in
+ * every block and the first real_cap = min(capacity, T) of them get a row; dropless, the block's
+ * n rows. The plan (which counts the empty rows), the scatter (which fills rows) and its padding
+ * pass (which writes the rest) must agree on these, so they are spelled once. */
+__device__ __forceinline__ int64_t perm_real_cap(int dap, int64_t capacity, int64_t T) {
+    return dap ? (capacity < T ? capacity : T) : 0;
+}
+__device__ __forceinline__ int64_t perm_row_limit(int dap, int64_t real_cap, int64_t n) {
+    return dap && real_cap < n ? real_cap : n;
+}
+/* Rows [0, filled) of a block of n rows hold a token: min(tokens with a position, the limit);
+ * have = T with drop_and_pad, else the expert's routed count. */
+__device__ __forceinline__ int64_t perm_filled(int dap, int64_t have, int64_t real_cap,
+                                               int64_t n) {
+    const int64_t lim = perm_row_limit(dap, real_cap, n);
+    return have < lim ? have : lim;
+}
+
 /* Workspace sections (each 16-byte aligned). */
 typedef struct {
     int32_t *chunk_rank; /* [E, nchunks]: routed count of the chunk, then its exclusive prefix */
-    uint32_t *col_bits;  /* [nchunks, E]: the chunk's routed flags of expert e, bit l = token 32c+l */
+    uint32_t *col_bits;  /* [nchunks, E]: chunk c's routed flags of expert e, bit l: token 32c+l */
     int64_t *count;      /* [E]: routed tokens of each expert */
     int64_t *npad;       /* [1]: rows that no token fills (padding, the tail) */
     unsigned *done;      /* [1]: chunk-scan blocks finished (the last one plans) */
@@ -122,7 +140,7 @@ __device__ __forceinline__ void plan_block(int64_t *expert_offsets, int64_t *tok
     /* each thread owns a contiguous run of experts */
     const int64_t per = (E + MOE_CSCAN_THREADS - 1) / MOE_CSCAN_THREADS;
     const int64_t e0 = threadIdx.x * per, e1 = e0 + per < E ? e0 + per : E;
-    const int64_t real_cap = dap ? (capacity < T ? capacity : T) : 0;
+    const int64_t real_cap = perm_real_cap(dap, capacity, T);
     int64_t local = 0;
     for (int64_t e = e0; e < e1; ++e)
         local += dap ? d_round_up(capacity, align) : d_round_up(__ldcg(count + e), align);
@@ -137,10 +155,7 @@ __device__ __forceinline__ void plan_block(int64_t *expert_offsets, int64_t *tok
         const int64_t hi = run < R ? run : R;
         expert_offsets[e + 1] = hi;
         tokens_per_expert[e] = hi - lo;
-        /* the scatter's rule: rows [lo, lo + min(have, lim)) hold tokens */
-        const int64_t have = dap ? T : count_e;
-        const int64_t lim = dap && real_cap < hi - lo ? real_cap : hi - lo;
-        filled += have < lim ? have : lim;
+        filled += perm_filled(dap, dap ? T : count_e, real_cap, hi - lo);
     }
     moe_block_exclusive_scan_n<MOE_CSCAN_THREADS>(filled, &total);
     if (threadIdx.x == 0) *npad = R - total;
@@ -154,8 +169,8 @@ __device__ __forceinline__ void plan_block(int64_t *expert_offsets, int64_t *tok
 __global__ void __launch_bounds__(MOE_CSCAN_THREADS)
 moe_permute_chunk_scan_kernel(int32_t *chunk_rank, int64_t *count, unsigned *done,
                               int64_t *expert_offsets, int64_t *tokens_per_expert, int64_t *npad,
-                              int64_t T, int64_t nchunks, int64_t E, int64_t R, int dap, int64_t capacity,
-                              int64_t align) {
+                              int64_t T, int64_t nchunks, int64_t E, int64_t R, int dap,
+                              int64_t capacity, int64_t align) {
     __shared__ int s_last;
     moe_pdl_trigger();
     moe_pdl_wait();
@@ -232,8 +247,7 @@ __device__ __forceinline__ void permute_pad_warp(const perm_scatter_args_t &a, i
             }
             const int64_t n = a.tokens_per_expert[lo];
             const int64_t have = a.dap ? a.T : a.count[lo];
-            const int64_t lim = a.dap && real_cap < n ? real_cap : n;
-            pad = r - a.expert_offsets[lo] >= (have < lim ? have : lim);
+            pad = r - a.expert_offsets[lo] >= perm_filled(a.dap, have, real_cap, n);
         }
     }
     if (pad) {
@@ -279,7 +293,7 @@ __global__ void __launch_bounds__(256) moe_permute_scatter_kernel(const perm_sca
     int32_t *dst = s_dst + (int64_t)y * E;
     if (x == 0) s_n[y] = 0;
     __syncthreads();
-    const int64_t real_cap = a.dap ? (a.capacity < a.T ? a.capacity : a.T) : 0;
+    const int64_t real_cap = perm_real_cap(a.dap, a.capacity, a.T);
     if (live) {
         const int64_t c = t >> 5;
         const int l = (int)(t & 31);
@@ -291,8 +305,7 @@ __global__ void __launch_bounds__(256) moe_permute_scatter_kernel(const perm_sca
             const int64_t before = (int64_t)a.chunk_rank[e * a.nchunks + c] + __popc(b & below);
             const int64_t n = a.tokens_per_expert[e];
             const int64_t pos = routed ? before : a.count[e] + (t - before);
-            const int64_t lim = a.dap && real_cap < n ? real_cap : n;
-            if (pos < lim) {
+            if (pos < perm_row_limit(a.dap, real_cap, n)) {
                 const int64_t r = a.expert_offsets[e] + pos;
                 dst[atomicAdd(&s_n[y], 1)] = (int32_t)r; /* R <= INT32_MAX */
                 a.sorted_indices[r] = t;
