@@ -19,7 +19,10 @@
  * and 2 are consumers, each computing 64 rows x BN columns of the 128 x BN tile with
  * m64nBNk16 wgmma (fp32 accumulators in registers, one wgmma group kept in flight), then
  * storing with row/column masks (16-bit outputs staged through shared memory for 16-byte
- * coalesced stores; rows past offsets[E] are zeroed by a small second kernel).
+ * coalesced stores; rows past offsets[E] are zeroed by a small second kernel). A 16-bit wgrad
+ * block is instead handed to the copy engine (TMA stores, gg_store_block_tma) so that dW's
+ * writes overlap the next tile's MMAs: wgrad tiles are short (rows_e / 64 k blocks) and their
+ * output is large (dsv3's dW: 15 GB), so a store the consumers wait for cost 4-11% there.
  * Work order: tiles numbered expert by expert; inside an expert, groups of 16 M tiles with M
  * fastest, so the ~132 concurrent tiles share a few weight column blocks and a few row blocks
  * (both stay in L2). Static round-robin over CTAs; every output element has one writer and a
@@ -58,14 +61,19 @@
 #define GG_GROUP_M 16   /* M tiles per raster group inside an expert */
 #define GG_BOX_BYTES (64 * 128) /* one 64-row x 128-byte TMA box */
 
-/* Stages of the smem ring: 192 KB of operands for either tile width. */
-#define GG_STAGES(BN) ((BN) == 256 ? 4 : 6)
+/* Stages of the smem ring: 192 KB of operands for either tile width; wgrad gives a stage or
+ * one and a half up to its output staging (GG_W_BYTES). */
+#define GG_STAGES(BN, WG) ((WG) ? ((BN) == 256 ? 3 : 5) : ((BN) == 256 ? 4 : 6))
 #define GG_STAGE_BYTES(BN) (GG_BM * GG_BK * 2 + (BN) * GG_BK * 2)
 /* epilogue staging: per consumer warpgroup 64 rows x 64 16-bit columns, rows padded to 144 B so
  * the fragment writes (8 rows x 4 column pairs per warp) hit 32 distinct banks */
 #define GG_C_PITCH 144
 #define GG_C_BYTES (64 * GG_C_PITCH)
-#define GG_SMEM_BYTES(BN) (GG_STAGES(BN) * GG_STAGE_BYTES(BN) + 2 * GG_C_BYTES + 1024)
+/* wgrad's output staging: per consumer warpgroup its whole 64 x BN block of 16-bit values, as
+ * BN / 64 boxes of 64 rows x 128 bytes in the copy engine's 128-byte swizzle, stored by TMA */
+#define GG_W_BYTES(BN) (64 * (BN) * 2)
+#define GG_SMEM_BYTES(BN, WG)                                                                  \
+    (GG_STAGES(BN, WG) * GG_STAGE_BYTES(BN) + 2 * ((WG) ? GG_W_BYTES(BN) : GG_C_BYTES) + 1024)
 
 /* Epilogue of the forward: the plain GEMM, or fc1 fused with glu_probs (h and a both written).
  * GG_FUSE_GLU: the B tile is [gate rows | linear rows] (see gg_sm90_kernel); GG_FUSE_ACT: no GLU,
@@ -343,6 +351,54 @@ __device__ __forceinline__ void gg_store_block_staged(OutT *base, int64_t ld, in
     }
 }
 
+/* wgrad, 16-bit dW: the block is written into shared memory whole, in the copy engine's 128-byte
+ * swizzle (16-byte chunk q of row r at chunk q ^ (r % 8): a warp's fragment writes, 8 rows x 4
+ * column pairs, hit 32 distinct banks), and one thread hands it to the copy engine as BN / 64 TMA
+ * stores of 64 x 64. The consumers go straight on to the next tile's k loop while the copy engine
+ * writes dW, so the tile's store overlaps the next tile's MMAs instead of following them (wgrad
+ * tiles have only rows_e / 64 k blocks: 4 at dsv3). The rows and columns past m_static and n_out
+ * are clipped by the copy engine (map_c is dW as [E, m_static, n_out]). Before the block is
+ * written, the previous tile's stores must have read it (bulk wait_group.read 0). cbuf: this
+ * warpgroup's GG_W_BYTES, 1024-aligned; bar: its named barrier; (col0, row0, e): the block's
+ * first dW column, its first row inside the expert, the expert. */
+template <int BN, typename OutT>
+__device__ __forceinline__ void gg_store_block_tma(const CUtensorMap *map_c, int col0, int row0,
+                                                   int e, const float (&d)[BN / 2],
+                                                   uint8_t *cbuf, int bar) {
+    const int tw = threadIdx.x & 127, w = tw / 32, l = tw & 31;
+    const int r0 = 16 * w + l / 4, c0 = 2 * (l & 3);
+    const uint32_t base = gg_smem_addr(cbuf);
+    if (tw == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        /* column 8j + c0: box j / 8, chunk j % 8, byte 2 * c0 inside the chunk */
+        const uint32_t box = base + (j / 8) * GG_BOX_BYTES + 2 * c0;
+        OutT lo2[2], hi2[2];
+        gg_store2(lo2, d[4 * j], d[4 * j + 1]);
+        gg_store2(hi2, d[4 * j + 2], d[4 * j + 3]);
+        const uint32_t lo_at = box + r0 * 128 + (((j % 8) ^ (r0 % 8)) << 4);
+        const uint32_t hi_at = box + (r0 + 8) * 128 + (((j % 8) ^ ((r0 + 8) % 8)) << 4);
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(lo_at), "r"(*(const uint32_t *)lo2)
+                     : "memory");
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(hi_at), "r"(*(const uint32_t *)hi2)
+                     : "memory");
+    }
+    /* the generic-proxy writes, visible to the copy engine's reads */
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
+    if (tw == 0) {
+#pragma unroll
+        for (int b = 0; b < BN / 64; ++b)
+            asm volatile(
+                "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
+                ::"l"((uint64_t)map_c), "r"(base + b * GG_BOX_BYTES), "r"(col0 + 64 * b),
+                "r"(row0), "r"(e)
+                : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+}
+
 /* The 16-bit element type of the F16 template flag (no STL in the kernels). */
 template <bool F16>
 struct gg_half {
@@ -440,10 +496,11 @@ __device__ __forceinline__ void gg_store_fused(const gg_args_t &args, int64_t ro
 template <int BN, bool F16, bool B_MN, bool WGRAD, int FUSE = GG_FUSE_NONE>
 __global__ void __launch_bounds__(GG_THREADS, 1)
     gg_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
-                   const __grid_constant__ CUtensorMap map_b, const gg_args_t args) {
+                   const __grid_constant__ CUtensorMap map_b,
+                   const __grid_constant__ CUtensorMap map_c, const gg_args_t args) {
     static_assert(FUSE == GG_FUSE_NONE || (!B_MN && !WGRAD), "fused epilogue: fwd, K-major B");
 #if GG_SM90A
-    constexpr int STAGES = GG_STAGES(BN);
+    constexpr int STAGES = GG_STAGES(BN, WGRAD);
     constexpr int A_BYTES = GG_BM * GG_BK * 2;
     constexpr int STAGE_BYTES = GG_STAGE_BYTES(BN);
     constexpr int TA = WGRAD ? 1 : 0, TB = B_MN ? 1 : 0;
@@ -549,7 +606,7 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
         int stage = 0, prev_stage = 0;
         uint32_t phase = 0;
         float acc[BN / 2];
-        uint8_t *cbuf = smem + STAGES * STAGE_BYTES + wg * GG_C_BYTES;
+        uint8_t *cbuf = smem + STAGES * STAGE_BYTES + wg * (WGRAD ? GG_W_BYTES(BN) : GG_C_BYTES);
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
             const gg_tile_t tl = gg_decode<WGRAD>(t, args, s_off, s_cum);
             const int m0 = tl.m_blk * GG_BM + wg * 64, n0 = tl.n_blk * BN;
@@ -621,7 +678,12 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                 continue;
             }
             /* epilogue: one rounding to out_dtype, masked stores */
-            if (args.out_dtype == MOE_DTYPE_BF16)
+            if (WGRAD && args.out_dtype != MOE_DTYPE_FP32) {
+                if (args.out_dtype == MOE_DTYPE_BF16)
+                    gg_store_block_tma<BN, __nv_bfloat16>(&map_c, n0, m0, tl.e, acc, cbuf, 2 + wg);
+                else
+                    gg_store_block_tma<BN, __half>(&map_c, n0, m0, tl.e, acc, cbuf, 2 + wg);
+            } else if (args.out_dtype == MOE_DTYPE_BF16)
                 gg_store_block_staged<BN>((__nv_bfloat16 *)args.out + off, ld, row_lim, col_lim,
                                           acc, cbuf, 2 + wg);
             else if (args.out_dtype == MOE_DTYPE_FP16)
@@ -630,6 +692,9 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
             else
                 gg_store_block<BN>((float *)args.out + off, ld, row_lim, col_lim, acc);
         }
+        /* the last TMA stores must be done before the CTA's shared memory goes away */
+        if (WGRAD && (threadIdx.x & 127) == 0)
+            asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     }
 #endif /* GG_SM90A */
 }
@@ -707,7 +772,7 @@ static int gg_make_map(CUtensorMap *map, const void *ptr, moe_dtype_t dt, int ra
            CUDA_SUCCESS;
 }
 
-typedef void (*gg_kernel_t)(CUtensorMap, CUtensorMap, gg_args_t);
+typedef void (*gg_kernel_t)(CUtensorMap, CUtensorMap, CUtensorMap, gg_args_t);
 
 /* 1 when `k` holds sm_90a code for the current device: the real kernel reports sm_90 binary
  * code and static shared memory (its barriers and schedule); the empty fallback has none. */
@@ -850,6 +915,12 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         const uint32_t box_b = b_mn ? 64 : (fuse_mode == GG_FUSE_GLU ? bn / 2 : bn);
         ok = ok && gg_make_map(&map_b, b_ptr, dt, 3, wc, wr, (uint64_t)E, box_b);
     }
+    /* wgrad with a 16-bit dW: the epilogue's TMA stores write through map_c, dW as [E, m_static,
+     * n_out] (the copy engine clips each box at the expert's m_static rows); otherwise map_c is
+     * not read */
+    CUtensorMap map_c = map_a;
+    if (ok && op == GG_WGRAD && odt != MOE_DTYPE_FP32)
+        ok = gg_make_map(&map_c, out, odt, 3, (uint64_t)n_out, (uint64_t)m_static, (uint64_t)E, 64);
     if (!ok) return MOE_ERR_UNSUPPORTED;
 
     gg_args_t args;
@@ -881,7 +952,8 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         k = f16 ? gg_pick<128, true>(b_mn, wgrad, fuse_mode)
                 : gg_pick<128, false>(b_mn, wgrad, fuse_mode);
     if (!gg_kernel_real((const void *)k)) return MOE_ERR_UNSUPPORTED;
-    const int smem = bn == 256 ? GG_SMEM_BYTES(256) : GG_SMEM_BYTES(128);
+    const int smem = bn == 256 ? (wgrad ? GG_SMEM_BYTES(256, 1) : GG_SMEM_BYTES(256, 0))
+                               : (wgrad ? GG_SMEM_BYTES(128, 1) : GG_SMEM_BYTES(128, 0));
     if (cudaFuncSetAttribute((const void *)k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -890,7 +962,7 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
     const int grid = (int)(tiles_bound < sms ? tiles_bound : sms);
     cudaStream_t s = (cudaStream_t)stream;
     if (grid > 0) {
-        k<<<grid, GG_THREADS, smem, s>>>(map_a, map_b, args);
+        k<<<grid, GG_THREADS, smem, s>>>(map_a, map_b, map_c, args);
         MOE_CHECK_LAUNCH("gg_sm90_kernel");
     }
     if (op != GG_WGRAD) {
