@@ -5,7 +5,8 @@ with rows = tokens * topk spread over the experts by a random top-k routing, in 
 Megatron weight layout ([E, N, K], trans_w=True): forward, dgrad and wgrad. The dense bf16 matmul
 ceiling (torch.mm, 8192^3) is measured in the same run.
 
-Method (METHOD.md): CUDA events around each call, warm-up first, median of REPS; random data,
+Method (METHOD.md): CUDA events around each call, warm-up first, median of REPS, the variants of
+a product timed in turns (one call of each per round: the clock drifts under load); random data,
 never zeros; every output checked against torch._grouped_mm (or the loop) by relative Frobenius
 error before it is timed. Printed per shape and product: ms, TFLOP/s, speed ratio vs grouped_mm
 and vs the loop (> 1: ours is faster), % of the dense ceiling; a short table last.
@@ -27,6 +28,7 @@ import statistics
 import torch
 
 import moe_core  # noqa: F401  (registers the ops)
+from gg_sm90_check import time_interleaved  # this folder: the variants timed in turns
 
 OPS = torch.ops.moe_core
 
@@ -129,15 +131,16 @@ def bench_problem(name, rows_per_expert, K, N, reps, ceiling, results):
     for prod, (ours, gmm, loop) in products.items():
         ref = loop()
         err = rel_err(ours(), ref)
+        fns = {"ours": ours, "gmm": gmm, "loop": loop}
         try:
             gerr = rel_err(gmm(), ref)
-            t_gmm = time_ms(gmm, 2, reps)
         except (RuntimeError, NotImplementedError) as exc:  # layout or arch it does not take
-            gerr, t_gmm = float("nan"), float("nan")
+            gerr = float("nan")
+            del fns["gmm"]
             print(f"  torch._grouped_mm {prod}: {str(exc).splitlines()[0][:100]}")
         del ref
-        t_ours = time_ms(ours, 2, reps)
-        t_loop = time_ms(loop, 1, max(3, reps // 3))
+        t = time_interleaved(fns, rounds=reps)
+        t_ours, t_loop, t_gmm = t["ours"], t["loop"], t.get("gmm", float("nan"))
         tf = flops / t_ours / 1e9
         row = dict(shape=name, prod=prod, ms=t_ours, tflops=tf, vs_gmm=t_gmm / t_ours,
                    vs_loop=t_loop / t_ours, pct=100 * tf / ceiling, gmm_ms=t_gmm, loop_ms=t_loop,
@@ -189,18 +192,23 @@ def bench_fused_fc1(name, rows_per_expert, H, ffn, reps, ceiling, results):
     h_u, a_u = unfused()
     assert torch.equal(a_f, a_u) and torch.equal(h_f, h_u), f"{name}: fused != unfused bits"
     del a_f, a_u, h_u
+
+    def fused_opted_in():
+        with glu_epilogue():
+            return fused()
+
+    fns = {"fused": fused_opted_in, "unfused": unfused, "torch": torch_path}
     try:
         h_t, _ = torch_path()
         terr = rel_err(h_f, h_t)
         del h_t
-        t_torch = time_ms(torch_path, 2, reps)
     except (RuntimeError, NotImplementedError) as exc:
-        terr, t_torch = float("nan"), float("nan")
+        terr = float("nan")
+        del fns["torch"]
         print(f"  torch._grouped_mm fc1+act: {str(exc).splitlines()[0][:100]}")
     del h_f
-    with glu_epilogue():
-        t_fused = time_ms(fused, 2, reps)
-    t_unfused = time_ms(unfused, 2, reps)
+    t = time_interleaved(fns, rounds=reps)
+    t_fused, t_unfused, t_torch = t["fused"], t["unfused"], t.get("torch", float("nan"))
     tf = flops / t_fused / 1e9
     row = dict(shape=name, ms=t_fused, tflops=tf, unfused_ms=t_unfused, torch_ms=t_torch,
                vs_unfused=t_unfused / t_fused, vs_torch=t_torch / t_fused,
