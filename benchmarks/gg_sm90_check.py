@@ -47,12 +47,17 @@ rows = tokens * topk, random top-k routing, seed 0). All three runs passed the c
       dsv3 fwd/dgrad lost 25-35% against v2 (wgrad, which never skips there, did not), so the
       skip was reverted: the committed kernel is v2's cooperative 128x256 path. Its round-robin
       numbers are still to be taken (run this script).
-Limits: the epilogue is not overlapped with the MMAs (both consumer warpgroups store at once:
-~3 k blocks per tile after v2, ~5% at K=4096); M tails (experts' rows are no multiple of 128:
-~20% of dsv3's MMA work is padding); dsv3 streams 7.5 GB of weights per product (1.75 ms at
-4.3 TB/s against ~2.5 ms of MMA), so weight-tile sharing through L2 between CTAs matters; wgrad
-on dsv3 has 4 k blocks per tile (256 rows), so per-tile fixed costs and the 7.5 GB dW write
-dominate.
+  v4  (2026-12-03) wgrad with a 16-bit dW stores through the copy engine (TMA stores from a
+      swizzled whole-block staging), overlapping the next tile's MMAs: round-robin against v2
+      in one run, wgrad mixtral +3.5-4.2%, qwen3 +8.7-9.2%, dsv3 +10.4-10.8%, same bits.
+      CTA pairs (clusters of two, one operand block multicast to both) measured 0.96-1.03x of
+      v2: L2 bandwidth is not the limit (branch wip/gg-cluster-pairs, benchmarks/RESULTS.md).
+Limits: fwd / dgrad store the tile while the tensor cores wait (both consumer warpgroups store at
+once: ~3 k blocks per tile, ~5% at K=4096; their rows can end inside a box, so the copy engine's
+stores, which wgrad uses, would write the next expert's rows); M tails (experts' rows are no
+multiple of 128: ~20% of dsv3's MMA work is padding); dsv3 streams 7.5 GB of weights per product
+(1.75 ms at 4.3 TB/s against ~2.5 ms of MMA), so weight-tile sharing through L2 between CTAs
+matters; wgrad on dsv3 has 4 k blocks per tile (256 rows), so per-tile fixed costs dominate.
 """
 from __future__ import annotations
 
