@@ -61,8 +61,8 @@
 #define GG_GROUP_M 16   /* M tiles per raster group inside an expert */
 #define GG_BOX_BYTES (64 * 128) /* one 64-row x 128-byte TMA box */
 
-/* Stages of the smem ring: 192 KB of operands for either tile width; wgrad gives a stage or
- * one and a half up to its output staging (GG_W_BYTES). */
+/* Stages of the smem ring: 192 KB of operands for either tile width; wgrad has one stage less
+ * (144 / 160 KB), the room its output staging takes (GG_W_BYTES). */
 #define GG_STAGES(BN, WG) ((WG) ? ((BN) == 256 ? 3 : 5) : ((BN) == 256 ? 4 : 6))
 #define GG_STAGE_BYTES(BN) (GG_BM * GG_BK * 2 + (BN) * GG_BK * 2)
 /* epilogue staging: per consumer warpgroup 64 rows x 64 16-bit columns, rows padded to 144 B so
