@@ -1026,7 +1026,8 @@ moe_status_t moe_cuda_topk_to_dense_bwd(void *grad_topk_probs, const void *grad_
  *   of ascending h: deterministic run to run, not bitwise the CPU's.
  * - The workspaces differ from the CPU's: use the moe_cuda_*_workspace_size functions below. */
 
-/** Workspace bytes of moe_cuda_permute_fwd: per-(chunk, expert) counts and ballots, O(T·E / 32). */
+/** Workspace bytes of moe_cuda_permute_fwd: per-(chunk, expert) counts and ballots,
+ *  O(T·E / 32). */
 size_t moe_cuda_permute_workspace_size(int64_t num_tokens, int64_t num_experts,
                                        const moe_permute_params_t *params);
 moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permuted_probs,

@@ -952,8 +952,7 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         k = f16 ? gg_pick<128, true>(b_mn, wgrad, fuse_mode)
                 : gg_pick<128, false>(b_mn, wgrad, fuse_mode);
     if (!gg_kernel_real((const void *)k)) return MOE_ERR_UNSUPPORTED;
-    const int smem = bn == 256 ? (wgrad ? GG_SMEM_BYTES(256, 1) : GG_SMEM_BYTES(256, 0))
-                               : (wgrad ? GG_SMEM_BYTES(128, 1) : GG_SMEM_BYTES(128, 0));
+    const int smem = GG_SMEM_BYTES(bn, wgrad);
     if (cudaFuncSetAttribute((const void *)k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem) != cudaSuccess) {
         (void)cudaGetLastError();

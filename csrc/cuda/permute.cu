@@ -206,8 +206,8 @@ moe_permute_chunk_scan_kernel(int32_t *chunk_rank, int64_t *count, unsigned *don
     plan_block(expert_offsets, tokens_per_expert, npad, count, T, E, R, dap, capacity, align);
 }
 
-/* The rank and data pass. Arguments in one struct: the kernel has four width instantiations and
- * a long list would be spelled five times. */
+/* The rank and data pass. Arguments in one struct: the kernel has five width instantiations, and
+ * a long argument list would be spelled out at each of them and at the launch. */
 typedef struct {
     void *permuted_tokens;             /* [R, hidden] */
     void *permuted_probs;              /* [R], probs_dtype, or NULL */

@@ -898,13 +898,16 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
         float sel[VPL];
 #pragma unroll
         for (int i = 0; i < VPL; ++i) sel[i] = src[i];
-        if (!softmax && expert_bias && e0 < E) { /* re-read per token (an L1 hit): fewer registers */
+        /* the bias is re-read per token (an L1 hit): fewer registers */
+        if (!softmax && expert_bias && e0 < E) {
             if (vec & MOE_LANES_VEC_BIAS) {
 #pragma unroll
                 for (int i = 0; i < VPL; i += 4) {
                     const float4 b = __ldg((const float4 *)(expert_bias + e0 + i));
-                    sel[i] = __fadd_rn(src[i], b.x), sel[i + 1] = __fadd_rn(src[i + 1], b.y);
-                    sel[i + 2] = __fadd_rn(src[i + 2], b.z), sel[i + 3] = __fadd_rn(src[i + 3], b.w);
+                    sel[i] = __fadd_rn(src[i], b.x);
+                    sel[i + 1] = __fadd_rn(src[i + 1], b.y);
+                    sel[i + 2] = __fadd_rn(src[i + 2], b.z);
+                    sel[i + 3] = __fadd_rn(src[i + 3], b.w);
                 }
             } else {
 #pragma unroll
@@ -1268,7 +1271,8 @@ static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *prob
             MOE_TRY(warp_smem((const void *)lanes, lsmem));
             lanes<<<warp32_blocks(num_tokens), 32 * MOE_ROUTER32_WARPS, lsmem, (cudaStream_t)stream>>>(
                 topk_probs, topk_indices, probs, routing_map, ex, logits, expert_bias, num_tokens,
-                ctx, seg, lanes_vec(num_experts, vpl, dt, logits, expert_bias, probs, routing_map, &ex));
+                ctx, seg,
+                lanes_vec(num_experts, vpl, dt, logits, expert_bias, probs, routing_map, &ex));
             MOE_CHECK_LAUNCH("moe_router_topk_fwd_lanes_kernel");
             return MOE_OK;
         }
