@@ -17,12 +17,14 @@
  * Layout of a CTA: warpgroup 0 is the producer (one thread issues TMA loads into a ring of
  * STAGES shared-memory stages, 128-byte swizzled, guarded by full/empty mbarriers); warpgroups 1
  * and 2 are consumers, each computing 64 rows x BN columns of the 128 x BN tile with
- * m64nBNk16 wgmma (fp32 accumulators in registers, one wgmma group kept in flight), then
- * storing with row/column masks (16-bit outputs staged through shared memory for 16-byte
- * coalesced stores; rows past offsets[E] are zeroed by a small second kernel). A 16-bit wgrad
- * block is instead handed to the copy engine (TMA stores, gg_store_block_tma) so that dW's
- * writes overlap the next tile's MMAs: wgrad tiles are short (rows_e / 64 k blocks) and their
- * output is large (dsv3's dW: 15 GB), so a store the consumers wait for cost 4-11% there.
+ * m64nBNk16 wgmma (fp32 accumulators in registers, one wgmma group kept in flight). A 16-bit
+ * output block is handed to the copy engine (gg_store_block_tma: TMA stores from a swizzled
+ * staging buffer) so that its writes to global memory overlap the next tile's MMAs: the two
+ * consumer warpgroups share one tile, so a store they wait for leaves the tensor cores idle
+ * (4-11% of wgrad, whose tiles are short; 0.5-7% of fwd/dgrad). fwd/dgrad blocks cut by the
+ * expert's end (the copy engine would write the next expert's rows) and fp32 outputs are stored
+ * by the threads with row/column masks (16-bit ones staged through shared memory for 16-byte
+ * coalesced stores); rows past offsets[E] are zeroed by a small second kernel.
  * Work order: tiles numbered expert by expert; inside an expert, groups of 16 M tiles with M
  * fastest, so the ~132 concurrent tiles share a few weight column blocks and a few row blocks
  * (both stay in L2). Static round-robin over CTAs; every output element has one writer and a
@@ -61,16 +63,17 @@
 #define GG_GROUP_M 16   /* M tiles per raster group inside an expert */
 #define GG_BOX_BYTES (64 * 128) /* one 64-row x 128-byte TMA box */
 
-/* Stages of the smem ring: 192 KB of operands for either tile width; wgrad has one stage less
- * (144 / 160 KB), the room its output staging takes (GG_W_BYTES). */
+/* Stages of the smem ring: 192 KB of operands for either tile width; the plain products (TMA
+ * epilogue, WG = 1) have one stage less (144 / 160 KB), the room their output staging takes
+ * (GG_W_BYTES); the fused fc1 keeps four / six beside its small staging (GG_C_BYTES). */
 #define GG_STAGES(BN, WG) ((WG) ? ((BN) == 256 ? 3 : 5) : ((BN) == 256 ? 4 : 6))
 #define GG_STAGE_BYTES(BN) (GG_BM * GG_BK * 2 + (BN) * GG_BK * 2)
 /* epilogue staging: per consumer warpgroup 64 rows x 64 16-bit columns, rows padded to 144 B so
  * the fragment writes (8 rows x 4 column pairs per warp) hit 32 distinct banks */
 #define GG_C_PITCH 144
 #define GG_C_BYTES (64 * GG_C_PITCH)
-/* wgrad's output staging: per consumer warpgroup its whole 64 x BN block of 16-bit values, as
- * BN / 64 boxes of 64 rows x 128 bytes in the copy engine's 128-byte swizzle, stored by TMA */
+/* the TMA epilogue's staging: per consumer warpgroup its whole 64 x BN block of 16-bit values,
+ * as BN / 64 boxes of 64 rows x 128 bytes in the copy engine's 128-byte swizzle */
 #define GG_W_BYTES(BN) (64 * (BN) * 2)
 #define GG_SMEM_BYTES(BN, WG)                                                                  \
     (GG_STAGES(BN, WG) * GG_STAGE_BYTES(BN) + 2 * ((WG) ? GG_W_BYTES(BN) : GG_C_BYTES) + 1024)
@@ -351,16 +354,17 @@ __device__ __forceinline__ void gg_store_block_staged(OutT *base, int64_t ld, in
     }
 }
 
-/* wgrad, 16-bit dW: the block is written into shared memory whole, in the copy engine's 128-byte
- * swizzle (16-byte chunk q of row r at chunk q ^ (r % 8): a warp's fragment writes, 8 rows x 4
- * column pairs, hit 32 distinct banks), and one thread hands it to the copy engine as BN / 64 TMA
- * stores of 64 x 64. The consumers go straight on to the next tile's k loop while the copy engine
- * writes dW, so the tile's store overlaps the next tile's MMAs instead of following them (wgrad
- * tiles have only rows_e / 64 k blocks: 4 at dsv3). The rows and columns past m_static and n_out
- * are clipped by the copy engine (map_c is dW as [E, m_static, n_out]). Before the block is
- * written, the previous tile's stores must have read it (bulk wait_group.read 0). cbuf: this
- * warpgroup's GG_W_BYTES, 1024-aligned; bar: its named barrier; (col0, row0, e): the block's
- * first dW column, its first row inside the expert, the expert. */
+/* 16-bit output, the TMA epilogue: the block is written into shared memory whole, in the copy
+ * engine's 128-byte swizzle (16-byte chunk q of row r at chunk q ^ (r % 8): a warp's fragment
+ * writes, 8 rows x 4 column pairs, hit 32 distinct banks), and one thread hands it to the copy
+ * engine as BN / 64 TMA stores of 64 x 64. The consumers go straight on to the next tile's k loop
+ * while the copy engine writes, so the tile's store overlaps the next tile's MMAs instead of
+ * following them. Rows and columns past the map's bounds are clipped by the copy engine: map_c
+ * is dW as [E, m_static, n_out] in wgrad, the output as [1, num_rows, n_out] in fwd/dgrad (whose
+ * blocks cut by the expert's end never come here). Before the block is written, the previous
+ * tile's stores must have read it (bulk wait_group.read 0). cbuf: this warpgroup's GG_W_BYTES,
+ * 1024-aligned; bar: its named barrier; (col0, row0, e): the block's first column, its first row
+ * (inside the expert in wgrad, of the whole output in fwd/dgrad), the expert (wgrad) or 0. */
 template <int BN, typename OutT>
 __device__ __forceinline__ void gg_store_block_tma(const CUtensorMap *map_c, int col0, int row0,
                                                    int e, const float (&d)[BN / 2],
@@ -500,7 +504,9 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                    const __grid_constant__ CUtensorMap map_c, const gg_args_t args) {
     static_assert(FUSE == GG_FUSE_NONE || (!B_MN && !WGRAD), "fused epilogue: fwd, K-major B");
 #if GG_SM90A
-    constexpr int STAGES = GG_STAGES(BN, WGRAD);
+    /* every plain product stores its 16-bit blocks through the copy engine (gg_store_block_tma) */
+    constexpr bool TMA_EPI = FUSE == GG_FUSE_NONE;
+    constexpr int STAGES = GG_STAGES(BN, TMA_EPI);
     constexpr int A_BYTES = GG_BM * GG_BK * 2;
     constexpr int STAGE_BYTES = GG_STAGE_BYTES(BN);
     constexpr int TA = WGRAD ? 1 : 0, TB = B_MN ? 1 : 0;
@@ -606,7 +612,7 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
         int stage = 0, prev_stage = 0;
         uint32_t phase = 0;
         float acc[BN / 2];
-        uint8_t *cbuf = smem + STAGES * STAGE_BYTES + wg * (WGRAD ? GG_W_BYTES(BN) : GG_C_BYTES);
+        uint8_t *cbuf = smem + STAGES * STAGE_BYTES + wg * (TMA_EPI ? GG_W_BYTES(BN) : GG_C_BYTES);
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
             const gg_tile_t tl = gg_decode<WGRAD>(t, args, s_off, s_cum);
             const int m0 = tl.m_blk * GG_BM + wg * 64, n0 = tl.n_blk * BN;
@@ -678,12 +684,23 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                 continue;
             }
             /* epilogue: one rounding to out_dtype, masked stores */
-            if (WGRAD && args.out_dtype != MOE_DTYPE_FP32) {
+            if (TMA_EPI && args.out_dtype != MOE_DTYPE_FP32 && (WGRAD || row_lim == 64)) {
+                /* wgrad: dW as [E, m_static, n_out]; fwd / dgrad: the output as [1, rows, n_out] */
+                const int crow = WGRAD ? m0 : (int)(tl.row0 + m0), ce = WGRAD ? tl.e : 0;
                 if (args.out_dtype == MOE_DTYPE_BF16)
-                    gg_store_block_tma<BN, __nv_bfloat16>(&map_c, n0, m0, tl.e, acc, cbuf, 2 + wg);
+                    gg_store_block_tma<BN, __nv_bfloat16>(&map_c, n0, crow, ce, acc, cbuf, 2 + wg);
                 else
-                    gg_store_block_tma<BN, __half>(&map_c, n0, m0, tl.e, acc, cbuf, 2 + wg);
-            } else if (args.out_dtype == MOE_DTYPE_BF16)
+                    gg_store_block_tma<BN, __half>(&map_c, n0, crow, ce, acc, cbuf, 2 + wg);
+                continue;
+            }
+            if (TMA_EPI && args.out_dtype != MOE_DTYPE_FP32) {
+                /* a block cut by the expert's end: the staged stores, once the copy engine has
+                 * read the previous block out of the buffer they reuse */
+                if ((threadIdx.x & 127) == 0)
+                    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+                asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");
+            }
+            if (args.out_dtype == MOE_DTYPE_BF16)
                 gg_store_block_staged<BN>((__nv_bfloat16 *)args.out + off, ld, row_lim, col_lim,
                                           acc, cbuf, 2 + wg);
             else if (args.out_dtype == MOE_DTYPE_FP16)
@@ -693,7 +710,7 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                 gg_store_block<BN>((float *)args.out + off, ld, row_lim, col_lim, acc);
         }
         /* the last TMA stores must be done before the CTA's shared memory goes away */
-        if (WGRAD && (threadIdx.x & 127) == 0)
+        if (TMA_EPI && (threadIdx.x & 127) == 0)
             asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     }
 #endif /* GG_SM90A */
@@ -921,6 +938,8 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
     CUtensorMap map_c = map_a;
     if (ok && op == GG_WGRAD && odt != MOE_DTYPE_FP32)
         ok = gg_make_map(&map_c, out, odt, 3, (uint64_t)n_out, (uint64_t)m_static, (uint64_t)E, 64);
+    else if (ok && !fuse && odt != MOE_DTYPE_FP32)
+        ok = gg_make_map(&map_c, out, odt, 3, (uint64_t)n_out, (uint64_t)rows, 1, 64);
     if (!ok) return MOE_ERR_UNSUPPORTED;
 
     gg_args_t args;
@@ -952,7 +971,7 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         k = f16 ? gg_pick<128, true>(b_mn, wgrad, fuse_mode)
                 : gg_pick<128, false>(b_mn, wgrad, fuse_mode);
     if (!gg_kernel_real((const void *)k)) return MOE_ERR_UNSUPPORTED;
-    const int smem = GG_SMEM_BYTES(bn, wgrad);
+    const int smem = GG_SMEM_BYTES(bn, !fuse);
     if (cudaFuncSetAttribute((const void *)k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem) != cudaSuccess) {
         (void)cudaGetLastError();
