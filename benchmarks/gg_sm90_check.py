@@ -52,12 +52,18 @@ rows = tokens * topk, random top-k routing, seed 0). All three runs passed the c
       in one run, wgrad mixtral +3.5-4.2%, qwen3 +8.7-9.2%, dsv3 +10.4-10.8%, same bits.
       CTA pairs (clusters of two, one operand block multicast to both) measured 0.96-1.03x of
       v2: L2 bandwidth is not the limit (branch wip/gg-cluster-pairs, benchmarks/RESULTS.md).
-Limits: fwd / dgrad store the tile while the tensor cores wait (both consumer warpgroups store at
-once: ~3 k blocks per tile, ~5% at K=4096; their rows can end inside a box, so the copy engine's
-stores, which wgrad uses, would write the next expert's rows); M tails (experts' rows are no
-multiple of 128: ~20% of dsv3's MMA work is padding); dsv3 streams 7.5 GB of weights per product
-(1.75 ms at 4.3 TB/s against ~2.5 ms of MMA), so weight-tile sharing through L2 between CTAs
-matters; wgrad on dsv3 has 4 k blocks per tile (256 rows), so per-tile fixed costs dominate.
+  v5  (2026-12-03) fwd / dgrad store 16-bit blocks through the copy engine too, when the
+      warpgroup's 64 rows lie inside the expert (blocks cut by the expert's end: staged stores);
+      3 stages at BN 256 for every plain product. A/B against v4: fwd/dgrad +0.5-6.8%, same
+      bits; mixtral fwd/dgrad 1.01-1.05 of the better baseline in two runs.
+Limits: the epilogue, even handed to the copy engine, still stops both consumer warpgroups (they
+share the tile): replacing wgrad's store by a dependent sum of the accumulators ran mixtral +5-7%,
+qwen3 +9%, dsv3 +20-23%, while a 4th stage added nothing; writing the packed block to shared memory
+under the next tile's first wgmma group instead was slower (0.87-1.00: register spills, and the
+writes hold back the next issue). M tails (experts' rows are no multiple of 128: ~20% of dsv3's MMA
+work is padding); dsv3 streams 7.5 GB of weights per product (1.75 ms at 4.3 TB/s against ~2.5 ms
+of MMA), so weight-tile sharing through L2 between CTAs matters; wgrad on dsv3 has 4 k blocks per
+tile (256 rows), so per-tile fixed costs dominate.
 """
 from __future__ import annotations
 
