@@ -932,8 +932,9 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         const uint32_t box_b = b_mn ? 64 : (fuse_mode == GG_FUSE_GLU ? bn / 2 : bn);
         ok = ok && gg_make_map(&map_b, b_ptr, dt, 3, wc, wr, (uint64_t)E, box_b);
     }
-    /* wgrad with a 16-bit dW: the epilogue's TMA stores write through map_c, dW as [E, m_static,
-     * n_out] (the copy engine clips each box at the expert's m_static rows); otherwise map_c is
+    /* A 16-bit output of a plain product: the epilogue's TMA stores write through map_c, dW as
+     * [E, m_static, n_out] in wgrad (the copy engine clips each box at the expert's m_static
+     * rows), y / dx as [1, rows, n_out] in fwd/dgrad; for fp32 outputs and the fused fc1 map_c is
      * not read */
     CUtensorMap map_c = map_a;
     if (ok && op == GG_WGRAD && odt != MOE_DTYPE_FP32)
