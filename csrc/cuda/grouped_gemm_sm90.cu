@@ -937,10 +937,11 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
      * rows), y / dx as [1, rows, n_out] in fwd/dgrad; for fp32 outputs and the fused fc1 map_c is
      * not read */
     CUtensorMap map_c = map_a;
-    if (ok && op == GG_WGRAD && odt != MOE_DTYPE_FP32)
-        ok = gg_make_map(&map_c, out, odt, 3, (uint64_t)n_out, (uint64_t)m_static, (uint64_t)E, 64);
-    else if (ok && !fuse && odt != MOE_DTYPE_FP32)
-        ok = gg_make_map(&map_c, out, odt, 3, (uint64_t)n_out, (uint64_t)rows, 1, 64);
+    if (ok && !fuse && odt != MOE_DTYPE_FP32) {
+        const int wg = op == GG_WGRAD;
+        ok = gg_make_map(&map_c, out, odt, 3, (uint64_t)n_out, (uint64_t)(wg ? m_static : rows),
+                         (uint64_t)(wg ? E : 1), 64);
+    }
     if (!ok) return MOE_ERR_UNSUPPORTED;
 
     gg_args_t args;
