@@ -217,6 +217,33 @@ def test_many_experts():
         assert_error_at_most(ours, s, t)
 
 
+@pytest.mark.parametrize("tile", ["128", "256"])
+@pytest.mark.parametrize("trans_w", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_wgrad_both_stage_depths(monkeypatch, dtype, trans_w, tile):
+    """Hopper's wgrad loads the reduction (the expert's rows) in stages of 32 rows when experts
+    average <= 256 rows, else 64 (MOE_GG_SM90_WGRAD_BK forces either). Counts with tails of
+    every kind against both depths: within the fp64 rule, and the same values from both (the same
+    k16 steps in the same order; the extra steps of zeroed tail rows add nothing)."""
+    monkeypatch.setenv("MOE_GG_SM90_TILE", tile)
+    counts = [0, 1, 31, 33, 64, 95, 600, 257, 0, 129]
+    x, w, dy, off = make_inputs(counts, 136, 264, trans_w, dtype)
+    dws = {}
+    for bk in ("32", "64"):
+        monkeypatch.setenv("MOE_GG_SM90_WGRAD_BK", bk)
+        with poisoned():
+            dws[bk] = ops.grouped_gemm_wgrad(x, dy, off, trans_w)
+        assert not dws[bk].isnan().any(), f"bk={bk}: unwritten (NaN-poisoned) elements"
+        for e, c in enumerate(counts):
+            if c == 0:
+                assert torch.equal(dws[bk][e], torch.zeros_like(dws[bk][e])), f"bk={bk} e={e}"
+    truth = reference(x.cpu(), w.cpu(), dy.cpu(), off.cpu(), trans_w, torch.float64)[2]
+    same = reference(x, w, dy, off, trans_w, dtype)[2]
+    for bk, dw in dws.items():
+        assert_error_at_most(dw, same, truth, factor=2.0, msg=f"wgrad bk={bk} {dtype} {tile}")
+    assert torch.equal(dws["32"], dws["64"])
+
+
 @pytest.mark.parametrize("trans_w", [False, True])
 def test_zero_sizes(trans_w):
     off = offsets_of([0, 0, 0], "cuda")

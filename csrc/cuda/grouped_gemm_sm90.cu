@@ -58,6 +58,15 @@
 
 #define GG_BM 128       /* rows of a CTA tile: two consumer warpgroups of 64 */
 #define GG_BK 64        /* reduction per stage: 64 16-bit elements = one 128-byte swizzle row */
+/* wgrad of short experts: stages of 32 expert rows, twice as many in the same ring bytes. A
+ * stage stays held until the wgmma group after the one reading it is issued, so about two stages
+ * are never being loaded: halving them doubles the bytes the copy engine has in flight, which
+ * pays where each tile's reduction is short (the ring refills at every tile) and costs where it is
+ * long (twice the barrier and wgmma-group overhead per flop). H200, round-robin against 64-row
+ * stages, bf16: +2 to +5% at 128 and 256 rows per expert (dsv3-, qwen3- and mixtral-like layers),
+ * -4 to -10% at 512 and more, so the cut is at 256 (gg_wgrad_bk). */
+#define GG_BK_SHORT 32
+#define GG_SHORT_ROWS 256
 #define GG_THREADS 384  /* producer warpgroup + 2 consumer warpgroups */
 #define GG_MAX_E 1024   /* experts whose offsets fit the shared-memory schedule */
 #define GG_GROUP_M 16   /* M tiles per raster group inside an expert */
@@ -67,7 +76,10 @@
  * epilogue, WG = 1) have one stage less (144 / 160 KB), the room their output staging takes
  * (GG_W_BYTES); the fused fc1 keeps four / six beside its small staging (GG_C_BYTES). */
 #define GG_STAGES(BN, WG) ((WG) ? ((BN) == 256 ? 3 : 5) : ((BN) == 256 ? 4 : 6))
-#define GG_STAGE_BYTES(BN) (GG_BM * GG_BK * 2 + (BN) * GG_BK * 2)
+/* stages of BK reduction elements fill the same ring (GG_BK / BK times as many) */
+#define GG_STAGES_BK(BN, WG, BK) (GG_STAGES(BN, WG) * (GG_BK / (BK)))
+#define GG_STAGE_BYTES_BK(BN, BK) ((GG_BM + (BN)) * (BK) * 2)
+#define GG_STAGE_BYTES(BN) GG_STAGE_BYTES_BK(BN, GG_BK)
 /* epilogue staging: per consumer warpgroup 64 rows x 64 16-bit columns, rows padded to 144 B so
  * the fragment writes (8 rows x 4 column pairs per warp) hit 32 distinct banks */
 #define GG_C_PITCH 144
@@ -255,7 +267,7 @@ __device__ __forceinline__ void gg_tile_mn(int local, int num_m, int num_n, int 
     }
 }
 
-template <bool WGRAD>
+template <bool WGRAD, int BK>
 __device__ __forceinline__ gg_tile_t gg_decode(int t, const gg_args_t &a, const int64_t *s_off,
                                                const int *s_cum) {
     gg_tile_t tl;
@@ -281,7 +293,7 @@ __device__ __forceinline__ gg_tile_t gg_decode(int t, const gg_args_t &a, const 
     tl.row_end = s_off[tl.e + 1];
     if (tl.row_end < tl.row0) tl.row_end = tl.row0; /* a decreasing offset: caller's bug, no hang */
     if constexpr (WGRAD)
-        tl.iters = (int)((tl.row_end - tl.row0 + GG_BK - 1) / GG_BK);
+        tl.iters = (int)((tl.row_end - tl.row0 + BK - 1) / BK);
     else
         tl.iters = a.red_iters;
     return tl;
@@ -497,18 +509,21 @@ __device__ __forceinline__ void gg_store_fused(const gg_args_t &args, int64_t ro
  *              in-block columns). Weight rows past F in the gate box are loaded and never stored;
  *              rows past 2F are zero-filled by the copy engine.
  */
-template <int BN, bool F16, bool B_MN, bool WGRAD, int FUSE = GG_FUSE_NONE>
+template <int BN, bool F16, bool B_MN, bool WGRAD, int FUSE = GG_FUSE_NONE, int BK = GG_BK>
 __global__ void __launch_bounds__(GG_THREADS, 1)
     gg_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                    const __grid_constant__ CUtensorMap map_b,
                    const __grid_constant__ CUtensorMap map_c, const gg_args_t args) {
     static_assert(FUSE == GG_FUSE_NONE || (!B_MN && !WGRAD), "fused epilogue: fwd, K-major B");
+    static_assert(BK == GG_BK || (WGRAD && BK == GG_BK_SHORT), "short stages: wgrad only");
 #if GG_SM90A
     /* every plain product stores its 16-bit blocks through the copy engine (gg_store_block_tma) */
     constexpr bool TMA_EPI = FUSE == GG_FUSE_NONE;
-    constexpr int STAGES = GG_STAGES(BN, TMA_EPI);
-    constexpr int A_BYTES = GG_BM * GG_BK * 2;
-    constexpr int STAGE_BYTES = GG_STAGE_BYTES(BN);
+    constexpr int STAGES = GG_STAGES_BK(BN, TMA_EPI, BK);
+    constexpr int A_BYTES = GG_BM * BK * 2;
+    constexpr int STAGE_BYTES = GG_STAGE_BYTES_BK(BN, BK);
+    /* one MN-major box: BK reduction rows x 128 bytes (64 columns) */
+    constexpr int MN_BOX = BK * 128;
     constexpr int TA = WGRAD ? 1 : 0, TB = B_MN ? 1 : 0;
     __shared__ __align__(8) uint64_t full_bar[STAGES], empty_bar[STAGES];
     __shared__ int64_t s_off[GG_MAX_E + 1];
@@ -571,7 +586,7 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
             int stage = 0;
             uint32_t phase = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
-                const gg_tile_t tl = gg_decode<WGRAD>(t, args, s_off, s_cum);
+                const gg_tile_t tl = gg_decode<WGRAD, BK>(t, args, s_off, s_cum);
                 const int m0 = tl.m_blk * GG_BM, n0 = tl.n_blk * BN;
                 for (int kb = 0; kb < tl.iters; ++kb) {
                     gg_mbar_wait(&empty_bar[stage], phase ^ 1);
@@ -579,12 +594,12 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                     uint64_t *fb = &full_bar[stage];
                     gg_mbar_expect_tx(fb, STAGE_BYTES);
                     if constexpr (WGRAD) {
-                        const int r = (int)(tl.row0 + (int64_t)kb * GG_BK);
+                        const int r = (int)(tl.row0 + (int64_t)kb * BK);
                         gg_tma_2d(sa, &map_a, fb, m0, r);
-                        gg_tma_2d(sa + GG_BOX_BYTES, &map_a, fb, m0 + 64, r);
+                        gg_tma_2d(sa + MN_BOX, &map_a, fb, m0 + 64, r);
 #pragma unroll
                         for (int i = 0; i < BN / 64; ++i)
-                            gg_tma_3d(sb + i * GG_BOX_BYTES, &map_b, fb, n0 + 64 * i, r, 0);
+                            gg_tma_3d(sb + i * MN_BOX, &map_b, fb, n0 + 64 * i, r, 0);
                     } else {
                         gg_tma_2d(sa, &map_a, fb, kb * GG_BK, (int)(tl.row0 + m0));
                         if constexpr (B_MN) {
@@ -614,7 +629,7 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
         float acc[BN / 2];
         uint8_t *cbuf = smem + STAGES * STAGE_BYTES + wg * (TMA_EPI ? GG_W_BYTES(BN) : GG_C_BYTES);
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
-            const gg_tile_t tl = gg_decode<WGRAD>(t, args, s_off, s_cum);
+            const gg_tile_t tl = gg_decode<WGRAD, BK>(t, args, s_off, s_cum);
             const int m0 = tl.m_blk * GG_BM + wg * 64, n0 = tl.n_blk * BN;
             const int col_lim = args.n_out - n0;
             int64_t ld, off;
@@ -640,13 +655,13 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                 uint8_t *sa = smem + stage * STAGE_BYTES, *sb = sa + A_BYTES;
                 if constexpr (WGRAD) {
                     /* reduction tail: rows past the expert's end must not contribute */
-                    const int64_t valid64 = tl.row_end - tl.row0 - (int64_t)kb * GG_BK;
-                    if (valid64 < GG_BK) {
-                        const int valid = (int)valid64, per_box = (GG_BK - valid) * 8;
+                    const int64_t valid64 = tl.row_end - tl.row0 - (int64_t)kb * BK;
+                    if (valid64 < BK) {
+                        const int valid = (int)valid64, per_box = (BK - valid) * 8;
                         const int n_chunks = (2 + BN / 64) * per_box;
                         for (int i = threadIdx.x - 128; i < n_chunks; i += 256) {
                             const int box = i / per_box, rem = i - box * per_box;
-                            *(uint4 *)(sa + box * GG_BOX_BYTES + valid * 128 + rem * 16) =
+                            *(uint4 *)(sa + box * MN_BOX + valid * 128 + rem * 16) =
                                 make_uint4(0, 0, 0, 0);
                         }
                         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -655,14 +670,15 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                 }
                 gg_fence_acc(acc);
                 asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-                const uint32_t a_base = gg_smem_addr(sa) + wg * GG_BOX_BYTES;
+                /* this warpgroup's A rows: MN-major (wgrad) its box, K-major its 64 x 128 B */
+                const uint32_t a_base = gg_smem_addr(sa) + wg * (WGRAD ? MN_BOX : GG_BOX_BYTES);
                 const uint32_t b_base = gg_smem_addr(sb);
 #pragma unroll
-                for (int s = 0; s < GG_BK / 16; ++s) {
+                for (int s = 0; s < BK / 16; ++s) {
                     /* K-major: +32 bytes per k16 inside the swizzled row; MN-major: +16 rows */
-                    const uint64_t da = WGRAD ? gg_desc(a_base + s * 2048, GG_BOX_BYTES, 1024)
+                    const uint64_t da = WGRAD ? gg_desc(a_base + s * 2048, MN_BOX, 1024)
                                               : gg_desc(a_base + s * 32, 16, 1024);
-                    const uint64_t db = B_MN ? gg_desc(b_base + s * 2048, GG_BOX_BYTES, 1024)
+                    const uint64_t db = B_MN ? gg_desc(b_base + s * 2048, MN_BOX, 1024)
                                              : gg_desc(b_base + s * 32, 16, 1024);
                     gg_wgmma<BN, F16, TA, TB>(acc, da, db);
                 }
@@ -814,10 +830,12 @@ extern "C" size_t moe_cuda_gg_sm90_workspace_size(const moe_grouped_gemm_params_
 typedef enum { GG_FWD = 0, GG_DGRAD = 1, GG_WGRAD = 2 } gg_op_t;
 
 template <int BN, bool F16>
-static gg_kernel_t gg_pick(int b_mn, int wgrad, int fuse) {
+static gg_kernel_t gg_pick(int b_mn, int wgrad, int fuse, int bk) {
     if (fuse == GG_FUSE_GLU) return gg_sm90_kernel<BN, F16, false, false, GG_FUSE_GLU>;
     if (fuse == GG_FUSE_ACT) return gg_sm90_kernel<BN, F16, false, false, GG_FUSE_ACT>;
-    if (wgrad) return gg_sm90_kernel<BN, F16, true, true>;
+    if (wgrad)
+        return bk == GG_BK_SHORT ? gg_sm90_kernel<BN, F16, true, true, GG_FUSE_NONE, GG_BK_SHORT>
+                                 : gg_sm90_kernel<BN, F16, true, true>;
     return b_mn ? gg_sm90_kernel<BN, F16, true, false> : gg_sm90_kernel<BN, F16, false, false>;
 }
 
@@ -838,6 +856,15 @@ static int gg_choose_bn(int64_t n_out, int64_t tiles_256, int sms) {
     if (n_out <= 128) return 128;
     if (tiles_256 < sms) return 128;
     return 256;
+}
+
+/* wgrad's reduction per stage: 32 rows when the experts average at most GG_SHORT_ROWS rows (the
+ * mean, num_rows / E, is known on the host; the offsets are not read), else 64.
+ * MOE_GG_SM90_WGRAD_BK=32|64 forces one (tests, benchmarks). */
+static int gg_wgrad_bk(int64_t rows, int64_t E) {
+    const char *env = getenv("MOE_GG_SM90_WGRAD_BK");
+    if (env && (atoi(env) == GG_BK_SHORT || atoi(env) == GG_BK)) return atoi(env);
+    return rows <= GG_SHORT_ROWS * E ? GG_BK_SHORT : GG_BK;
 }
 
 static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const void *other,
@@ -920,11 +947,13 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         op == GG_WGRAD ? E * m_tiles_static * n_tiles : (rows / GG_BM + E) * n_tiles;
     if (tiles_bound >= ((int64_t)1 << 31) - 65536) return MOE_ERR_UNSUPPORTED;
 
+    const int bk = op == GG_WGRAD ? gg_wgrad_bk(rows, E) : GG_BK;
     CUtensorMap map_a, map_b;
     int ok;
     if (op == GG_WGRAD) {
-        ok = gg_make_map(&map_a, a_ptr, dt, 2, (uint64_t)a_cols, (uint64_t)rows, 1, 64) &&
-             gg_make_map(&map_b, b_ptr, dt, 3, (uint64_t)n_out, (uint64_t)rows, 1, 64);
+        /* both MN-major: boxes of bk expert rows x 64 columns */
+        ok = gg_make_map(&map_a, a_ptr, dt, 2, (uint64_t)a_cols, (uint64_t)rows, 1, bk) &&
+             gg_make_map(&map_b, b_ptr, dt, 3, (uint64_t)n_out, (uint64_t)rows, 1, bk);
     } else {
         ok = gg_make_map(&map_a, a_ptr, dt, 2, (uint64_t)a_cols, (uint64_t)rows, 1, GG_BM);
         /* weight as [E, R, C]: tw=1 [E, N, K], tw=0 [E, K, N] */
@@ -967,11 +996,11 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
     const int wgrad = op == GG_WGRAD, f16 = dt == MOE_DTYPE_FP16;
     gg_kernel_t k;
     if (bn == 256)
-        k = f16 ? gg_pick<256, true>(b_mn, wgrad, fuse_mode)
-                : gg_pick<256, false>(b_mn, wgrad, fuse_mode);
+        k = f16 ? gg_pick<256, true>(b_mn, wgrad, fuse_mode, bk)
+                : gg_pick<256, false>(b_mn, wgrad, fuse_mode, bk);
     else
-        k = f16 ? gg_pick<128, true>(b_mn, wgrad, fuse_mode)
-                : gg_pick<128, false>(b_mn, wgrad, fuse_mode);
+        k = f16 ? gg_pick<128, true>(b_mn, wgrad, fuse_mode, bk)
+                : gg_pick<128, false>(b_mn, wgrad, fuse_mode, bk);
     if (!gg_kernel_real((const void *)k)) return MOE_ERR_UNSUPPORTED;
     const int smem = GG_SMEM_BYTES(bn, !fuse);
     if (cudaFuncSetAttribute((const void *)k, cudaFuncAttributeMaxDynamicSharedMemorySize,
