@@ -222,8 +222,24 @@ typedef struct {
     const int64_t *npad;               /* [1]: rows no token fills */
     int64_t T, E, nchunks, R, capacity, nvec;
     int dap;
+    int pf_probs; /* probs rows of <= 64 bytes: the scatter loads a prob before its wait */
     moe_dtype_t probs_dtype;
 } perm_scatter_args_t;
+
+/* Loads the compiler keeps where they are written: ptxas sinks a weak load into the branch that
+ * uses its value (even from a volatile asm), which spread the scatter's plan loads over three
+ * dependent round trips; a strong load stays put. CTA scope, so it may still hit L1; the earlier
+ * grids' writes are visible after moe_pdl_wait, to these loads as to weak ones. */
+__device__ __forceinline__ uint32_t perm_ld_u32(const void *p) {
+    uint32_t v;
+    asm volatile("ld.relaxed.cta.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ int64_t perm_ld_s64(const void *p) {
+    int64_t v;
+    asm volatile("ld.relaxed.cta.global.s64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
 
 /* Rows [r0, r0 + 32) that no token fills, one warp: index -1, prob 0, zero data. A row's expert
  * is the last e with offsets[e] <= r (a binary search; empty experts share their successor's
@@ -289,6 +305,10 @@ __global__ void __launch_bounds__(256) moe_permute_scatter_kernel(const perm_sca
 #pragma unroll
         for (int j = 0; j < 4; ++j)
             if (v0 + j * X < nvec) val[j] = src[v0 + j * X];
+    /* the probs are an input too: with short rows (a.pf_probs) the thread's first expert's prob
+     * is loaded before the wait, so that after it the plan's loads are all that remain */
+    double p0 = 0.0;
+    if (live && a.pf_probs && x < E) p0 = moe_load(a.probs, a.probs_dtype, t * E + x);
     moe_pdl_wait(); /* the ballots, ranks, counts and offsets are the earlier kernels' */
     int32_t *dst = s_dst + (int64_t)y * E;
     if (x == 0) s_n[y] = 0;
@@ -299,19 +319,25 @@ __global__ void __launch_bounds__(256) moe_permute_scatter_kernel(const perm_sca
         const int l = (int)(t & 31);
         const uint32_t below = (1u << l) - 1u;
         for (int64_t e = x; e < E; e += X) {
-            const uint32_t b = a.col_bits[c * E + e];
+            /* every load of the plan issued together, before the branch on the ballot: one L2
+             * round trip while the block's other threads wait at the barrier below */
+            const uint32_t b = perm_ld_u32(a.col_bits + c * E + e);
+            const int64_t rank0 = (int32_t)perm_ld_u32(a.chunk_rank + e * a.nchunks + c);
+            const int64_t n = perm_ld_s64(a.tokens_per_expert + e);
+            const int64_t off = perm_ld_s64(a.expert_offsets + e);
+            const int64_t cnt = perm_ld_s64(a.count + e); /* used by drop_and_pad only */
             const bool routed = (b >> l) & 1u;
             if (!routed && !a.dap) continue;
-            const int64_t before = (int64_t)a.chunk_rank[e * a.nchunks + c] + __popc(b & below);
-            const int64_t n = a.tokens_per_expert[e];
-            const int64_t pos = routed ? before : a.count[e] + (t - before);
+            const int64_t before = rank0 + __popc(b & below);
+            const int64_t pos = routed ? before : cnt + (t - before);
             if (pos < perm_row_limit(a.dap, real_cap, n)) {
-                const int64_t r = a.expert_offsets[e] + pos;
+                const int64_t r = off + pos;
                 dst[atomicAdd(&s_n[y], 1)] = (int32_t)r; /* R <= INT32_MAX */
                 a.sorted_indices[r] = t;
                 if (a.permuted_probs)
                     moe_store(a.permuted_probs, a.probs_dtype, r,
-                              moe_load(a.probs, a.probs_dtype, t * E + e));
+                              a.pf_probs && e == x ? p0
+                                                   : moe_load(a.probs, a.probs_dtype, t * E + e));
             }
         }
     }
@@ -453,6 +479,9 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
     a.T = T, a.E = E, a.nchunks = nchunks, a.R = R, a.capacity = capacity, a.nvec = 0;
     a.dap = dap;
     a.probs_dtype = probs_dtype;
+    /* two sectors or less: what the routed entries of a row read anyway, so loading each
+     * thread's first entry whether routed or not costs no extra traffic */
+    a.pf_probs = permuted_probs && T > 0 && (size_t)E * moe_dtype_size(probs_dtype) <= 64;
     const size_t row_bytes = (size_t)hidden * esize;
     switch (moe_vec_bytes(row_bytes, permuted_tokens, tokens, NULL)) {
     case 16: return launch_data<16>(a, row_bytes, st);
