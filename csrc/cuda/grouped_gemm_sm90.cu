@@ -524,6 +524,9 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
     constexpr int STAGE_BYTES = GG_STAGE_BYTES_BK(BN, BK);
     /* one MN-major box: BK reduction rows x 128 bytes (64 columns) */
     constexpr int MN_BOX = BK * 128;
+    /* the host sizes shared memory without knowing BK (GG_SMEM_BYTES) */
+    static_assert(STAGES * STAGE_BYTES == GG_STAGES(BN, TMA_EPI) * GG_STAGE_BYTES(BN),
+                  "every stage depth fills the same ring");
     constexpr int TA = WGRAD ? 1 : 0, TB = B_MN ? 1 : 0;
     __shared__ __align__(8) uint64_t full_bar[STAGES], empty_bar[STAGES];
     __shared__ int64_t s_off[GG_MAX_E + 1];

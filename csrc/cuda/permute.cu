@@ -481,7 +481,7 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
     a.probs_dtype = probs_dtype;
     /* two sectors or less: what the routed entries of a row read anyway, so loading each
      * thread's first entry whether routed or not costs no extra traffic */
-    a.pf_probs = permuted_probs && T > 0 && (size_t)E * moe_dtype_size(probs_dtype) <= 64;
+    a.pf_probs = permuted_probs && (size_t)E * moe_dtype_size(probs_dtype) <= 64;
     const size_t row_bytes = (size_t)hidden * esize;
     switch (moe_vec_bytes(row_bytes, permuted_tokens, tokens, NULL)) {
     case 16: return launch_data<16>(a, row_bytes, st);
