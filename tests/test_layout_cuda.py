@@ -156,6 +156,9 @@ def test_permute_bwd_cuda_equals_cpu(dtype, T, E, k, H, gather_map):
     (33000, 2, 1, 2 * 40000, True, 0),  # capacity > tokens: long -1 runs inside every block
     (100, 1, 1, 500, False, 128),       # one expert; the tail [offsets[E], R) is mostly padding
     (0, 5, 2, 40, True, 0),             # no token: every row is padding, written by the scatter
+    (3000, 32, 4, 11000, False, 8),     # E = 32: the scatter's one-warp plan, every lane an expert
+    (3000, 33, 4, 11000, False, 8),     # E = 33: the chunk scan's last block plans instead
+    (3000, 32, 4, 3000, True, 16),      # E = 32, drop_and_pad: capacity blocks cut at the rows
 ])
 def test_permute_cuda_planning_edges(T, E, k, n, dap, align):
     """The planning kernels' loops and padding writes on shapes the reference sizes miss."""

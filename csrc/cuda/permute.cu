@@ -12,6 +12,9 @@
  * The three kernels (count, chunk scan + plan, rank + scatter) are one programmatic-launch chain:
  * each starts while the previous one finishes and first loads what needs only the op's inputs
  * (the scatter its token's first vectors), so the planning costs little more than its latency.
+ * With E <= 32 the plan moves into the scatter: each token group's first warp scans the E block
+ * sizes itself (a few shuffles, its counts loaded with its ballots), which spares the chunk scan
+ * its ticket and last block, the serial tail of the chain (5% of mixtral's permute).
  *
  * The one clever idea is the data pass: one thread group per TOKEN computes the token's rows
  * from the ballots, reads the token's row once, 16 bytes per access, and stores each vector to
@@ -165,12 +168,13 @@ __device__ __forceinline__ void plan_block(int64_t *expert_offsets, int64_t *tok
  * expert's total. Thread i owns chunks [tile + i·ITEMS, +ITEMS): its loads are independent and
  * issued together, so a tile costs one memory latency plus one block scan. The block that
  * finishes last (an integer ticket; which block it is does not change any value) then plans
- * the layout from the totals: no separate launch for E numbers. */
+ * the layout from the totals: no separate launch for E numbers. plan_here (E <= 32): the
+ * scatter plans instead (perm_plan_warp), so the blocks only write their totals. */
 __global__ void __launch_bounds__(MOE_CSCAN_THREADS)
 moe_permute_chunk_scan_kernel(int32_t *chunk_rank, int64_t *count, unsigned *done,
                               int64_t *expert_offsets, int64_t *tokens_per_expert, int64_t *npad,
                               int64_t T, int64_t nchunks, int64_t E, int64_t R, int dap,
-                              int64_t capacity, int64_t align) {
+                              int64_t capacity, int64_t align, int plan_here) {
     __shared__ int s_last;
     moe_pdl_trigger();
     moe_pdl_wait();
@@ -195,6 +199,10 @@ moe_permute_chunk_scan_kernel(int32_t *chunk_rank, int64_t *count, unsigned *don
             }
         run += total;
     }
+    if (plan_here) { /* the scatter plans (perm_plan_warp): no ticket, no last block */
+        if (threadIdx.x == 0) count[blockIdx.x] = run;
+        return;
+    }
     if (threadIdx.x == 0) {
         count[blockIdx.x] = run;
         __threadfence(); /* the total is visible before the ticket that counts it */
@@ -217,12 +225,14 @@ typedef struct {
     const uint32_t *col_bits;          /* [nchunks, E]: the count kernel's column ballots */
     const int32_t *chunk_rank;         /* [E, nchunks]: exclusive prefix over chunks */
     const int64_t *count;              /* [E] */
-    const int64_t *expert_offsets;     /* [E + 1] */
-    const int64_t *tokens_per_expert;  /* [E] */
+    int64_t *expert_offsets;           /* [E + 1]: written here when plan_here */
+    int64_t *tokens_per_expert;        /* [E]: written here when plan_here */
     const int64_t *npad;               /* [1]: rows no token fills */
     int64_t T, E, nchunks, R, capacity, nvec;
     int dap;
     int pf_probs; /* probs rows of <= 64 bytes: the scatter loads a prob before its wait */
+    int plan_here; /* E <= 32: every token group plans in a warp (perm_plan_warp) */
+    int64_t align;
     moe_dtype_t probs_dtype;
 } perm_scatter_args_t;
 
@@ -248,22 +258,23 @@ __device__ __forceinline__ int64_t perm_ld_s64(const void *p) {
  * this grid's other blocks are being written now. */
 template <int W>
 __device__ __forceinline__ void permute_pad_warp(const perm_scatter_args_t &a, int64_t r0,
-                                                 int64_t real_cap) {
+                                                 int64_t real_cap, const int64_t *offsets,
+                                                 const int64_t *tpe, const int64_t *count) {
     const int lane = (int)(threadIdx.x & 31); /* blockDim.x is a multiple of 32 */
     const int64_t r = r0 + lane;
     bool pad = false;
     if (r < a.R) {
-        if (r >= a.expert_offsets[a.E]) {
+        if (r >= offsets[a.E]) {
             pad = true;
         } else {
             int64_t lo = 0, hi = a.E - 1;
             while (lo < hi) {
                 const int64_t mid = (lo + hi + 1) >> 1;
-                if (a.expert_offsets[mid] <= r) lo = mid; else hi = mid - 1;
+                if (offsets[mid] <= r) lo = mid; else hi = mid - 1;
             }
-            const int64_t n = a.tokens_per_expert[lo];
-            const int64_t have = a.dap ? a.T : a.count[lo];
-            pad = r - a.expert_offsets[lo] >= perm_filled(a.dap, have, real_cap, n);
+            const int64_t n = tpe[lo];
+            const int64_t have = a.dap ? a.T : count[lo];
+            pad = r - offsets[lo] >= perm_filled(a.dap, have, real_cap, n);
         }
     }
     if (pad) {
@@ -271,6 +282,35 @@ __device__ __forceinline__ void permute_pad_warp(const perm_scatter_args_t &a, i
         if (a.permuted_probs) moe_store(a.permuted_probs, a.probs_dtype, r, 0.0);
     }
     moe_zero_rows_warp<W>(a.permuted_tokens, __ballot_sync(0xffffffffu, pad), r0, a.nvec);
+}
+
+/* The plan of E <= 32 experts in one warp, lane e holding expert e: the same values as
+ * plan_block (block sizes, their scan cut at R, the filled rows), from count[e] loaded with the
+ * scatter's other plan loads, so the chunk scan needs no ticket and no last block. */
+typedef struct {
+    int64_t off, n, npad;
+} perm_plan_t;
+__device__ __forceinline__ perm_plan_t perm_plan_warp(const perm_scatter_args_t &a, int lane,
+                                                      int64_t count_e, int64_t real_cap) {
+    const bool has = lane < a.E;
+    const int64_t size =
+        !has ? 0 : d_round_up(a.dap ? a.capacity : count_e, a.align);
+    int64_t incl = size;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int64_t y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    const int64_t excl = incl - size;
+    perm_plan_t p;
+    p.off = excl < a.R ? excl : a.R;
+    const int64_t hi = incl < a.R ? incl : a.R;
+    p.n = hi - p.off;
+    int64_t filled = has ? perm_filled(a.dap, a.dap ? a.T : count_e, real_cap, p.n) : 0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) filled += __shfl_xor_sync(0xffffffffu, filled, o);
+    p.npad = a.R - filled;
+    return p;
 }
 
 /*
@@ -292,6 +332,8 @@ __global__ void __launch_bounds__(256) moe_permute_scatter_kernel(const perm_sca
     typedef typename moe_vec_t<W>::type V;
     extern __shared__ int32_t s_dst[]; /* [Y, E] */
     __shared__ int s_n[32];
+    /* plan_here: group 0's plan for the padding pass (offsets, block sizes, counts, npad) */
+    __shared__ int64_t s_off[33], s_tpe[32], s_cnt[32], s_npad;
     moe_pdl_trigger();
     const int y = threadIdx.y, x = threadIdx.x;
     const int64_t X = blockDim.x, nvec = a.nvec, E = a.E;
@@ -312,8 +354,34 @@ __global__ void __launch_bounds__(256) moe_permute_scatter_kernel(const perm_sca
     moe_pdl_wait(); /* the ballots, ranks, counts and offsets are the earlier kernels' */
     int32_t *dst = s_dst + (int64_t)y * E;
     if (x == 0) s_n[y] = 0;
-    __syncthreads();
     const int64_t real_cap = perm_real_cap(a.dap, a.capacity, a.T);
+    /* plan_here: every group's first warp plans (lane e = expert e, the thread that ranks the
+     * token in e below), group 0 keeps it for the padding pass, block 0 writes the op's outputs */
+    perm_plan_t plan = {0, 0, 0};
+    int64_t cnt_here = 0, rank_here = 0;
+    uint32_t bits_here = 0;
+    if (a.plan_here && x < 32) {
+        /* the token's ballot and chunk prefix in expert x too: one round trip for all */
+        if (x < E) {
+            cnt_here = perm_ld_s64(a.count + x);
+            if (live) {
+                bits_here = perm_ld_u32(a.col_bits + (t >> 5) * E + x);
+                rank_here = (int32_t)perm_ld_u32(a.chunk_rank + x * a.nchunks + (t >> 5));
+            }
+        }
+        plan = perm_plan_warp(a, x, cnt_here, real_cap);
+        if (y == 0) {
+            if (x < E) s_off[x] = plan.off, s_tpe[x] = plan.n, s_cnt[x] = cnt_here;
+            if (x == E - 1) s_off[E] = plan.off + plan.n;
+            if (x == 0) s_npad = plan.npad;
+            if (blockIdx.x == 0 && x < E) {
+                a.expert_offsets[x + 1] = plan.off + plan.n;
+                a.tokens_per_expert[x] = plan.n;
+                if (x == 0) a.expert_offsets[0] = 0;
+            }
+        }
+    }
+    __syncthreads();
     if (live) {
         const int64_t c = t >> 5;
         const int l = (int)(t & 31);
@@ -321,11 +389,17 @@ __global__ void __launch_bounds__(256) moe_permute_scatter_kernel(const perm_sca
         for (int64_t e = x; e < E; e += X) {
             /* every load of the plan issued together, before the branch on the ballot: one L2
              * round trip while the block's other threads wait at the barrier below */
-            const uint32_t b = perm_ld_u32(a.col_bits + c * E + e);
-            const int64_t rank0 = (int32_t)perm_ld_u32(a.chunk_rank + e * a.nchunks + c);
-            const int64_t n = perm_ld_s64(a.tokens_per_expert + e);
-            const int64_t off = perm_ld_s64(a.expert_offsets + e);
-            const int64_t cnt = perm_ld_s64(a.count + e); /* used by drop_and_pad only */
+            uint32_t b;
+            int64_t rank0, n, off, cnt; /* cnt: used by drop_and_pad only */
+            if (a.plan_here) { /* E <= 32 <= X: e == x, loaded and planned above */
+                b = bits_here, rank0 = rank_here, n = plan.n, off = plan.off, cnt = cnt_here;
+            } else {
+                b = perm_ld_u32(a.col_bits + c * E + e);
+                rank0 = (int32_t)perm_ld_u32(a.chunk_rank + e * a.nchunks + c);
+                n = perm_ld_s64(a.tokens_per_expert + e);
+                off = perm_ld_s64(a.expert_offsets + e);
+                cnt = perm_ld_s64(a.count + e);
+            }
             const bool routed = (b >> l) & 1u;
             if (!routed && !a.dap) continue;
             const int64_t before = rank0 + __popc(b & below);
@@ -359,11 +433,14 @@ __global__ void __launch_bounds__(256) moe_permute_scatter_kernel(const perm_sca
                 if (v0 + j * X < nvec) val[j] = src[v0 + j * X];
         }
     }
-    if (*a.npad == 0) return; /* the dropless layout without alignment: every row is a token's */
+    /* the dropless layout without alignment: every row is a token's */
+    if ((a.plan_here ? s_npad : *a.npad) == 0) return;
     const int64_t wpb = X * blockDim.y / 32; /* warps per block */
     const int64_t tid = (int64_t)y * X + x, nwarps = (int64_t)gridDim.x * wpb;
     for (int64_t r0 = ((int64_t)blockIdx.x * wpb + tid / 32) * 32; r0 < a.R; r0 += nwarps * 32)
-        permute_pad_warp<W>(a, r0, real_cap);
+        permute_pad_warp<W>(a, r0, real_cap, a.plan_here ? s_off : a.expert_offsets,
+                            a.plan_here ? s_tpe : a.tokens_per_expert,
+                            a.plan_here ? s_cnt : a.count);
 }
 
 template <int W>
@@ -459,9 +536,11 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
         MOE_CHECK(cudaMemsetAsync(ws.done, 0, sizeof(unsigned), st) == cudaSuccess,
                   "permute: cudaMemsetAsync of the chunk-scan ticket failed");
     }
+    /* E <= 32 with rows to fill: the scatter's token groups plan (perm_plan_warp) */
+    const int plan_here = E <= 32 && R > 0;
     MOE_LAUNCH_CHAINED(moe_permute_chunk_scan_kernel, dim3((unsigned)E), dim3(MOE_CSCAN_THREADS),
                        0, st, ws.chunk_rank, ws.count, ws.done, expert_offsets, tokens_per_expert,
-                       ws.npad, T, nchunks, E, R, dap, capacity, align);
+                       ws.npad, T, nchunks, E, R, dap, capacity, align, plan_here);
     MOE_CHECK_LAUNCH("moe_permute_chunk_scan_kernel");
     if (R == 0) return MOE_OK; /* no row to fill */
     perm_scatter_args_t a;
@@ -478,6 +557,8 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
     a.npad = ws.npad;
     a.T = T, a.E = E, a.nchunks = nchunks, a.R = R, a.capacity = capacity, a.nvec = 0;
     a.dap = dap;
+    a.plan_here = plan_here;
+    a.align = align;
     a.probs_dtype = probs_dtype;
     /* two sectors or less: what the routed entries of a row read anyway, so loading each
      * thread's first entry whether routed or not costs no extra traffic */
