@@ -156,9 +156,12 @@ def test_permute_bwd_cuda_equals_cpu(dtype, T, E, k, H, gather_map):
     (33000, 2, 1, 2 * 40000, True, 0),  # capacity > tokens: long -1 runs inside every block
     (100, 1, 1, 500, False, 128),       # one expert; the tail [offsets[E], R) is mostly padding
     (0, 5, 2, 40, True, 0),             # no token: every row is padding, written by the scatter
-    (3000, 32, 4, 11000, False, 8),     # E = 32: the scatter's one-warp plan, every lane an expert
-    (3000, 33, 4, 11000, False, 8),     # E = 33: the chunk scan's last block plans instead
-    (3000, 32, 4, 3000, True, 16),      # E = 32, drop_and_pad: capacity blocks cut at the rows
+    (3000, 32, 4, 11000, False, 8),     # E = 32: the scatter's one-warp plan, one expert a lane
+    (3000, 33, 4, 11000, False, 8),     # E = 33: two experts a lane, lanes 17.. own none
+    (3000, 256, 8, 23000, False, 8),    # E = 256: the largest the scatter plans, 8 a lane
+    (3000, 257, 8, 23000, False, 8),    # E = 257: the chunk scan's last block plans instead
+    (3000, 256, 4, 3000, True, 16),     # drop_and_pad: capacity blocks cut at the rows
+    (3000, 300, 4, 3000, True, 16),     # the same on the chunk scan's plan
 ])
 def test_permute_cuda_planning_edges(T, E, k, n, dap, align):
     """The planning kernels' loops and padding writes on shapes the reference sizes miss."""
@@ -169,6 +172,16 @@ def test_permute_cuda_planning_edges(T, E, k, n, dap, align):
         cpu, gpu = both(lambda *a: OPS.permute(*a, n, dap, align), x, m, probs)
         for name, a, b in zip(["rows", "probs", "sorted_indices", "offsets", "counts"], cpu, gpu):
             same(a, b, name)
+
+
+def test_permute_cuda_row_lists_at_the_shared_memory_limit():
+    """E = 12288 experts fill the scatter's 48 KB of row lists exactly (one token a block); with
+    the kernel's own static shared memory that needs the opt-in past 48 KB."""
+    m = random_map(40, 12288, 2)
+    x = torch.randn(40, 8, dtype=torch.float64).to(torch.bfloat16)
+    cpu, gpu = both(lambda *a: OPS.permute(*a, 80, False, 0), x, m, routed_probs(m, torch.float32))
+    for name, a, b in zip(["rows", "probs", "sorted_indices", "offsets", "counts"], cpu, gpu):
+        same(a, b, name)
 
 
 @pytest.mark.parametrize("T,align", [(8192, 0), (16384, 0), (16384, 16), (16385, 16), (40000, 16)])

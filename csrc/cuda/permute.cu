@@ -12,9 +12,10 @@
  * The three kernels (count, chunk scan + plan, rank + scatter) are one programmatic-launch chain:
  * each starts while the previous one finishes and first loads what needs only the op's inputs
  * (the scatter its token's first vectors), so the planning costs little more than its latency.
- * With E <= 32 the plan moves into the scatter: each token group's first warp scans the E block
- * sizes itself (a few shuffles, its counts loaded with its ballots), which spares the chunk scan
- * its ticket and last block, the serial tail of the chain (5% of mixtral's permute).
+ * With E <= MOE_PERM_PLAN_E the plan moves into the scatter: each block's first warp scans the E
+ * block sizes into shared memory (a few shuffles, the counts loaded while the block's other
+ * threads load their ballots), which spares the chunk scan its ticket and last block, the serial
+ * tail of the chain (5% of mixtral's permute).
  *
  * The one clever idea is the data pass: one thread group per TOKEN computes the token's rows
  * from the ballots, reads the token's row once, 16 bytes per access, and stores each vector to
@@ -35,6 +36,12 @@
  * consecutive chunks (independent loads, unrolled), so E = 8 still has 8 full blocks. */
 #define MOE_CSCAN_THREADS 256
 #define MOE_CSCAN_ITEMS 4
+/* Experts the scatter plans itself, one warp per block: 8 counts per lane. */
+#define MOE_PERM_PLAN_E 256
+#define MOE_PERM_PLAN_PER (MOE_PERM_PLAN_E / 32)
+/* Experts per thread whose ballots load before the plan's barrier (E <= 2·X: all of them at the
+ * reference shapes); more would hold registers the row vectors need. */
+#define MOE_PERM_PLAN_PF 2
 
 __device__ __forceinline__ int64_t d_round_up(int64_t x, int64_t m) {
     return m > 1 ? (x + m - 1) / m * m : x;
@@ -168,8 +175,9 @@ __device__ __forceinline__ void plan_block(int64_t *expert_offsets, int64_t *tok
  * expert's total. Thread i owns chunks [tile + i·ITEMS, +ITEMS): its loads are independent and
  * issued together, so a tile costs one memory latency plus one block scan. The block that
  * finishes last (an integer ticket; which block it is does not change any value) then plans
- * the layout from the totals: no separate launch for E numbers. plan_here (E <= 32): the
- * scatter plans instead (perm_plan_warp), so the blocks only write their totals. */
+ * the layout from the totals: no separate launch for E numbers. plan_here (E <=
+ * MOE_PERM_PLAN_E): the scatter plans instead (perm_plan_warp), so the blocks only write their
+ * totals. */
 __global__ void __launch_bounds__(MOE_CSCAN_THREADS)
 moe_permute_chunk_scan_kernel(int32_t *chunk_rank, int64_t *count, unsigned *done,
                               int64_t *expert_offsets, int64_t *tokens_per_expert, int64_t *npad,
@@ -225,13 +233,13 @@ typedef struct {
     const uint32_t *col_bits;          /* [nchunks, E]: the count kernel's column ballots */
     const int32_t *chunk_rank;         /* [E, nchunks]: exclusive prefix over chunks */
     const int64_t *count;              /* [E] */
-    int64_t *expert_offsets;           /* [E + 1]: written here when plan_here */
-    int64_t *tokens_per_expert;        /* [E]: written here when plan_here */
+    int64_t *expert_offsets;           /* [E + 1]: written by block 0 when plan_here */
+    int64_t *tokens_per_expert;        /* [E]: written by block 0 when plan_here */
     const int64_t *npad;               /* [1]: rows no token fills */
     int64_t T, E, nchunks, R, capacity, nvec;
     int dap;
     int pf_probs; /* probs rows of <= 64 bytes: the scatter loads a prob before its wait */
-    int plan_here; /* E <= 32: every token group plans in a warp (perm_plan_warp) */
+    int plan_here; /* E <= MOE_PERM_PLAN_E: every block plans in a warp (perm_plan_warp) */
     int64_t align;
     moe_dtype_t probs_dtype;
 } perm_scatter_args_t;
@@ -284,33 +292,75 @@ __device__ __forceinline__ void permute_pad_warp(const perm_scatter_args_t &a, i
     moe_zero_rows_warp<W>(a.permuted_tokens, __ballot_sync(0xffffffffu, pad), r0, a.nvec);
 }
 
-/* The plan of E <= 32 experts in one warp, lane e holding expert e: the same values as
- * plan_block (block sizes, their scan cut at R, the filled rows), from count[e] loaded with the
- * scatter's other plan loads, so the chunk scan needs no ticket and no last block. */
-typedef struct {
-    int64_t off, n, npad;
-} perm_plan_t;
-__device__ __forceinline__ perm_plan_t perm_plan_warp(const perm_scatter_args_t &a, int lane,
-                                                      int64_t count_e, int64_t real_cap) {
-    const bool has = lane < a.E;
-    const int64_t size =
-        !has ? 0 : d_round_up(a.dap ? a.capacity : count_e, a.align);
-    int64_t incl = size;
+/* The block's plan in shared memory, E <= MOE_PERM_PLAN_E, one warp: the same values as
+ * plan_block (block sizes, their scan cut at R, the filled rows) with lane l owning the
+ * contiguous experts [l·per, l·per + per), per = ceil(E / 32): its counts are independent loads
+ * issued together, then one warp scan. plan: [3E + 2] int64 = offsets [E + 1], block sizes [E],
+ * counts [E], npad [1]. Block 0 also writes the op's expert_offsets and tokens_per_expert. */
+__device__ __forceinline__ void perm_plan_warp(const perm_scatter_args_t &a, int lane,
+                                               int64_t real_cap, int64_t *plan) {
+    const int64_t E = a.E, per = (E + 31) >> 5, e0 = lane * per;
+    int64_t *s_off = plan, *s_tpe = plan + E + 1, *s_cnt = plan + 2 * E + 1;
+    int64_t cnt[MOE_PERM_PLAN_PER], local = 0;
+#pragma unroll
+    for (int j = 0; j < MOE_PERM_PLAN_PER; ++j) {
+        const bool has = j < per && e0 + j < E;
+        cnt[j] = has ? perm_ld_s64(a.count + e0 + j) : 0;
+    }
+    /* the counts go to shared memory at once and the passes below read them back there (each
+     * lane its own entries, no barrier), so they hold no registers while the row vectors do;
+     * the loops stay rolled: one 64-bit division site, not eight */
+#pragma unroll
+    for (int j = 0; j < MOE_PERM_PLAN_PER; ++j)
+        if (j < per && e0 + j < E) s_cnt[e0 + j] = cnt[j];
+    const int64_t e1 = e0 + per < E ? e0 + per : E;
+#pragma unroll 1
+    for (int64_t e = e0; e < e1; ++e) { /* s_tpe holds the block size until the pass below */
+        s_tpe[e] = d_round_up(a.dap ? a.capacity : s_cnt[e], a.align);
+        local += s_tpe[e];
+    }
+    int64_t incl = local;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-        const int64_t y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
+        const int64_t v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
     }
-    const int64_t excl = incl - size;
-    perm_plan_t p;
-    p.off = excl < a.R ? excl : a.R;
-    const int64_t hi = incl < a.R ? incl : a.R;
-    p.n = hi - p.off;
-    int64_t filled = has ? perm_filled(a.dap, a.dap ? a.T : count_e, real_cap, p.n) : 0;
+    int64_t run = incl - local, filled = 0;
+    const bool out = blockIdx.x == 0;
+    if (lane == 0) s_off[0] = 0;
+    if (out && lane == 0) a.expert_offsets[0] = 0;
+#pragma unroll 1
+    for (int64_t e = e0; e < e1; ++e) {
+        const int64_t cnt_e = s_cnt[e];
+        const int64_t lo = run < a.R ? run : a.R;
+        run += s_tpe[e];
+        const int64_t hi = run < a.R ? run : a.R;
+        s_off[e + 1] = hi, s_tpe[e] = hi - lo;
+        if (out) a.expert_offsets[e + 1] = hi, a.tokens_per_expert[e] = hi - lo;
+        filled += perm_filled(a.dap, a.dap ? a.T : cnt_e, real_cap, hi - lo);
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) filled += __shfl_xor_sync(0xffffffffu, filled, o);
-    p.npad = a.R - filled;
-    return p;
+    if (lane == 0) plan[3 * E + 1] = a.R - filled;
+}
+
+/* Token t in expert e: routed (its ballot bit) or, with drop_and_pad, at count + (t − routed
+ * tokens before it); before = the routed tokens of e ahead of t. A position below the block's
+ * row limit gets row off + pos: its index and prob are stored and the row joins the token's list
+ * in shared memory. have_p0: p0 is this thread's prob of e, loaded before the grid wait. */
+__device__ __forceinline__ void perm_rank_one(const perm_scatter_args_t &a, int64_t t, int64_t e,
+                                              uint32_t routed, int64_t before, int64_t n,
+                                              int64_t off, int64_t cnt, int64_t real_cap,
+                                              bool have_p0, double p0, int32_t *dst, int *s_n) {
+    if (!routed && !a.dap) return;
+    const int64_t pos = routed ? before : cnt + (t - before);
+    if (pos >= perm_row_limit(a.dap, real_cap, n)) return;
+    const int64_t r = off + pos;
+    dst[atomicAdd(s_n, 1)] = (int32_t)r; /* R <= INT32_MAX */
+    a.sorted_indices[r] = t;
+    if (a.permuted_probs)
+        moe_store(a.permuted_probs, a.probs_dtype, r,
+                  have_p0 ? p0 : moe_load(a.probs, a.probs_dtype, t * a.E + e));
 }
 
 /*
@@ -330,10 +380,9 @@ __device__ __forceinline__ perm_plan_t perm_plan_warp(const perm_scatter_args_t 
 template <int W>
 __global__ void __launch_bounds__(256) moe_permute_scatter_kernel(const perm_scatter_args_t a) {
     typedef typename moe_vec_t<W>::type V;
-    extern __shared__ int32_t s_dst[]; /* [Y, E] */
+    /* plan_here: the block's plan, [3E + 2] int64 (perm_plan_warp), then the row lists */
+    extern __shared__ int64_t s_dyn[];
     __shared__ int s_n[32];
-    /* plan_here: group 0's plan for the padding pass (offsets, block sizes, counts, npad) */
-    __shared__ int64_t s_off[33], s_tpe[32], s_cnt[32], s_npad;
     moe_pdl_trigger();
     const int y = threadIdx.y, x = threadIdx.x;
     const int64_t X = blockDim.x, nvec = a.nvec, E = a.E;
@@ -352,68 +401,57 @@ __global__ void __launch_bounds__(256) moe_permute_scatter_kernel(const perm_sca
     double p0 = 0.0;
     if (live && a.pf_probs && x < E) p0 = moe_load(a.probs, a.probs_dtype, t * E + x);
     moe_pdl_wait(); /* the ballots, ranks, counts and offsets are the earlier kernels' */
-    int32_t *dst = s_dst + (int64_t)y * E;
+    int64_t *plan = s_dyn; /* plan_here only; the row lists follow it */
+    int32_t *dst = (int32_t *)(s_dyn + (a.plan_here ? 3 * E + 2 : 0)) + (int64_t)y * E;
     if (x == 0) s_n[y] = 0;
     const int64_t real_cap = perm_real_cap(a.dap, a.capacity, a.T);
-    /* plan_here: every group's first warp plans (lane e = expert e, the thread that ranks the
-     * token in e below), group 0 keeps it for the padding pass, block 0 writes the op's outputs */
-    perm_plan_t plan = {0, 0, 0};
-    int64_t cnt_here = 0, rank_here = 0;
-    uint32_t bits_here = 0;
-    if (a.plan_here && x < 32) {
-        /* the token's ballot and chunk prefix in expert x too: one round trip for all */
-        if (x < E) {
-            cnt_here = perm_ld_s64(a.count + x);
-            if (live) {
-                bits_here = perm_ld_u32(a.col_bits + (t >> 5) * E + x);
-                rank_here = (int32_t)perm_ld_u32(a.chunk_rank + x * a.nchunks + (t >> 5));
+    const int64_t c = t >> 5;
+    const int l = (int)(t & 31);
+    const uint32_t below = (1u << l) - 1u;
+    if (a.plan_here) {
+        /* the token's ballots and chunk prefixes in its first experts x, x + X load while the
+         * first warp loads the counts and plans: one round trip for the block */
+        uint32_t bits[MOE_PERM_PLAN_PF];
+        int32_t rank0[MOE_PERM_PLAN_PF];
+#pragma unroll
+        for (int i = 0; i < MOE_PERM_PLAN_PF; ++i) {
+            const int64_t e = x + i * X;
+            const bool has = live && e < E;
+            bits[i] = has ? perm_ld_u32(a.col_bits + c * E + e) : 0u;
+            rank0[i] = has ? (int32_t)perm_ld_u32(a.chunk_rank + e * a.nchunks + c) : 0;
+        }
+        if (y == 0 && x < 32) perm_plan_warp(a, x, real_cap, plan);
+        __syncthreads();
+        if (live) {
+#pragma unroll
+            for (int i = 0; i < MOE_PERM_PLAN_PF; ++i) {
+                const int64_t e = x + i * X;
+                if (e < E)
+                    perm_rank_one(a, t, e, bits[i] >> l & 1u, rank0[i] + __popc(bits[i] & below),
+                                  plan[E + 1 + e], plan[e], plan[2 * E + 1 + e], real_cap,
+                                  a.pf_probs && i == 0, p0, dst, &s_n[y]);
+            }
+            for (int64_t e = x + MOE_PERM_PLAN_PF * X; e < E; e += X) { /* E > 2·X: after it */
+                const uint32_t b = perm_ld_u32(a.col_bits + c * E + e);
+                const int64_t rank0 = (int32_t)perm_ld_u32(a.chunk_rank + e * a.nchunks + c);
+                perm_rank_one(a, t, e, b >> l & 1u, rank0 + __popc(b & below), plan[E + 1 + e],
+                              plan[e], plan[2 * E + 1 + e], real_cap, false, p0, dst, &s_n[y]);
             }
         }
-        plan = perm_plan_warp(a, x, cnt_here, real_cap);
-        if (y == 0) {
-            if (x < E) s_off[x] = plan.off, s_tpe[x] = plan.n, s_cnt[x] = cnt_here;
-            if (x == E - 1) s_off[E] = plan.off + plan.n;
-            if (x == 0) s_npad = plan.npad;
-            if (blockIdx.x == 0 && x < E) {
-                a.expert_offsets[x + 1] = plan.off + plan.n;
-                a.tokens_per_expert[x] = plan.n;
-                if (x == 0) a.expert_offsets[0] = 0;
+    } else {
+        __syncthreads();
+        if (live)
+            for (int64_t e = x; e < E; e += X) {
+                /* every load of the plan issued together, before the branch on the ballot: one
+                 * L2 round trip while the block's other threads wait at the barrier below */
+                const uint32_t b = perm_ld_u32(a.col_bits + c * E + e);
+                const int64_t rank0 = (int32_t)perm_ld_u32(a.chunk_rank + e * a.nchunks + c);
+                const int64_t n = perm_ld_s64(a.tokens_per_expert + e);
+                const int64_t off = perm_ld_s64(a.expert_offsets + e);
+                const int64_t cnt = perm_ld_s64(a.count + e);
+                perm_rank_one(a, t, e, b >> l & 1u, rank0 + __popc(b & below), n, off, cnt,
+                              real_cap, a.pf_probs && e == x, p0, dst, &s_n[y]);
             }
-        }
-    }
-    __syncthreads();
-    if (live) {
-        const int64_t c = t >> 5;
-        const int l = (int)(t & 31);
-        const uint32_t below = (1u << l) - 1u;
-        for (int64_t e = x; e < E; e += X) {
-            /* every load of the plan issued together, before the branch on the ballot: one L2
-             * round trip while the block's other threads wait at the barrier below */
-            uint32_t b;
-            int64_t rank0, n, off, cnt; /* cnt: used by drop_and_pad only */
-            if (a.plan_here) { /* E <= 32 <= X: e == x, loaded and planned above */
-                b = bits_here, rank0 = rank_here, n = plan.n, off = plan.off, cnt = cnt_here;
-            } else {
-                b = perm_ld_u32(a.col_bits + c * E + e);
-                rank0 = (int32_t)perm_ld_u32(a.chunk_rank + e * a.nchunks + c);
-                n = perm_ld_s64(a.tokens_per_expert + e);
-                off = perm_ld_s64(a.expert_offsets + e);
-                cnt = perm_ld_s64(a.count + e);
-            }
-            const bool routed = (b >> l) & 1u;
-            if (!routed && !a.dap) continue;
-            const int64_t before = rank0 + __popc(b & below);
-            const int64_t pos = routed ? before : cnt + (t - before);
-            if (pos < perm_row_limit(a.dap, real_cap, n)) {
-                const int64_t r = off + pos;
-                dst[atomicAdd(&s_n[y], 1)] = (int32_t)r; /* R <= INT32_MAX */
-                a.sorted_indices[r] = t;
-                if (a.permuted_probs)
-                    moe_store(a.permuted_probs, a.probs_dtype, r,
-                              a.pf_probs && e == x ? p0
-                                                   : moe_load(a.probs, a.probs_dtype, t * E + e));
-            }
-        }
     }
     __syncthreads();
     V *out = (V *)a.permuted_tokens;
@@ -434,13 +472,13 @@ __global__ void __launch_bounds__(256) moe_permute_scatter_kernel(const perm_sca
         }
     }
     /* the dropless layout without alignment: every row is a token's */
-    if ((a.plan_here ? s_npad : *a.npad) == 0) return;
+    if ((a.plan_here ? plan[3 * E + 1] : *a.npad) == 0) return;
     const int64_t wpb = X * blockDim.y / 32; /* warps per block */
     const int64_t tid = (int64_t)y * X + x, nwarps = (int64_t)gridDim.x * wpb;
     for (int64_t r0 = ((int64_t)blockIdx.x * wpb + tid / 32) * 32; r0 < a.R; r0 += nwarps * 32)
-        permute_pad_warp<W>(a, r0, real_cap, a.plan_here ? s_off : a.expert_offsets,
-                            a.plan_here ? s_tpe : a.tokens_per_expert,
-                            a.plan_here ? s_cnt : a.count);
+        permute_pad_warp<W>(a, r0, real_cap, a.plan_here ? plan : a.expert_offsets,
+                            a.plan_here ? plan + E + 1 : a.tokens_per_expert,
+                            a.plan_here ? plan + 2 * E + 1 : a.count);
 }
 
 template <int W>
@@ -451,9 +489,14 @@ static moe_status_t launch_data(perm_scatter_args_t a, size_t row_bytes, cudaStr
      * block only while their row lists fit 48 KB of shared memory */
     int X = moe_pow2_clamp((a.nvec + 3) / 4, 32, 256), Y = 256 / X;
     while (Y > 1 && (size_t)Y * (size_t)a.E * sizeof(int32_t) > 48 * 1024) X *= 2, Y /= 2;
-    const size_t smem = (size_t)Y * (size_t)a.E * sizeof(int32_t);
+    /* the block's plan (plan_here), then its row lists */
+    const size_t smem = (a.plan_here ? (size_t)(3 * a.E + 2) * sizeof(int64_t) : 0) +
+                        (size_t)Y * (size_t)a.E * sizeof(int32_t);
     void (*scatter)(const perm_scatter_args_t) = moe_permute_scatter_kernel<W>;
-    if (smem > 48 * 1024) {
+    /* without an opt-in, dynamic and static shared memory together stop at 48 KB */
+    cudaFuncAttributes fa;
+    if (smem > 40 * 1024 && (cudaFuncGetAttributes(&fa, scatter) != cudaSuccess ||
+                             smem + fa.sharedSizeBytes > 48 * 1024)) {
         cudaError_t err = cudaFuncSetAttribute(scatter, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                (int)smem);
         if (err != cudaSuccess)
@@ -536,8 +579,8 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
         MOE_CHECK(cudaMemsetAsync(ws.done, 0, sizeof(unsigned), st) == cudaSuccess,
                   "permute: cudaMemsetAsync of the chunk-scan ticket failed");
     }
-    /* E <= 32 with rows to fill: the scatter's token groups plan (perm_plan_warp) */
-    const int plan_here = E <= 32 && R > 0;
+    /* E <= MOE_PERM_PLAN_E with rows to fill: the scatter's blocks plan (perm_plan_warp) */
+    const int plan_here = E <= MOE_PERM_PLAN_E && R > 0;
     MOE_LAUNCH_CHAINED(moe_permute_chunk_scan_kernel, dim3((unsigned)E), dim3(MOE_CSCAN_THREADS),
                        0, st, ws.chunk_rank, ws.count, ws.done, expert_offsets, tokens_per_expert,
                        ws.npad, T, nchunks, E, R, dap, capacity, align, plan_here);
