@@ -70,6 +70,7 @@ typedef struct {
     int32_t *chunk_rank; /* [E, nchunks]: routed count of the chunk, then its exclusive prefix */
     uint32_t *col_bits;  /* [nchunks, E]: chunk c's routed flags of expert e, bit l: token 32c+l */
     int64_t *count;      /* [E]: routed tokens of each expert */
+    /* the last two for E > MOE_PERM_PLAN_E only (below, the scatter plans) */
     int64_t *npad;       /* [1]: rows that no token fills (padding, the tail) */
     unsigned *done;      /* [1]: chunk-scan blocks finished (the last one plans) */
 } perm_ws_t;
