@@ -61,6 +61,10 @@ rows = tokens * topk, random top-k routing, seed 0). All three runs passed the c
       one). Round-robin against 64-row stages: +2.2-5.0% at 128 and 256 rows per expert (dsv3,
       qwen3 and mixtral widths), -4 to -10% at 512 to 2048; same bits. 32-row stages for fwd /
       dgrad too (K-major boxes in the 64-byte swizzle) ran 0.87-1.00: not taken.
+  v7  (2026-12-03) ping-pong consumers again, with the copy engine's epilogue: each warpgroup a
+      128 x 128 tile, ordered by named barriers (branch wip/gg-pingpong). Round-robin against
+      the cooperative 128 x 256 kernel: 0.86-0.95 on every shape and product, wgrad 0.89-0.92;
+      the 128-wide tiles' operand traffic costs more than the hidden epilogue. Not taken.
 Limits: the epilogue, even handed to the copy engine, still stops both consumer warpgroups (they
 share the tile): replacing wgrad's store by a dependent sum of the accumulators ran mixtral +5-7%,
 qwen3 +9%, dsv3 +20-23%, while a 4th stage added nothing; writing the packed block to shared memory
