@@ -39,8 +39,10 @@
 /* Experts the scatter plans itself, one warp per block: 8 counts per lane. */
 #define MOE_PERM_PLAN_E 256
 #define MOE_PERM_PLAN_PER (MOE_PERM_PLAN_E / 32)
-/* Experts per thread whose ballots load before the plan's barrier (E <= 2·X: all of them at the
- * reference shapes); more would hold registers the row vectors need. */
+/* Experts per thread whose ballots load before the plan's barrier. launch_data now gives X >= E
+ * whenever the scatter plans (E <= MOE_PERM_PLAN_E), so only the first is ever used, and the
+ * loop after them never runs; branch wip/permute-plan-one-expert drops both, to land once a GPU
+ * run has checked it. */
 #define MOE_PERM_PLAN_PF 2
 
 __device__ __forceinline__ int64_t d_round_up(int64_t x, int64_t m) {
