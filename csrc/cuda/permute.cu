@@ -39,11 +39,6 @@
 /* Experts the scatter plans itself, one warp per block: 8 counts per lane. */
 #define MOE_PERM_PLAN_E 256
 #define MOE_PERM_PLAN_PER (MOE_PERM_PLAN_E / 32)
-/* Experts per thread whose ballots load before the plan's barrier. launch_data now gives X >= E
- * whenever the scatter plans (E <= MOE_PERM_PLAN_E), so only the first is ever used, and the
- * loop after them never runs; branch wip/permute-plan-one-expert drops both, to land once a GPU
- * run has checked it. */
-#define MOE_PERM_PLAN_PF 2
 
 __device__ __forceinline__ int64_t d_round_up(int64_t x, int64_t m) {
     return m > 1 ? (x + m - 1) / m * m : x;
@@ -412,35 +407,17 @@ __global__ void __launch_bounds__(256) moe_permute_scatter_kernel(const perm_sca
     const int l = (int)(t & 31);
     const uint32_t below = (1u << l) - 1u;
     if (a.plan_here) {
-        /* the token's ballots and chunk prefixes in its first experts x, x + X load while the
-         * first warp loads the counts and plans: one round trip for the block */
-        uint32_t bits[MOE_PERM_PLAN_PF];
-        int32_t rank0[MOE_PERM_PLAN_PF];
-#pragma unroll
-        for (int i = 0; i < MOE_PERM_PLAN_PF; ++i) {
-            const int64_t e = x + i * X;
-            const bool has = live && e < E;
-            bits[i] = has ? perm_ld_u32(a.col_bits + c * E + e) : 0u;
-            rank0[i] = has ? (int32_t)perm_ld_u32(a.chunk_rank + e * a.nchunks + c) : 0;
-        }
+        /* launch_data gives X >= E whenever the scatter plans (E <= MOE_PERM_PLAN_E), so the
+         * thread ranks one expert, x: its ballot and chunk prefix load while the first warp
+         * loads the counts and plans, one round trip for the block */
+        const bool has = live && x < E;
+        const uint32_t bits = has ? perm_ld_u32(a.col_bits + c * E + x) : 0u;
+        const int32_t rank0 = has ? (int32_t)perm_ld_u32(a.chunk_rank + x * a.nchunks + c) : 0;
         if (y == 0 && x < 32) perm_plan_warp(a, x, real_cap, plan);
         __syncthreads();
-        if (live) {
-#pragma unroll
-            for (int i = 0; i < MOE_PERM_PLAN_PF; ++i) {
-                const int64_t e = x + i * X;
-                if (e < E)
-                    perm_rank_one(a, t, e, bits[i] >> l & 1u, rank0[i] + __popc(bits[i] & below),
-                                  plan[E + 1 + e], plan[e], plan[2 * E + 1 + e], real_cap,
-                                  a.pf_probs && i == 0, p0, dst, &s_n[y]);
-            }
-            for (int64_t e = x + MOE_PERM_PLAN_PF * X; e < E; e += X) { /* E > 2·X: after it */
-                const uint32_t b = perm_ld_u32(a.col_bits + c * E + e);
-                const int64_t rank0 = (int32_t)perm_ld_u32(a.chunk_rank + e * a.nchunks + c);
-                perm_rank_one(a, t, e, b >> l & 1u, rank0 + __popc(b & below), plan[E + 1 + e],
-                              plan[e], plan[2 * E + 1 + e], real_cap, false, p0, dst, &s_n[y]);
-            }
-        }
+        if (has)
+            perm_rank_one(a, t, x, bits >> l & 1u, rank0 + __popc(bits & below), plan[E + 1 + x],
+                          plan[x], plan[2 * E + 1 + x], real_cap, a.pf_probs, p0, dst, &s_n[y]);
     } else {
         __syncthreads();
         if (live)
@@ -497,6 +474,10 @@ static moe_status_t launch_data(perm_scatter_args_t a, size_t row_bytes, cudaStr
     if (X < x_experts) X = x_experts;
     int Y = 256 / X;
     while (Y > 1 && (size_t)Y * (size_t)a.E * sizeof(int32_t) > 48 * 1024) X *= 2, Y /= 2;
+    /* the planning scatter ranks exactly one expert per thread */
+    if (a.plan_here && X < a.E)
+        return moe_fail(MOE_ERR_INTERNAL, "permute: %d threads a token for %lld experts", X,
+                        (long long)a.E);
     /* the block's plan (plan_here), then its row lists */
     const size_t smem = (a.plan_here ? (size_t)(3 * a.E + 2) * sizeof(int64_t) : 0) +
                         (size_t)Y * (size_t)a.E * sizeof(int32_t);
