@@ -34,6 +34,10 @@ TAIL = 19
 SIZES = {"aligned": (136, 264), "unaligned": (45, 70)}
 
 
+def is_hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
 def make_counts(case):
     if COUNTS[case] is not None:
         return COUNTS[case]
@@ -244,6 +248,122 @@ def test_wgrad_both_stage_depths(monkeypatch, dtype, trans_w, tile):
     assert torch.equal(dws["32"], dws["64"])
 
 
+# ---- the split last wave (Hopper, fwd/dgrad) -------------------------------------------------
+# When the tiles leave a partial last wave of r <= G / 2 tiles (G = the SMs), the sm_90a kernel
+# cuts each of them along k into G / r segments (at most 16) run by otherwise idle CTAs; the last
+# segment to finish sums the partials in k order. MOE_GG_SM90_SPLIT_TAIL=1 splits at every
+# reduction length (segments down to one k block), 0 never; by default reductions of 64 k blocks
+# or more, in segments of 16 or more.
+
+
+def sms():
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def tail_counts(m_tiles):
+    """Rows per expert making m_tiles 128-row tiles in all: uneven tails, empty experts, ones."""
+    per = [0, 1, 3, 0, 5, 2]
+    per[2] += m_tiles - sum(per)
+    tails = [0, 127, 1, 0, 64, 0]  # rows short of each expert's last full tile
+    return [0 if t == 0 else max(1, 128 * t - r) for t, r in zip(per, tails)]
+
+
+SK_WAVES = {  # name: M tiles of 128 rows, as a function of G (n tiles: 2 of 256 columns)
+    "one_wave_and_2": lambda g: g // 2 + 1,        # total G + 2: 2 tiles in 8 segments
+    "one_and_a_half": lambda g: g // 2 + g // 4,   # total 1.5 G: G / 2 tiles in 2 segments
+    "two_waves_and_6": lambda g: g + 3,            # total 2 G + 6
+    "half_a_wave": lambda g: g // 4,               # total G / 2: no full wave
+}
+
+
+def products(x, w, dy, off, trans_w):
+    with poisoned():
+        return (ops.grouped_gemm(x, w, off, trans_w), ops.grouped_gemm_dgrad(dy, w, off, trans_w))
+
+
+@pytest.mark.skipif(not is_hopper(), reason="the split last wave is the sm_90a kernel's")
+@pytest.mark.parametrize("waves", list(SK_WAVES))
+@pytest.mark.parametrize("trans_w", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_split_tail(monkeypatch, dtype, trans_w, waves):
+    """fwd and dgrad with the last wave split: within the fp64 rule, rows past the last offset
+    zero, bitwise equal over repeated calls (the order the segments finish in varies), and
+    different bits from the unsplit kernel somewhere (the split did happen)."""
+    monkeypatch.setenv("MOE_GG_SM90_TILE", "256")
+    counts = tail_counts(SK_WAVES[waves](sms()))
+    x, w, dy, off = make_inputs(counts, 512, 512, trans_w, dtype)
+    monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", "0")
+    plain = products(x, w, dy, off, trans_w)
+    monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", "1")
+    split = products(x, w, dy, off, trans_w)
+    truth = reference(x.cpu(), w.cpu(), dy.cpu(), off.cpu(), trans_w, torch.float64)
+    same = reference(x, w, dy, off, trans_w, dtype)
+    kept = sum(counts)
+    for name, o, p, t, sm in zip(("y", "dx"), split, plain, truth, same):
+        assert not o.isnan().any(), f"{name}: unwritten (NaN-poisoned) elements"
+        assert torch.equal(o[kept:], torch.zeros_like(o[kept:])), f"{name}: rows past the end"
+        assert_error_at_most(o, sm, t, msg=f"{name} split {waves}")
+        assert not torch.equal(o, p), f"{name}: the same bits as the unsplit kernel"
+    for _ in range(3):
+        for name, o, again in zip(("y", "dx"), split, products(x, w, dy, off, trans_w)):
+            assert torch.equal(o, again), f"{name}: a second call differs"
+
+
+@pytest.mark.skipif(not is_hopper(), reason="the split last wave is the sm_90a kernel's")
+def test_split_tail_default_threshold(monkeypatch):
+    """Unset, the last wave is split for reductions of 64 k blocks or more, in segments of 16 or
+    more: fwd over K = 4096 (64 k blocks) splits its last wave of 2 tiles into 4 segments of 16
+    (=1: 16 segments of 4); dgrad over N = 512 (8 k blocks) is not split."""
+    monkeypatch.setenv("MOE_GG_SM90_TILE", "256")
+    counts = tail_counts(SK_WAVES["one_wave_and_2"](sms()))
+    x, w, dy, off = make_inputs(counts, 4096, 512, True, torch.bfloat16)
+    runs = {}
+    for sk in ("0", "1", None):
+        if sk is None:
+            monkeypatch.delenv("MOE_GG_SM90_SPLIT_TAIL", raising=False)
+        else:
+            monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", sk)
+        runs[sk] = products(x, w, dy, off, True)
+    assert not torch.equal(runs[None][0], runs["0"][0]), "fwd, 64 k blocks: not split by default"
+    assert not torch.equal(runs[None][0], runs["1"][0]), "fwd: 16 segments by default"
+    assert torch.equal(runs[None][1], runs["0"][1]), "dgrad, 8 k blocks: split by default"
+
+
+@pytest.mark.skipif(not is_hopper(), reason="the split last wave is the sm_90a kernel's")
+@pytest.mark.parametrize("trans_w", [False, True])
+def test_split_tail_cuda_graph(monkeypatch, trans_w):
+    """The split wave's counters are zeroed on the stream each call: a captured forward and
+    backward replayed with other counts (other splits) equals eager, bit for bit."""
+    monkeypatch.setenv("MOE_GG_SM90_TILE", "256")
+    monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", "1")
+    g = sms()
+    shapes = [tail_counts(f(g)) for f in SK_WAVES.values()]
+    R = max(sum(c) for c in shapes) + TAIL
+
+    def draw(counts):
+        return make_inputs(counts, 512, 512, trans_w, torch.bfloat16, tail=R - sum(counts))
+
+    sx, sw, sdy, soff = draw(shapes[0])
+    sx.requires_grad_(), sw.requires_grad_()
+
+    def step():
+        y = ops.grouped_gemm(sx, sw, soff, trans_w)
+        return (y,) + torch.autograd.grad(y, (sx, sw), sdy)
+
+    graph, static_out = capture_graph(step)
+    for counts in shapes[1:] + shapes[:1]:
+        x, w, dy, off = draw(counts)
+        with torch.no_grad():
+            sx.copy_(x), sw.copy_(w), sdy.copy_(dy), soff.copy_(off)
+        graph.replay()
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = ops.grouped_gemm(xr, wr, off, trans_w)
+        eager = (y,) + torch.autograd.grad(y, (xr, wr), dy)
+        torch.cuda.synchronize()
+        for name, gr, e in zip(("y", "dx", "dw"), static_out, eager):
+            assert torch.equal(gr, e), f"{name}: replay differs from eager, counts {counts}"
+
+
 @pytest.mark.parametrize("trans_w", [False, True])
 def test_zero_sizes(trans_w):
     off = offsets_of([0, 0, 0], "cuda")
@@ -328,10 +448,6 @@ GLU_CASES = [(True, 0.0, None), (True, -0.5, None), (True, 0.3, 2.01), (False, 0
 # (H, F): F % 8 == 0 with tails past both tile widths' halves (64, 128) and F below one half,
 # and an F that is no multiple of 8 (the composed path on every GPU)
 GLU_SIZES = {"tails": (136, 200), "narrow": (64, 24), "unaligned_f": (72, 44)}
-
-
-def is_hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 @pytest.fixture(autouse=True)
@@ -504,6 +620,26 @@ def test_glu_backward_equals_composition(gated, trans_w):
     ref = grads(lambda a, b, p: glu_composed(a, b, off, p, "silu", gated, 0.5, None, trans_w))
     for name, o, r in zip(("dx", "dW", "dprobs"), ours, ref):
         assert_bits(o, r, name)
+
+
+@pytest.mark.skipif(not is_hopper(), reason="the split last wave is the sm_90a kernel's")
+@pytest.mark.parametrize("gated", [True, False])
+def test_glu_fused_declines_split_tail(monkeypatch, gated):
+    """Where the plain GEMM may split its last wave (whose tiles cover other columns than the
+    fused kernel's gate / linear pairs), the fused epilogue declines and the two kernels compose:
+    a and h are the composition's bits, with a split (1.5 waves of tiles)."""
+    monkeypatch.setenv("MOE_GG_SM90_TILE", "256")
+    monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", "1")
+    g = sms()
+    counts = tail_counts(SK_WAVES["one_and_a_half"](g))
+    x, w, off, probs = glu_inputs(counts, 512, 256 if gated else 512, gated, torch.bfloat16)
+    with poisoned():
+        h, a = ops.grouped_gemm_glu_probs(x, w, off, probs, "silu", gated, 0.0, None)
+        h_ref, a_ref = glu_composed(x, w, off, probs, "silu", gated, 0.0, None)
+    assert_bits(a, a_ref, "a")
+    assert_bits(h, h_ref, "h")
+    monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", "0")
+    assert not torch.equal(ops.grouped_gemm(x, w, off, True), a), "the wave was not split"
 
 
 def test_glu_deterministic():

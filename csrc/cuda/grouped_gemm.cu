@@ -693,7 +693,7 @@ extern "C" moe_status_t moe_cuda_grouped_gemm_glu_probs_fwd(
     MOE_CHECK(params->in_features == 0 || (x && weight), "x and weight must not be NULL");
     if (glu_epilogue_wanted())
         GG_TRY_SM90(moe_cuda_gg_sm90_glu_probs_fwd, h, a, x, weight, expert_offsets, probs,
-                    probs_dtype, params, glu, stream);
+                    probs_dtype, params, glu, workspace, workspace_bytes, stream);
     MOE_TRY(moe_cuda_grouped_gemm_fwd(a, x, weight, expert_offsets, params, workspace,
                                       workspace_bytes, stream));
     return moe_cuda_glu_probs_fwd(h, a, probs, params->num_rows, ffn, params->dtype, probs_dtype,

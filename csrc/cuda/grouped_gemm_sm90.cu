@@ -28,7 +28,11 @@
  * Work order: tiles numbered expert by expert; inside an expert, groups of 16 M tiles with M
  * fastest, so the ~132 concurrent tiles share a few weight column blocks and a few row blocks
  * (both stay in L2). Static round-robin over CTAs; every output element has one writer and a
- * fixed summation order (ascending k blocks), no atomics: bitwise reproducible.
+ * fixed summation order (ascending k blocks): bitwise reproducible. The one exception is fwd /
+ * dgrad's split last wave (gg_sched_make): when the tiles leave a partial last wave, its tiles
+ * are cut along k into segments run by otherwise idle CTAs, and the last segment to finish sums
+ * the fp32 partials in k order (gg_sk_fixup), handed over through the workspace with integer
+ * atomics: the same order on every run, so still reproducible.
  *
  * fc1 fused with glu_probs (FUSE != GG_FUSE_NONE, fwd with Megatron's [E, 2F, H] weight): the
  * same mainloop, with the B tile built from the gate rows and their linear partners (two copy-
@@ -110,6 +114,14 @@ typedef struct gg_args {
     int m_tiles_static;            /* wgrad: ceil(m_static / 128) */
     int64_t ld_out;                /* fwd/dgrad: row stride of the output in elements */
     int64_t num_rows;              /* rows of the activation buffers */
+    /* the split last wave (fwd/dgrad; sk_sync NULL: off; see gg_sched_make): per split tile and
+     * consumer warpgroup an arrival count (sk_slots ints, zeroed on the stream before the
+     * launch), then per segment and warpgroup a 64 x BN fp32 partial (at most sk_slots) */
+    int *sk_sync;
+    float *sk_part;
+    int sk_slots;                  /* 2 * gridDim.x: a CTA's segment x 2 consumer warpgroups */
+    int sk_min_iters;              /* reductions shorter than this many k blocks: no split */
+    int sk_min_seg;                /* k blocks a segment has at least */
     /* fused fc1 only (FUSE != GG_FUSE_NONE; out is then a [num_rows, ld_out]) */
     void *h;                       /* [num_rows, ffn], the operand dtype */
     const void *probs;             /* [num_rows] in glu.probs_dtype, or NULL (glu.has_probs = 0) */
@@ -297,6 +309,107 @@ __device__ __forceinline__ gg_tile_t gg_decode(int t, const gg_args_t &a, const 
     else
         tl.iters = a.red_iters;
     return tl;
+}
+
+/* A CTA's work: tiles t, t + G, ... below sk_t0, then at most one segment of a split tile. */
+typedef struct gg_sched {
+    int t, sk_t0, iters;
+    int seg;   /* this CTA's unit in the split last wave (tile (seg / segs), segment seg % segs) */
+    int segs;  /* segments per split tile; 0: nothing split */
+} gg_sched_t;
+
+/* fwd/dgrad with a uniform reduction: when the tiles leave a partial last wave of r tiles
+ * (G CTAs, r <= G / 2), each of those r tiles is cut along k into segs = G / r equal segments (at
+ * most GG_SK_MAX_SEGS, each at least sk_min_seg k blocks), one per CTA, so the last wave takes
+ * 1 / segs of a tile's time instead of a whole one (mixtral's fc2 fwd and fc1 dgrad: 16 tiles of
+ * 224 / 448 k blocks in a 17th wave). Segment j of every split tile covers the same k blocks and
+ * they all start together, so the CTAs sharing a weight block still read it at the same time
+ * (through L2); a stream-K split into unaligned ranges measured 0.96-1.00x, as its CTAs read
+ * every k block at a different time (H200, 2026-12-04). gg_sk_fixup sums the segments. */
+#define GG_SK_MAX_SEGS 16
+template <bool WGRAD>
+__device__ __forceinline__ gg_sched_t gg_sched_make(const gg_args_t &a, int total) {
+    gg_sched_t sc;
+    sc.t = blockIdx.x;
+    sc.sk_t0 = total;
+    sc.iters = a.red_iters;
+    sc.seg = -1;
+    sc.segs = 0;
+    if constexpr (!WGRAD) {
+        const int G = gridDim.x, q = total / G, r = total - q * G;
+        if (a.sk_sync && r > 0 && a.red_iters >= a.sk_min_iters) {
+            int segs = G / r;
+            if (segs > GG_SK_MAX_SEGS) segs = GG_SK_MAX_SEGS;
+            if (segs > a.red_iters / a.sk_min_seg) segs = a.red_iters / a.sk_min_seg;
+            if (segs >= 2) {
+                sc.sk_t0 = q * G;
+                sc.segs = segs;
+                if ((int)blockIdx.x < r * segs) sc.seg = blockIdx.x;
+            }
+        }
+    }
+    return sc;
+}
+
+/* The next unit of work: tile *tile, k blocks [*kb0, *kb1) (*kb1 = -1: the whole tile, its own
+ * iters), *seg = its unit in the split wave (-1: not split). Uniform per CTA. */
+__device__ __forceinline__ bool gg_sched_next(gg_sched_t &sc, int *tile, int *kb0, int *kb1,
+                                              int *seg) {
+    if (sc.t < sc.sk_t0) {
+        *tile = sc.t, *kb0 = 0, *kb1 = -1, *seg = -1;
+        sc.t += gridDim.x;
+        return true;
+    }
+    if (sc.seg < 0) return false;
+    const int i = sc.seg / sc.segs, j = sc.seg - i * sc.segs;
+    *tile = sc.sk_t0 + i;
+    *kb0 = (int)((int64_t)j * sc.iters / sc.segs);
+    *kb1 = (int)((int64_t)(j + 1) * sc.iters / sc.segs);
+    *seg = sc.seg;
+    sc.seg = -1;
+    return true;
+}
+
+/* One consumer warpgroup's 64 x BN part of a split tile's segment. Every segment parks its
+ * partial sums in the workspace, then counts itself in; the last one in (all the others' stores
+ * are then visible: fence, then the atomic) sums the partials in k order, segment 0 first: the
+ * same additions in the same order whichever segment finishes last, so the bits are
+ * reproducible. Nothing waits (no CTA depends on another being resident); integer atomics only.
+ * Returns true when this warpgroup holds the tile's sums and stores them. */
+template <int BN>
+__device__ __forceinline__ bool gg_sk_fixup(const gg_args_t &a, int seg, int segs, int wg,
+                                            float (&acc)[BN / 2], int *s_flag, int bar) {
+    const int tw = threadIdx.x & 127;
+    const int i = seg / segs, j = seg - i * segs;
+    int *arrive = a.sk_sync + 2 * i + wg;
+    /* slot (i * segs + k) * 2 + wg: segment k of tile i, this warpgroup's half; float4s
+     * interleaved by thread, so a warp's stores and loads are 512 contiguous bytes */
+    const float4 *part = (const float4 *)a.sk_part + (size_t)(2 * i * segs + wg) * (16 * BN) + tw;
+    const size_t seg_stride = (size_t)2 * 16 * BN; /* float4s from one segment's slot to the next */
+    float4 *mine = (float4 *)part + j * seg_stride;
+#pragma unroll
+    for (int q = 0; q < BN / 8; ++q)
+        __stcg(mine + 128 * q,
+               make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
+    __threadfence();
+    asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
+    if (tw == 0) *s_flag = atomicAdd(arrive, 1);
+    asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
+    if (*s_flag < segs - 1) return false;
+    __threadfence();
+#pragma unroll
+    for (int q = 0; q < BN / 8; ++q) {
+        const float4 v = __ldcg(part + 128 * q);
+        acc[4 * q] = v.x, acc[4 * q + 1] = v.y, acc[4 * q + 2] = v.z, acc[4 * q + 3] = v.w;
+    }
+    for (int k = 1; k < segs; ++k) {
+#pragma unroll
+        for (int q = 0; q < BN / 8; ++q) {
+            const float4 v = __ldcg(part + k * seg_stride + 128 * q);
+            acc[4 * q] += v.x, acc[4 * q + 1] += v.y, acc[4 * q + 2] += v.z, acc[4 * q + 3] += v.w;
+        }
+    }
+    return true;
 }
 
 template <typename OutT>
@@ -531,6 +644,7 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
     __shared__ __align__(8) uint64_t full_bar[STAGES], empty_bar[STAGES];
     __shared__ int64_t s_off[GG_MAX_E + 1];
     __shared__ int s_cum[GG_MAX_E + 1];
+    __shared__ int s_sk_flag[2]; /* gg_sk_fixup's arrival order, per consumer warpgroup */
     extern __shared__ uint8_t gg_smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)gg_smem_raw + 1023) & ~(uintptr_t)1023);
 
@@ -588,10 +702,13 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
             asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_b) : "memory");
             int stage = 0;
             uint32_t phase = 0;
-            for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            gg_sched_t sc = gg_sched_make<WGRAD>(args, total);
+            int t, kb0, kb1, seg;
+            while (gg_sched_next(sc, &t, &kb0, &kb1, &seg)) {
                 const gg_tile_t tl = gg_decode<WGRAD, BK>(t, args, s_off, s_cum);
                 const int m0 = tl.m_blk * GG_BM, n0 = tl.n_blk * BN;
-                for (int kb = 0; kb < tl.iters; ++kb) {
+                const int k_end = kb1 < 0 ? tl.iters : kb1;
+                for (int kb = kb0; kb < k_end; ++kb) {
                     gg_mbar_wait(&empty_bar[stage], phase ^ 1);
                     uint8_t *sa = smem + stage * STAGE_BYTES, *sb = sa + A_BYTES;
                     uint64_t *fb = &full_bar[stage];
@@ -631,9 +748,12 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
         uint32_t phase = 0;
         float acc[BN / 2];
         uint8_t *cbuf = smem + STAGES * STAGE_BYTES + wg * (TMA_EPI ? GG_W_BYTES(BN) : GG_C_BYTES);
-        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        gg_sched_t sc = gg_sched_make<WGRAD>(args, total);
+        int t, kb0, kb1, seg;
+        while (gg_sched_next(sc, &t, &kb0, &kb1, &seg)) {
             const gg_tile_t tl = gg_decode<WGRAD, BK>(t, args, s_off, s_cum);
             const int m0 = tl.m_blk * GG_BM + wg * 64, n0 = tl.n_blk * BN;
+            const int k_end = kb1 < 0 ? tl.iters : kb1;
             const int col_lim = args.n_out - n0;
             int64_t ld, off;
             int row_lim;
@@ -653,7 +773,7 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
              * apart, so the weight, streamed from DRAM there, is no longer shared through L2. */
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-            for (int kb = 0; kb < tl.iters; ++kb) {
+            for (int kb = kb0; kb < k_end; ++kb) {
                 gg_mbar_wait(&full_bar[stage], phase);
                 uint8_t *sa = smem + stage * STAGE_BYTES, *sb = sa + A_BYTES;
                 if constexpr (WGRAD) {
@@ -688,14 +808,20 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                 asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
                 /* one group stays in flight: the previous k block's is done, free its stage */
                 asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-                if (kb > 0 && lane == 0) gg_mbar_arrive(&empty_bar[prev_stage]);
+                if (kb > kb0 && lane == 0) gg_mbar_arrive(&empty_bar[prev_stage]);
                 prev_stage = stage;
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
             asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
             gg_fence_acc(acc);
-            if (tl.iters > 0 && lane == 0) gg_mbar_arrive(&empty_bar[prev_stage]);
+            if (k_end > kb0 && lane == 0) gg_mbar_arrive(&empty_bar[prev_stage]);
             if (row_lim <= 0) continue;
+            if constexpr (!WGRAD) {
+                /* a segment of a split tile: the last to finish sums them and stores the tile */
+                if (seg >= 0 &&
+                    !gg_sk_fixup<BN>(args, seg, sc.segs, wg, acc, &s_sk_flag[wg], 2 + wg))
+                    continue;
+            }
             if constexpr (FUSE != GG_FUSE_NONE) {
                 const int col0 = FUSE == GG_FUSE_GLU ? tl.n_blk * (BN / 2) : n0;
                 gg_store_fused<BN, FUSE, F16>(args, tl.row0 + m0, row_lim, col0, acc, cbuf,
@@ -825,9 +951,47 @@ extern "C" int moe_cuda_gg_sm90_compiled(void) {
     return gg_kernel_real((const void *)gg_sm90_kernel<256, false, false, false>);
 }
 
-extern "C" size_t moe_cuda_gg_sm90_workspace_size(const moe_grouped_gemm_params_t *params) {
-    (void)params;
-    return 0;
+/* The split last wave (gg_sched_make): reductions of at least GG_SK_MIN_ITERS k blocks (shorter
+ * tiles make a short last wave), segments of at least GG_SK_MIN_SEG. MOE_GG_SM90_SPLIT_TAIL=0
+ * turns it off, =1 on at every length with segments down to one k block (tests, benchmarks). */
+#define GG_SK_MIN_ITERS 64
+#define GG_SK_MIN_SEG 16
+static void gg_sk_options(int *min_iters, int *min_seg) {
+    const char *env = getenv("MOE_GG_SM90_SPLIT_TAIL");
+    *min_iters = GG_SK_MIN_ITERS, *min_seg = GG_SK_MIN_SEG;
+    if (env && env[0] == '0' && env[1] == 0) *min_iters = -1;
+    if (env && env[0] == '1' && env[1] == 0) *min_iters = 1, *min_seg = 1;
+}
+
+/* 1 when a fwd/dgrad over `red` reduction elements may split its last wave (into >= 2 segments) */
+static int gg_sk_may_split(int64_t red) {
+    int min_iters, min_seg;
+    gg_sk_options(&min_iters, &min_seg);
+    const int64_t iters = (red + GG_BK - 1) / GG_BK;
+    return min_iters >= 0 && iters >= min_iters && iters / min_seg >= 2;
+}
+
+/* The split wave's workspace for a grid of G CTAs: 2G ints (per split tile and consumer
+ * warpgroup an arrival count), then 2G partials of 64 x bn fp32. */
+static size_t gg_sk_sync_bytes(int64_t G) { return ((size_t)G * 2 * sizeof(int) + 255) / 256 * 256; }
+static size_t gg_sk_bytes(int64_t G, int bn) {
+    return gg_sk_sync_bytes(G) + (size_t)G * 2 * 64 * bn * sizeof(float);
+}
+
+extern "C" size_t moe_cuda_gg_sm90_workspace_size(const moe_grouped_gemm_params_t *p) {
+    if (!p || (p->dtype != MOE_DTYPE_BF16 && p->dtype != MOE_DTYPE_FP16)) return 0;
+    if (!moe_cuda_gg_sm90_compiled()) return 0;
+    int dev = 0, major = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    if (major != 9) return 0;
+    /* fwd reduces over K, dgrad over N */
+    if (!gg_sk_may_split(p->in_features) && !gg_sk_may_split(p->out_features)) return 0;
+    return gg_sk_bytes(sms, 256);
 }
 
 typedef enum { GG_FWD = 0, GG_DGRAD = 1, GG_WGRAD = 2 } gg_op_t;
@@ -872,7 +1036,8 @@ static int gg_wgrad_bk(int64_t rows, int64_t E) {
 
 static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const void *other,
                                 const int64_t *offsets, const moe_grouped_gemm_params_t *p,
-                                const gg_fuse_t *fuse, void *stream) {
+                                const gg_fuse_t *fuse, void *workspace, size_t workspace_bytes,
+                                void *stream) {
     moe_clear_error();
     if (!p) return MOE_ERR_UNSUPPORTED;
     const moe_dtype_t dt = p->dtype, odt = p->out_dtype;
@@ -897,6 +1062,9 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
     int64_t ffn = 0;
     if (fuse) {
         if (op != GG_FWD || !tw || odt != dt || !fuse->glu || !fuse->h) return MOE_ERR_UNSUPPORTED;
+        /* a is the plain GEMM's bits: where that may split its last wave, whose tiles cover other
+         * columns than the fused kernel's ([gate | linear] pairs), the two kernels compose */
+        if (gg_sk_may_split(K)) return MOE_ERR_UNSUPPORTED;
         fuse_mode = fuse->glu->gated_linear_unit ? GG_FUSE_GLU : GG_FUSE_ACT;
         ffn = fuse_mode == GG_FUSE_GLU ? N / 2 : N;
         if (fuse_mode == GG_FUSE_GLU && N % 2) return MOE_ERR_UNSUPPORTED;
@@ -1011,8 +1179,23 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         (void)cudaGetLastError();
         return MOE_ERR_UNSUPPORTED;
     }
-    const int grid = (int)(tiles_bound < sms ? tiles_bound : sms);
+    /* the split last wave (fwd/dgrad): a CTA per SM, since with fewer tiles than SMs the idle
+     * ones take segments too */
+    const int sk_ok = op != GG_WGRAD && gg_sk_may_split(red) && workspace &&
+                      workspace_bytes >= gg_sk_bytes(sms, bn);
+    const int grid = sk_ok ? sms : (int)(tiles_bound < sms ? tiles_bound : sms);
     cudaStream_t s = (cudaStream_t)stream;
+    args.sk_sync = NULL;
+    args.sk_part = NULL;
+    args.sk_slots = 2 * grid;
+    gg_sk_options(&args.sk_min_iters, &args.sk_min_seg);
+    if (sk_ok) {
+        args.sk_sync = (int *)workspace;
+        args.sk_part = (float *)((char *)workspace + gg_sk_sync_bytes(grid));
+        if (cudaMemsetAsync(workspace, 0, (size_t)grid * 2 * sizeof(int), s) != cudaSuccess)
+            return moe_fail(MOE_ERR_CUDA, "grouped_gemm: cudaMemsetAsync of the split "
+                            "wave's counters failed: %s", cudaGetErrorString(cudaGetLastError()));
+    }
     if (grid > 0) {
         k<<<grid, GG_THREADS, smem, s>>>(map_a, map_b, map_c, args);
         MOE_CHECK_LAUNCH("gg_sm90_kernel");
@@ -1046,8 +1229,8 @@ extern "C" moe_status_t moe_cuda_gg_sm90_fwd(void *y, const void *x, const void 
                                              const moe_grouped_gemm_params_t *params,
                                              void *workspace, size_t workspace_bytes,
                                              void *stream) {
-    (void)workspace, (void)workspace_bytes;
-    return gg_sm90_run(GG_FWD, y, x, weight, expert_offsets, params, NULL, stream);
+    return gg_sm90_run(GG_FWD, y, x, weight, expert_offsets, params, NULL, workspace,
+                       workspace_bytes, stream);
 }
 
 extern "C" moe_status_t moe_cuda_gg_sm90_dgrad(void *grad_x, const void *grad_y,
@@ -1055,8 +1238,8 @@ extern "C" moe_status_t moe_cuda_gg_sm90_dgrad(void *grad_x, const void *grad_y,
                                                const moe_grouped_gemm_params_t *params,
                                                void *workspace, size_t workspace_bytes,
                                                void *stream) {
-    (void)workspace, (void)workspace_bytes;
-    return gg_sm90_run(GG_DGRAD, grad_x, grad_y, weight, expert_offsets, params, NULL, stream);
+    return gg_sm90_run(GG_DGRAD, grad_x, grad_y, weight, expert_offsets, params, NULL, workspace,
+                       workspace_bytes, stream);
 }
 
 extern "C" moe_status_t moe_cuda_gg_sm90_wgrad(void *grad_weight, const void *x,
@@ -1064,8 +1247,8 @@ extern "C" moe_status_t moe_cuda_gg_sm90_wgrad(void *grad_weight, const void *x,
                                                const moe_grouped_gemm_params_t *params,
                                                void *workspace, size_t workspace_bytes,
                                                void *stream) {
-    (void)workspace, (void)workspace_bytes;
-    return gg_sm90_run(GG_WGRAD, grad_weight, x, grad_y, expert_offsets, params, NULL, stream);
+    return gg_sm90_run(GG_WGRAD, grad_weight, x, grad_y, expert_offsets, params, NULL, workspace,
+                       workspace_bytes, stream);
 }
 
 extern "C" moe_status_t moe_cuda_gg_sm90_glu_probs_fwd(void *h, void *a, const void *x,
@@ -1074,7 +1257,9 @@ extern "C" moe_status_t moe_cuda_gg_sm90_glu_probs_fwd(void *h, void *a, const v
                                                        const void *probs, moe_dtype_t probs_dtype,
                                                        const moe_grouped_gemm_params_t *params,
                                                        const moe_glu_probs_params_t *glu,
+                                                       void *workspace, size_t workspace_bytes,
                                                        void *stream) {
     const gg_fuse_t fuse = {h, probs, probs_dtype, glu};
-    return gg_sm90_run(GG_FWD, a, x, weight, expert_offsets, params, &fuse, stream);
+    return gg_sm90_run(GG_FWD, a, x, weight, expert_offsets, params, &fuse, workspace,
+                       workspace_bytes, stream);
 }
