@@ -18,7 +18,11 @@ epilogue; the op's default is the two kernels) vs ours unfused
 The fused output must equal the unfused one bit for bit (asserted before timing).
 
     python3 benchmarks/bench_grouped_gemm.py [--layers mixtral,qwen3_30b_a3b] [--reps 15]
-                                             [--fused only|no]
+                                             [--fused only|no] [--variant VAR=VALUE]
+
+--variant times ours a second time under an environment option, in the same rounds (column
+'vs var': > 1 when the default is faster), e.g. MOE_GG_SM90_SPLIT_TAIL=0. The option is set
+inside the timed call, so the variant's time includes a few microseconds more of host work.
 """
 import argparse
 import contextlib
@@ -86,7 +90,29 @@ def expert_offsets(rows_per_expert):
     return torch.cat([torch.zeros(1, dtype=torch.long, device="cuda"), ends]), ends.to(torch.int32)
 
 
-def bench_problem(name, rows_per_expert, K, N, reps, ceiling, results):
+@contextlib.contextmanager
+def env_set(assignment):
+    """VAR=VALUE set for the duration (the op reads its MOE_GG_* options at each call)."""
+    var, _, val = assignment.partition("=")
+    old = os.environ.get(var)
+    os.environ[var] = val
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[var]
+        else:
+            os.environ[var] = old
+
+
+def with_env(assignment, fn):
+    def run():
+        with env_set(assignment):
+            return fn()
+    return run
+
+
+def bench_problem(name, rows_per_expert, K, N, reps, ceiling, results, variant=None):
     E, R = len(rows_per_expert), sum(rows_per_expert)
     dev, dt = "cuda", torch.bfloat16
     off64, offs32 = expert_offsets(rows_per_expert)
@@ -132,6 +158,10 @@ def bench_problem(name, rows_per_expert, K, N, reps, ceiling, results):
         ref = loop()
         err = rel_err(ours(), ref)
         fns = {"ours": ours, "gmm": gmm, "loop": loop}
+        if variant:  # the same op under another option, in the same rounds
+            fns["var"] = with_env(variant, ours)
+            verr = rel_err(fns["var"](), ref)
+            assert verr < 2e-2, f"{name} {prod} [{variant}]: relative error {verr:.3e}"
         try:
             gerr = rel_err(gmm(), ref)
         except (RuntimeError, NotImplementedError) as exc:  # layout or arch it does not take
@@ -144,11 +174,12 @@ def bench_problem(name, rows_per_expert, K, N, reps, ceiling, results):
         tf = flops / t_ours / 1e9
         row = dict(shape=name, prod=prod, ms=t_ours, tflops=tf, vs_gmm=t_gmm / t_ours,
                    vs_loop=t_loop / t_ours, pct=100 * tf / ceiling, gmm_ms=t_gmm, loop_ms=t_loop,
-                   err=err, gerr=gerr)
+                   err=err, gerr=gerr, vs_var=t.get("var", float("nan")) / t_ours)
         results.append(row)
+        var = f" | [{variant}] {t['var']:8.3f} ms (x{row['vs_var']:.3f})" if variant else ""
         print(f"  {prod:5s} ours {t_ours:8.3f} ms {tf:6.1f} TFLOP/s | grouped_mm {t_gmm:8.3f} ms"
               f" (x{row['vs_gmm']:.2f}) | loop {t_loop:8.3f} ms (x{row['vs_loop']:.2f}) |"
-              f" {row['pct']:5.1f}% of dense | rel err ours {err:.1e} gmm {gerr:.1e}",
+              f" {row['pct']:5.1f}% of dense | rel err ours {err:.1e} gmm {gerr:.1e}{var}",
               flush=True)
         assert err < 2e-2, f"{name} {prod}: our relative error {err:.3e} vs the loop"
     del x, w, dy
@@ -229,6 +260,9 @@ def main():
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--fused", choices=("yes", "only", "no"), default="yes",
                     help="the fc1 + SwiGLU + probs rows: with the products, alone, or not")
+    ap.add_argument("--variant", default=None, metavar="VAR=VALUE",
+                    help="also time ours with this environment option in the same rounds "
+                         "(e.g. MOE_GG_SM90_SPLIT_TAIL=0); 'vs var' > 1: the default is faster")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA {torch.version.cuda}")
@@ -240,20 +274,23 @@ def main():
         T, H, E, k, ffn = LAYERS[layer]
         counts = routing_counts(T, E, k, gen)
         print(f"{layer}: rows {T * k}, experts {E}, rows/expert min {min(counts)} "
-              f"max {max(counts)}", flush=True)
+              f"max {max(counts)}, tiles of 128 rows {sum((c + 127) // 128 for c in counts)}",
+              flush=True)
         if args.fused != "only":
             for fc, (K, N) in (("fc1", (H, 2 * ffn)), ("fc2", (ffn, H))):
                 print(f" {layer}.{fc}: K={K} N={N}", flush=True)
-                bench_problem(f"{layer}.{fc}", counts, K, N, args.reps, ceiling, results)
+                bench_problem(f"{layer}.{fc}", counts, K, N, args.reps, ceiling, results,
+                              args.variant)
         if args.fused != "no":
             print(f" {layer}.fc1+swiglu+probs: K={H} N={2 * ffn} -> F={ffn}", flush=True)
             bench_fused_fc1(f"{layer}.fc1+act", counts, H, ffn, args.reps, ceiling, fused_rows)
     if results:
         print(f"\n{'shape':22s} {'prod':5s} {'ms':>8s} {'TFLOP/s':>8s} {'vs gmm':>7s} "
-              f"{'vs loop':>7s} {'%dense':>6s}")
+              f"{'vs loop':>7s} {'%dense':>6s}" + (f" {'vs var':>7s}" if args.variant else ""))
     for r in results:
         print(f"{r['shape']:22s} {r['prod']:5s} {r['ms']:8.3f} {r['tflops']:8.1f} "
-              f"{r['vs_gmm']:7.2f} {r['vs_loop']:7.2f} {r['pct']:6.1f}")
+              f"{r['vs_gmm']:7.2f} {r['vs_loop']:7.2f} {r['pct']:6.1f}" +
+              (f" {r['vs_var']:7.3f}" if args.variant else ""))
     if fused_rows:
         print(f"\n{'shape':22s} {'fused ms':>8s} {'TFLOP/s':>8s} {'unfused':>8s} {'vs unf':>7s} "
               f"{'torch':>8s} {'vs torch':>8s} {'%dense':>6s}")
