@@ -248,6 +248,33 @@ def test_wgrad_both_stage_depths(monkeypatch, dtype, trans_w, tile):
     assert torch.equal(dws["32"], dws["64"])
 
 
+def check_graph_replays(draw, first, others, trans_w):
+    """Capture forward and backward once on draw(first) (inputs, weight, dy, offsets); replay each
+    of `others` copied into the static buffers: equal to eager, bit for bit, and rows past the
+    last offset zero."""
+    sx, sw, sdy, soff = draw(first)
+    sx.requires_grad_(), sw.requires_grad_()
+
+    def step():
+        y = ops.grouped_gemm(sx, sw, soff, trans_w)
+        return (y,) + torch.autograd.grad(y, (sx, sw), sdy)
+
+    graph, static_out = capture_graph(step)
+    for counts in others:
+        x, w, dy, off = draw(counts)
+        with torch.no_grad():
+            sx.copy_(x), sw.copy_(w), sdy.copy_(dy), soff.copy_(off)
+        graph.replay()
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = ops.grouped_gemm(xr, wr, off, trans_w)
+        eager = (y,) + torch.autograd.grad(y, (xr, wr), dy)
+        torch.cuda.synchronize()
+        for name, g, e in zip(("y", "dx", "dw"), static_out, eager):
+            assert torch.equal(g, e), f"{name}: replay differs from eager, counts {counts}"
+        kept = sum(counts)
+        assert torch.equal(static_out[0][kept:], torch.zeros_like(static_out[0][kept:]))
+
+
 # ---- the split last wave (Hopper, fwd/dgrad) -------------------------------------------------
 # When the tiles leave a partial last wave of r <= G / 2 tiles (G = the SMs), the sm_90a kernel
 # cuts each of them along k into G / r segments (at most 16) run by otherwise idle CTAs; the last
@@ -336,32 +363,13 @@ def test_split_tail_cuda_graph(monkeypatch, trans_w):
     backward replayed with other counts (other splits) equals eager, bit for bit."""
     monkeypatch.setenv("MOE_GG_SM90_TILE", "256")
     monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", "1")
-    g = sms()
-    shapes = [tail_counts(f(g)) for f in SK_WAVES.values()]
+    shapes = [tail_counts(f(sms())) for f in SK_WAVES.values()]
     R = max(sum(c) for c in shapes) + TAIL
 
     def draw(counts):
         return make_inputs(counts, 512, 512, trans_w, torch.bfloat16, tail=R - sum(counts))
 
-    sx, sw, sdy, soff = draw(shapes[0])
-    sx.requires_grad_(), sw.requires_grad_()
-
-    def step():
-        y = ops.grouped_gemm(sx, sw, soff, trans_w)
-        return (y,) + torch.autograd.grad(y, (sx, sw), sdy)
-
-    graph, static_out = capture_graph(step)
-    for counts in shapes[1:] + shapes[:1]:
-        x, w, dy, off = draw(counts)
-        with torch.no_grad():
-            sx.copy_(x), sw.copy_(w), sdy.copy_(dy), soff.copy_(off)
-        graph.replay()
-        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = ops.grouped_gemm(xr, wr, off, trans_w)
-        eager = (y,) + torch.autograd.grad(y, (xr, wr), dy)
-        torch.cuda.synchronize()
-        for name, gr, e in zip(("y", "dx", "dw"), static_out, eager):
-            assert torch.equal(gr, e), f"{name}: replay differs from eager, counts {counts}"
+    check_graph_replays(draw, shapes[0], shapes[1:] + shapes[:1], trans_w)
 
 
 @pytest.mark.parametrize("trans_w", [False, True])
@@ -404,37 +412,14 @@ def test_autograd_matches_direct_products(trans_w):
 def test_cuda_graph_forward_backward(trans_w):
     """Capture forward and backward once; replay with new inputs and new offsets (other counts,
     rows past the last offset) copied into the static buffers: equal to eager, bit for bit."""
-    E, K, N, R = 6, 128, 96, 600
-    dtype = torch.bfloat16
+    K, N, R = 128, 96, 600
 
     def draw(counts):
-        x, w, dy, off = make_inputs(counts, K, N, trans_w, dtype, tail=R - sum(counts))
-        return x, w, dy, off
+        return make_inputs(counts, K, N, trans_w, torch.bfloat16, tail=R - sum(counts))
 
-    sx, sw, sdy, soff = draw([100, 0, 250, 1, 99, 50])
-    sx.requires_grad_()
-    sw.requires_grad_()
-
-    def step():
-        y = ops.grouped_gemm(sx, sw, soff, trans_w)
-        dx, dw = torch.autograd.grad(y, (sx, sw), sdy)
-        return y, dx, dw
-
-    graph, static_out = capture_graph(step)
-
-    for counts in ([0, 0, 600, 0, 0, 0], [1, 2, 3, 4, 5, 6], [129, 0, 0, 128, 300, 1]):
-        x, w, dy, off = draw(counts)
-        with torch.no_grad():
-            sx.copy_(x), sw.copy_(w), sdy.copy_(dy), soff.copy_(off)
-        graph.replay()
-        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = ops.grouped_gemm(xr, wr, off, trans_w)
-        dx, dw = torch.autograd.grad(y, (xr, wr), dy)
-        torch.cuda.synchronize()
-        for name, g, e in zip(("y", "dx", "dw"), static_out, (y, dx, dw)):
-            assert torch.equal(g, e), f"{name}: replay differs from eager, counts {counts}"
-        kept = sum(counts)
-        assert torch.equal(static_out[0][kept:], torch.zeros_like(static_out[0][kept:]))
+    check_graph_replays(draw, [100, 0, 250, 1, 99, 50],
+                        ([0, 0, 600, 0, 0, 0], [1, 2, 3, 4, 5, 6], [129, 0, 0, 128, 300, 1]),
+                        trans_w)
 
 
 # ---- fc1 fused with glu_probs (issue 7, item 3): grouped_gemm_glu_probs -----------------------
