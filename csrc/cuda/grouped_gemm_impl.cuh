@@ -9,7 +9,8 @@
  * workspace) returns MOE_ERR_UNSUPPORTED *without launching anything*, and the dispatcher falls
  * back to the portable path. Both paths honour the public contract in moe_core.h: offsets read
  * from device memory, any counts, rows past expert_offsets[E] zeroed (fwd/dgrad), dW_e = 0 for an
- * empty expert, fp32 accumulation, one rounding per output element, no atomics, no host sync.
+ * empty expert, fp32 accumulation, one rounding per output element, no floating-point atomics,
+ * no host sync, bitwise reproducible.
  */
 #ifndef MOE_CORE_CUDA_GROUPED_GEMM_IMPL_CUH_
 #define MOE_CORE_CUDA_GROUPED_GEMM_IMPL_CUH_

@@ -20,9 +20,14 @@ Precision contract
   That is the contract of a bf16 tensor-core GEMM with fp32 accumulation, and the tests bound our
   error against an fp64 truth by 2x torch's own per-expert matmul error in the same dtype.
 * Deterministic: each output element is one running fp32 sum by one thread in ascending order
-  along the reduction, whatever the blocking and the thread count; no atomics. wgrad is parallel
-  over (expert, output tile), never over rows. The CPU kernel is picked by the CPU's features
-  (AVX-512 FMA or portable), so bits can differ between machines, never between runs.
+  along the reduction, whatever the blocking and the thread count; no floating-point atomics.
+  wgrad is parallel over (expert, output tile), never over rows. One exception, on Hopper
+  (bf16/fp16, fwd/dgrad, a reduction of 64+ blocks of 64): when the tiles leave a partial last
+  wave, those tiles are cut along the reduction into up to 16 segments on otherwise idle SMs, and
+  their fp32 partial sums are added in reduction order (``MOE_GG_SM90_SPLIT_TAIL=0`` turns this
+  off). Which tiles split depends on the counts and the SM count, never on timing. The CPU kernel
+  is picked by the CPU's features (AVX-512 FMA or portable), so bits can differ between machines,
+  never between runs.
 * bf16 on a CPU with AVX512_BF16 uses its bf16 dot-product instruction: bit for bit the same sums
   as the fp32 kernel, except that bf16 subnormal inputs (``|x| < 2**-126``) and fp32 subnormal
   partial sums are flushed to zero.

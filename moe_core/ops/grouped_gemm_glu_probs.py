@@ -34,7 +34,8 @@ Precision contract
     as the ``glu_probs`` kernel (``csrc/glu_probs_math.h``). The CUDA tests assert equality with
     the composition, not a tolerance.
   - CUDA with the variable set but a case that kernel does not take (other GPUs, fp32/fp64,
-    ``trans_w=False``, F not a multiple of 8): the composition.
+    ``trans_w=False``, F not a multiple of 8, or H of 64+ blocks of 64, where the plain GEMM may
+    split its last wave of tiles along H and ``a`` must keep its bits): the composition.
 * Rows past ``expert_offsets[-1]`` (a buffer sized by a static bound): ``a`` is 0 there and ``h``
   is glu_probs of a zero row (0 for every activation, up to the sign that a negative
   ``linear_offset`` gives and NaN for a non-finite prob), as composed.
