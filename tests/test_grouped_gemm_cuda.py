@@ -303,11 +303,6 @@ SK_WAVES = {  # name: M tiles of 128 rows, as a function of G (n tiles: 2 of 256
 }
 
 
-def products(x, w, dy, off, trans_w):
-    with poisoned():
-        return (ops.grouped_gemm(x, w, off, trans_w), ops.grouped_gemm_dgrad(dy, w, off, trans_w))
-
-
 @pytest.mark.skipif(not is_hopper(), reason="the split last wave is the sm_90a kernel's")
 @pytest.mark.parametrize("waves", list(SK_WAVES))
 @pytest.mark.parametrize("trans_w", [False, True])
@@ -320,9 +315,9 @@ def test_split_tail(monkeypatch, dtype, trans_w, waves):
     counts = tail_counts(SK_WAVES[waves](sms()))
     x, w, dy, off = make_inputs(counts, 512, 512, trans_w, dtype)
     monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", "0")
-    plain = products(x, w, dy, off, trans_w)
+    plain = run_ours(x, w, dy, off, trans_w)[:2]  # fwd, dgrad (wgrad is never split)
     monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", "1")
-    split = products(x, w, dy, off, trans_w)
+    split = run_ours(x, w, dy, off, trans_w)[:2]
     truth = reference(x.cpu(), w.cpu(), dy.cpu(), off.cpu(), trans_w, torch.float64)
     same = reference(x, w, dy, off, trans_w, dtype)
     kept = sum(counts)
@@ -332,7 +327,7 @@ def test_split_tail(monkeypatch, dtype, trans_w, waves):
         assert_error_at_most(o, sm, t, msg=f"{name} split {waves}")
         assert not torch.equal(o, p), f"{name}: the same bits as the unsplit kernel"
     for _ in range(3):
-        for name, o, again in zip(("y", "dx"), split, products(x, w, dy, off, trans_w)):
+        for name, o, again in zip(("y", "dx"), split, run_ours(x, w, dy, off, trans_w)):
             assert torch.equal(o, again), f"{name}: a second call differs"
 
 
@@ -350,7 +345,7 @@ def test_split_tail_default_threshold(monkeypatch):
             monkeypatch.delenv("MOE_GG_SM90_SPLIT_TAIL", raising=False)
         else:
             monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", sk)
-        runs[sk] = products(x, w, dy, off, True)
+        runs[sk] = run_ours(x, w, dy, off, True)
     assert not torch.equal(runs[None][0], runs["0"][0]), "fwd, 64 k blocks: not split by default"
     assert not torch.equal(runs[None][0], runs["1"][0]), "fwd: 16 segments by default"
     assert torch.equal(runs[None][1], runs["0"][1]), "dgrad, 8 k blocks: split by default"

@@ -114,13 +114,12 @@ typedef struct gg_args {
     int m_tiles_static;            /* wgrad: ceil(m_static / 128) */
     int64_t ld_out;                /* fwd/dgrad: row stride of the output in elements */
     int64_t num_rows;              /* rows of the activation buffers */
-    /* the split last wave (fwd/dgrad; sk_sync NULL: off; see gg_sched_make): per split tile and
-     * consumer warpgroup an arrival count (sk_slots ints, zeroed on the stream before the
-     * launch), then per segment and warpgroup a 64 x BN fp32 partial (at most sk_slots) */
+    /* the split last wave (fwd/dgrad; sk_sync NULL: off, as the host decides from the
+     * reduction's length; see gg_sched_make): per split tile and consumer warpgroup an arrival
+     * count (2 * gridDim.x ints, zeroed on the stream before the launch), then per segment and
+     * warpgroup a 64 x BN fp32 partial (at most 2 * gridDim.x) */
     int *sk_sync;
     float *sk_part;
-    int sk_slots;                  /* 2 * gridDim.x: a CTA's segment x 2 consumer warpgroups */
-    int sk_min_iters;              /* reductions shorter than this many k blocks: no split */
     int sk_min_seg;                /* k blocks a segment has at least */
     /* fused fc1 only (FUSE != GG_FUSE_NONE; out is then a [num_rows, ld_out]) */
     void *h;                       /* [num_rows, ffn], the operand dtype */
@@ -337,7 +336,7 @@ __device__ __forceinline__ gg_sched_t gg_sched_make(const gg_args_t &a, int tota
     sc.segs = 0;
     if constexpr (!WGRAD) {
         const int G = gridDim.x, q = total / G, r = total - q * G;
-        if (a.sk_sync && r > 0 && a.red_iters >= a.sk_min_iters) {
+        if (a.sk_sync && r > 0) {
             int segs = G / r;
             if (segs > GG_SK_MAX_SEGS) segs = GG_SK_MAX_SEGS;
             if (segs > a.red_iters / a.sk_min_seg) segs = a.red_iters / a.sk_min_seg;
@@ -1187,8 +1186,8 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
     cudaStream_t s = (cudaStream_t)stream;
     args.sk_sync = NULL;
     args.sk_part = NULL;
-    args.sk_slots = 2 * grid;
-    gg_sk_options(&args.sk_min_iters, &args.sk_min_seg);
+    int sk_min_iters;
+    gg_sk_options(&sk_min_iters, &args.sk_min_seg);
     if (sk_ok) {
         args.sk_sync = (int *)workspace;
         args.sk_part = (float *)((char *)workspace + gg_sk_sync_bytes(grid));

@@ -466,9 +466,9 @@ static moe_status_t launch_data(perm_scatter_args_t a, size_t row_bytes, cudaStr
     a.nvec = (int64_t)(row_bytes / W);
     /* a quarter of the row's vectors per thread group: every thread then has four 16-byte loads
      * in flight (narrow rows, like qwen3's 4 KB, otherwise had one per thread); but at least a
-     * thread per expert (up to 256), so the rank loop is one pass (qwen3, E = 128 over 256
-     * vectors: 128 threads, not 64, 1% faster); more tokens per block only while their row lists
-     * fit 48 KB of shared memory */
+     * thread per expert (up to 256), so the planning scatter ranks one expert per thread (qwen3,
+     * E = 128 over 256 vectors: 128 threads, not 64, 1% faster); more tokens per block only while
+     * their row lists fit 48 KB of shared memory */
     int X = moe_pow2_clamp((a.nvec + 3) / 4, 32, 256);
     const int x_experts = moe_pow2_clamp(a.E, 32, 256);
     if (X < x_experts) X = x_experts;
