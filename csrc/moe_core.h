@@ -1211,9 +1211,10 @@ moe_status_t moe_cuda_glu_probs_bwd(void *grad_a, void *grad_probs, const void *
  * is the caller's contract. Operands bf16/fp16 take the tensor cores (wgmma on sm_90a, else
  * mma.sync), fp32/fp64 a SIMT kernel; fp32 accumulation (fp64 for fp64), one rounding per output
  * element, no floating-point atomics, bitwise reproducible on one GPU and build.
- * The workspace is a few hundred bytes, except for bf16/fp16 on Hopper when fwd or dgrad reduces
- * over 64 or more blocks of 64 (K or N > 4032): then room for the partial sums of a split last
- * wave of tiles, 128 KB per SM (about 17 MB on an H200); see grouped_gemm_sm90.cu. */
+ * The workspace is a few hundred bytes, except for bf16/fp16 on Hopper: there wgrad builds two
+ * tensor maps per expert in it (256 * E + 128 bytes), and when fwd or dgrad reduces over 64 or
+ * more blocks of 64 (K or N > 4032) it holds the partial sums of a split last wave of tiles,
+ * 128 KB per SM (about 17 MB on an H200); see grouped_gemm_sm90.cu. */
 size_t moe_cuda_grouped_gemm_workspace_size(const moe_grouped_gemm_params_t *params);
 moe_status_t moe_cuda_grouped_gemm_fwd(void *y, const void *x, const void *weight,
                                        const int64_t *expert_offsets,

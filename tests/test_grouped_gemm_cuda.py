@@ -248,6 +248,41 @@ def test_wgrad_both_stage_depths(monkeypatch, dtype, trans_w, tile):
     assert torch.equal(dws["32"], dws["64"])
 
 
+@pytest.mark.skipif(not is_hopper(), reason="the expert maps are the sm_90a kernel's")
+@pytest.mark.parametrize("tile", ["128", "256"])
+@pytest.mark.parametrize("bk", ["32", "64"])
+@pytest.mark.parametrize("trans_w", [False, True])
+def test_wgrad_expert_maps(monkeypatch, trans_w, bk, tile):
+    """Hopper's wgrad loads each expert's rows through tensor maps of its own, built on the device
+    from expert_offsets, so the copy engine zero-fills the reduction's last block past the
+    expert's end; MOE_GG_SM90_EXPERT_MAPS=0 loads through whole-buffer maps and zeroes those rows
+    in shared memory. NaN sits right past experts' ends (the rows past the last offset, and the
+    first row of expert 6, whose own dW is then NaN): every other expert's dW is finite and
+    within the fp64 rule, and the two ways give the same bits."""
+    monkeypatch.setenv("MOE_GG_SM90_TILE", tile)
+    monkeypatch.setenv("MOE_GG_SM90_WGRAD_BK", bk)
+    counts = [0, 1, 31, 33, 64, 95, 600, 257, 0, 129]
+    x, w, dy, off = make_inputs(counts, 136, 264, trans_w, torch.bfloat16)
+    kept, first6 = sum(counts), sum(counts[:6])
+    x[kept:], dy[kept:], x[first6] = float("nan"), float("nan"), float("nan")
+    dws = {}
+    for maps in ("1", "0"):
+        monkeypatch.setenv("MOE_GG_SM90_EXPERT_MAPS", maps)
+        with poisoned():
+            dws[maps] = ops.grouped_gemm_wgrad(x, dy, off, trans_w)
+    torch.testing.assert_close(dws["1"], dws["0"], rtol=0, atol=0, equal_nan=True)
+    dw = dws["1"]
+    assert dw[6].isnan().all(), "expert 6: its NaN row must reach its dW"
+    rest = [e for e in range(len(counts)) if e != 6]
+    assert not dw[rest].isnan().any(), "a neighbour's NaN leaked into another expert's dW"
+    truth = reference(x.cpu(), w.cpu(), dy.cpu(), off.cpu(), trans_w, torch.float64)[2]
+    same = reference(x, w, dy, off, trans_w, torch.bfloat16)[2]
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.equal(dw[e], torch.zeros_like(dw[e])), f"empty expert {e}"
+    assert_error_at_most(dw[rest], same[rest], truth[rest], msg=f"wgrad maps bk={bk} {tile}")
+
+
 def check_graph_replays(draw, first, others, trans_w):
     """Capture forward and backward once on draw(first) (inputs, weight, dy, offsets); replay each
     of `others` copied into the static buffers: equal to eager, bit for bit, and rows past the
