@@ -10,7 +10,6 @@ changed the output (EQUAL: no split at that shape, so its ratio is the harness's
     python3 benchmarks/gg_split_tail_ab.py        (ROUNDS=25 by default)
 """
 import os
-import statistics
 import sys
 
 import torch
@@ -19,6 +18,7 @@ import moe_core  # noqa: F401  (registers the ops)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_grouped_gemm import LAYERS, expert_offsets, routing_counts  # noqa: E402
+from gg_env_ab import Env, timed_turns  # noqa: E402
 
 OPS = torch.ops.moe_core
 ROUNDS = int(os.environ.get("ROUNDS", "25"))
@@ -56,39 +56,11 @@ def product(layer: str, fc: str, prod: str, counts):
     return lambda: OPS.grouped_gemm_dgrad(dy, w, off, True, None)
 
 
-def set_split(env):
-    """None: the op's default; "0": no split."""
-    if env is None:
-        os.environ.pop("MOE_GG_SM90_SPLIT_TAIL", None)
-    else:
-        os.environ["MOE_GG_SM90_SPLIT_TAIL"] = env
-
-
-def timed(fns: dict) -> dict:
-    """fns: name -> (MOE_GG_SM90_SPLIT_TAIL value, callable); median ms of each, in turns."""
-    for env, fn in fns.values():
-        set_split(env)
-        fn()
-    torch.cuda.synchronize()
-    ts = {k: [] for k in fns}
-    for _ in range(ROUNDS):
-        for k, (env, fn) in fns.items():
-            set_split(env)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(400000)  # the launch below is queued before the GPU gets to it
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            ts[k].append(s.elapsed_time(e))
-    set_split(None)
-    return {k: statistics.median(v) for k, v in ts.items()}
-
-
 def main():
     gen = torch.Generator(device="cuda").manual_seed(0)  # bench_grouped_gemm.py's routing
     counts = {name: routing_counts(T, E, k, gen) for name, (T, _, E, k, _) in LAYERS.items()}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    unsplit_env = Env("MOE_GG_SM90_SPLIT_TAIL=0")
     print(f"SMs {sms}; rows / expert: " + "; ".join(
         f"{n} {min(c)}-{max(c)} ({m_tiles(c)} M tiles)" for n, c in counts.items()))
     print(f"{'case':22s} {'tiles':>6s} {'waves':>7s} {'split ms':>9s} {'unsplit':>8s} "
@@ -99,12 +71,13 @@ def main():
         n_out = (2 * F if fc == "fc1" else H) if prod == "fwd" else (H if fc == "fc1" else F)
         tiles = m_tiles(c) * ((n_out + 255) // 256)
         ours, regr = product(layer, fc, prod, c), product(layer, fc, prod, regrouped(c))
-        set_split("0")
+        unsplit_env.set(True)
         unsplit = ours()
-        set_split(None)
+        unsplit_env.set(False)
         bits = "EQUAL" if torch.equal(unsplit, ours()) else "differ"
         del unsplit
-        t = timed({"split": (None, ours), "unsplit": ("0", ours), "regr": ("0", regr)})
+        t = timed_turns({"split": (False, ours), "unsplit": (True, ours), "regr": (True, regr)},
+                        unsplit_env, ROUNDS)
         print(f"{layer + '.' + fc + ' ' + prod:22s} {tiles:6d} {tiles / sms:7.2f} "
               f"{t['split']:9.3f} {t['unsplit']:8.3f} {t['regr']:9.3f} "
               f"{t['unsplit'] / t['split']:13.3f} {t['regr'] / t['unsplit']:12.3f} {bits}",
