@@ -139,6 +139,12 @@ typedef struct gg_args {
  * PTX wrappers (sm_90a)
  * ---------------------------------------------------------------------------------------- */
 
+/* Offsets outside [0, num_rows] break the caller's contract; clamped, they cannot make a kernel
+ * read or write outside the buffers. */
+__device__ __forceinline__ int64_t gg_clamp_offset(int64_t o, int64_t num_rows) {
+    return o < 0 ? 0 : (o > num_rows ? num_rows : o);
+}
+
 __device__ __forceinline__ uint32_t gg_smem_addr(const void *p) {
     return (uint32_t)__cvta_generic_to_shared(p);
 }
@@ -655,12 +661,8 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
 
     const int E = args.num_experts;
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    /* offsets outside [0, num_rows] break the caller's contract; clamped, they cannot make the
-     * kernel write outside the buffers */
-    for (int i = threadIdx.x; i <= E; i += GG_THREADS) {
-        const int64_t o = args.offsets[i];
-        s_off[i] = o < 0 ? 0 : (o > args.num_rows ? args.num_rows : o);
-    }
+    for (int i = threadIdx.x; i <= E; i += GG_THREADS)
+        s_off[i] = gg_clamp_offset(args.offsets[i], args.num_rows);
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             gg_mbar_init(&full_bar[s], 1);
@@ -885,10 +887,11 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
 /* wgrad's expert maps: for each expert e, copies of the whole-buffer maps (tmpl_a: the
  * activation giving the output rows, 2-D; tmpl_b: the one giving the columns, 3-D) re-pointed at
  * the expert's first row and cut to its row count, so the copy engine zero-fills the reduction's
- * tail block past the expert's end. That replaced zeroing it in shared memory, whose generic-proxy
- * writes, proxy fence and barrier between the consumer warpgroups sat between two k blocks of
- * every tile: the maps run the reference layers' wgrad 2-6% faster (H200, 2026-12-04). Offsets are clamped as the GEMM clamps them; an
- * empty expert gets one row (a map's dimensions are at least 1), which its tiles never load.
+ * tail block past the expert's end. That replaced zeroing it in shared memory, whose generic-
+ * proxy writes, proxy fence and barrier between the consumer warpgroups sat between two k blocks
+ * of every tile: the maps run the reference layers' wgrad 2-6% faster (H200, 2026-12-04).
+ * Offsets are clamped as the GEMM clamps them; an empty expert gets one row (a map's dimensions
+ * are at least 1), which its tiles never load.
  * maps: [2E] CUtensorMap, 128-byte aligned; pitch_a / pitch_b: the row strides in bytes. */
 __global__ void gg_sm90_expert_maps_kernel(CUtensorMap *maps,
                                            const __grid_constant__ CUtensorMap tmpl_a,
@@ -900,9 +903,8 @@ __global__ void gg_sm90_expert_maps_kernel(CUtensorMap *maps,
 #if GG_SM90A
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= num_experts) return;
-    int64_t lo = offsets[e], hi = offsets[e + 1];
-    lo = lo < 0 ? 0 : (lo > num_rows ? num_rows : lo);
-    hi = hi < 0 ? 0 : (hi > num_rows ? num_rows : hi);
+    const int64_t lo = gg_clamp_offset(offsets[e], num_rows);
+    const int64_t hi = gg_clamp_offset(offsets[e + 1], num_rows);
     const uint32_t rows = hi > lo ? (uint32_t)(hi - lo) : 1u;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
