@@ -221,6 +221,23 @@ def test_many_experts():
         assert_error_at_most(ours, s, t)
 
 
+@pytest.mark.parametrize("trans_w", [False, True])
+def test_raster_remainder_groups(trans_w):
+    """Experts of more than 16 M tiles of 128 rows, where Hopper's raster groups of 16 M tiles
+    leave a remainder: 17 (one tile, folded into the last group), 22 (6, folded), 25 (9, a
+    group of its own), 33 (1, folded after a whole group) and exactly 16; with trans_w, wgrad's
+    18 output row tiles (N = 2184) leave 2. Every tile is written (NaN poisoning shows a missed
+    one), within the fp64 rule."""
+    counts = [2049, 0, 2800, 3100, 4161, 2048]
+    x, w, dy, off = make_inputs(counts, 72, 2184, trans_w, torch.bfloat16)
+    outs = run_ours(x, w, dy, off, trans_w)
+    check_structure(outs, counts, sum(counts))
+    truth = reference(x.cpu(), w.cpu(), dy.cpu(), off.cpu(), trans_w, torch.float64)
+    same = reference(x, w, dy, off, trans_w, torch.bfloat16)
+    for ours, t, s in zip(outs, truth, same):
+        assert_error_at_most(ours, s, t)
+
+
 @pytest.mark.parametrize("tile", ["128", "256"])
 @pytest.mark.parametrize("trans_w", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
