@@ -707,7 +707,10 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
             if (lane == 0) s_cum[0] = 0;
         }
         __syncthreads();
-        total = s_cum[E];
+        /* broadcast: read from shared memory, total is not known to be warp-uniform, and
+         * nor then is the schedule that derives from it; the fused fc1's consumers then built
+         * their wgmma descriptors per thread (R2UR before every wgmma) */
+        total = __shfl_sync(0xffffffffu, s_cum[E], 0);
     }
 
     if (warp < 4) {
