@@ -65,6 +65,13 @@ rows = tokens * topk, random top-k routing, seed 0). All three runs passed the c
       128 x 128 tile, ordered by named barriers (branch wip/gg-pingpong). Round-robin against
       the cooperative 128 x 256 kernel: 0.86-0.95 on every shape and product, wgrad 0.89-0.92;
       the 128-wide tiles' operand traffic costs more than the hidden epilogue. Not taken.
+  v8  (2026-12-04) the consumers' wgmma descriptors from warp-uniform values (warpgroup index
+      and tile count broadcast by __shfl_sync, base descriptor + stage offset): wgrad and the
+      fused fc1 keep them in uniform registers (ncu had shown wgrad issuing 71 ALU and 34 FMA-
+      pipe instructions per warp per k block, cuBLAS a tenth of that; R2UR before each wgmma).
+      A/B in turns against v7 + expert maps, same bits: wgrad mixtral / qwen3 +4.7-6.0%, dsv3
+      +17-18%; dense 8192-row wgrad 0.95 -> 0.99-1.01x of cuBLAS. Plain fwd / dgrad: SASS
+      unchanged (ptxas still rebuilds their descriptors per thread), 0.98-1.00x of cuBLAS dense.
 Limits: the epilogue, even handed to the copy engine, still stops both consumer warpgroups (they
 share the tile): replacing wgrad's store by a dependent sum of the accumulators ran mixtral +5-7%,
 qwen3 +9%, dsv3 +20-23%, while a 4th stage added nothing; writing the packed block to shared memory
