@@ -111,8 +111,10 @@ class Params(ctypes.Structure):
     ]
 
 
-def build(out: str) -> None:
-    """Compiles the sm_90a library (common.c as C, the .cu with nvcc)."""
+def build(out: str, src: str | None = None) -> None:
+    """Compiles the sm_90a library (common.c as C, the .cu with nvcc): the tree's
+    grouped_gemm_sm90.cu, or src (a copy of another version, anywhere: its includes resolve
+    against csrc/cuda)."""
     nvcc = os.environ.get("NVCC", "nvcc")
     obj = out + ".common.o"
     subprocess.check_call(["gcc", "-std=c11", "-O2", "-fPIC", "-c",
@@ -120,7 +122,9 @@ def build(out: str) -> None:
     subprocess.check_call([nvcc, "-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-O3",
                            "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
                            "-I" + os.path.join(ROOT, "csrc"),
-                           os.path.join(ROOT, "csrc/cuda/grouped_gemm_sm90.cu"), obj, "-o", out]
+                           "-I" + os.path.join(ROOT, "csrc/cuda"),
+                           src or os.path.join(ROOT, "csrc/cuda/grouped_gemm_sm90.cu"), obj,
+                           "-o", out]
                           # a hung mbarrier wait traps instead (serialises wgmma: checks only)
                           + (["-DGG_SM90_WATCHDOG"] if os.environ.get("GG_WATCHDOG") else []))
 
