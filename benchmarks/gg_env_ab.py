@@ -50,16 +50,21 @@ class Env:
             os.environ[self.var] = val
 
 
-def timed_turns(fns: dict, env: Env, rounds: int) -> dict:
-    """fns: name -> (option on?, callable); median ms of each, in turns, sleep-padded."""
+def timed_turns(fns: dict, env: Env | None, rounds: int) -> dict:
+    """fns: name -> (option on?, callable); median ms of each, in turns, sleep-padded. env None:
+    no option to switch (the flags are ignored)."""
+    def switch(on: bool):
+        if env is not None:
+            env.set(on)
+
     for on, fn in fns.values():
-        env.set(on)
+        switch(on)
         fn()
     torch.cuda.synchronize()
     ts = {k: [] for k in fns}
     for _ in range(rounds):
         for k, (on, fn) in fns.items():
-            env.set(on)
+            switch(on)
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(1_000_000)  # the launch below is queued before the GPU gets to it
             s.record()
@@ -67,7 +72,7 @@ def timed_turns(fns: dict, env: Env, rounds: int) -> dict:
             e.record()
             e.synchronize()
             ts[k].append(s.elapsed_time(e))
-    env.set(False)
+    switch(False)
     return {k: statistics.median(v) for k, v in ts.items()}
 
 

@@ -14,13 +14,13 @@ cannot switch (gg_env_ab.py covers those).
 import argparse
 import ctypes
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_grouped_gemm import LAYERS, expert_offsets, routing_counts  # noqa: E402
+from gg_env_ab import timed_turns  # noqa: E402
 from gg_sm90_check import DT, Params, build  # noqa: E402
 
 PRODS = ("fwd", "dgrad", "wgrad")
@@ -54,24 +54,6 @@ class Lib:
                 raise RuntimeError(f"{op}: status {st}: {self.lib.moe_last_error().decode()}")
             return out
         return run
-
-
-def timed_turns(fns: dict, rounds: int) -> dict:
-    """Median ms of each callable, in turns, each call behind a sleep kernel."""
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    ts = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(1_000_000)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            ts[k].append(s.elapsed_time(e))
-    return {k: statistics.median(v) for k, v in ts.items()}
 
 
 def main():
@@ -109,7 +91,7 @@ def main():
                 fns = {k: lib.product(prod, outs[k], *operands[prod], off, K, N)
                        for k, lib in libs.items()}
                 fns["gmm"] = gmm[prod]
-                t = timed_turns(fns, args.rounds)
+                t = timed_turns({k: (False, fn) for k, fn in fns.items()}, None, args.rounds)
                 bits = "EQUAL" if torch.equal(fns["old"](), fns["new"]()) else "differ"
                 flops = 2.0 * R * K * N
                 print(f"{layer + '.' + fc + ' ' + prod:26s} {t['old']:8.3f} {t['new']:8.3f} "

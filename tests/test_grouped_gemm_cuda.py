@@ -91,6 +91,17 @@ def check_structure(outs, counts, kept):
             assert torch.equal(dw[e], torch.zeros_like(dw[e])), f"wgrad: empty expert {e}"
 
 
+def check_bf16_vs_fp64(counts, K, N, trans_w):
+    """The three bf16 products over `counts`: every row written, within the fp64 rule."""
+    x, w, dy, off = make_inputs(counts, K, N, trans_w, torch.bfloat16)
+    outs = run_ours(x, w, dy, off, trans_w)
+    check_structure(outs, counts, sum(counts))
+    truth = reference(x.cpu(), w.cpu(), dy.cpu(), off.cpu(), trans_w, torch.float64)
+    same = reference(x, w, dy, off, trans_w, torch.bfloat16)
+    for ours, t, s in zip(outs, truth, same):
+        assert_error_at_most(ours, s, t)
+
+
 @pytest.mark.parametrize("size", list(SIZES))
 @pytest.mark.parametrize("case", list(COUNTS))
 @pytest.mark.parametrize("trans_w", [False, True])
@@ -212,13 +223,7 @@ def test_many_experts():
     counts = [0] * E
     for e, c in ((0, 3), (700, 129), (1023, 1), (1024, 2), (1499, 64)):
         counts[e] = c
-    x, w, dy, off = make_inputs(counts, 16, 24, False, torch.bfloat16)
-    outs = run_ours(x, w, dy, off, False)
-    check_structure(outs, counts, sum(counts))
-    truth = reference(x.cpu(), w.cpu(), dy.cpu(), off.cpu(), False, torch.float64)
-    same = reference(x, w, dy, off, False, torch.bfloat16)
-    for ours, t, s in zip(outs, truth, same):
-        assert_error_at_most(ours, s, t)
+    check_bf16_vs_fp64(counts, 16, 24, False)
 
 
 @pytest.mark.parametrize("trans_w", [False, True])
@@ -228,14 +233,7 @@ def test_raster_remainder_groups(trans_w):
     group of its own), 33 (1, folded after a whole group) and exactly 16; with trans_w, wgrad's
     18 output row tiles (N = 2184) leave 2. Every tile is written (NaN poisoning shows a missed
     one), within the fp64 rule."""
-    counts = [2049, 0, 2800, 3100, 4161, 2048]
-    x, w, dy, off = make_inputs(counts, 72, 2184, trans_w, torch.bfloat16)
-    outs = run_ours(x, w, dy, off, trans_w)
-    check_structure(outs, counts, sum(counts))
-    truth = reference(x.cpu(), w.cpu(), dy.cpu(), off.cpu(), trans_w, torch.float64)
-    same = reference(x, w, dy, off, trans_w, torch.bfloat16)
-    for ours, t, s in zip(outs, truth, same):
-        assert_error_at_most(ours, s, t)
+    check_bf16_vs_fp64([2049, 0, 2800, 3100, 4161, 2048], 72, 2184, trans_w)
 
 
 @pytest.mark.parametrize("tile", ["128", "256"])
