@@ -91,10 +91,12 @@ def check_structure(outs, counts, kept):
             assert torch.equal(dw[e], torch.zeros_like(dw[e])), f"wgrad: empty expert {e}"
 
 
-def check_bf16_vs_fp64(counts, K, N, trans_w):
-    """The three bf16 products over `counts`: every row written, within the fp64 rule."""
+def check_bf16_vs_fp64(counts, K, N, trans_w, place=lambda name, t: t):
+    """The three bf16 products over `counts`: every row written, within the fp64 rule.
+    place(name, tensor) gives what the op is called with for "x", "weight" and "grad_y" (the
+    same values elsewhere in memory, say); the references use the originals."""
     x, w, dy, off = make_inputs(counts, K, N, trans_w, torch.bfloat16)
-    outs = run_ours(x, w, dy, off, trans_w)
+    outs = run_ours(place("x", x), place("weight", w), place("grad_y", dy), off, trans_w)
     check_structure(outs, counts, sum(counts))
     truth = reference(x.cpu(), w.cpu(), dy.cpu(), off.cpu(), trans_w, torch.float64)
     same = reference(x, w, dy, off, trans_w, torch.bfloat16)
@@ -196,25 +198,17 @@ def test_deterministic(dtype):
 def test_misaligned_pointers_take_the_general_path(which):
     """A contiguous view one element into its storage is not 16-byte aligned: same results as
     the aligned copy within the accuracy rule, nothing unwritten."""
-    counts = [0, 40, 1, 90]
-    x, w, dy, off = make_inputs(counts, 64, 48, False, torch.bfloat16)
 
-    def shifted(t):
+    def shifted(name, t):
+        if name != which:
+            return t
         buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
         v = buf[1:].view(t.shape)
         v.copy_(t)
         assert v.is_contiguous() and v.data_ptr() % 16 != 0
         return v
 
-    xs = shifted(x) if which == "x" else x
-    ws = shifted(w) if which == "weight" else w
-    dys = shifted(dy) if which == "grad_y" else dy
-    outs = run_ours(xs, ws, dys, off, False)
-    check_structure(outs, counts, sum(counts))
-    truth = reference(x.cpu(), w.cpu(), dy.cpu(), off.cpu(), False, torch.float64)
-    same = reference(x, w, dy, off, False, torch.bfloat16)
-    for ours, t, s in zip(outs, truth, same):
-        assert_error_at_most(ours, s, t)
+    check_bf16_vs_fp64([0, 40, 1, 90], 64, 48, False, place=shifted)
 
 
 def test_many_experts():
