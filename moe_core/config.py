@@ -151,8 +151,13 @@ class MoEConfig:
             if self.add_bias_linear:
                 bad("add_bias_linear", "the shared expert does not support biases (as in Megatron)")
         if self.moe_shared_expert_overlap:
-            bad("moe_shared_expert_overlap", "needs the alltoall or flex dispatcher (expert "
-                "parallelism), which moe-core does not implement yet")
+            if self.moe_token_dispatcher_type != "alltoall":
+                bad("moe_shared_expert_overlap", "needs moe_token_dispatcher_type='alltoall' (the "
+                    f"shared expert runs under its exchanges), got "
+                    f"{self.moe_token_dispatcher_type!r}")
+            if self.moe_shared_expert_intermediate_size is None:
+                bad("moe_shared_expert_overlap", "needs a shared expert to overlap "
+                    "(moe_shared_expert_intermediate_size is None)")
         if self.moe_latent_size is not None and self.moe_latent_size <= 0:
             bad("moe_latent_size", "must be > 0")
         if self.moe_router_padding_for_quantization:
@@ -161,11 +166,22 @@ class MoEConfig:
             bad("moe_router_force_load_balancing", "is a benchmarking mode moe-core does not implement")
         if self.moe_token_dispatcher_type not in ("allgather", "alltoall", "flex"):
             bad("moe_token_dispatcher_type", "must be 'allgather', 'alltoall' or 'flex'")
-        for field in ("tensor_model_parallel_size", "expert_model_parallel_size"):
-            if getattr(self, field) != 1:
-                bad(field, "model parallelism is not implemented in moe-core yet (single device)")
+        if self.tensor_model_parallel_size != 1:
+            bad("tensor_model_parallel_size", "tensor parallelism is not implemented in moe-core "
+                "(expert parallelism is: expert_model_parallel_size)")
+        N = self.expert_model_parallel_size
+        if isinstance(N, bool) or not isinstance(N, int) or N < 1:
+            bad("expert_model_parallel_size", "must be an int >= 1")
+        if E % N != 0:
+            bad("expert_model_parallel_size", f"must divide num_moe_experts={E} (each rank holds "
+                f"the same number of experts)")
+        if N > 1 and self.moe_token_dispatcher_type not in ("allgather", "alltoall"):
+            bad("moe_token_dispatcher_type", f"expert parallelism (expert_model_parallel_size="
+                f"{N}) runs the 'allgather' and 'alltoall' dispatchers; 'flex' needs DeepEP / "
+                f"HybridEP, which moe-core does not use")
         if self.expert_tensor_parallel_size not in (None, 1):
-            bad("expert_tensor_parallel_size", "model parallelism is not implemented yet")
+            bad("expert_tensor_parallel_size", "expert tensor parallelism is not implemented "
+                "(experts are split whole over expert_model_parallel_size ranks)")
         if self.moe_input_jitter_eps is not None and not 0 <= self.moe_input_jitter_eps < 1:
             bad("moe_input_jitter_eps", "must be in [0, 1)")
         if not math.isfinite(self.moe_router_bias_update_rate):

@@ -58,18 +58,22 @@ def activation_times_probs(config: MoEConfig, a: torch.Tensor,
 
 
 class GroupedMLP(nn.Module):
-    """The routed experts.
+    """The routed experts of this rank.
 
-    Parameters (``E`` experts, ``H`` = hidden or latent size, ``F`` = moe_ffn_hidden_size,
-    ``F1`` = 2F with GLU else F), in ``config.params_dtype``:
+    Parameters (``E`` local experts: ``num_moe_experts / ep_size``, the global experts
+    ``[ep_rank·E, (ep_rank+1)·E)``; ``H`` = hidden or latent size, ``F`` = moe_ffn_hidden_size,
+    ``F1`` = 2F with GLU else F), in ``config.params_dtype``, each marked ``expert_parallel``:
         weight1 ``[E, F1, H]``, weight2 ``[E, H, F]``; bias1 ``[E, F1]``, bias2 ``[E, H]`` when
         ``add_bias_linear``.
     """
 
-    def __init__(self, config: MoEConfig, input_size: Optional[int] = None):
+    def __init__(self, config: MoEConfig, input_size: Optional[int] = None, ep_size: int = 1,
+                 ep_rank: int = 0):
         super().__init__()
         self.config = config
-        E, F_ = config.num_moe_experts, config.moe_ffn_hidden_size
+        self.ep_size, self.ep_rank = ep_size, ep_rank
+        self.num_local_experts = config.num_moe_experts // ep_size
+        E, F_ = self.num_local_experts, config.moe_ffn_hidden_size
         H = input_size or config.hidden_size
         F1 = 2 * F_ if config.gated_linear_unit else F_
         dt = config.params_dtype
@@ -81,14 +85,25 @@ class GroupedMLP(nn.Module):
         else:
             self.register_parameter("bias1", None)
             self.register_parameter("bias2", None)
+        for p in self.parameters():
+            p.expert_parallel = True  # split over the EP group: reduced over expert-DP only
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Megatron's init: N(0, std) for fc1, N(0, std / sqrt(2 num_layers)) for fc2, zero bias."""
+        """Megatron's init: N(0, std) for fc1, N(0, std / sqrt(2 num_layers)) for fc2, zero bias.
+
+        Drawn expert by expert over all ``num_moe_experts`` experts, keeping this rank's: with
+        the same seed, every EP size initialises the same global weights."""
         std = self.config.init_method_std
+        std2 = std / math.sqrt(2.0 * self.config.num_layers)
+        lo = self.ep_rank * self.num_local_experts
         with torch.no_grad():
-            nn.init.normal_(self.weight1, 0.0, std)
-            nn.init.normal_(self.weight2, 0.0, std / math.sqrt(2.0 * self.config.num_layers))
+            for w, s in ((self.weight1, std), (self.weight2, std2)):
+                one = torch.empty_like(w[0])
+                for e in range(self.config.num_moe_experts):
+                    nn.init.normal_(one, 0.0, s)
+                    if lo <= e < lo + self.num_local_experts:
+                        w[e - lo].copy_(one)
             if self.bias1 is not None:
                 self.bias1.zero_()
                 self.bias2.zero_()
@@ -99,7 +114,7 @@ class GroupedMLP(nn.Module):
 
         Args:
             x: ``[rows, H]`` expert-sorted tokens (activation dtype).
-            expert_offsets: ``[E + 1]`` int64 row offsets on x's device.
+            expert_offsets: ``[E + 1]`` int64 row offsets on x's device (local experts).
             probs: ``[rows]`` router probs of each row (router dtype).
 
         Returns:

@@ -13,28 +13,72 @@ forward(hidden [S, B, H] or [T, H], padding_mask=None) returns a tensor of the i
 No step reads a device value on the host: the permuted buffer is sized by a static bound
 (T·topk dropless; E·capacity with pad-to-capacity; T·topk with dropping, the kept count staying in
 expert_offsets[-1]), so the layer runs under torch.compile(fullgraph=True) and in CUDA graphs.
+
+Expert parallel (``expert_model_parallel_size = N > 1``, or an ``ep_group`` given): the layer
+holds the ``E / N`` local experts of its rank and a dispatcher (``moe_core.dispatcher``) moves the
+permuted rows to their experts' ranks and back; routing and the combine stay on the token's rank.
+Only the dropless / dropping all-to-all reads its split sizes on the host (one wait per forward).
 """
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moe_core import ops
 from moe_core.config import MoEConfig
+from moe_core.dispatcher import DISPATCHERS
 from moe_core.experts import GroupedMLP, SharedExpertMLP
+from moe_core.parallel import GroupLike, as_group
 from moe_core.router import TopKRouter
+
+# Fields every rank of an expert-parallel group must agree on (checked once, at construction).
+_SAME_ON_EVERY_RANK = ("hidden_size", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk",
+                       "expert_model_parallel_size", "moe_token_dispatcher_type",
+                       "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+                       "moe_token_drop_policy", "gated_linear_unit", "add_bias_linear",
+                       "moe_latent_size", "moe_shared_expert_intermediate_size",
+                       "moe_shared_expert_overlap", "params_dtype")
 
 
 class MoELayer(nn.Module):
     """Submodules (Megatron's names): router, experts, shared_experts (optional),
     fc1_latent_proj / fc2_latent_proj (with moe_latent_size)."""
 
-    def __init__(self, config: MoEConfig, layer_number: Optional[int] = None):
+    def __init__(self, config: MoEConfig, ep_group: GroupLike = None,
+                 layer_number: Optional[int] = None, *, tp_cp_group: GroupLike = None,
+                 tp_dp_cp_group: GroupLike = None):
+        """
+        Args:
+            config: the MoE fields (``MoEConfig``).
+            ep_group: the expert-parallel group (a ProcessGroup, a 1-D DeviceMesh or
+                ``(mesh, dim_name)``). None: the default group when
+                ``config.expert_model_parallel_size > 1`` (its size must then be that value),
+                else no expert parallelism. Given explicitly, even a group of one runs the
+                expert-parallel path.
+            layer_number: Megatron's layer number (logging only).
+            tp_cp_group: the group the aux losses' token counts are summed over (Megatron's
+                TP x CP group); None: this rank alone, right without tensor / context parallelism.
+            tp_dp_cp_group: the group the global aux loss's counts and the expert-bias counts are
+                summed over (Megatron's TP x DP x CP group); None: the default group for an
+                expert-parallel layer (pure EP + DP), this rank alone otherwise.
+        """
         super().__init__()
         self.config = config
         self.layer_number = layer_number
         H, L = config.hidden_size, config.moe_latent_size
-        self.router = TopKRouter(config)
+        self.ep_group = self._resolve_ep_group(config, ep_group)
+        self.dispatcher = None
+        if self.ep_group is not None:
+            if tp_dp_cp_group is None:
+                tp_dp_cp_group = dist.group.WORLD
+            self.dispatcher = DISPATCHERS[config.moe_token_dispatcher_type](
+                self.ep_group, config.num_moe_experts)
+            self._check_same_config_on_every_rank()
+        self.tp_cp_group = as_group(tp_cp_group, "tp_cp_group")
+        self.tp_dp_cp_group = as_group(tp_dp_cp_group, "tp_dp_cp_group")
+        self.router = TopKRouter(config, tp_cp_group=self.tp_cp_group,
+                                 tp_dp_cp_group=self.tp_dp_cp_group)
         if L:
             dt = config.params_dtype
             self.fc1_latent_proj = nn.Linear(H, L, bias=config.add_bias_linear, dtype=dt)
@@ -48,9 +92,66 @@ class MoELayer(nn.Module):
                         lin.bias.zero_()
         else:
             self.fc1_latent_proj = self.fc2_latent_proj = None
-        self.experts = GroupedMLP(config, input_size=L or H)
+        ep_size = 1 if self.dispatcher is None else self.dispatcher.ep_size
+        ep_rank = 0 if self.dispatcher is None else self.dispatcher.ep_rank
+        self.experts = GroupedMLP(config, input_size=L or H, ep_size=ep_size, ep_rank=ep_rank)
         self.shared_experts = (SharedExpertMLP(config)
                                if config.moe_shared_expert_intermediate_size is not None else None)
+        self._validated_tokens = None
+        self._shared_stream = None
+
+    # ---- expert parallelism: set-up checks ------------------------------------------------
+    @staticmethod
+    def _resolve_ep_group(config: MoEConfig, ep_group: GroupLike) -> Optional[dist.ProcessGroup]:
+        N = config.expert_model_parallel_size
+        group = as_group(ep_group, "ep_group")
+        if group is None:
+            if N == 1:
+                return None
+            if not dist.is_initialized():
+                raise ValueError(f"expert_model_parallel_size={N} needs torch.distributed "
+                                 f"initialised (torchrun) or an ep_group")
+            group = dist.group.WORLD
+        size = dist.get_world_size(group)
+        if size != N:
+            which = "the default group" if ep_group is None else "ep_group"
+            raise ValueError(f"expert_model_parallel_size={N} but {which} has {size} ranks: "
+                             f"pass an ep_group of {N} ranks (moe_core.parallel."
+                             f"expert_parallel_groups) or set expert_model_parallel_size={size}")
+        if config.moe_token_dispatcher_type not in DISPATCHERS:
+            raise ValueError(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: "
+                             f"expert parallelism runs {sorted(DISPATCHERS)}")
+        return group
+
+    def _check_same_config_on_every_rank(self) -> None:
+        """One all-gather of the fields the ranks must share: a mismatch raises the same
+        ValueError on every rank (so none is left waiting in a later collective)."""
+        cfg = self.config
+        mine = tuple(repr(getattr(cfg, f)) for f in _SAME_ON_EVERY_RANK)
+        seen = [None] * self.dispatcher.ep_size
+        dist.all_gather_object(seen, mine, group=self.ep_group)
+        for i, field in enumerate(_SAME_ON_EVERY_RANK):
+            values = [s[i] for s in seen]
+            if len(set(values)) > 1:
+                raise ValueError(f"{field} differs across the expert-parallel ranks: "
+                                 + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
+
+    def _check_equal_tokens(self, num_tokens: int) -> None:
+        """The allgather dispatcher and drop-and-pad exchange equal blocks: every rank must have
+        the same token count. Checked (one small all-gather) whenever the count changes, in
+        eager mode; traced and captured runs repeat a checked shape."""
+        if num_tokens == self._validated_tokens or torch.compiler.is_compiling():
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        seen = [None] * self.dispatcher.ep_size
+        dist.all_gather_object(seen, num_tokens, group=self.ep_group)
+        if len(set(seen)) > 1:
+            why = ("the allgather dispatcher" if self.config.moe_token_dispatcher_type ==
+                   "allgather" else "moe_pad_expert_input_to_capacity")
+            raise ValueError(f"hidden_states has {num_tokens} tokens on this rank; {why} needs "
+                             f"the same number on every expert-parallel rank, got {seen}")
+        self._validated_tokens = num_tokens
 
     def num_permuted_rows(self, num_tokens: int) -> int:
         """Static size of the permuted buffer for ``num_tokens`` tokens (no host sync needed)."""
@@ -79,21 +180,65 @@ class MoELayer(nn.Module):
                              f"[T, {self.config.hidden_size}], got {tuple(hidden_states.shape)}")
         if padding_mask is not None:
             padding_mask = self._padding_mask(padding_mask, hidden_states)
-        shared = self.shared_experts(hidden_states) if self.shared_experts is not None else None
+        overlap = self.dispatcher is not None and self.config.moe_shared_expert_overlap
+        shared = None
+        if self.shared_experts is not None and not overlap:
+            shared = self.shared_experts(hidden_states)
         probs, routing_map = self.router(hidden_states, padding_mask)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         if self.fc1_latent_proj is not None:
             x = self.fc1_latent_proj(x)
-        rows, row_probs, sorted_indices, expert_offsets, _ = ops.permute(
-            x, routing_map, probs, num_out_tokens=self.num_permuted_rows(x.shape[0]))
-        y = self.experts(rows, expert_offsets, row_probs)
-        out = ops.unpermute(y, sorted_indices, restore_shape=x.shape)
+        if self.dispatcher is None:
+            rows, row_probs, sorted_indices, expert_offsets, _ = ops.permute(
+                x, routing_map, probs, num_out_tokens=self.num_permuted_rows(x.shape[0]))
+            y = self.experts(rows, expert_offsets, row_probs)
+            out = ops.unpermute(y, sorted_indices, restore_shape=x.shape)
+        else:
+            out, shared = self._expert_parallel(x, probs, routing_map, hidden_states, overlap)
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         out = out.reshape(hidden_states.shape)
         if shared is not None:
             out = out + shared
         return out
+
+    def _expert_parallel(self, x, probs, routing_map, hidden_states, overlap):
+        """dispatch -> local experts -> combine; with overlap, the shared expert runs while the
+        rows are in flight (on a side stream on CUDA, beside the asynchronous collective on the
+        CPU)."""
+        cfg = self.config
+        pad = cfg.moe_pad_expert_input_to_capacity
+        if pad or cfg.moe_token_dispatcher_type == "allgather":
+            self._check_equal_tokens(x.shape[0])
+        box = {}
+        run_shared = (lambda: box.update(out=self._shared_side(hidden_states))) if overlap else None
+        rows, row_probs, offsets, handle = self.dispatcher.dispatch(
+            x, probs, routing_map, self.num_permuted_rows(x.shape[0]), pad, overlap=run_shared)
+        y = self.experts(rows, offsets, row_probs)
+        out = self.dispatcher.combine(y, handle)
+        shared = box.get("out")
+        if shared is not None and shared.is_cuda:
+            torch.cuda.current_stream(shared.device).wait_stream(self._shared_stream)
+            shared.record_stream(torch.cuda.current_stream(shared.device))
+        return out, shared
+
+    def _shared_side(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not hidden_states.is_cuda:
+            return self.shared_experts(hidden_states)
+        if self._shared_stream is None:
+            self._shared_stream = torch.cuda.Stream(device=hidden_states.device)
+        self._shared_stream.wait_stream(torch.cuda.current_stream(hidden_states.device))
+        with torch.cuda.stream(self._shared_stream):
+            return self.shared_experts(hidden_states)
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        s = (f"hidden_size={cfg.hidden_size}, num_moe_experts={cfg.num_moe_experts}, "
+             f"topk={cfg.moe_router_topk}")
+        if self.dispatcher is not None:
+            s += (f", expert_parallel={self.dispatcher.ep_size} "
+                  f"({cfg.moe_token_dispatcher_type}, rank {self.dispatcher.ep_rank})")
+        return s
 
     @staticmethod
     def _padding_mask(padding_mask: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -142,8 +287,10 @@ def load_megatron_state_dict(layer: MoELayer, state_dict: dict, strict: bool = T
     """Load a Megatron MoELayer's weights (local SequentialMLP naming
     ``experts.local_experts.{i}.linear_fc{1,2}.{weight,bias}`` or TE grouped naming
     ``experts.linear_fc{1,2}.{weight,bias}{i}``) into ``layer``. Router, shared-expert and latent
-    keys share Megatron's names. Returns torch's (missing, unexpected) keys result."""
-    E = layer.config.num_moe_experts
+    keys share Megatron's names. An expert-parallel layer loads its rank's shard of a Megatron
+    state dict at the same EP size (local expert numbering ``0 .. E/N - 1``). Returns torch's
+    (missing, unexpected) keys result."""
+    E = layer.experts.num_local_experts
     out, stacks = {}, {}
     for key, value in state_dict.items():
         if key.endswith("_extra_state") or value is None:
@@ -164,7 +311,7 @@ def load_megatron_state_dict(layer: MoELayer, state_dict: dict, strict: bool = T
             out[name] = value
     for name, parts in stacks.items():
         if sorted(parts) != list(range(E)):
-            raise ValueError(f"{name}: expected experts 0..{E - 1} in the state dict, got "
+            raise ValueError(f"{name}: expected local experts 0..{E - 1} in the state dict, got "
                              f"{sorted(parts)}")
         out[name] = torch.stack([parts[i] for i in range(E)])
     return layer.load_state_dict(out, strict=strict)

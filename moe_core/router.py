@@ -24,6 +24,7 @@ from moe_core import ops
 from moe_core.config import MoEConfig
 from moe_core.ops.aux_loss_autoscaler import AuxLossScale, MoEAuxLossAutoScaler
 from moe_core.ops.router_topk import router_topk_fused, z_loss_from_lse
+from moe_core.parallel import group_size
 
 
 class TopKRouter(nn.Module):
@@ -32,9 +33,14 @@ class TopKRouter(nn.Module):
     local_tokens_per_expert ``[E]`` fp32 (not persistent) with ``moe_router_enable_expert_bias``.
     """
 
-    def __init__(self, config: MoEConfig):
+    def __init__(self, config: MoEConfig, tp_cp_group=None, tp_dp_cp_group=None):
+        """tp_cp_group: the aux losses' token counts are summed over it (Megatron's TP x CP
+        group); tp_dp_cp_group: the global aux loss's and the expert bias's counts (TP x DP x CP).
+        None: this rank alone."""
         super().__init__()
         self.config = config
+        self.tp_cp_group = tp_cp_group
+        self.tp_dp_cp_group = tp_dp_cp_group
         E, H = config.num_moe_experts, config.hidden_size
         self.topk = config.moe_router_topk
         self.weight = nn.Parameter(torch.empty(E, H, dtype=config.params_dtype))
@@ -128,14 +134,16 @@ class TopKRouter(nn.Module):
         coeffs = dict(zip(cfg.load_balancing_types, cfg.aux_loss_coeffs))
         aux_types = [t for t in ("aux_loss", "seq_aux_loss", "global_aux_loss") if coeffs.get(t, 0)]
         want_z = cfg.moe_z_loss_coeff is not None and train
+        # Megatron divides the z-loss coefficient by the TP x CP size (the loss is summed there)
+        z_coeff = (cfg.moe_z_loss_coeff / group_size(self.tp_cp_group)) if want_z else None
         want_aux = train and bool(aux_types)
         sinkhorn = "sinkhorn" in cfg.load_balancing_types
         scores = aux_map = None
 
         if sinkhorn:
             if want_z:
-                z = ops.z_loss_func(logits, cfg.moe_z_loss_coeff, padding_mask=mask)
-                logits = self._attach(logits, z, "z_loss", cfg.moe_z_loss_coeff, num_valid)
+                z = ops.z_loss_func(logits, z_coeff, padding_mask=mask)
+                logits = self._attach(logits, z, "z_loss", z_coeff, num_valid)
             probs, routing_map = ops.sinkhorn_load_balancing(logits, k, training=self.training)
         else:
             # One pass over the logits: the routing, and (training) the aux-loss scores and map
@@ -156,8 +164,8 @@ class TopKRouter(nn.Module):
             )
             if want_z:
                 z_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-                z = z_loss_from_lse(lse, cfg.moe_z_loss_coeff, mask, z_dtype)
-                probs = self._attach(probs, z, "z_loss", cfg.moe_z_loss_coeff, num_valid)
+                z = z_loss_from_lse(lse, z_coeff, mask, z_dtype)
+                probs = self._attach(probs, z, "z_loss", z_coeff, num_valid)
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = ops.apply_router_token_dropping(
                 probs, routing_map, router_topk=k,
@@ -172,17 +180,20 @@ class TopKRouter(nn.Module):
                     logits, k, cfg.moe_router_score_function, padding_mask=mask)
             if "aux_loss" in aux_types:
                 c = coeffs["aux_loss"]
-                loss = ops.load_balancing_loss(scores, aux_map, k, E, c, padding_mask=mask)
+                loss = ops.load_balancing_loss(scores, aux_map, k, E, c, padding_mask=mask,
+                                               reduce_group=self.tp_cp_group)
                 probs = self._attach(probs, loss, "load_balancing_loss", c, num_valid)
             if "seq_aux_loss" in aux_types:
                 c = coeffs["seq_aux_loss"]
                 loss = ops.seq_load_balancing_loss(scores, aux_map, seq_length, bsz, k, E, c,
-                                                   padding_mask=mask)
+                                                   padding_mask=mask,
+                                                   reduce_group=self.tp_cp_group)
                 probs = self._attach(probs, loss, "seq_load_balancing_loss", c, num_valid)
             if "global_aux_loss" in aux_types:
                 c = coeffs["global_aux_loss"]
                 loss = ops.global_load_balancing_loss(scores, aux_map, k, E, c,
-                                                      self.global_aux_buffer, padding_mask=mask)
+                                                      self.global_aux_buffer, padding_mask=mask,
+                                                      reduce_group=self.tp_dp_cp_group)
                 probs = self._attach(probs, loss, "global_load_balancing_loss", c, num_valid)
 
         if self.local_tokens_per_expert is not None and self.training:
@@ -198,10 +209,13 @@ class TopKRouter(nn.Module):
     @torch.no_grad()
     def update_expert_bias(self, group=None) -> None:
         """Aux-loss-free balancing step (after the optimizer step): bias += rate·sign(mean - count)
-        from the counts since the last call (all-reduced over ``group`` if given), then zero them.
+        from the counts since the last call, all-reduced over ``group`` (default: the router's
+        ``tp_dp_cp_group``, if any), then zero them.
         """
         if self.expert_bias is None:
             return
+        if group is None:
+            group = self.tp_dp_cp_group
         new_bias = ops.get_updated_expert_bias(self.local_tokens_per_expert, self.expert_bias,
                                                self.config.moe_router_bias_update_rate, group)
         self.expert_bias.copy_(new_bias)

@@ -1,0 +1,234 @@
+"""Token dispatchers: move the permuted rows to the ranks that hold their experts, and back.
+
+Expert parallelism over a ``torch.distributed`` group of ``N`` ranks (NCCL on GPUs, gloo on CPUs);
+rank r holds the contiguous local experts ``[r·nle, (r+1)·nle)``, ``nle = E / N``. Routing,
+token dropping and the combine stay on the token's own rank. Both dispatchers are Megatron's:
+
+``alltoall`` (``AlltoAllDispatcher``)::
+
+    counts [E] = routing_map.sum(0)            all-gathered -> [N, E]    (dropless / dropping)
+    rows [T·K, H] = permute(x, routing_map)    expert-major = destination-rank-major
+    recv = all_to_all(rows, output_splits, input_splits)     then the fp32 probs, same splits
+    recv = sort_chunks_by_idxs(recv)           (source, local expert) -> (local expert, source)
+    y = experts(recv)                          grouped GEMMs on nle experts
+    ... the inverse: chunk sort back, all_to_all back, unpermute (per-token fp32 gather-sum)
+
+``allgather`` (``AllGatherDispatcher``): all-gather the tokens, probs and maps of the group,
+permute the gathered tokens routed to local experts, run them, sum each token's local rows in
+fp32, and reduce-scatter those partial sums (fp32) back to the tokens' ranks.
+
+The one clever idea is the order: every expert receives its rows in (source rank, token) order,
+which is the order a single process sees for the concatenated batch. With the all-to-all
+dispatcher each row meets the same GEMMs and each token's rows are summed on its own rank in the
+same order at every N, so EP = N gives bitwise the single-process output, input gradient and
+router gradient on each rank's tokens, and the expert weight gradients of the concatenated
+batch (wherever the GEMM's reduction order does not depend on the row count, as on the CPU).
+The allgather dispatcher sums a token's expert outputs per rank first (fp32, never rounded in
+between), so it agrees within the combine's precision contract, not bit for bit.
+
+Host synchronisation: only the dropless / dropping all-to-all needs its split sizes on the host.
+Their device-to-host copy starts on a side stream right after the counts all-gather and is
+waited on right before the first all-to-all, so permute runs meanwhile (Megatron's
+``cuda_sync_point`` schedule); the backward reuses the host splits. Drop-and-pad exchanges equal
+blocks of ``nle·capacity`` rows: no counts, no host read, so it compiles with
+``torch.compile(fullgraph=True)`` and records into CUDA graphs. The allgather dispatcher sizes
+its buffers from static bounds and never reads the device either.
+
+Collectives are ``torch.distributed._functional_collectives`` (autograd, traced by dynamo); their
+backward is the reverse exchange (all-to-all with swapped splits, reduce-scatter for all-gather),
+and every sum in it runs in a fixed order (no floating-point atomics).
+"""
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+
+from moe_core import ops
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    """The collective's result as a plain tensor (waits for it on the current stream)."""
+    return fc.wait_tensor(t) if isinstance(t, fc.AsyncCollectiveTensor) else t
+
+
+class _HostSplits:
+    """Split sizes on their way to the host: started now, read by ``get()``.
+
+    CUDA: the copy runs on a side stream (which first waits for the current one) into pinned
+    memory, and ``get()`` waits on its event; the compute stream goes on meanwhile. CPU: a read.
+    """
+    _streams = {}
+
+    def __init__(self, values: torch.Tensor):
+        self.event = None
+        if values.is_cuda:
+            dev = values.device
+            stream = _HostSplits._streams.get(dev)
+            if stream is None:
+                stream = _HostSplits._streams[dev] = torch.cuda.Stream(device=dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                self.host.copy_(values, non_blocking=True)
+                values.record_stream(stream)
+                self.event = torch.cuda.Event()
+                self.event.record(stream)
+        else:
+            self.host = values
+
+    def get(self) -> List[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+class AlltoAllDispatcher:
+    """Megatron's ``alltoall`` dispatcher over ``group`` (``N`` ranks, ``nle`` local experts).
+
+    ``dispatch(x, probs, routing_map, num_rows, drop_and_pad)`` returns the local experts' rows
+    ``[R_local, H]``, their probs ``[R_local]``, the local ``expert_offsets`` ``[nle + 1]`` and a
+    handle; ``combine(y, handle)`` returns ``[T, H]``.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int):
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
+        self.num_experts = num_experts
+        self.nle = num_experts // self.ep_size
+        N, nle = self.ep_size, self.nle
+        chunks = torch.arange(N * nle)
+        # (source, local expert) chunks -> (local expert, source), and back
+        self.sort_idxs = chunks.reshape(N, nle).t().reshape(-1)
+        self.restore_idxs = chunks.reshape(nle, N).t().reshape(-1)
+
+    # ---- exchange steps, named as in Megatron ---------------------------------------------
+    def preprocess(self, routing_map: torch.Tensor) -> Tuple[torch.Tensor, _HostSplits]:
+        """Token counts of the group: ``[N, nle]`` rows routed from each source rank to each local
+        expert (on the device), and this rank's input / output split sizes on their way to the
+        host (``[input_splits (N), output_splits (N)]``)."""
+        N, nle, E = self.ep_size, self.nle, self.num_experts
+        counts = routing_map.sum(dim=0, dtype=torch.long)                           # [E]
+        gathered = _wait(fc.all_gather_tensor(counts, 0, self.group)).view(N, E)    # [N, E]
+        lo = self.ep_rank * nle
+        per_local = gathered[:, lo:lo + nle]                                        # [N, nle]
+        splits = torch.cat([counts.view(N, nle).sum(1), per_local.sum(1)])          # [2N]
+        return per_local, _HostSplits(splits)
+
+    def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                 num_rows: int, drop_and_pad: bool,
+                 overlap: Optional[Callable[[], None]] = None):
+        """x ``[T, H]``, probs ``[T, E]`` (router dtype), routing_map ``[T, E]`` bool.
+        ``overlap`` runs after the rows are sent, before they are needed (the shared expert)."""
+        N, nle = self.ep_size, self.nle
+        if drop_and_pad:
+            rows, row_probs, sorted_indices, _, _ = ops.permute(
+                x, routing_map, probs, num_out_tokens=num_rows, drop_and_pad=True)
+            recv = fc.all_to_all_single_autograd(rows, None, None, self.group)
+            recv_probs = fc.all_to_all_single_autograd(row_probs, None, None, self.group)
+            if overlap is not None:
+                overlap()
+            cap = num_rows // self.num_experts
+            H = x.shape[1]
+            # (source, local expert, slot) -> (local expert, source, slot): a view and a copy
+            recv = _wait(recv).view(N, nle, cap, H).transpose(0, 1).reshape(N * nle * cap, H)
+            recv_probs = _wait(recv_probs).view(N, nle, cap).transpose(0, 1).reshape(-1)
+            offsets = torch.arange(nle + 1, device=x.device, dtype=torch.long) * (N * cap)
+            handle = dict(sorted_indices=sorted_indices, num_tokens=x.shape[0], cap=cap,
+                          drop_and_pad=True)
+            return recv, recv_probs, offsets, handle
+
+        per_local, host = self.preprocess(routing_map)
+        rows, row_probs, sorted_indices, _, _ = ops.permute(
+            x, routing_map, probs, num_out_tokens=num_rows)
+        splits = host.get()                                    # the one host wait
+        input_splits, output_splits = splits[:N], splits[N:]
+        used = sum(input_splits)
+        if used != rows.shape[0]:  # dropping without padding: the bound's tail is unused
+            rows, row_probs = rows[:used], row_probs[:used]
+        recv = fc.all_to_all_single_autograd(rows, output_splits, input_splits, self.group)
+        recv_probs = fc.all_to_all_single_autograd(row_probs, output_splits, input_splits,
+                                                   self.group)
+        if overlap is not None:
+            overlap()
+        recv, recv_probs = _wait(recv), _wait(recv_probs)
+        if nle > 1:
+            recv, recv_probs = ops.sort_chunks_by_idxs(
+                recv, per_local.reshape(-1), self.sort_idxs.to(x.device), recv_probs)
+        tokens_per_local_expert = per_local.sum(0)                                  # [nle]
+        offsets = torch.cat([tokens_per_local_expert.new_zeros(1),
+                             tokens_per_local_expert.cumsum(0)])
+        handle = dict(sorted_indices=sorted_indices, num_tokens=x.shape[0], per_local=per_local,
+                      input_splits=input_splits, output_splits=output_splits,
+                      num_rows=num_rows, drop_and_pad=False)
+        return recv, recv_probs, offsets, handle
+
+    def combine(self, y: torch.Tensor, handle: dict,
+                overlap: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """y ``[R_local, H]`` (the local experts' outputs) -> ``[T, H]`` on the tokens' rank."""
+        N, nle = self.ep_size, self.nle
+        H = y.shape[1]
+        if handle["drop_and_pad"]:
+            cap = handle["cap"]
+            y = y.view(nle, N, cap, H).transpose(0, 1).reshape(N * nle * cap, H)
+            back = fc.all_to_all_single_autograd(y, None, None, self.group)
+        else:
+            if nle > 1:
+                y, _ = ops.sort_chunks_by_idxs(y, handle["per_local"].t().reshape(-1),
+                                               self.restore_idxs.to(y.device))
+            back = fc.all_to_all_single_autograd(y, handle["input_splits"],
+                                                 handle["output_splits"], self.group)
+        if overlap is not None:
+            overlap()
+        back = _wait(back)
+        pad = handle.get("num_rows", back.shape[0]) - back.shape[0]
+        if pad > 0:
+            back = torch.cat([back, back.new_zeros(pad, H)])
+        return ops.unpermute(back, handle["sorted_indices"], restore_shape=(handle["num_tokens"], H))
+
+
+class AllGatherDispatcher:
+    """Megatron's ``allgather`` dispatcher over ``group``: every rank sees the group's tokens and
+    keeps the rows routed to its local experts. Needs the same token count on every rank."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int):
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
+        self.num_experts = num_experts
+        self.nle = num_experts // self.ep_size
+
+    def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                 num_rows: int, drop_and_pad: bool,
+                 overlap: Optional[Callable[[], None]] = None):
+        N, nle, T = self.ep_size, self.nle, x.shape[0]
+        lo = self.ep_rank * nle
+        x_all = _wait(fc.all_gather_tensor_autograd(x, 0, self.group))              # [N·T, H]
+        probs_all = _wait(fc.all_gather_tensor_autograd(probs, 0, self.group))      # [N·T, E]
+        map_all = _wait(fc.all_gather_tensor(routing_map.to(torch.uint8), 0, self.group))
+        if overlap is not None:
+            overlap()
+        local_map = map_all[:, lo:lo + nle].bool()
+        local_probs = probs_all[:, lo:lo + nle]
+        # static bound: each token reaches at most min(K, nle) local experts (with padding to
+        # capacity: at most nle·capacity rows per source rank)
+        bound = N * (num_rows // self.num_experts * nle if drop_and_pad
+                     else min(num_rows, T * nle))
+        rows, row_probs, sorted_indices, offsets, _ = ops.permute(
+            x_all, local_map, local_probs, num_out_tokens=bound)
+        handle = dict(sorted_indices=sorted_indices, num_tokens=N * T)
+        return rows, row_probs, offsets, handle
+
+    def combine(self, y: torch.Tensor, handle: dict,
+                overlap: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        H = y.shape[1]
+        partial = ops.unpermute(y.float(), handle["sorted_indices"],
+                                restore_shape=(handle["num_tokens"], H))           # [N·T, H] fp32
+        out = fc.reduce_scatter_tensor_autograd(partial, "sum", 0, self.group)
+        if overlap is not None:
+            overlap()
+        return _wait(out).to(y.dtype)
+
+
+DISPATCHERS = {"alltoall": AlltoAllDispatcher, "allgather": AllGatherDispatcher}

@@ -1,0 +1,96 @@
+"""Multi-process test harness: N ranks over gloo on the CPU, one thread each.
+
+``run_ranks(fn, world, *args)`` spawns ``world`` processes (a free port on 127.0.0.1), runs
+``fn(rank, world, *args)`` in each after ``init_process_group("gloo")`` and returns the ranks'
+results in rank order. Every collective has a timeout (``COLLECTIVE_TIMEOUT``), the parent waits
+at most ``timeout`` seconds for all results, and a rank that fails or is still running when
+another has failed is killed and reported: no test leaves a rank waiting in a collective.
+"""
+import datetime
+import os
+import queue
+import socket
+import traceback
+import warnings
+
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, results, args):
+    try:
+        warnings.simplefilter("ignore")
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
+        try:
+            out = fn(rank, world, *args)
+        finally:
+            pass
+        results.put((rank, "ok", out))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 (reported to the parent, whatever it is)
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 300.0):
+    """Results of ``fn(rank, world, *args)`` on ``world`` gloo ranks, in rank order.
+
+    Raises AssertionError with the failing rank's traceback if any rank raised, and names the
+    ranks that were still running (left in a collective) when the first failure arrived."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got, errors = {}, {}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    try:
+        while len(got) + len(errors) < world:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            if left <= 0:
+                raise AssertionError(f"ranks {sorted(set(range(world)) - set(got) - set(errors))} "
+                                     f"did not finish within {timeout} s")
+            try:
+                rank, status, value = results.get(timeout=min(left, 5.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in got and r not in errors]
+                if dead:
+                    raise AssertionError(f"ranks {dead} died (exit codes "
+                                         f"{[procs[r].exitcode for r in dead]})")
+                continue
+            if status == "ok":
+                got[rank] = value
+            else:
+                errors[rank] = value
+                break
+        if errors:
+            rank, tb = next(iter(errors.items()))
+            stuck = [r for r in range(world) if r not in got and r != rank]
+            raise AssertionError(f"rank {rank} failed (ranks {stuck} were still running and are "
+                                 f"stopped):\n{tb}")
+        for p in procs:
+            p.join(timeout=COLLECTIVE_TIMEOUT)
+        return [got[r] for r in range(world)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
