@@ -194,7 +194,9 @@ class MoELayer(nn.Module):
             y = self.experts(rows, expert_offsets, row_probs)
             out = ops.unpermute(y, sorted_indices, restore_shape=x.shape)
         else:
-            out, shared = self._expert_parallel(x, probs, routing_map, hidden_states, overlap)
+            out, overlapped = self._expert_parallel(x, probs, routing_map, hidden_states, overlap)
+            if overlap:
+                shared = overlapped
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         out = out.reshape(hidden_states.shape)

@@ -1,0 +1,392 @@
+"""Expert parallelism on the CPU over gloo: the EP layer at N = 2 and 4 ranks against the
+single-process MoELayer holding the same global weights.
+
+What is compared, per rank r (rank r's tokens are shard r of a global batch):
+
+* output, input gradient, router and shared-expert gradients, aux / z losses: equal (bitwise) to
+  the single-process layer run on shard r. With the all-to-all dispatcher each row meets the same
+  GEMMs and each token's rows are summed on its own rank in the same order at every N. The
+  allgather dispatcher sums a token's rows per rank first (fp32) and reduces the input gradient
+  across ranks, so its output and input gradient agree within a few bf16 roundings instead.
+* the local expert weight gradients: equal (bitwise) to a single process that runs every shard's
+  permuted rows through the experts in (source rank, token) order, which is the order the EP
+  ranks receive them in (the CPU grouped GEMM's reduction order does not depend on the rows'
+  position), and within fp32-accumulation tolerance of the sum of the shards' own gradients.
+* the expert-bias update after the step (counts all-reduced over the world): equal to the
+  single-process update from all shards' counts.
+
+Plus: EP x DP (world 4 as EP 2 x DP 2) after ``all_reduce_gradients`` against one process on
+the whole batch, FSDP2 on the replicated parameters, the drop-and-pad path under
+``torch.compile(fullgraph=True)``, and the errors raised on every rank before any exchange.
+All cases of one world size run in one spawn of the ranks (a module fixture).
+"""
+import copy
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_utils import run_ranks
+from tolerances import eps
+
+H, FFN, S, B = 16, 24, 6, 2
+
+BASE = dict(hidden_size=H, moe_ffn_hidden_size=FFN, add_bias_linear=False, gated_linear_unit=True,
+            activation_func=F.silu, moe_router_dtype="fp32")
+
+CONFIGS = {
+    "softmax_top2": dict(num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
+                         moe_z_loss_coeff=1e-3),
+    "sigmoid_groups_bias_top8_shared": dict(
+        num_moe_experts=16, moe_router_topk=8, moe_router_score_function="sigmoid",
+        moe_router_num_groups=8, moe_router_group_topk=4, moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=20,
+        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-3),
+}
+MODES = {
+    "dropless": dict(),
+    "dropping": dict(moe_expert_capacity_factor=0.5),
+    "drop_and_pad": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+}
+DISPATCHERS = ("alltoall", "allgather")
+CASES = [(c, m, d) for c in CONFIGS for m in MODES for d in DISPATCHERS]
+
+
+def config_kwargs(case: str, mode: str, dispatcher: str, dtype=torch.bfloat16) -> dict:
+    kw = dict(BASE, **CONFIGS[case], **MODES[mode])
+    kw.update(moe_token_dispatcher_type=dispatcher, params_dtype=dtype)
+    return kw
+
+
+def global_layer(kw: dict):
+    """The single-process layer with the global weights (seeded; a random expert bias)."""
+    from moe_core import MoEConfig, MoELayer
+
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(**kw))
+    if layer.router.expert_bias is not None:
+        with torch.no_grad():
+            layer.router.expert_bias.copy_(torch.randn(kw["num_moe_experts"]) * 0.05)
+    return layer
+
+
+def shard_state(layer, rank: int, world: int) -> dict:
+    """The global layer's state dict with the experts of EP rank ``rank`` only."""
+    sd = {k: v.clone() for k, v in layer.state_dict().items()}
+    nle = layer.config.num_moe_experts // world
+    for k in list(sd):
+        if k.startswith("experts."):
+            sd[k] = sd[k][rank * nle:(rank + 1) * nle]
+    return sd
+
+
+def global_batch(world: int, dtype, seed: int = 1):
+    """Inputs ``[world, S, B, H]``, output-gradient weights of the same shape, padding masks
+    ``[world, B, S]`` (the last token of the first sequence of every shard is padding)."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(world, S, B, H, generator=g).to(dtype)
+    G = torch.randn(world, S, B, H, generator=g)
+    mask = torch.zeros(world, B, S, dtype=torch.bool)
+    mask[:, 0, -1] = True
+    return X, G, mask
+
+
+def run_layer(layer, x, g, mask):
+    """Forward + backward of ``sum(out * g)``; returns (out, dx, losses)."""
+    x = x.clone().requires_grad_(True)
+    out = layer(x, padding_mask=mask)
+    (out.float() * g).sum().backward()
+    return out.detach(), x.grad, {k: v.clone() for k, v in layer.router.last_losses.items()}
+
+
+def concatenated_expert_grads(layer, X, G, masks) -> Dict[str, torch.Tensor]:
+    """Expert gradients of one process that routes every shard itself and runs all shards'
+    permuted rows through the experts at once, each expert's rows in (shard, token) order."""
+    from moe_core import ops
+
+    layer = copy.deepcopy(layer)
+    layer.zero_grad(set_to_none=True)
+    world, E = X.shape[0], layer.config.num_moe_experts
+    pad = layer.config.moe_pad_expert_input_to_capacity
+    per_shard = []
+    for r in range(world):
+        x = X[r].reshape(-1, H)
+        probs, rmap = layer.router(X[r], padding_mask=masks[r].t())
+        bound = layer.num_permuted_rows(x.shape[0])
+        rows, rp, idx, off, _ = ops.permute(x, rmap, probs, num_out_tokens=bound, drop_and_pad=pad)
+        per_shard.append((rows, rp, idx, off.tolist(), bound))
+    pieces, piece_probs, sizes = [], [], []
+    for e in range(E):
+        for rows, rp, _, off, _ in per_shard:
+            pieces.append(rows[off[e]:off[e + 1]])
+            piece_probs.append(rp[off[e]:off[e + 1]])
+            sizes.append(off[e + 1] - off[e])
+    counts = torch.tensor(sizes).view(E, world).sum(1)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    y = layer.experts(torch.cat(pieces), offsets, torch.cat(piece_probs))
+    parts = list(torch.split(y, sizes))
+    loss = 0.0
+    for r, (rows, _, idx, off, bound) in enumerate(per_shard):
+        mine = [parts[e * world + r] for e in range(E)]
+        used = off[E]
+        yr = torch.cat(mine + [y.new_zeros(bound - used, H)])
+        out = ops.unpermute(yr, idx, restore_shape=(S * B, H))
+        loss = loss + (out.float() * G[r].reshape(-1, H)).sum()
+    loss.backward()
+    return {n: p.grad for n, p in layer.experts.named_parameters()}
+
+
+def _compare(ours: torch.Tensor, ref: torch.Tensor, bitwise: bool, n_ulps: float = 4) -> dict:
+    """``equal`` and the max difference relative to the reference's max magnitude in ulps of
+    the dtype (for the assertion message and the tolerance rule)."""
+    assert ours is not None and ref is not None, f"no gradient: ours {ours is None}, ref {ref is None}"
+    diff = (ours.double() - ref.double()).abs().max().item()
+    scale = ref.double().abs().max().item() or 1.0
+    ulps = diff / (scale * eps(ref.dtype))
+    return dict(equal=torch.equal(ours, ref), ulps=ulps, bitwise=bitwise, n_ulps=n_ulps)
+
+
+def ep_case(rank: int, world: int, case: str, mode: str, dispatcher: str) -> dict:
+    from moe_core import MoEConfig, MoELayer
+
+    kw = config_kwargs(case, mode, dispatcher)
+    ref = global_layer(kw)
+    ep = MoELayer(MoEConfig(**kw, expert_model_parallel_size=world))
+    ep.load_state_dict(shard_state(ref, rank, world))
+    X, G, masks = global_batch(world, torch.bfloat16)
+    out, dx, losses = run_layer(ep, X[rank], G[rank], masks[rank])
+
+    bitwise = dispatcher == "alltoall"
+    res = {}
+    refs = []
+    for r in range(world):  # the single-process layer on every shard (counts for the bias)
+        refs.append(run_layer(ref, X[r], G[r], masks[r]) if r == rank else None)
+        if r != rank:  # routing alone counts the tokens for the expert bias
+            ref.router(X[r], padding_mask=masks[r].t())
+        if r == rank:
+            rparams = {n: p.grad.clone() for n, p in ref.named_parameters()
+                       if not n.startswith("experts.")}
+    r_out, r_dx, r_losses = refs[rank]
+    res["out"] = _compare(out, r_out, bitwise)
+    res["dx"] = _compare(dx, r_dx, bitwise)
+    for n, p in ep.named_parameters():
+        if not n.startswith("experts."):
+            res[f"grad {n}"] = _compare(p.grad, rparams[n], True)
+    res["losses"] = dict(equal=sorted(losses) == sorted(r_losses) and all(
+        torch.equal(losses[k], r_losses[k]) for k in losses), ulps=0.0, bitwise=True, n_ulps=0)
+
+    nle = kw["num_moe_experts"] // world
+    cat = concatenated_expert_grads(ref, X, G, masks)
+    for n, p in ep.experts.named_parameters():
+        res[f"grad experts.{n}"] = _compare(p.grad, cat[n][rank * nle:(rank + 1) * nle], True)
+    if ep.router.expert_bias is not None:
+        ep.router.update_expert_bias()   # counts all-reduced over the world (the default)
+        ref.router.update_expert_bias()  # every shard's counts, in one process
+        res["expert_bias"] = _compare(ep.router.expert_bias, ref.router.expert_bias, True)
+    return res
+
+
+def ep_worker(rank: int, world: int, cases: List[Tuple[str, str, str]]) -> dict:
+    return {c: ep_case(rank, world, *c) for c in cases}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
+def ep_results(request):
+    world = request.param
+    return world, run_ranks(ep_worker, world, CASES, timeout=600)
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_ep_equals_single_process(ep_results, case):
+    world, per_rank = ep_results
+    for rank, results in enumerate(per_rank):
+        for what, r in results[case].items():
+            where = f"EP={world} rank {rank} {what}"
+            if r["bitwise"]:
+                assert r["equal"], f"{where}: not bitwise equal (max diff {r['ulps']:.2f} ulps)"
+            else:
+                assert r["ulps"] <= r["n_ulps"], f"{where}: {r['ulps']:.2f} ulps > {r['n_ulps']}"
+
+
+# ---- EP x DP: gradients after the reduction equal one process on the whole batch -------------
+def dp_worker(rank: int, world: int, use_fsdp: bool) -> dict:
+    """World 4 as EP 2 x DP 2 (fp32): each rank runs shard ``rank`` of a 4-shard batch; after
+    the reduction every gradient must equal the mean over the shards' losses in one process."""
+    import torch.distributed as dist
+    from moe_core import MoEConfig, MoELayer
+    from moe_core.parallel import all_reduce_gradients, expert_parallel_groups
+
+    kw = config_kwargs("sigmoid_groups_bias_top8_shared", "dropless", "alltoall", torch.float32)
+    ep_size = 2
+    groups = expert_parallel_groups(ep_size)
+    ref = global_layer(kw)
+    ep = MoELayer(MoEConfig(**kw, expert_model_parallel_size=ep_size), **groups.layer_kwargs())
+    ep_rank = dist.get_rank(groups.ep_group)
+    ep.load_state_dict(shard_state(ref, ep_rank, ep_size))
+    if use_fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(ep.router, mesh=mesh)
+        fully_shard(ep.shared_experts, mesh=mesh)
+    X, G, masks = global_batch(world, torch.float32)
+    run_layer(ep, X[rank], G[rank], masks[rank])  # each rank's own loss; the reduction averages
+    all_reduce_gradients(ep, expert_dp_group=groups.expert_dp_group)
+    from moe_core.ops import AuxLossScale
+
+    ref.router.aux_loss_scale = AuxLossScale(1.0 / world)  # the mean of the ranks' losses
+    for r in range(world):
+        run_layer(ref, X[r], G[r] / world, masks[r])
+    nle = kw["num_moe_experts"] // ep_size
+    res = {}
+    for n, p in ep.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        want = dict(ref.named_parameters())[n].grad
+        if n.startswith("experts."):
+            want = want[ep_rank * nle:(ep_rank + 1) * nle]
+        res[n] = _compare(g, want, False, n_ulps=16)
+    return res
+
+
+@pytest.mark.parametrize("use_fsdp", [False, True], ids=["all_reduce", "fsdp2"])
+def test_ep_times_dp_gradients(use_fsdp):
+    """Sums of four shards in another order: within 16 fp32 ulps of the largest gradient."""
+    for rank, res in enumerate(run_ranks(dp_worker, 4, use_fsdp, timeout=300)):
+        for n, r in res.items():
+            assert r["ulps"] <= r["n_ulps"], f"rank {rank} {n}: {r['ulps']:.2f} ulps"
+
+
+# ---- at EP 2: compile, overlap, DeviceMesh, and the errors raised on every rank -------------
+def _layer_and_batch(rank: int, world: int, case: str, mode: str, dispatcher: str, **extra):
+    from moe_core import MoEConfig, MoELayer
+
+    kw = config_kwargs(case, mode, dispatcher)
+    ref = global_layer(kw)
+    ep = MoELayer(MoEConfig(**kw, **extra, expert_model_parallel_size=world))
+    ep.load_state_dict(shard_state(ref, rank, world))
+    X, G, masks = global_batch(world, torch.bfloat16)
+    return ep, X[rank], G[rank], masks[rank]
+
+
+def _grads(layer) -> Dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def misc_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from moe_core import MoEConfig, MoELayer
+
+    res = {}
+    # drop-and-pad has static splits: the whole layer compiles with fullgraph, fwd + bwd
+    ep, x, g, m = _layer_and_batch(rank, world, "softmax_top2", "drop_and_pad", "alltoall")
+    eager = run_layer(ep, x, g, m) + (_grads(ep),)
+    ep.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(ep, fullgraph=True, backend="aot_eager")
+    got = run_layer(compiled, x, g, m) + (_grads(ep),)
+    res["compile_fullgraph"] = (torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
+                                and all(torch.equal(got[3][k], eager[3][k]) for k in eager[3]))
+
+    # the shared expert overlapped with the exchanges gives the same values
+    plain, x, g, m = _layer_and_batch(rank, world, "sigmoid_groups_bias_top8_shared", "dropless",
+                                      "alltoall")
+    over, _, _, _ = _layer_and_batch(rank, world, "sigmoid_groups_bias_top8_shared", "dropless",
+                                     "alltoall", moe_shared_expert_overlap=True)
+    a, b = run_layer(plain, x, g, m), run_layer(over, x, g, m)
+    ga, gb = _grads(plain), _grads(over)
+    res["overlap"] = dict(out=_compare(b[0], a[0], True), dx=_compare(b[1], a[1], False, 2),
+                          **{k: _compare(gb[k], ga[k], True) for k in ga})
+
+    # a DeviceMesh is accepted where a group is
+    kw = config_kwargs("softmax_top2", "dropless", "alltoall")
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    ref = global_layer(kw)
+    with_mesh = MoELayer(MoEConfig(**kw, expert_model_parallel_size=world), ep_group=mesh)
+    with_pair = MoELayer(MoEConfig(**kw, expert_model_parallel_size=world), ep_group=(mesh, "ep"))
+    with_group = MoELayer(MoEConfig(**kw, expert_model_parallel_size=world))
+    X, G, masks = global_batch(world, torch.bfloat16)
+    outs = []
+    for layer in (with_mesh, with_pair, with_group):
+        layer.load_state_dict(shard_state(ref, rank, world))
+        outs.append(run_layer(layer, X[rank], G[rank], masks[rank])[0])
+    res["device_mesh"] = torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
+
+    # errors: raised on every rank before any exchange, so the next collective still works
+    errs = {}
+    errs["ep_size_vs_world"] = _error_of(
+        lambda: MoELayer(MoEConfig(**kw, expert_model_parallel_size=world * 2)))
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+    errs["group_size"] = _error_of(
+        lambda: MoELayer(MoEConfig(**kw, expert_model_parallel_size=world), ep_group=solo))
+    mine = dict(kw, moe_expert_capacity_factor=1.0 if rank == 0 else None)
+    errs["config_differs"] = _error_of(
+        lambda: MoELayer(MoEConfig(**mine, expert_model_parallel_size=world)))
+    for disp, mode in (("alltoall", "drop_and_pad"), ("allgather", "dropless")):
+        layer, x, g, m = _layer_and_batch(rank, world, "softmax_top2", mode, disp)
+        tokens = x[: S - rank]  # a different token count on every rank
+        errs[f"tokens_differ_{disp}"] = _error_of(lambda: layer(tokens))
+    dist.barrier()
+    res["errors"] = errs
+    return res
+
+
+@pytest.fixture(scope="module")
+def misc_results():
+    return run_ranks(misc_worker, 2, timeout=300)
+
+
+def test_drop_and_pad_compiles_fullgraph(misc_results):
+    assert all(r["compile_fullgraph"] for r in misc_results)
+
+
+def test_shared_expert_overlap_equals_plain(misc_results):
+    """Output and every gradient bitwise; the input gradient within two bf16 roundings of its
+    largest value: its three terms (router, shared expert, routed experts) are accumulated in
+    another order when the shared expert runs under the exchange (as in Megatron)."""
+    for rank, res in enumerate(misc_results):
+        for what, r in res["overlap"].items():
+            if r["bitwise"]:
+                assert r["equal"], f"rank {rank} {what}: {r['ulps']:.2f} ulps"
+            else:
+                assert r["ulps"] <= r["n_ulps"], f"rank {rank} {what}: {r['ulps']:.2f} ulps"
+
+
+def test_device_mesh_as_group(misc_results):
+    assert all(r["device_mesh"] for r in misc_results)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("ep_size_vs_world", r"expert_model_parallel_size=4 but the default group has 2 ranks"),
+    ("group_size", r"expert_model_parallel_size=2 but ep_group has 1 ranks"),
+    ("config_differs", r"moe_expert_capacity_factor differs across the expert-parallel ranks: "
+                       r"rank 0: 1.0, rank 1: None"),
+    ("tokens_differ_alltoall", r"moe_pad_expert_input_to_capacity needs the same number on every "
+                               r"expert-parallel rank, got \[12, 10\]"),
+    ("tokens_differ_allgather", r"the allgather dispatcher needs the same number on every "
+                                r"expert-parallel rank, got \[12, 10\]"),
+])
+def test_error_on_every_rank(misc_results, case, message):
+    import re
+
+    for rank, r in enumerate(misc_results):
+        assert re.search(message, r["errors"][case]), f"rank {rank}: {r['errors'][case]!r}"
+
+
+def test_expert_parallel_without_a_group_of_that_size():
+    """Single process: EP = 2 with no process group of two ranks is refused at construction."""
+    from moe_core import MoEConfig, MoELayer
+
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2"):
+        MoELayer(MoEConfig(**config_kwargs("softmax_top2", "dropless", "alltoall"),
+                           expert_model_parallel_size=2))
