@@ -100,8 +100,15 @@ class AlltoAllDispatcher:
         N, nle = self.ep_size, self.nle
         chunks = torch.arange(N * nle)
         # (source, local expert) chunks -> (local expert, source), and back
-        self.sort_idxs = chunks.reshape(N, nle).t().reshape(-1)
-        self.restore_idxs = chunks.reshape(nle, N).t().reshape(-1)
+        self._chunk_order = {"sort": chunks.reshape(N, nle).t().reshape(-1),
+                             "restore": chunks.reshape(nle, N).t().reshape(-1)}
+
+    def chunk_order(self, which: str, device: torch.device) -> torch.Tensor:
+        """The chunk permutation on ``device``, copied there once (no copy per step)."""
+        key = (which, device)
+        if key not in self._chunk_order:
+            self._chunk_order[key] = self._chunk_order[which].to(device)
+        return self._chunk_order[key]
 
     # ---- exchange steps, named as in Megatron ---------------------------------------------
     def preprocess(self, routing_map: torch.Tensor) -> Tuple[torch.Tensor, _HostSplits]:
@@ -155,7 +162,7 @@ class AlltoAllDispatcher:
         recv, recv_probs = _wait(recv), _wait(recv_probs)
         if nle > 1:
             recv, recv_probs = ops.sort_chunks_by_idxs(
-                recv, per_local.reshape(-1), self.sort_idxs.to(x.device), recv_probs)
+                recv, per_local.reshape(-1), self.chunk_order("sort", x.device), recv_probs)
         tokens_per_local_expert = per_local.sum(0)                                  # [nle]
         offsets = torch.cat([tokens_per_local_expert.new_zeros(1),
                              tokens_per_local_expert.cumsum(0)])
@@ -176,7 +183,7 @@ class AlltoAllDispatcher:
         else:
             if nle > 1:
                 y, _ = ops.sort_chunks_by_idxs(y, handle["per_local"].t().reshape(-1),
-                                               self.restore_idxs.to(y.device))
+                                               self.chunk_order("restore", y.device))
             back = fc.all_to_all_single_autograd(y, handle["input_splits"],
                                                  handle["output_splits"], self.group)
         if overlap is not None:

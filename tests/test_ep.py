@@ -3,11 +3,12 @@ single-process MoELayer holding the same global weights.
 
 What is compared, per rank r (rank r's tokens are shard r of a global batch):
 
-* output, input gradient, router and shared-expert gradients, aux / z losses: equal (bitwise) to
-  the single-process layer run on shard r. With the all-to-all dispatcher each row meets the same
-  GEMMs and each token's rows are summed on its own rank in the same order at every N. The
-  allgather dispatcher sums a token's rows per rank first (fp32) and reduces the input gradient
-  across ranks, so its output and input gradient agree within a few bf16 roundings instead.
+* output, input gradient, router, shared-expert and latent-projection gradients, aux / z losses:
+  equal (bitwise) to the single-process layer run on shard r. With the all-to-all dispatcher each
+  row meets the same GEMMs and each token's rows are summed on its own rank in the same order at
+  every N. The allgather dispatcher sums a token's rows per rank first (fp32) and reduces the
+  input gradient across ranks, so its output, input gradient and the latent projections'
+  gradients (which see both) agree within four roundings of the dtype at the tensor's scale.
 * the local expert weight gradients: equal (bitwise) to a single process that runs every shard's
   permuted rows through the experts in (source rank, token) order, which is the order the EP
   ranks receive them in (the CPU grouped GEMM's reduction order does not depend on the rows'
@@ -43,6 +44,9 @@ CONFIGS = {
         moe_router_num_groups=8, moe_router_group_topk=4, moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=20,
         moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-3),
+    "latent_pre_softmax_top4_fp32": dict(
+        num_moe_experts=8, moe_router_topk=4, moe_router_pre_softmax=True, moe_latent_size=12,
+        moe_z_loss_coeff=1e-3, moe_aux_loss_coeff=1e-2, params_dtype=torch.float32),
 }
 MODES = {
     "dropless": dict(),
@@ -54,8 +58,8 @@ CASES = [(c, m, d) for c in CONFIGS for m in MODES for d in DISPATCHERS]
 
 
 def config_kwargs(case: str, mode: str, dispatcher: str, dtype=torch.bfloat16) -> dict:
-    kw = dict(BASE, **CONFIGS[case], **MODES[mode])
-    kw.update(moe_token_dispatcher_type=dispatcher, params_dtype=dtype)
+    kw = dict(BASE, params_dtype=dtype)
+    kw.update(CONFIGS[case], **MODES[mode], moe_token_dispatcher_type=dispatcher)
     return kw
 
 
@@ -112,6 +116,8 @@ def concatenated_expert_grads(layer, X, G, masks) -> Dict[str, torch.Tensor]:
     per_shard = []
     for r in range(world):
         x = X[r].reshape(-1, H)
+        if layer.fc1_latent_proj is not None:
+            x = layer.fc1_latent_proj(x)
         probs, rmap = layer.router(X[r], padding_mask=masks[r].t())
         bound = layer.num_permuted_rows(x.shape[0])
         rows, rp, idx, off, _ = ops.permute(x, rmap, probs, num_out_tokens=bound, drop_and_pad=pad)
@@ -130,8 +136,10 @@ def concatenated_expert_grads(layer, X, G, masks) -> Dict[str, torch.Tensor]:
     for r, (rows, _, idx, off, bound) in enumerate(per_shard):
         mine = [parts[e * world + r] for e in range(E)]
         used = off[E]
-        yr = torch.cat(mine + [y.new_zeros(bound - used, H)])
-        out = ops.unpermute(yr, idx, restore_shape=(S * B, H))
+        yr = torch.cat(mine + [y.new_zeros(bound - used, y.shape[1])])
+        out = ops.unpermute(yr, idx, restore_shape=(S * B, y.shape[1]))
+        if layer.fc2_latent_proj is not None:
+            out = layer.fc2_latent_proj(out)
         loss = loss + (out.float() * G[r].reshape(-1, H)).sum()
     loss.backward()
     return {n: p.grad for n, p in layer.experts.named_parameters()}
@@ -154,7 +162,7 @@ def ep_case(rank: int, world: int, case: str, mode: str, dispatcher: str) -> dic
     ref = global_layer(kw)
     ep = MoELayer(MoEConfig(**kw, expert_model_parallel_size=world))
     ep.load_state_dict(shard_state(ref, rank, world))
-    X, G, masks = global_batch(world, torch.bfloat16)
+    X, G, masks = global_batch(world, kw["params_dtype"])
     out, dx, losses = run_layer(ep, X[rank], G[rank], masks[rank])
 
     bitwise = dispatcher == "alltoall"
@@ -172,7 +180,8 @@ def ep_case(rank: int, world: int, case: str, mode: str, dispatcher: str) -> dic
     res["dx"] = _compare(dx, r_dx, bitwise)
     for n, p in ep.named_parameters():
         if not n.startswith("experts."):
-            res[f"grad {n}"] = _compare(p.grad, rparams[n], True)
+            # the latent projections see the combine and the input gradient of the experts
+            res[f"grad {n}"] = _compare(p.grad, rparams[n], bitwise or "latent_proj" not in n)
     res["losses"] = dict(equal=sorted(losses) == sorted(r_losses) and all(
         torch.equal(losses[k], r_losses[k]) for k in losses), ulps=0.0, bitwise=True, n_ulps=0)
 
