@@ -97,6 +97,10 @@ class AlltoAllDispatcher:
         self.ep_rank = dist.get_rank(group)
         self.num_experts = num_experts
         self.nle = num_experts // self.ep_size
+        # A group of one exchanges nothing: the all-to-alls, the counts all-gather, the chunk
+        # sort and the host read are identities and are skipped (as Megatron's all-to-all
+        # returns its input at one rank). Tests set it to force the collectives at one rank.
+        self.exchange = self.ep_size > 1
         N, nle = self.ep_size, self.nle
         chunks = torch.arange(N * nle)
         # (source, local expert) chunks -> (local expert, source), and back
@@ -109,6 +113,11 @@ class AlltoAllDispatcher:
         if key not in self._chunk_order:
             self._chunk_order[key] = self._chunk_order[which].to(device)
         return self._chunk_order[key]
+
+    def _all_to_all(self, x: torch.Tensor, output_splits, input_splits) -> torch.Tensor:
+        if not self.exchange:
+            return x
+        return fc.all_to_all_single_autograd(x, output_splits, input_splits, self.group)
 
     # ---- exchange steps, named as in Megatron ---------------------------------------------
     def preprocess(self, routing_map: torch.Tensor) -> Tuple[torch.Tensor, _HostSplits]:
@@ -132,8 +141,8 @@ class AlltoAllDispatcher:
         if drop_and_pad:
             rows, row_probs, sorted_indices, _, _ = ops.permute(
                 x, routing_map, probs, num_out_tokens=num_rows, drop_and_pad=True)
-            recv = fc.all_to_all_single_autograd(rows, None, None, self.group)
-            recv_probs = fc.all_to_all_single_autograd(row_probs, None, None, self.group)
+            recv = self._all_to_all(rows, None, None)
+            recv_probs = self._all_to_all(row_probs, None, None)
             if overlap is not None:
                 overlap()
             cap = num_rows // self.num_experts
@@ -146,6 +155,14 @@ class AlltoAllDispatcher:
                           drop_and_pad=True)
             return recv, recv_probs, offsets, handle
 
+        if not self.exchange:
+            rows, row_probs, sorted_indices, offsets, _ = ops.permute(
+                x, routing_map, probs, num_out_tokens=num_rows)
+            if overlap is not None:
+                overlap()
+            handle = dict(sorted_indices=sorted_indices, num_tokens=x.shape[0], identity=True,
+                          drop_and_pad=False)
+            return rows, row_probs, offsets, handle
         per_local, host = self.preprocess(routing_map)
         rows, row_probs, sorted_indices, _, _ = ops.permute(
             x, routing_map, probs, num_out_tokens=num_rows)
@@ -154,9 +171,8 @@ class AlltoAllDispatcher:
         used = sum(input_splits)
         if used != rows.shape[0]:  # dropping without padding: the bound's tail is unused
             rows, row_probs = rows[:used], row_probs[:used]
-        recv = fc.all_to_all_single_autograd(rows, output_splits, input_splits, self.group)
-        recv_probs = fc.all_to_all_single_autograd(row_probs, output_splits, input_splits,
-                                                   self.group)
+        recv = self._all_to_all(rows, output_splits, input_splits)
+        recv_probs = self._all_to_all(row_probs, output_splits, input_splits)
         if overlap is not None:
             overlap()
         recv, recv_probs = _wait(recv), _wait(recv_probs)
@@ -176,16 +192,17 @@ class AlltoAllDispatcher:
         """y ``[R_local, H]`` (the local experts' outputs) -> ``[T, H]`` on the tokens' rank."""
         N, nle = self.ep_size, self.nle
         H = y.shape[1]
-        if handle["drop_and_pad"]:
+        if handle.get("identity"):
+            back = y
+        elif handle["drop_and_pad"]:
             cap = handle["cap"]
             y = y.view(nle, N, cap, H).transpose(0, 1).reshape(N * nle * cap, H)
-            back = fc.all_to_all_single_autograd(y, None, None, self.group)
+            back = self._all_to_all(y, None, None)
         else:
             if nle > 1:
                 y, _ = ops.sort_chunks_by_idxs(y, handle["per_local"].t().reshape(-1),
                                                self.chunk_order("restore", y.device))
-            back = fc.all_to_all_single_autograd(y, handle["input_splits"],
-                                                 handle["output_splits"], self.group)
+            back = self._all_to_all(y, handle["input_splits"], handle["output_splits"])
         if overlap is not None:
             overlap()
         back = _wait(back)
@@ -205,11 +222,19 @@ class AllGatherDispatcher:
         self.ep_rank = dist.get_rank(group)
         self.num_experts = num_experts
         self.nle = num_experts // self.ep_size
+        self.exchange = self.ep_size > 1  # as AlltoAllDispatcher.exchange
 
     def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                  num_rows: int, drop_and_pad: bool,
                  overlap: Optional[Callable[[], None]] = None):
         N, nle, T = self.ep_size, self.nle, x.shape[0]
+        if not self.exchange:
+            rows, row_probs, sorted_indices, offsets, _ = ops.permute(
+                x, routing_map, probs, num_out_tokens=num_rows)
+            if overlap is not None:
+                overlap()
+            return rows, row_probs, offsets, dict(sorted_indices=sorted_indices, num_tokens=T,
+                                                  identity=True)
         lo = self.ep_rank * nle
         x_all = _wait(fc.all_gather_tensor_autograd(x, 0, self.group))              # [N·T, H]
         probs_all = _wait(fc.all_gather_tensor_autograd(probs, 0, self.group))      # [N·T, E]
@@ -230,6 +255,10 @@ class AllGatherDispatcher:
     def combine(self, y: torch.Tensor, handle: dict,
                 overlap: Optional[Callable[[], None]] = None) -> torch.Tensor:
         H = y.shape[1]
+        if handle.get("identity"):
+            if overlap is not None:
+                overlap()
+            return ops.unpermute(y, handle["sorted_indices"], restore_shape=(handle["num_tokens"], H))
         partial = ops.unpermute(y.float(), handle["sorted_indices"],
                                 restore_shape=(handle["num_tokens"], H))           # [N·T, H] fp32
         out = fc.reduce_scatter_tensor_autograd(partial, "sum", 0, self.group)

@@ -140,7 +140,8 @@ class MoELayer(nn.Module):
         """The allgather dispatcher and drop-and-pad exchange equal blocks: every rank must have
         the same token count. Checked (one small all-gather) whenever the count changes, in
         eager mode; traced and captured runs repeat a checked shape."""
-        if num_tokens == self._validated_tokens or torch.compiler.is_compiling():
+        if (num_tokens == self._validated_tokens or self.dispatcher.ep_size == 1
+                or torch.compiler.is_compiling()):
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return

@@ -399,3 +399,35 @@ def test_expert_parallel_without_a_group_of_that_size():
     with pytest.raises(ValueError, match="expert_model_parallel_size=2"):
         MoELayer(MoEConfig(**config_kwargs("softmax_top2", "dropless", "alltoall"),
                            expert_model_parallel_size=2))
+
+
+# ---- a group of one: the expert-parallel path equals the plain layer ------------------------
+def world_of_one_worker(rank: int, world: int) -> dict:
+    """The EP path on an explicit group of one, with its exchanges skipped (the default: they
+    are identities) and forced through the collectives, against the plain layer."""
+    import torch.distributed as dist
+    from moe_core import MoEConfig, MoELayer
+
+    res = {}
+    for case in ("softmax_top2", "sigmoid_groups_bias_top8_shared"):
+        for mode in MODES:
+            for disp in DISPATCHERS:
+                kw = config_kwargs(case, mode, disp)
+                plain = global_layer(kw)
+                X, G, masks = global_batch(1, torch.bfloat16)
+                want = run_layer(plain, X[0], G[0], masks[0])[:2] + (_grads(plain),)
+                for forced in (False, True):
+                    ep = MoELayer(MoEConfig(**kw), ep_group=dist.group.WORLD)
+                    ep.load_state_dict(plain.state_dict())
+                    ep.dispatcher.exchange = forced
+                    got = run_layer(ep, X[0], G[0], masks[0])[:2] + (_grads(ep),)
+                    res[(case, mode, disp, forced)] = (
+                        torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                        and all(torch.equal(got[2][k], want[2][k]) for k in want[2]))
+    return res
+
+
+def test_world_of_one_equals_plain_layer():
+    (res,) = run_ranks(world_of_one_worker, 1, timeout=300)
+    bad = [k for k, ok in res.items() if not ok]
+    assert not bad, f"differs from the plain layer: {bad}"

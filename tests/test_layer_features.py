@@ -306,6 +306,9 @@ BAD_CONFIGS = {
     "expert_parallel_flex": (dict(expert_model_parallel_size=2, moe_token_dispatcher_type="flex"),
                              "moe_token_dispatcher_type='flex'"),
     "expert_tensor_parallel": (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size=2"),
+    "shared_expert_overlap_without_shared_expert": (
+        dict(moe_shared_expert_overlap=True, moe_token_dispatcher_type="alltoall"),
+        "moe_shared_expert_overlap=True: needs a shared expert"),
     "shared_expert_overlap_allgather": (dict(moe_shared_expert_overlap=True, moe_shared_expert_intermediate_size=16,
                                              add_bias_linear=False), "moe_shared_expert_overlap=True"),
     "tensor_parallel": (dict(tensor_model_parallel_size=2), "tensor_model_parallel_size=2"),
