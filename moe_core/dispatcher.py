@@ -83,8 +83,8 @@ class _HostSplits:
         return self.host.tolist()
 
 
-class AlltoAllDispatcher:
-    """Megatron's ``alltoall`` dispatcher over ``group`` (``N`` ranks, ``nle`` local experts).
+class _Dispatcher:
+    """What both dispatchers know: the group, this rank's place in it, the local experts.
 
     ``dispatch(x, probs, routing_map, num_rows, drop_and_pad)`` returns the local experts' rows
     ``[R_local, H]``, their probs ``[R_local]``, the local ``expert_offsets`` ``[nle + 1]`` and a
@@ -97,10 +97,17 @@ class AlltoAllDispatcher:
         self.ep_rank = dist.get_rank(group)
         self.num_experts = num_experts
         self.nle = num_experts // self.ep_size
-        # A group of one exchanges nothing: the all-to-alls, the counts all-gather, the chunk
-        # sort and the host read are identities and are skipped (as Megatron's all-to-all
-        # returns its input at one rank). Tests set it to force the collectives at one rank.
+        # A group of one exchanges nothing: the collectives, the chunk sort and the host read
+        # are identities and are skipped (as Megatron's all-to-all returns its input at one
+        # rank). Tests set it to force the collectives at one rank.
         self.exchange = self.ep_size > 1
+
+
+class AlltoAllDispatcher(_Dispatcher):
+    """Megatron's ``alltoall`` dispatcher over ``group`` (``N`` ranks, ``nle`` local experts)."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int):
+        super().__init__(group, num_experts)
         N, nle = self.ep_size, self.nle
         chunks = torch.arange(N * nle)
         # (source, local expert) chunks -> (local expert, source), and back
@@ -212,17 +219,9 @@ class AlltoAllDispatcher:
         return ops.unpermute(back, handle["sorted_indices"], restore_shape=(handle["num_tokens"], H))
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(_Dispatcher):
     """Megatron's ``allgather`` dispatcher over ``group``: every rank sees the group's tokens and
     keeps the rows routed to its local experts. Needs the same token count on every rank."""
-
-    def __init__(self, group: dist.ProcessGroup, num_experts: int):
-        self.group = group
-        self.ep_size = dist.get_world_size(group)
-        self.ep_rank = dist.get_rank(group)
-        self.num_experts = num_experts
-        self.nle = num_experts // self.ep_size
-        self.exchange = self.ep_size > 1  # as AlltoAllDispatcher.exchange
 
     def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                  num_rows: int, drop_and_pad: bool,
