@@ -47,6 +47,14 @@ import torch.distributed._functional_collectives as fc
 from moe_core import ops
 
 
+# torch >= 2.14 names them *_single*, older releases *_tensor* (the same ops)
+_all_gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+_all_gather_autograd = (getattr(fc, "all_gather_single_autograd", None)
+                        or fc.all_gather_tensor_autograd)
+_reduce_scatter_autograd = (getattr(fc, "reduce_scatter_single_autograd", None)
+                            or fc.reduce_scatter_tensor_autograd)
+
+
 def _wait(t: torch.Tensor) -> torch.Tensor:
     """The collective's result as a plain tensor (waits for it on the current stream)."""
     return fc.wait_tensor(t) if isinstance(t, fc.AsyncCollectiveTensor) else t
@@ -133,7 +141,7 @@ class AlltoAllDispatcher(_Dispatcher):
         host (``[input_splits (N), output_splits (N)]``)."""
         N, nle, E = self.ep_size, self.nle, self.num_experts
         counts = routing_map.sum(dim=0, dtype=torch.long)                           # [E]
-        gathered = _wait(fc.all_gather_tensor(counts, 0, self.group)).view(N, E)    # [N, E]
+        gathered = _wait(_all_gather(counts, 0, self.group)).view(N, E)    # [N, E]
         lo = self.ep_rank * nle
         per_local = gathered[:, lo:lo + nle]                                        # [N, nle]
         splits = torch.cat([counts.view(N, nle).sum(1), per_local.sum(1)])          # [2N]
@@ -235,9 +243,9 @@ class AllGatherDispatcher(_Dispatcher):
             return rows, row_probs, offsets, dict(sorted_indices=sorted_indices, num_tokens=T,
                                                   identity=True)
         lo = self.ep_rank * nle
-        x_all = _wait(fc.all_gather_tensor_autograd(x, 0, self.group))              # [N·T, H]
-        probs_all = _wait(fc.all_gather_tensor_autograd(probs, 0, self.group))      # [N·T, E]
-        map_all = _wait(fc.all_gather_tensor(routing_map.to(torch.uint8), 0, self.group))
+        x_all = _wait(_all_gather_autograd(x, 0, self.group))              # [N·T, H]
+        probs_all = _wait(_all_gather_autograd(probs, 0, self.group))      # [N·T, E]
+        map_all = _wait(_all_gather(routing_map.to(torch.uint8), 0, self.group))
         if overlap is not None:
             overlap()
         local_map = map_all[:, lo:lo + nle].bool()
@@ -260,7 +268,7 @@ class AllGatherDispatcher(_Dispatcher):
             return ops.unpermute(y, handle["sorted_indices"], restore_shape=(handle["num_tokens"], H))
         partial = ops.unpermute(y.float(), handle["sorted_indices"],
                                 restore_shape=(handle["num_tokens"], H))           # [N·T, H] fp32
-        out = fc.reduce_scatter_tensor_autograd(partial, "sum", 0, self.group)
+        out = _reduce_scatter_autograd(partial, "sum", 0, self.group)
         if overlap is not None:
             overlap()
         return _wait(out).to(y.dtype)

@@ -231,6 +231,9 @@ class MoELayer(nn.Module):
         if self._shared_stream is None:
             self._shared_stream = torch.cuda.Stream(device=hidden_states.device)
         self._shared_stream.wait_stream(torch.cuda.current_stream(hidden_states.device))
+        # the side stream reads the input (forward, and the weight gradients in backward): keep
+        # its memory from being reused by the compute stream until that work is done
+        hidden_states.record_stream(self._shared_stream)
         with torch.cuda.stream(self._shared_stream):
             return self.shared_experts(hidden_states)
 
