@@ -141,7 +141,7 @@ class AlltoAllDispatcher(_Dispatcher):
         host (``[input_splits (N), output_splits (N)]``)."""
         N, nle, E = self.ep_size, self.nle, self.num_experts
         counts = routing_map.sum(dim=0, dtype=torch.long)                           # [E]
-        gathered = _wait(_all_gather(counts, 0, self.group)).view(N, E)    # [N, E]
+        gathered = _wait(_all_gather(counts, 0, self.group)).view(N, E)             # [N, E]
         lo = self.ep_rank * nle
         per_local = gathered[:, lo:lo + nle]                                        # [N, nle]
         splits = torch.cat([counts.view(N, nle).sum(1), per_local.sum(1)])          # [2N]
@@ -153,6 +153,14 @@ class AlltoAllDispatcher(_Dispatcher):
         """x ``[T, H]``, probs ``[T, E]`` (router dtype), routing_map ``[T, E]`` bool.
         ``overlap`` runs after the rows are sent, before they are needed (the shared expert)."""
         N, nle = self.ep_size, self.nle
+        if not self.exchange:  # a group of one: the plain layer's steps, every mode
+            rows, row_probs, sorted_indices, offsets, _ = ops.permute(
+                x, routing_map, probs, num_out_tokens=num_rows)
+            if overlap is not None:
+                overlap()
+            handle = dict(sorted_indices=sorted_indices, num_tokens=x.shape[0], identity=True,
+                          drop_and_pad=False)
+            return rows, row_probs, offsets, handle
         if drop_and_pad:
             rows, row_probs, sorted_indices, _, _ = ops.permute(
                 x, routing_map, probs, num_out_tokens=num_rows, drop_and_pad=True)
@@ -170,14 +178,6 @@ class AlltoAllDispatcher(_Dispatcher):
                           drop_and_pad=True)
             return recv, recv_probs, offsets, handle
 
-        if not self.exchange:
-            rows, row_probs, sorted_indices, offsets, _ = ops.permute(
-                x, routing_map, probs, num_out_tokens=num_rows)
-            if overlap is not None:
-                overlap()
-            handle = dict(sorted_indices=sorted_indices, num_tokens=x.shape[0], identity=True,
-                          drop_and_pad=False)
-            return rows, row_probs, offsets, handle
         per_local, host = self.preprocess(routing_map)
         rows, row_probs, sorted_indices, _, _ = ops.permute(
             x, routing_map, probs, num_out_tokens=num_rows)

@@ -69,6 +69,10 @@ MODES = {
     "drop_and_pad": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
 }
 
+# the sync-debug mode's warning for a blocking operation (its first use also warns that the mode
+# is a prototype, which is not a sync)
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
 
 # ---- the NCCL world of one ----------------------------------------------------------------
 def _free_port() -> int:
@@ -278,7 +282,7 @@ def host_syncs(found: Dict[str, List[str]]):
         torch.cuda.Event.synchronize = original
     found.setdefault("blocking", []).extend(
         f"{os.path.relpath(w.filename)}:{w.lineno}" for w in seen
-        if "synchroniz" in str(w.message))
+        if SYNC_WARNING in str(w.message))
 
 
 @contextlib.contextmanager
