@@ -62,7 +62,8 @@ class GroupedMLP(nn.Module):
 
     Parameters (``E`` local experts: ``num_moe_experts / ep_size``, the global experts
     ``[ep_rank·E, (ep_rank+1)·E)``; ``H`` = hidden or latent size, ``F`` = moe_ffn_hidden_size,
-    ``F1`` = 2F with GLU else F), in ``config.params_dtype``, each marked ``expert_parallel``:
+    ``F1`` = 2F with GLU else F), in ``config.params_dtype``, each marked with its
+    ``expert_parallel_size``:
         weight1 ``[E, F1, H]``, weight2 ``[E, H, F]``; bias1 ``[E, F1]``, bias2 ``[E, H]`` when
         ``add_bias_linear``.
     """
@@ -86,7 +87,8 @@ class GroupedMLP(nn.Module):
             self.register_parameter("bias1", None)
             self.register_parameter("bias2", None)
         for p in self.parameters():
-            p.expert_parallel = True  # split over the EP group: reduced over expert-DP only
+            # split over the EP group of this size: reduced over expert-DP only (parallel.py)
+            p.expert_parallel_size = ep_size
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -95,8 +95,21 @@ def megatron_groups() -> dict:
 
 
 def is_expert_parameter(param: nn.Parameter) -> bool:
-    """True for the parameters an EP layer splits over its ranks (the routed experts')."""
-    return bool(getattr(param, "expert_parallel", False))
+    """True for the parameters an EP layer splits over more than one rank (its routed experts');
+    a layer without expert parallelism holds replicated experts."""
+    return getattr(param, "expert_parallel_size", 1) > 1
+
+
+def _ep_group_of(model: nn.Module) -> Optional[dist.ProcessGroup]:
+    """The EP group of the model's expert-parallel MoE layers (one group for all of them)."""
+    from moe_core.layer import moe_layers
+
+    groups = {id(l.ep_group): l.ep_group for l in moe_layers(model)
+              if l.dispatcher is not None and l.dispatcher.ep_size > 1}
+    if len(groups) > 1:
+        raise ValueError("the model's MoE layers use different expert-parallel groups; "
+                         "moe_core.parallel handles one")
+    return next(iter(groups.values()), None)
 
 
 @torch.no_grad()
@@ -118,9 +131,54 @@ def all_reduce_gradients(model: nn.Module, dp_group: GroupLike = None,
         if g is None or type(g) is not torch.Tensor:
             continue
         if is_expert_parameter(p):
-            if edp is not None and group_size(edp) > 1:
+            holders = dp_size // p.expert_parallel_size  # ranks holding the same experts
+            if holders != group_size(edp):
+                raise ValueError(
+                    f"expert_dp_group has {group_size(edp)} ranks, but with {dp_size} data-"
+                    f"parallel ranks and expert parallelism {p.expert_parallel_size} each expert "
+                    f"is held by {holders}: pass the expert-data-parallel group "
+                    f"(moe_core.parallel.expert_parallel_groups)")
+            if holders > 1:
                 dist.all_reduce(g, group=edp)
             g.div_(dp_size)
         elif dp_size > 1:
             dist.all_reduce(g, group=dp)
             g.div_(dp_size)
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, ep_group: GroupLike = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the whole model when its experts are split: each
+    expert parameter's squared norm is summed over the EP group (``None``: the model's MoE
+    layers' group), so every rank computes the global 2-norm and the same scale, and replicated
+    parameters stay equal across ranks (clipping by each rank's own norm would not). Call it
+    after :func:`all_reduce_gradients`. Returns the total norm (fp32, on the gradients' device)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    group = as_group(ep_group, "ep_group") or _ep_group_of(model)
+    sq = torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]).square()
+    expert = torch.tensor([is_expert_parameter(p) for p in params], device=sq.device)
+    if group is not None and expert.any():
+        expert_sq = torch.where(expert, sq, 0.0)
+        dist.all_reduce(expert_sq, group=group)
+        sq = torch.where(expert, expert_sq, sq)
+    total = sq.sum().sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def full_state_dict(model: nn.Module, ep_group: GroupLike = None) -> dict:
+    """The single-process state dict of an expert-parallel model: every expert parameter
+    all-gathered over the EP group (rank order is expert order). A collective: every rank of the
+    group calls it."""
+    sd = model.state_dict()
+    group = as_group(ep_group, "ep_group") or _ep_group_of(model)
+    if group is None:
+        return sd
+    for name, p in model.named_parameters():
+        if is_expert_parameter(p):
+            parts = [torch.empty_like(p) for _ in range(group_size(group))]
+            dist.all_gather(parts, p.detach().contiguous(), group=group)
+            sd[name] = torch.cat(parts)
+    return sd

@@ -242,6 +242,11 @@ def dp_worker(rank: int, world: int, use_fsdp: bool) -> dict:
         fully_shard(ep.shared_experts, mesh=mesh)
     X, G, masks = global_batch(world, torch.float32)
     run_layer(ep, X[rank], G[rank], masks[rank])  # each rank's own loss; the reduction averages
+    try:  # without the expert-DP group each expert's two holders would not be summed
+        all_reduce_gradients(ep)
+        missing_group_error = "no error"
+    except ValueError as e:
+        missing_group_error = str(e)
     all_reduce_gradients(ep, expert_dp_group=groups.expert_dp_group)
     from moe_core.ops import AuxLossScale
 
@@ -256,6 +261,7 @@ def dp_worker(rank: int, world: int, use_fsdp: bool) -> dict:
         if n.startswith("experts."):
             want = want[ep_rank * nle:(ep_rank + 1) * nle]
         res[n] = _compare(g, want, False, n_ulps=16)
+    res["missing_group_error"] = missing_group_error
     return res
 
 
@@ -263,6 +269,9 @@ def dp_worker(rank: int, world: int, use_fsdp: bool) -> dict:
 def test_ep_times_dp_gradients(use_fsdp):
     """Sums of four shards in another order: within 16 fp32 ulps of the largest gradient."""
     for rank, res in enumerate(run_ranks(dp_worker, 4, use_fsdp, timeout=300)):
+        error = res.pop("missing_group_error")
+        assert "expert_dp_group has 1 ranks, but with 4 data-parallel ranks and expert " \
+               "parallelism 2 each expert is held by 2" in error, f"rank {rank}: {error!r}"
         for n, r in res.items():
             assert r["ulps"] <= r["n_ulps"], f"rank {rank} {n}: {r['ulps']:.2f} ulps"
 
@@ -281,6 +290,14 @@ def _layer_and_batch(rank: int, world: int, case: str, mode: str, dispatcher: st
 
 def _grads(layer) -> Dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def _all_gather_list(t: torch.Tensor) -> List[torch.Tensor]:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return parts
 
 
 def _error_of(fn) -> str:
@@ -331,6 +348,28 @@ def misc_worker(rank: int, world: int) -> dict:
         outs.append(run_layer(layer, X[rank], G[rank], masks[rank])[0])
     res["device_mesh"] = torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
 
+    # the global gradient norm and the single-process state dict of an expert-parallel model
+    from moe_core.parallel import clip_grad_norm_, full_state_dict
+
+    ep, x, g, m = _layer_and_batch(rank, world, "sigmoid_groups_bias_top8_shared", "dropless",
+                                   "alltoall")
+    ref = global_layer(config_kwargs("sigmoid_groups_bias_top8_shared", "dropless", "alltoall"))
+    run_layer(ep, x, g, m)
+    before = {n: p.grad.clone() for n, p in ep.named_parameters()}
+    # the norm one process computes from this rank's replicated gradients and every rank's
+    # expert gradients (gathered); clipped to half of it, every gradient must halve
+    gathered = {n: torch.cat(_all_gather_list(t)) if n.startswith("experts.") else t
+                for n, t in before.items()}
+    want = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(t.float()) for t in gathered.values()]))
+    norm = clip_grad_norm_(ep, want.item() / 2)
+    res["clip_norm"] = _compare(norm, want, False, n_ulps=4)
+    coef = (want.item() / 2) / (norm.item() + 1e-6)
+    res["clipped"] = {n: _compare(p.grad, before[n] * coef, False, n_ulps=2)
+                      for n, p in ep.named_parameters()}
+    full = full_state_dict(ep)
+    res["full_state_dict"] = sorted(full) == sorted(ref.state_dict()) and all(
+        torch.equal(full[k], v) for k, v in ref.state_dict().items())
     # errors: raised on every rank before any exchange, so the next collective still works
     errs = {}
     errs["ep_size_vs_world"] = _error_of(
@@ -369,6 +408,17 @@ def test_shared_expert_overlap_equals_plain(misc_results):
                 assert r["equal"], f"rank {rank} {what}: {r['ulps']:.2f} ulps"
             else:
                 assert r["ulps"] <= r["n_ulps"], f"rank {rank} {what}: {r['ulps']:.2f} ulps"
+
+
+def test_full_state_dict_and_global_norm_clipping(misc_results):
+    """full_state_dict gathers the experts into the single-process state dict (bitwise);
+    clip_grad_norm_ uses the norm over every rank's experts (four fp32 roundings) and scales
+    every gradient by the same factor."""
+    for rank, r in enumerate(misc_results):
+        assert r["full_state_dict"], f"rank {rank}"
+        assert r["clip_norm"]["ulps"] <= r["clip_norm"]["n_ulps"], f"rank {rank}: {r['clip_norm']}"
+        for n, c in r["clipped"].items():
+            assert c["ulps"] <= c["n_ulps"], f"rank {rank} {n}: {c['ulps']:.2f} ulps"
 
 
 def test_device_mesh_as_group(misc_results):
