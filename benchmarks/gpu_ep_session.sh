@@ -11,14 +11,9 @@
 # Each step runs under its own time cap, cut to what is left of the session's budget
 # (SESSION_S, default 560 s, kept below the 600 s of one call); a step that fails or runs out
 # is reported and the later steps still run. Logs: $OUT/<step>.log (6 files at most).
-# Estimates on one H200 (not yet measured for these steps): build 60-80 s (gpu_session.sh's
-# record); test_ep_cuda about 60-120 s (the inductor compile of the layer's forward + backward is
-# most of it); layer + graph tests about 30 s with -n 16; bench_ep qwen3_30b_a3b about 60 s
-# (Megatron's 128-expert SequentialMLP loop is some 40 ms a step, its torch.compile'd helpers
-# compile in the warm-up); dsv3_like with all 256 experts about 90 s at 10 rounds (Megatron's
-# loop some 0.2-0.3 s a step; weights 22.5 GB a copy, two copies (Megatron's, ours shared by our
-# three variants) plus one set of gradients: about 70 GB of the 139). If the dsv3 run with
-# Megatron fails, it is retried without Megatron when time is left.
+# The steps' durations on the H200 are in benchmarks/RESULTS.md. dsv3_like with all 256 experts
+# holds two copies of its weights (Megatron's and ours, shared by our variants) plus one set of
+# gradients; if the run with Megatron fails, it is retried without Megatron when time is left.
 # Knobs: SKIP_BUILD, SKIP_TESTS, SKIP_BENCH, SESSION_S, NPROC (pytest workers for the layer
 # tests), BENCH_ARGS (added to every bench_ep.py call), DSV3_ARGS (default: --rounds 10).
 set -uo pipefail
