@@ -15,6 +15,11 @@ the combine are Megatron's code.
 (one rank-independent generator per case; Megatron and moe-core each load rank r's experts
 ``[r·E/N, (r+1)·E/N)``), per-rank inputs and output gradients, forward and backward through both
 layers; it returns, per case, what the tests compare (tensors, serialized with ``torch.save``).
+
+``run_metadata(rank, world, nles)`` collects the alltoall dispatchers' bookkeeping alone (no
+forward): for every ``nle`` (E = N·nle) both dispatchers' ``preprocess`` outputs on the same
+per-rank routing maps, their chunk-sort permutations, and the drop-and-pad sizes. ``run_suite`` runs both
+on one process group, so a test module spawns one group per world size.
 """
 import contextlib
 import io
@@ -38,6 +43,7 @@ with warnings.catch_warnings():
 
 import moe_core
 from moe_core import MoEConfig, MoELayer, load_megatron_state_dict
+from moe_core.dispatcher import AlltoAllDispatcher
 from moe_core.ops import AuxLossScale
 from moe_core.parallel import megatron_groups
 
@@ -196,14 +202,138 @@ def unpack(data: bytes) -> dict:
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
-def run_cases(rank: int, world: int, cases: Dict[str, dict], seed: int = 0) -> Dict[str, bytes]:
-    """Every case at EP = ``world`` (ETP = 1) on this rank; per case the packed result of
-    ``run_case`` (unpack with ``unpack``)."""
+@contextlib.contextmanager
+def megatron_parallel(world: int) -> Iterator[None]:
+    """Megatron's parallel state at EP = ``world`` (TP = ETP = PP = 1) with the CPU patches."""
     patch_megatron_for_cpu_ep()
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
     try:
-        return {name: _pack(run_case(rank, world, kw, seed + i))
-                for i, (name, kw) in enumerate(cases.items())}
+        yield
     finally:
         ps.destroy_model_parallel()
+
+
+def _run_cases(rank: int, world: int, cases: Dict[str, dict], seed: int) -> Dict[str, bytes]:
+    return {name: _pack(run_case(rank, world, kw, seed + i))
+            for i, (name, kw) in enumerate(cases.items())}
+
+
+def run_cases(rank: int, world: int, cases: Dict[str, dict], seed: int = 0) -> Dict[str, bytes]:
+    """Every case at EP = ``world`` (ETP = 1) on this rank; per case the packed result of
+    ``run_case`` (unpack with ``unpack``)."""
+    with megatron_parallel(world):
+        return _run_cases(rank, world, cases, seed)
+
+
+# ---- dispatcher metadata ----------------------------------------------------------------------
+
+META_K = 2                 # experts per token where the maps are top-k (fewer if fewer are allowed)
+META_TOKENS = 6            # rank r has META_TOKENS + r tokens (unequal counts, dropless)
+PAD_TOKENS, PAD_CF = 8, 1.0  # drop-and-pad: equal counts, capacity ceil(T·K/E·cf) <= T
+
+
+def metadata_maps(world: int, nle: int, seed: int) -> Dict[str, list]:
+    """Per kind, every rank's routing map ``[T_r, E]`` (bool), from one rank-independent
+    generator, so each rank builds all of them and keeps its own. Rank 1's experts get no token
+    from any rank (rank 1 receives nothing) in both kinds:
+
+    * ``topk``: each token's top ``k`` experts among the allowed ones, by random scores, with
+      ``k = min(K, E - nle - 1)`` (at least 1), so that not every token takes every allowed one.
+    * ``sparse``: independent Bernoulli(0.3) entries; besides rank 1's experts, rank 0's last
+      local expert is empty (when rank 0 has another one), and the last rank sends nothing.
+    """
+    g = torch.Generator().manual_seed(seed)
+    E = world * nle
+    tokens = [META_TOKENS + r for r in range(world)]
+    banned = torch.zeros(E, dtype=torch.bool)
+    banned[nle:2 * nle] = True
+    k = max(1, min(META_K, E - nle - 1))
+    topk, sparse = [], []
+    for T in tokens:
+        scores = torch.randn(T, E, generator=g).masked_fill(banned, float("-inf"))
+        topk.append(torch.zeros(T, E, dtype=torch.bool).scatter(1, scores.topk(k, 1).indices, True))
+    sparse_banned = banned.clone()
+    if nle > 1:
+        sparse_banned[nle - 1] = True
+    for r, T in enumerate(tokens):
+        m = (torch.rand(T, E, generator=g) < 0.3) & ~sparse_banned
+        sparse.append(m if r < world - 1 else torch.zeros_like(m))
+    return dict(topk=topk, sparse=sparse)
+
+
+def _megatron_a2a_dispatcher(rank: int, world: int, nle: int, **kw
+                             ) -> "mdispatcher.MoEAlltoAllTokenDispatcher":
+    """Megatron's alltoall dispatcher as its MoELayer builds it (local experts
+    ``[rank·nle, (rank+1)·nle)``, the default process-group collection)."""
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=4,
+                            use_cpu_initialization=True, add_bias_linear=False,
+                            num_moe_experts=world * nle, moe_ffn_hidden_size=8,
+                            moe_router_topk=META_K, moe_token_dispatcher_type="alltoall",
+                            expert_model_parallel_size=world, **kw)
+    return mdispatcher.MoEAlltoAllTokenDispatcher(
+        nle, [rank * nle + i for i in range(nle)], cfg,
+        pg_collection=moe_utils.get_default_pg_collection())
+
+
+def _metadata_for(rank: int, world: int, nle: int, seed: int) -> dict:
+    """One ``nle``: both dispatchers' metadata per map kind, their chunk orders, and the
+    drop-and-pad sizes (moe-core's EP layer's dispatch against Megatron's preprocess)."""
+    E = world * nle
+    group = ps.get_expert_model_parallel_group()
+    ours, meg = AlltoAllDispatcher(group, E), _megatron_a2a_dispatcher(rank, world, nle)
+    out = {}
+    for kind, maps in metadata_maps(world, nle, seed).items():
+        routing_map = maps[rank]
+        per_local, host = ours.preprocess(routing_map)
+        splits = host.get()
+        tokens_per_expert = meg.preprocess(routing_map)
+        res = dict(map=routing_map, ours_per_local=per_local,
+                   ours_input_splits=torch.tensor(splits[:world]),
+                   ours_output_splits=torch.tensor(splits[world:]),
+                   meg_input_splits=meg.input_splits, meg_output_splits=meg.output_splits,
+                   meg_tokens_per_expert=tokens_per_expert)
+        if nle > 1:  # Megatron keeps it for permutation 2 only
+            res["meg_global_per_local"] = meg.num_global_tokens_per_local_expert.clone()
+        out[kind] = res
+    cpu = torch.device("cpu")
+    out["chunk_order"] = dict(ours_sort=ours.chunk_order("sort", cpu),
+                              ours_restore=ours.chunk_order("restore", cpu),
+                              meg_sort=meg.sort_input_by_local_experts,
+                              meg_restore=meg.restore_output_by_local_experts)
+
+    # drop-and-pad: the EP layer's dispatch of a padded map against Megatron's static sizes
+    meg_pad = _megatron_a2a_dispatcher(rank, world, nle, moe_expert_capacity_factor=PAD_CF,
+                                       moe_pad_expert_input_to_capacity=True)
+    layer = MoELayer(MoEConfig.from_megatron(meg_pad.config), **megatron_groups())
+    g = torch.Generator().manual_seed(seed + 1)
+    scores = torch.randn(world, PAD_TOKENS, E, generator=g)[rank]
+    scores[:, nle:2 * nle] = float("-inf")  # rank 1's experts are only ever padding
+    top = scores.topk(META_K, 1).indices
+    routed = torch.zeros(PAD_TOKENS, E, dtype=torch.bool).scatter(1, top, True)
+    probs = torch.softmax(scores, 1) * routed
+    probs, padded = moe_core.ops.apply_router_token_dropping(
+        probs, routed, META_K, PAD_CF, drop_policy="probs", pad_to_capacity=True)
+    x = torch.randn(world, PAD_TOKENS, 8, generator=g)[rank]
+    with torch.no_grad():
+        rows, _, offsets, _ = layer.dispatcher.dispatch(
+            x, probs, padded, layer.num_permuted_rows(PAD_TOKENS), True)
+    out["drop_and_pad"] = dict(
+        ours_offsets=offsets, ours_rows=torch.tensor(rows.shape[0]),
+        meg_tokens_per_expert=meg_pad.preprocess(padded),
+        meg_capacity=torch.tensor(meg_pad.capacity),
+        meg_global_per_local=meg_pad.num_global_tokens_per_local_expert.clone(),
+        column_counts=padded.sum(0))
+    return out
+
+
+def run_metadata(rank: int, world: int, nles, seed: int = 1000) -> Dict[int, bytes]:
+    """Per ``nle``, the packed result of the metadata comparison (within ``megatron_parallel``)."""
+    return {nle: _pack(_metadata_for(rank, world, nle, seed + nle)) for nle in nles}
+
+
+def run_suite(rank: int, world: int, cases: Dict[str, dict], nles, seed: int = 0) -> dict:
+    """``run_cases`` and ``run_metadata`` on one process group: ``dict(cases=..., metadata=...)``."""
+    with megatron_parallel(world):
+        return dict(cases=_run_cases(rank, world, cases, seed),
+                    metadata=run_metadata(rank, world, nles))

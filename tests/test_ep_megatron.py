@@ -33,6 +33,17 @@ what is defined (columns that fit, kept counts, kept within routed); the layers 
 with moe-core's router given Megatron's kept set, which leaves dispatch, experts, combine and
 every gradient to the comparison.
 
+Dispatcher metadata (the EP spec's test 1), in the same process groups, for nle ∈ {1, 2, 4}
+local experts per rank (E = N·nle): moe-core's ``AlltoAllDispatcher.preprocess`` and Megatron's
+``MoEAlltoAllTokenDispatcher.preprocess`` (built as its MoELayer builds it) on the same per-rank
+routing maps, which include empty experts, a rank that receives nothing, a rank that sends nothing
+and unequal token counts (``megatron_ep.metadata_maps``). The split sizes, the per-(source, local
+expert) counts and the local experts' row counts decide where every row goes, so they are integers
+compared exactly: with each other and with closed forms from all ranks' maps. The chunk-sort
+permutations (permutation 2 and its inverse) are compared the same way. Drop-and-pad has static
+sizes: Megatron's preprocess gives every local expert ``capacity·N`` rows, and the moe-core EP
+layer's dispatch of a padded map must give the local offsets ``arange(nle + 1)·N·capacity``.
+
 Both world sizes run all their cases in one process group each (``run_ranks``).
 """
 from typing import Dict, List, Tuple
@@ -43,6 +54,7 @@ import torch.nn.functional as F
 
 import megatron_ep
 from dist_utils import run_ranks
+from moe_core.ops import get_capacity
 from tolerances import eps
 
 H, FFN, E, K, S, B = 32, 48, 8, 2, 12, 2
@@ -69,15 +81,33 @@ CASES: Dict[str, dict] = {
     "allgather_cap0.5_probs_fp32": dict(BASE, **AG, **DROP, moe_token_drop_policy="probs"),
 }
 
+NLES = (1, 2, 4)  # local experts per rank of the metadata checks
+
 Results = Tuple[int, List[Dict[str, dict]]]
+Metadata = Tuple[int, List[Dict[int, dict]]]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"ep{n}")
-def ep_results(request) -> Results:
-    """(N, per rank {case: result}) of every case at EP = N: one run_ranks call per world size."""
+def ep_run(request) -> Tuple[int, List[dict]]:
+    """(N, per rank the packed results) of every layer case and every metadata check at EP = N:
+    one run_ranks call per world size."""
     world = request.param
-    per_rank = run_ranks(megatron_ep.run_cases, world, CASES)
-    return world, [{name: megatron_ep.unpack(packed) for name, packed in ranks.items()}
+    return world, run_ranks(megatron_ep.run_suite, world, CASES, NLES)
+
+
+@pytest.fixture(scope="module")
+def ep_results(ep_run) -> Results:
+    """(N, per rank {case: result}) of the layer cases."""
+    world, per_rank = ep_run
+    return world, [{name: megatron_ep.unpack(packed) for name, packed in ranks["cases"].items()}
+                   for ranks in per_rank]
+
+
+@pytest.fixture(scope="module")
+def ep_metadata(ep_run) -> Metadata:
+    """(N, per rank {nle: result}) of the metadata checks."""
+    world, per_rank = ep_run
+    return world, [{nle: megatron_ep.unpack(packed) for nle, packed in ranks["metadata"].items()}
                    for ranks in per_rank]
 
 
@@ -145,3 +175,102 @@ def test_ep_layer_matches_megatron(ep_results: Results, case: str):
         for key, name in (("out", "output"), ("dx", "input grad"), ("router", "router weight grad"),
                           ("w1", "experts fc1 weight grad"), ("w2", "experts fc2 weight grad")):
             check_close(ours[key], meg[key], dtype, f"{where}: {name}")
+
+
+# ---- dispatcher metadata ----------------------------------------------------------------------
+
+def closed_forms(maps: List[torch.Tensor], rank: int, nle: int) -> Dict[str, torch.Tensor]:
+    """Rank ``rank``'s metadata from all ranks' maps: ``counts[s, e]`` rows of source s for
+    expert e; rank r holds experts ``[r·nle, (r+1)·nle)``."""
+    N = len(maps)
+    counts = torch.stack([m.sum(0, dtype=torch.long) for m in maps])               # [N, E]
+    per_local = counts[:, rank * nle:(rank + 1) * nle]                              # [N, nle]
+    return dict(per_local=per_local, input_splits=counts[rank].view(N, nle).sum(1),
+                output_splits=per_local.sum(1), tokens_per_expert=per_local.sum(0))
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Integer tensors: same dtype (int64), shape and values."""
+    assert got.dtype == want.dtype == torch.long, f"{what}: dtypes {got.dtype}, {want.dtype}"
+    assert torch.equal(got, want), f"{what}: {got.tolist()} != {want.tolist()}"
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("nle", NLES, ids=lambda n: f"nle{n}")
+def test_ep_metadata_matches_megatron(ep_metadata: Metadata, nle: int):
+    """preprocess: moe-core's per_local / host splits, Megatron's input_splits, output_splits,
+    num_global_tokens_per_local_expert and tokens_per_expert, and the closed forms, exactly."""
+    world, ranks = ep_metadata
+    for kind in ("topk", "sparse"):
+        maps = [ranks[r][nle][kind]["map"] for r in range(world)]
+        for rank in range(world):
+            res, want = ranks[rank][nle][kind], closed_forms(maps, rank, nle)
+            where = f"EP {world} nle {nle} {kind} rank {rank}"
+            assert_same(res["ours_per_local"], want["per_local"], f"{where}: ours per_local")
+            if nle > 1:  # Megatron sets it for permutation 2 only
+                assert_same(res["meg_global_per_local"], want["per_local"],
+                            f"{where}: Megatron num_global_tokens_per_local_expert")
+            for name in ("input_splits", "output_splits"):
+                assert_same(res[f"ours_{name}"], want[name], f"{where}: ours {name}")
+                assert_same(res[f"meg_{name}"], want[name], f"{where}: Megatron {name}")
+            assert_same(res["meg_tokens_per_expert"], want["tokens_per_expert"],
+                        f"{where}: Megatron tokens_per_expert")
+            assert_same(res["ours_per_local"].sum(0), want["tokens_per_expert"],
+                        f"{where}: ours rows per local expert")
+        # the edge cases the maps are built to contain
+        received = [closed_forms(maps, r, nle)["output_splits"] for r in range(world)]
+        assert not received[1].any(), f"EP {world} nle {nle} {kind}: rank 1 receives rows"
+        if kind == "sparse":
+            assert not maps[-1].any(), f"EP {world} nle {nle}: the last rank sends rows"
+            rank0 = closed_forms(maps, 0, nle)["tokens_per_expert"]
+            assert rank0.any(), f"EP {world} nle {nle}: rank 0 receives nothing"
+            if nle > 1:
+                assert rank0[-1] == 0, f"EP {world} nle {nle}: rank 0's last expert not empty"
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("nle", NLES, ids=lambda n: f"nle{n}")
+def test_ep_chunk_order_matches_megatron(ep_metadata: Metadata, nle: int):
+    """chunk_order("sort" / "restore") equal Megatron's sort_input_by_local_experts /
+    restore_output_by_local_experts and the closed forms: received chunk ``s·nle + l`` (source
+    s, local expert l) goes to place ``l·N + s``, and back; sorting the chunk sizes gives them
+    expert-major."""
+    world, ranks = ep_metadata
+    sort = torch.tensor([s * nle + l for l in range(nle) for s in range(world)])
+    restore = torch.tensor([l * world + s for s in range(world) for l in range(nle)])
+    assert torch.equal(sort[restore], torch.arange(world * nle))
+    for rank in range(world):
+        res, where = ranks[rank][nle]["chunk_order"], f"EP {world} nle {nle} rank {rank}"
+        assert_same(res["ours_sort"], sort, f"{where}: ours sort")
+        assert_same(res["meg_sort"], sort, f"{where}: Megatron sort")
+        assert_same(res["ours_restore"], restore, f"{where}: ours restore")
+        assert_same(res["meg_restore"], restore, f"{where}: Megatron restore")
+        per_local = ranks[rank][nle]["topk"]["ours_per_local"]
+        assert torch.equal(per_local.reshape(-1)[res["ours_sort"]], per_local.t().reshape(-1))
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("nle", NLES, ids=lambda n: f"nle{n}")
+def test_ep_drop_and_pad_sizes_match_megatron(ep_metadata: Metadata, nle: int):
+    """Drop-and-pad (capacity <= T): Megatron's preprocess gives tokens_per_expert =
+    capacity·N per local expert and capacity per (rank, expert) chunk; the moe-core EP layer's
+    dispatch of the padded map gives the local offsets arange(nle + 1)·N·capacity over
+    nle·N·capacity rows, whatever the routing (rank 1's experts hold padding only)."""
+    world, ranks = ep_metadata
+    E = world * nle
+    cap = get_capacity(megatron_ep.PAD_TOKENS * megatron_ep.META_K, E, megatron_ep.PAD_CF)
+    assert cap <= megatron_ep.PAD_TOKENS
+    for rank in range(world):
+        res, where = ranks[rank][nle]["drop_and_pad"], f"EP {world} nle {nle} rank {rank}"
+        assert int(res["meg_capacity"]) == cap, where
+        assert_same(res["column_counts"], torch.full((E,), cap), f"{where}: padded map")
+        assert_same(res["meg_tokens_per_expert"], torch.full((nle,), cap * world),
+                    f"{where}: Megatron tokens_per_expert")
+        assert_same(res["meg_global_per_local"], torch.full((E,), cap),
+                    f"{where}: Megatron num_global_tokens_per_local_expert")
+        offsets = torch.arange(nle + 1) * world * cap
+        assert_same(res["ours_offsets"], offsets, f"{where}: ours expert_offsets")
+        assert_same(torch.cat([torch.zeros(1, dtype=torch.long),
+                               res["meg_tokens_per_expert"].cumsum(0)]), offsets,
+                    f"{where}: Megatron offsets")
+        assert int(res["ours_rows"]) == nle * world * cap, f"{where}: rows"
