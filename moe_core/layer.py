@@ -304,7 +304,7 @@ def load_megatron_state_dict(layer: MoELayer, state_dict: dict, strict: bool = T
         name = key
         for fc, ours in (("linear_fc1", "1"), ("linear_fc2", "2")):
             for kind in ("weight", "bias"):
-                local = f"experts.local_experts."
+                local = "experts.local_experts."
                 if key.startswith(local) and key.endswith(f".{fc}.{kind}"):
                     i = int(key[len(local):].split(".")[0])
                     stacks.setdefault(f"experts.{kind}{ours}", {})[i] = value
