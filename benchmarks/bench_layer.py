@@ -46,7 +46,8 @@ Measured per variant:
 * ``peak GiB`` (activation memory): the peak of ``torch.cuda.max_memory_allocated`` during one
   forward + backward above what was allocated right before it (``bench_ep.peak_bytes``, the same
   method for every variant). Backward allocates the parameter gradients inside that window, the
-  same bytes for every variant (printed per shape as ``grads``). ``held GiB``: allocated right after
+  same bytes for every variant (printed per shape as ``grads``); ``peak - grads`` subtracts them,
+  which leaves the activations and the transients. ``held GiB``: allocated right after
   the forward (saved activations and the output) above what was allocated before it.
 * ``syncs``: host syncs of one forward / one backward (``bench_ep.host_syncs``: host waits on CUDA
   events plus the blocking operations of ``torch.cuda.set_sync_debug_mode``).
@@ -296,6 +297,7 @@ class Row:
     vs_megatron: str = ""
     vs_plain: str = ""
     peak_gib: float = float("nan")
+    grads_gib: float = 0.0
     held_gib: float = float("nan")
     syncs: str = "n/a"
     first_s: float = float("nan")
@@ -477,6 +479,7 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
         row.tflops = flops / (t[variant] / 1e3) / 1e12
         row.pct_dense = 100.0 * row.tflops / ceiling
         row.peak_gib = peak_bytes(lambda v=variant: fwd_bwd(v)(1), cleanup_of(variant), dev) / 2**30
+        row.grads_gib = weights_bytes / 2**30
         row.held_gib = held_after_forward(lambda v=variant: forward(v, 1), gs[1],
                                           cleanup_of(variant), dev) / 2**30
         row.syncs = host_syncs(lambda v=variant: (forward(v, 1)[0], gs[1]), dev)
@@ -515,12 +518,14 @@ def print_table(rows: List[Row], header: bool = True) -> None:
     if header:
         ref = "Megatron" if any(r.variant == "megatron" for r in rows) else "ours eager"
         print("| shape | variant | fwd+bwd ms | TFLOP/s | % dense | vs Megatron | vs plain "
-              f"| peak GiB | syncs fwd/bwd | out / dx err vs {ref} (tokens routed differently) |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              f"| peak GiB | peak - grads GiB | syncs fwd/bwd | out / dx err vs {ref} "
+              f"(tokens routed differently) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         gib = "n/a" if math.isnan(r.peak_gib) else f"{r.peak_gib:.2f}"
+        act = "n/a" if math.isnan(r.peak_gib) else f"{r.peak_gib - r.grads_gib:.2f}"
         print(f"| {r.shape} | {r.variant} | {r.ms:.2f} | {r.tflops:.3g} | {r.pct_dense:.1f}% | "
-              f"{r.vs_megatron} | {r.vs_plain} | {gib} | {r.syncs} | {r.err} |")
+              f"{r.vs_megatron} | {r.vs_plain} | {gib} | {act} | {r.syncs} | {r.err} |")
 
 
 # ---- main ---------------------------------------------------------------------------------
