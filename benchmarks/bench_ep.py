@@ -536,6 +536,23 @@ def dispatch_bench(args, ep: MoELayer, meg, xs, gs, dev, rank: int, world: int, 
 
 
 # ---- main ---------------------------------------------------------------------------------
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The options every layer benchmark shares: rounds, warm-up, seed, device."""
+    ap.add_argument("--warmup", type=int)
+    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--device", choices=("cuda", "cpu"),
+                    default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_run_args(args: argparse.Namespace) -> bool:
+    """Fills the device-dependent defaults of :func:`add_run_args`; True on the CPU."""
+    cpu = args.device == "cpu"
+    args.warmup = args.warmup if args.warmup is not None else (1 if cpu else 3)
+    args.rounds = args.rounds if args.rounds is not None else (3 if cpu else 20)
+    return cpu
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="qwen3_30b_a3b", choices=sorted(SHAPES))
@@ -544,15 +561,9 @@ def main() -> None:
     ap.add_argument("--modes", default="dropless,drop_pad")
     ap.add_argument("--skip-megatron", action="store_true")
     ap.add_argument("--no-dispatch", action="store_true", help="skip dispatch + combine alone")
-    ap.add_argument("--warmup", type=int)
-    ap.add_argument("--rounds", type=int)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--device", choices=("cuda", "cpu"),
-                    default="cuda" if torch.cuda.is_available() else "cpu")
+    add_run_args(ap)
     args = ap.parse_args()
-    cpu = args.device == "cpu"
-    args.warmup = args.warmup if args.warmup is not None else (1 if cpu else 3)
-    args.rounds = args.rounds if args.rounds is not None else (3 if cpu else 20)
+    cpu = resolve_run_args(args)
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         if m not in MODES:

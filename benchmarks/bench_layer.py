@@ -97,9 +97,9 @@ from torch import nn  # noqa: E402
 
 import bench_ep  # noqa: E402  (this folder: the layers' builders, timing, memory, sync counting)
 import moe_core  # noqa: E402
-from bench_ep import (Shape, build_megatron, build_ours, free_grads, host_syncs,  # noqa: E402
-                      init_distributed, moe_kwargs, patch_megatron_for_cpu, peak_bytes, rel_diff,
-                      sync, time_call, time_interleaved)
+from bench_ep import (Shape, add_run_args, build_megatron, build_ours, free_grads,  # noqa: E402
+                      host_syncs, init_distributed, moe_kwargs, patch_megatron_for_cpu, peak_bytes,
+                      rel_diff, resolve_run_args, sync, time_call, time_interleaved)
 from moe_core import MoELayer  # noqa: E402
 
 REFERENCE = ("mixtral", "qwen3_30b_a3b", "dsv3_like")
@@ -535,16 +535,10 @@ def main() -> None:
                     help=f"comma-separated, of {sorted(SHAPES)}")
     ap.add_argument("--tokens", type=int, help="tokens (default: each shape's)")
     ap.add_argument("--experts", type=int, help="number of experts (default: each shape's)")
-    ap.add_argument("--rounds", type=int)
-    ap.add_argument("--warmup", type=int)
     ap.add_argument("--skip", default="", help=f"comma-separated, of {','.join(SKIPPABLE)}")
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--device", choices=("cuda", "cpu"),
-                    default="cuda" if torch.cuda.is_available() else "cpu")
+    add_run_args(ap)
     args = ap.parse_args()
-    cpu = args.device == "cpu"
-    args.warmup = args.warmup if args.warmup is not None else (1 if cpu else 3)
-    args.rounds = args.rounds if args.rounds is not None else (3 if cpu else 20)
+    cpu = resolve_run_args(args)
     names = [s for s in args.shapes.split(",") if s]
     for s in names:
         if s not in SHAPES:
