@@ -212,7 +212,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_gating_linear_bwd(
   check_dim(inp_, 2, "inp");
   check_dim(weight_, 2, "weight");
   check_float(grad_logits_, "grad_logits");
+  check_float(inp_, "inp");
+  check_float(weight_, "weight");
   const int64_t T = inp_.size(0), H = inp_.size(1), E = weight_.size(0);
+  // a weight swapped between forward and backward must not be read past its end
+  check_size(weight_, 1, H, "weight", "inp.shape[1] (hidden)");
   check_size(grad_logits_, 0, T, "grad_logits", "inp.shape[0] (num_tokens)");
   check_size(grad_logits_, 1, E, "grad_logits", "weight.shape[0] (num_experts)");
   check_same_device(inp_, grad_logits_, "inp", "grad_logits");

@@ -165,3 +165,22 @@ def test_topk_to_dense_shape_mismatch():
 def test_topk_to_dense_index_dtype():
     with pytest.raises(TypeError, match="topk_indices must be Long, got Int"):
         ops.topk_to_dense(torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int32), 8)
+
+
+def test_gating_linear_bwd_weight_hidden_mismatch():
+    """The backward op checks the weight against the input (a weight swapped between forward and
+    backward), instead of reading past the weight's end."""
+    with pytest.raises(ValueError, match=r"weight.*inp.shape\[1\] \(hidden\)"):
+        torch.ops.moe_core.router_gating_linear_bwd(torch.randn(8, 4), torch.randn(8, 64),
+                                                    torch.randn(4, 8))
+
+
+def test_gating_linear_bwd_swapped_weight_through_autograd():
+    """The same through ordinary autograd: ``w.data`` replaced by a narrower tensor after the
+    forward."""
+    x = torch.randn(8, 64, requires_grad=True)
+    w = torch.randn(4, 64, requires_grad=True)
+    logits = ops.router_gating_linear(x, w, None, torch.float32)
+    w.data = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"weight.*inp.shape\[1\] \(hidden\)"):
+        logits.sum().backward()
