@@ -74,6 +74,8 @@ class MoEConfig:
         def bad(field: str, why: str) -> None:
             raise ValueError(f"{field}={getattr(self, field)!r}: {why}")
 
+        self._check_types(bad)
+
         if self.num_moe_experts is None or self.num_moe_experts <= 0:
             bad("num_moe_experts", "must be a positive number of experts")
         if self.hidden_size <= 0:
@@ -186,6 +188,60 @@ class MoEConfig:
             bad("moe_input_jitter_eps", "must be in [0, 1)")
         if not math.isfinite(self.moe_router_bias_update_rate):
             bad("moe_router_bias_update_rate", "must be finite")
+
+    # Field types, checked before any value is used: ints must be ints (not floats, strings or
+    # bools), floats finite numbers, so a wrong value fails here, naming its field, not at forward.
+    _INTS = ("hidden_size", "num_layers", "num_moe_experts", "moe_router_topk",
+             "tensor_model_parallel_size", "expert_model_parallel_size")
+    _OPTIONAL_INTS = ("ffn_hidden_size", "moe_ffn_hidden_size", "expert_tensor_parallel_size",
+                      "moe_shared_expert_intermediate_size", "moe_router_topk_limited_devices",
+                      "moe_router_num_groups", "moe_router_group_topk", "moe_latent_size")
+    _FLOATS = ("glu_linear_offset", "init_method_std", "moe_router_bias_update_rate")
+    _OPTIONAL_FLOATS = ("activation_func_clamp_value", "moe_router_topk_scaling_factor",
+                        "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_expert_capacity_factor")
+    _BOOLS = ("add_bias_linear", "gated_linear_unit", "calculate_per_token_loss",
+              "sequence_parallel", "moe_shared_expert_gate", "moe_shared_expert_overlap",
+              "moe_router_pre_softmax", "moe_router_enable_expert_bias",
+              "moe_router_force_load_balancing", "moe_grouped_gemm", "moe_token_dropping",
+              "moe_per_layer_logging", "moe_pad_expert_input_to_capacity", "moe_permute_fusion",
+              "moe_router_fusion", "moe_apply_probs_on_input")
+
+    def _check_types(self, bad) -> None:
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        for f in self._INTS:
+            if not is_int(getattr(self, f)):
+                bad(f, "must be an int")
+        for f in self._OPTIONAL_INTS:
+            v = getattr(self, f)
+            if v is not None and not is_int(v):
+                bad(f, "must be an int or None")
+        for f in self._FLOATS:
+            if not is_number(getattr(self, f)):
+                bad(f, "must be a finite number")
+        for f in self._OPTIONAL_FLOATS:
+            v = getattr(self, f)
+            if v is not None and not is_number(v):
+                bad(f, "must be a finite number or None")
+        for f in self._BOOLS:
+            if not isinstance(getattr(self, f), bool):
+                bad(f, "must be a bool")
+        coeffs = self.moe_aux_loss_coeff
+        for c in (coeffs if isinstance(coeffs, (list, tuple)) else [coeffs]):
+            if not is_number(c):
+                bad("moe_aux_loss_coeff", "must be a finite number or a list of them")
+        if self.init_method_std < 0:
+            bad("init_method_std", "must be >= 0")
+        if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
+            bad("moe_z_loss_coeff", "must be >= 0")
+        if not (isinstance(self.params_dtype, torch.dtype) and self.params_dtype.is_floating_point):
+            bad("params_dtype", "must be a floating-point torch.dtype")
+        if not callable(self.activation_func):
+            bad("activation_func", "must be a callable (e.g. torch.nn.functional.silu)")
 
     # ---- derived values ----
     @property
