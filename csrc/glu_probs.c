@@ -30,7 +30,8 @@ moe_status_t moe_glu_probs_fwd(void *h, const void *a, const void *probs, int64_
     return MOE_OK;
 }
 
-moe_status_t moe_glu_probs_bwd(void *grad_a, void *grad_probs, const void *grad_h, const void *a,
+moe_status_t moe_glu_probs_bwd(void *grad_a, void *grad_probs, void *h, const void *grad_h,
+                               const void *a,
                                const void *probs, int64_t num_rows, int64_t ffn, moe_dtype_t dtype,
                                moe_dtype_t probs_dtype, const moe_glu_probs_params_t *params,
                                void *workspace, size_t workspace_bytes, void *stream) {
@@ -52,10 +53,12 @@ moe_status_t moe_glu_probs_bwd(void *grad_a, void *grad_probs, const void *grad_
             const double dy = moe_load(grad_h, dtype, r * ffn + f);
             const double g = moe_load(a, dtype, r * width + f);
             const double l = c.gated ? moe_load(a, dtype, r * width + ffn + f) : 0.0;
-            double gg, gl, term;
-            moe_gp_elem_bwd(&c, dy, g, l, p, &gg, &gl, &term);
+            double gg, gl, term, hv;
+            /* in place (grad_a = a, h = grad_h): this element was read above */
+            moe_gp_elem_bwd(&c, dy, g, l, p, &gg, &gl, &term, h ? &hv : NULL);
             moe_store(grad_a, dtype, r * width + f, gg);
             if (c.gated) moe_store(grad_a, dtype, r * width + ffn + f, gl);
+            if (h) moe_store(h, dtype, r * ffn + f, hv);
             lane[(f / chunk) % MOE_GP_LANES] += term;
         }
         if (grad_probs) {

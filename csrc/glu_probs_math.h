@@ -36,6 +36,10 @@
 #define MOE_CORE_GLU_PROBS_MATH_H_
 
 #include "common.h"
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
 
 /* Round-to-nearest arithmetic that is never contracted into an FMA (nvcc contracts by default;
  * the C core is built with -std=c11, where GCC does not contract). */
@@ -88,10 +92,18 @@ MOE_HD static inline moe_dtype_t moe_gp_promote(moe_dtype_t a, moe_dtype_t b) {
     return MOE_DTYPE_FP32; /* fp32 with a half type, or bf16 with fp16 */
 }
 
-/* A float rounded to dtype's precision (a tensor of that dtype materialised). fp32: identity. */
+/* A float rounded to dtype's precision (a tensor of that dtype materialised). fp32: identity.
+ * On the GPU the hardware's round-to-nearest-even conversions, one instruction each way: the same
+ * value as the software conversions of common.h for every input (a NaN stays a NaN; only a NaN's
+ * payload could differ, and a rounded value is never stored from here). */
 MOE_HD static inline float moe_gp_rnd(moe_dtype_t dt, float x) {
+#ifdef __CUDA_ARCH__
+    if (dt == MOE_DTYPE_BF16) return __bfloat162float(__float2bfloat16_rn(x));
+    if (dt == MOE_DTYPE_FP16) return __half2float(__float2half_rn(x));
+#else
     if (dt == MOE_DTYPE_BF16) return moe_bf16_to_float(moe_float_to_bf16(x));
     if (dt == MOE_DTYPE_FP16) return moe_fp16_to_float(moe_float_to_fp16(x));
+#endif
     return x;
 }
 
@@ -277,55 +289,114 @@ MOE_HD static inline double moe_gp_act_bwd_d(int act, double dy, double x) {
 
 /* ---- one output element ---------------------------------------------------------------------
  * g, l: the gate and linear inputs as loaded (dtype values; l unused without GLU), p: the row's
- * prob (probs dtype value; unused without probs). Returns h, a dtype value. */
+ * prob (probs dtype value; unused without probs).
+ *
+ * Two versions of the same math. The _f functions take and return floats; they serve every case
+ * moe_gp_float_math accepts (neither the dtype nor the product dtype is fp64), where every value
+ * of the sequence is a float. The double functions serve all cases and call the _f ones there
+ * (widening exactly), so both give the same bits. The CUDA kernels call the _f functions: on the
+ * GPU a conversion to or from double runs at a fraction of the float rate, and a dozen of them per
+ * element made the double path several times slower than its memory traffic. */
 
-/* (h0 * p) in the product dtype, rounded there, then rounded to dtype. */
-MOE_HD static inline double moe_gp_scale(const moe_gp_ctx_t *c, double h0, double p) {
-    if (c->prod_dtype == MOE_DTYPE_FP64) {
-        const double v = MOE_GP_MULD(h0, p);
-        return c->dtype == MOE_DTYPE_FP64 ? v : (double)moe_gp_rnd(c->dtype, (float)v);
+MOE_HD static inline int moe_gp_float_math(const moe_gp_ctx_t *c) {
+    return c->dtype != MOE_DTYPE_FP64 && c->prod_dtype != MOE_DTYPE_FP64;
+}
+
+/* The forward's values before the probs multiply (float dtypes): the clamped inputs, the
+ * activation s, the linear factor l2 (1 without GLU) and h0; pass_g / pass_l are ClampBackward's
+ * masks, which compare strictly against the bound rounded to the tensor's dtype (in fp16 2.01
+ * becomes 2.0098, so an input of exactly 2.0098 gets no gradient). */
+typedef struct moe_gp_fwd_vals {
+    float g, l, s, l2, h0;
+    int pass_g, pass_l;
+} moe_gp_fwd_vals_t;
+
+MOE_HD static inline moe_gp_fwd_vals_t moe_gp_fwd_vals_f(const moe_gp_ctx_t *c, float g, float l) {
+    const moe_dtype_t dt = c->dtype;
+    moe_gp_fwd_vals_t v;
+    v.pass_g = v.pass_l = 1;
+    if (c->gated && c->has_clamp) {
+        const float b = c->clamp_f, bb = moe_gp_rnd(dt, b);
+        v.pass_g = g < bb;
+        v.pass_l = l > -bb && l < bb;
+        g = g > b ? bb : g;
+        l = l < -b ? moe_gp_rnd(dt, -b) : (l > b ? bb : l);
     }
-    /* both factors are floats whose product a float holds to within one rounding */
-    const float v = moe_gp_rnd(c->prod_dtype, MOE_GP_MULF((float)h0, (float)p));
-    return (double)moe_gp_rnd(c->dtype, v);
+    v.g = g;
+    v.l = l;
+    v.s = moe_gp_act_fwd_f(c->act, dt, g);
+    v.l2 = c->gated ? moe_gp_rnd(dt, MOE_GP_ADDF(l, c->offset_f)) : 1.0f;
+    v.h0 = c->gated ? moe_gp_rnd(dt, MOE_GP_MULF(v.s, v.l2)) : v.s;
+    return v;
+}
+
+/* The backward from the gradient reaching h0 (gh0, a dtype value) on: MulBackward of s * l2, the
+ * activation's backward at the clamped g, the clamp masks. */
+MOE_HD static inline void moe_gp_bwd_from_gh0_f(const moe_gp_ctx_t *c, const moe_gp_fwd_vals_t *v,
+                                                float gh0, float *grad_g, float *grad_l) {
+    const moe_dtype_t dt = c->dtype;
+    if (c->gated) {
+        const float gs = moe_gp_rnd(dt, MOE_GP_MULF(gh0, v->l2));
+        *grad_l = v->pass_l ? moe_gp_rnd(dt, MOE_GP_MULF(gh0, v->s)) : 0.0f;
+        *grad_g = v->pass_g ? moe_gp_act_bwd_f(c->act, dt, gs, v->g) : 0.0f;
+    } else {
+        *grad_l = 0.0f;
+        *grad_g = moe_gp_act_bwd_f(c->act, dt, gh0, v->g);
+    }
+}
+
+/* h, when moe_gp_float_math(c): (h0 * p) rounded to the product dtype, then to dtype. */
+MOE_HD static inline float moe_gp_elem_fwd_f(const moe_gp_ctx_t *c, float g, float l, float p) {
+    const float h0 = moe_gp_fwd_vals_f(c, g, l).h0;
+    if (!c->has_probs) return h0;
+    return moe_gp_rnd(c->dtype, moe_gp_rnd(c->prod_dtype, MOE_GP_MULF(h0, p)));
+}
+
+/* Gradients of one element, when moe_gp_float_math(c): *grad_g, *grad_l (dtype values; grad_l 0
+ * without GLU), the row-sum term of grad_probs, grad_h * h0 rounded to the product dtype (0
+ * without probs), and, when h is not NULL, the forward's output h recomputed. */
+MOE_HD static inline void moe_gp_elem_bwd_f(const moe_gp_ctx_t *c, float dy, float g, float l,
+                                            float p, float *grad_g, float *grad_l, float *term,
+                                            float *h) {
+    const moe_gp_fwd_vals_t v = moe_gp_fwd_vals_f(c, g, l);
+    const moe_dtype_t dt = c->dtype, pt = c->prod_dtype;
+    float gh0 = dy;
+    *term = 0.0f;
+    if (h) *h = v.h0;
+    if (c->has_probs) {
+        gh0 = moe_gp_rnd(dt, moe_gp_rnd(pt, MOE_GP_MULF(dy, p)));
+        *term = moe_gp_rnd(pt, MOE_GP_MULF(dy, v.h0));
+        if (h) *h = moe_gp_rnd(dt, moe_gp_rnd(pt, MOE_GP_MULF(v.h0, p)));
+    }
+    moe_gp_bwd_from_gh0_f(c, &v, gh0, grad_g, grad_l);
 }
 
 MOE_HD static inline double moe_gp_elem_fwd(const moe_gp_ctx_t *c, double g, double l, double p) {
-    double h0;
-    if (c->dtype == MOE_DTYPE_FP64) {
-        if (c->gated) {
-            if (c->has_clamp) {
-                g = g > c->clamp_d ? c->clamp_d : g;
-                l = l < -c->clamp_d ? -c->clamp_d : (l > c->clamp_d ? c->clamp_d : l);
-            }
-            h0 = MOE_GP_MULD(moe_gp_act_fwd_d(c->act, g), MOE_GP_ADDD(l, c->offset_d));
-        } else {
-            h0 = moe_gp_act_fwd_d(c->act, g);
-        }
-    } else {
-        const moe_dtype_t dt = c->dtype;
-        float gf = (float)g, lf = (float)l;
-        if (c->gated) {
-            if (c->has_clamp) {
-                const float v = c->clamp_f;
-                gf = gf > v ? moe_gp_rnd(dt, v) : gf;
-                lf = lf < -v ? moe_gp_rnd(dt, -v) : (lf > v ? moe_gp_rnd(dt, v) : lf);
-            }
-            const float s = moe_gp_act_fwd_f(c->act, dt, gf);
-            const float l2 = moe_gp_rnd(dt, MOE_GP_ADDF(lf, c->offset_f));
-            h0 = (double)moe_gp_rnd(dt, MOE_GP_MULF(s, l2));
-        } else {
-            h0 = (double)moe_gp_act_fwd_f(c->act, dt, gf);
-        }
+    if (c->dtype != MOE_DTYPE_FP64) {
+        if (c->prod_dtype != MOE_DTYPE_FP64)
+            return (double)moe_gp_elem_fwd_f(c, (float)g, (float)l, (float)p);
+        /* a half or fp32 tensor times fp64 probs: the product in fp64, rounded to dtype */
+        const float h0 = moe_gp_fwd_vals_f(c, (float)g, (float)l).h0;
+        return c->has_probs ? (double)moe_gp_rnd(c->dtype, (float)MOE_GP_MULD((double)h0, p))
+                            : (double)h0;
     }
-    return c->has_probs ? moe_gp_scale(c, h0, p) : h0;
+    double h0;
+    if (c->gated) {
+        if (c->has_clamp) {
+            g = g > c->clamp_d ? c->clamp_d : g;
+            l = l < -c->clamp_d ? -c->clamp_d : (l > c->clamp_d ? c->clamp_d : l);
+        }
+        h0 = MOE_GP_MULD(moe_gp_act_fwd_d(c->act, g), MOE_GP_ADDD(l, c->offset_d));
+    } else {
+        h0 = moe_gp_act_fwd_d(c->act, g);
+    }
+    return c->has_probs ? MOE_GP_MULD(h0, p) : h0;
 }
 
-/* Gradients of one element: *grad_g, *grad_l (dtype values; grad_l only with GLU) and the row-sum
- * term of grad_probs, grad_h * h0 rounded to the product dtype (0 without probs). */
+/* moe_gp_elem_bwd_f for every case, in doubles; h may be NULL. */
 MOE_HD static inline void moe_gp_elem_bwd(const moe_gp_ctx_t *c, double dy, double g, double l,
                                           double p, double *grad_g, double *grad_l,
-                                          double *term) {
+                                          double *term, double *h) {
     if (c->dtype == MOE_DTYPE_FP64) {
         const double v = c->clamp_d;
         /* ClampBackward's mask is strict (x < max, x > min; a value at the bound gets 0) */
@@ -340,9 +411,11 @@ MOE_HD static inline void moe_gp_elem_bwd(const moe_gp_ctx_t *c, double dy, doub
         const double h0 = c->gated ? MOE_GP_MULD(s, l2) : s;
         double gh0 = dy;
         *term = 0.0;
+        if (h) *h = h0;
         if (c->has_probs) {
             gh0 = MOE_GP_MULD(dy, p);
             *term = MOE_GP_MULD(dy, h0);
+            if (h) *h = MOE_GP_MULD(h0, p);
         }
         if (c->gated) {
             const double gs = MOE_GP_MULD(gh0, l2);
@@ -354,40 +427,27 @@ MOE_HD static inline void moe_gp_elem_bwd(const moe_gp_ctx_t *c, double dy, doub
         }
         return;
     }
-    const moe_dtype_t dt = c->dtype, pt = c->prod_dtype;
-    const float v = c->clamp_f;
-    float gf = (float)g, lf = (float)l, dyf = (float)dy;
-    /* ClampBackward compares strictly against the bound rounded to the tensor's dtype: in fp16
-     * 2.01 becomes 2.0098, so an input of exactly 2.0098 gets no gradient */
-    const float vb = moe_gp_rnd(dt, v);
-    const int pass_g = !c->gated || !c->has_clamp || gf < vb;
-    const int pass_l = !c->has_clamp || (lf > -vb && lf < vb);
-    if (c->gated && c->has_clamp) {
-        gf = gf > v ? moe_gp_rnd(dt, v) : gf;
-        lf = lf < -v ? moe_gp_rnd(dt, -v) : (lf > v ? moe_gp_rnd(dt, v) : lf);
-    }
-    const float s = moe_gp_act_fwd_f(c->act, dt, gf);
-    const float l2 = c->gated ? moe_gp_rnd(dt, MOE_GP_ADDF(lf, c->offset_f)) : 1.0f;
-    const float h0 = c->gated ? moe_gp_rnd(dt, MOE_GP_MULF(s, l2)) : s;
-    float gh0 = dyf;
-    *term = 0.0;
-    if (c->has_probs) {
-        if (pt == MOE_DTYPE_FP64) {
-            gh0 = moe_gp_rnd(dt, (float)MOE_GP_MULD(dy, p));
-            *term = MOE_GP_MULD(dy, (double)h0);
-        } else {
-            gh0 = moe_gp_rnd(dt, moe_gp_rnd(pt, MOE_GP_MULF(dyf, (float)p)));
-            *term = (double)moe_gp_rnd(pt, MOE_GP_MULF(dyf, h0));
-        }
-    }
-    if (c->gated) {
-        const float gs = moe_gp_rnd(dt, MOE_GP_MULF(gh0, l2));
-        *grad_l = pass_l ? (double)moe_gp_rnd(dt, MOE_GP_MULF(gh0, s)) : 0.0;
-        *grad_g = pass_g ? (double)moe_gp_act_bwd_f(c->act, dt, gs, gf) : 0.0;
+    float gg, gl;
+    if (c->prod_dtype != MOE_DTYPE_FP64) {
+        float t, hf;
+        moe_gp_elem_bwd_f(c, (float)dy, (float)g, (float)l, (float)p, &gg, &gl, &t, h ? &hf : NULL);
+        *term = t;
+        if (h) *h = hf;
     } else {
-        *grad_l = 0.0;
-        *grad_g = (double)moe_gp_act_bwd_f(c->act, dt, gh0, gf);
+        /* a half or fp32 tensor times fp64 probs: the products in fp64 */
+        const moe_gp_fwd_vals_t v = moe_gp_fwd_vals_f(c, (float)g, (float)l);
+        float gh0 = (float)dy;
+        *term = 0.0;
+        if (h) *h = v.h0;
+        if (c->has_probs) {
+            gh0 = moe_gp_rnd(c->dtype, (float)MOE_GP_MULD(dy, p));
+            *term = MOE_GP_MULD(dy, (double)v.h0);
+            if (h) *h = moe_gp_rnd(c->dtype, (float)MOE_GP_MULD((double)v.h0, p));
+        }
+        moe_gp_bwd_from_gh0_f(c, &v, gh0, &gg, &gl);
     }
+    *grad_g = gg;
+    *grad_l = gl;
 }
 
 /* Elements per reduction chunk: one 16-byte vector when F is a multiple of it, else 1. The CPU and
@@ -438,18 +498,41 @@ __device__ __forceinline__ void moe_gp_vset(moe_gp_vec &v, int e, double x) {
     else v.h[e] = moe_float_to_fp16((float)x);
 }
 
-/* h for one vector: g, l the gate and linear vectors of a (l ignored without GLU), p the row's
- * prob. c->dtype must be DT. */
+/* The same as floats, for the dtypes other than fp64 (the _f element functions). */
 template <int DT>
+__device__ __forceinline__ float moe_gp_vgetf(const moe_gp_vec &v, int e) {
+    if (DT == MOE_DTYPE_FP32) return v.f[e];
+    if (DT == MOE_DTYPE_BF16) return moe_bf16_to_float(v.h[e]);
+    return moe_fp16_to_float(v.h[e]);
+}
+
+template <int DT>
+__device__ __forceinline__ void moe_gp_vsetf(moe_gp_vec &v, int e, float x) {
+    if (DT == MOE_DTYPE_FP32) v.f[e] = x;
+    else if (DT == MOE_DTYPE_BF16) v.h[e] = moe_float_to_bf16(x);
+    else v.h[e] = moe_float_to_fp16(x);
+}
+
+/* h for one vector: g, l the gate and linear vectors of a (l ignored without GLU), p the row's
+ * prob. c->dtype must be DT; FLT: moe_gp_float_math(c) holds (the float element functions). */
+template <int DT, bool FLT>
 __device__ __forceinline__ uint4 moe_gp_vec_fwd(const moe_gp_ctx_t *c, uint4 g_bits, uint4 l_bits,
                                                 double p) {
     moe_gp_vec g, l, out;
     g.u = g_bits;
     l.u = l_bits;
+    if constexpr (FLT && DT != MOE_DTYPE_FP64) {
+        const float pf = (float)p;
 #pragma unroll
-    for (int e = 0; e < moe_gp_vec_n<DT>(); ++e)
-        moe_gp_vset<DT>(out, e, moe_gp_elem_fwd(c, moe_gp_vget<DT>(g, e),
-                                                c->gated ? moe_gp_vget<DT>(l, e) : 0.0, p));
+        for (int e = 0; e < moe_gp_vec_n<DT>(); ++e)
+            moe_gp_vsetf<DT>(out, e, moe_gp_elem_fwd_f(c, moe_gp_vgetf<DT>(g, e),
+                                                       c->gated ? moe_gp_vgetf<DT>(l, e) : 0.0f, pf));
+    } else {
+#pragma unroll
+        for (int e = 0; e < moe_gp_vec_n<DT>(); ++e)
+            moe_gp_vset<DT>(out, e, moe_gp_elem_fwd(c, moe_gp_vget<DT>(g, e),
+                                                    c->gated ? moe_gp_vget<DT>(l, e) : 0.0, p));
+    }
     return out.u;
 }
 #endif /* __CUDACC__ */

@@ -933,11 +933,16 @@ moe_status_t moe_glu_probs_fwd(void *h, const void *a, const void *probs, int64_
  * \param[out] grad_a       [num_rows, 2 ffn] or [num_rows, ffn], `dtype`
  * \param[out] grad_probs   [num_rows], `probs_dtype`, or NULL (not wanted; must be NULL when
  *                          probs is)
+ * \param[out] h            [num_rows, ffn], `dtype`: the forward's output recomputed (the same
+ *                          bits as moe_glu_probs_fwd), or NULL (not wanted)
  * \param[in]  grad_h       [num_rows, ffn], `dtype`
  * \param[in]  a, probs     the forward's inputs (probs may be NULL)
  * (sizes, dtypes, params, workspace and stream as in the forward)
+ * In place is allowed: grad_a may be a, and h may be grad_h (every element is read before it is
+ * written, by the thread that writes it); the two pairs are otherwise disjoint.
  */
-moe_status_t moe_glu_probs_bwd(void *grad_a, void *grad_probs, const void *grad_h, const void *a,
+moe_status_t moe_glu_probs_bwd(void *grad_a, void *grad_probs, void *h, const void *grad_h,
+                               const void *a,
                                const void *probs, int64_t num_rows, int64_t ffn, moe_dtype_t dtype,
                                moe_dtype_t probs_dtype, const moe_glu_probs_params_t *params,
                                void *workspace, size_t workspace_bytes, void *stream);
@@ -1200,7 +1205,7 @@ moe_status_t moe_cuda_glu_probs_fwd(void *h, const void *a, const void *probs, i
                                     int64_t ffn, moe_dtype_t dtype, moe_dtype_t probs_dtype,
                                     const moe_glu_probs_params_t *params, void *workspace,
                                     size_t workspace_bytes, void *stream);
-moe_status_t moe_cuda_glu_probs_bwd(void *grad_a, void *grad_probs, const void *grad_h,
+moe_status_t moe_cuda_glu_probs_bwd(void *grad_a, void *grad_probs, void *h, const void *grad_h,
                                     const void *a, const void *probs, int64_t num_rows,
                                     int64_t ffn, moe_dtype_t dtype, moe_dtype_t probs_dtype,
                                     const moe_glu_probs_params_t *params, void *workspace,

@@ -5,6 +5,7 @@
 #include <Python.h>
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #ifdef MOE_CORE_WITH_CUDA
@@ -1336,6 +1337,41 @@ at::Tensor glu_probs(const at::Tensor &a_, const c10::optional<at::Tensor> &prob
   return h;
 }
 
+// The checks of glu_probs_bwd / glu_probs_bwd_: a and probs as in the forward, grad_h [R, F].
+moe_glu_probs_params_t glu_probs_bwd_params(const at::Tensor &grad_h, const at::Tensor &a,
+                                            const c10::optional<at::Tensor> &probs,
+                                            c10::string_view activation, bool gated_linear_unit,
+                                            double linear_offset, c10::optional<double> clamp_value,
+                                            int64_t *ffn) {
+  moe_glu_probs_params_t p = glu_probs_params(a, probs, activation, gated_linear_unit,
+                                              linear_offset, clamp_value, ffn);
+  check_dim(grad_h, 2, "grad_h");
+  check_dtype(grad_h, a.scalar_type(), "grad_h");
+  check_size(grad_h, 0, a.size(0), "grad_h", "a.shape[0] (num_rows)");
+  check_size(grad_h, 1, *ffn, "grad_h", "F (a.shape[1], halved with gated_linear_unit)");
+  check_same_device(grad_h, a, "grad_h", "a");
+  return p;
+}
+
+// Runs the kernel: grad_a and h may be a and grad_h (in place); h may be undefined (not wanted).
+at::Tensor glu_probs_bwd_call(at::Tensor &grad_a, at::Tensor &h, const at::Tensor &grad_h,
+                              const at::Tensor &a, const at::Tensor &probs, int64_t F,
+                              const moe_glu_probs_params_t &p) {
+  const int64_t R = a.size(0);
+  MOE_DEVICE_GUARD(a);
+  at::Tensor grad_probs = probs.defined() ? at::empty({R}, probs.options())
+                                          : at::empty({0}, a.options());
+  const moe_dtype_t pdt =
+      probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs") : to_moe_dtype(a.scalar_type(), "a");
+  check_status(MOE_CALL(a, glu_probs_bwd, grad_a.data_ptr(),
+                        probs.defined() ? grad_probs.data_ptr() : nullptr,
+                        h.defined() ? h.data_ptr() : nullptr, grad_h.data_ptr(), a.data_ptr(),
+                        probs.defined() ? probs.data_ptr() : nullptr, R, F,
+                        to_moe_dtype(a.scalar_type(), "a"), pdt, &p, nullptr, 0, stream_of(a)),
+               "glu_probs_bwd");
+  return grad_probs;
+}
+
 // grad_probs is [num_rows] in probs' dtype, or an empty [0] tensor when probs is None.
 std::tuple<at::Tensor, at::Tensor> glu_probs_bwd(const at::Tensor &grad_h_, const at::Tensor &a_,
                                                  const c10::optional<at::Tensor> &probs_,
@@ -1343,28 +1379,33 @@ std::tuple<at::Tensor, at::Tensor> glu_probs_bwd(const at::Tensor &grad_h_, cons
                                                  bool gated_linear_unit, double linear_offset,
                                                  c10::optional<double> clamp_value) {
   int64_t F = 0;
-  moe_glu_probs_params_t p = glu_probs_params(a_, probs_, activation, gated_linear_unit,
-                                              linear_offset, clamp_value, &F);
-  const int64_t R = a_.size(0);
-  check_dim(grad_h_, 2, "grad_h");
-  check_dtype(grad_h_, a_.scalar_type(), "grad_h");
-  check_size(grad_h_, 0, R, "grad_h", "a.shape[0] (num_rows)");
-  check_size(grad_h_, 1, F, "grad_h", "F (a.shape[1], halved with gated_linear_unit)");
-  check_same_device(grad_h_, a_, "grad_h", "a");
-  at::Tensor a = a_.contiguous(), g = grad_h_.contiguous(), probs;
+  const moe_glu_probs_params_t p = glu_probs_bwd_params(
+      grad_h_, a_, probs_, activation, gated_linear_unit, linear_offset, clamp_value, &F);
+  at::Tensor a = a_.contiguous(), g = grad_h_.contiguous(), probs, none;
   if (probs_.has_value()) probs = probs_->contiguous();
-  MOE_DEVICE_GUARD(a);
   at::Tensor grad_a = at::empty_like(a);
-  at::Tensor grad_probs = probs.defined() ? at::empty({R}, probs.options())
-                                          : at::empty({0}, a.options());
-  const moe_dtype_t pdt =
-      probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs") : to_moe_dtype(a.scalar_type(), "a");
-  check_status(MOE_CALL(a, glu_probs_bwd, grad_a.data_ptr(),
-                        probs.defined() ? grad_probs.data_ptr() : nullptr, g.data_ptr(),
-                        a.data_ptr(), probs.defined() ? probs.data_ptr() : nullptr, R, F,
-                        to_moe_dtype(a.scalar_type(), "a"), pdt, &p, nullptr, 0, stream_of(a)),
-               "glu_probs_bwd");
+  at::Tensor grad_probs = glu_probs_bwd_call(grad_a, none, g, a, probs, F, p);
   return {grad_a, grad_probs};
+}
+
+// In place: a becomes grad_a and grad_h becomes the forward's h (recomputed); returns grad_probs.
+// The expert MLP's backward uses it to need no [rows, 2F] or [rows, F] buffer of its own.
+at::Tensor glu_probs_bwd_(at::Tensor grad_h, at::Tensor a, const c10::optional<at::Tensor> &probs_,
+                          c10::string_view activation, bool gated_linear_unit,
+                          double linear_offset, c10::optional<double> clamp_value) {
+  int64_t F = 0;
+  const moe_glu_probs_params_t p = glu_probs_bwd_params(
+      grad_h, a, probs_, activation, gated_linear_unit, linear_offset, clamp_value, &F);
+  MOE_CHECK_VALUE(a.is_contiguous() && grad_h.is_contiguous(),
+                  "glu_probs_bwd_ works in place: a and grad_h must be contiguous, got strides ",
+                  a.strides(), " and ", grad_h.strides());
+  const auto overlap = at::get_overlap_status(a, grad_h);
+  MOE_CHECK_VALUE(overlap == at::MemOverlapStatus::No,
+                  "glu_probs_bwd_: a and grad_h must not share memory (a becomes grad_a, grad_h "
+                  "becomes h)");
+  at::Tensor probs;
+  if (probs_.has_value()) probs = probs_->contiguous();
+  return glu_probs_bwd_call(a, grad_h, grad_h, a, probs, F, p);
 }
 
 // ---- fc1 + glu_probs (issue 7, item 3: the epilogue fusion) -------------------------------------
@@ -1494,6 +1535,8 @@ TORCH_LIBRARY(moe_core, m) {
   m.def("glu_probs_bwd(Tensor grad_h, Tensor a, Tensor? probs, str activation, "
         "bool gated_linear_unit, float linear_offset=0.0, float? clamp_value=None) "
         "-> (Tensor, Tensor)");
+  m.def("glu_probs_bwd_(Tensor(a!) grad_h, Tensor(b!) a, Tensor? probs, str activation, "
+        "bool gated_linear_unit, float linear_offset=0.0, float? clamp_value=None) -> Tensor");
   m.def("grouped_gemm_glu_probs(Tensor x, Tensor weight, Tensor expert_offsets, Tensor? probs, "
         "str activation, bool gated_linear_unit, float linear_offset=0.0, "
         "float? clamp_value=None, bool trans_w=True) -> (Tensor, Tensor)");
@@ -1537,6 +1580,7 @@ TORCH_LIBRARY_IMPL(moe_core, CPU, m) {
   m.impl("grouped_gemm_wgrad", &grouped_gemm_wgrad);
   m.impl("glu_probs", &glu_probs);
   m.impl("glu_probs_bwd", &glu_probs_bwd);
+  m.impl("glu_probs_bwd_", &glu_probs_bwd_);
   m.impl("grouped_gemm_glu_probs", &grouped_gemm_glu_probs);
 }
 
@@ -1573,6 +1617,7 @@ TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("topk_overlap", &topk_overlap);
   m.impl("glu_probs", &glu_probs);
   m.impl("glu_probs_bwd", &glu_probs_bwd);
+  m.impl("glu_probs_bwd_", &glu_probs_bwd_);
   m.impl("grouped_gemm", &grouped_gemm);
   m.impl("grouped_gemm_dgrad", &grouped_gemm_dgrad);
   m.impl("grouped_gemm_wgrad", &grouped_gemm_wgrad);

@@ -4,7 +4,10 @@
  * A bandwidth kernel: the forward reads a's gate and linear halves and writes h with 16-byte
  * vector accesses (one thread per vector of h), the row's prob read once per vector; the
  * backward gives each row to one warp, writes both halves of grad_a with vector stores and sums
- * grad_probs in registers. The element math is glu_probs_math.h, the same functions the CPU runs.
+ * grad_probs in registers. Both run their element math on floats whenever the dtypes allow (all
+ * but fp64), the same bits as the double functions the CPU calls. The backward can also write the
+ * forward's h, recomputed, and can run in place (grad_a over a, h over grad_h): the expert MLP's
+ * backward then needs no buffer of its own for either. The element math is glu_probs_math.h, the same functions the CPU runs.
  *
  * The one idea: grad_probs needs no atomics and no second pass, and is the CPU's bits. Each lane
  * accumulates the chunks j ≡ lane (mod 32) of its row in fp64, in element order, and the warp folds
@@ -14,47 +17,59 @@
 #include "../glu_probs_math.h"
 
 /* moe_gp_vec, moe_gp_vget/vset and moe_gp_vec_fwd (16-byte vectors of one dtype) live in
- * glu_probs_math.h: the grouped GEMM's fused epilogue runs the same element loop. */
+ * glu_probs_math.h: the grouped GEMM's fused epilogue runs the same element loop.
+ *
+ * Template arguments of both kernels: DT the dtype; VEC: 16-byte accesses (F a multiple of the
+ * vector length, aligned pointers), else one element at a time; FLT: moe_gp_float_math holds, so
+ * the element math runs on floats (the _f functions; the same bits as the double ones). */
 
-/* h [R, F] ← a [R, F1] (F1 = 2F with GLU), probs [R] or NULL. VEC: 16-byte accesses (F % n == 0
- * and aligned pointers), else one element per thread. */
-template <int DT, bool VEC>
-__global__ void __launch_bounds__(256) moe_glu_probs_fwd_kernel(void *h, const void *a, const void *probs,
-                                                                int64_t num_rows, int64_t ffn,
-                                                                moe_gp_ctx_t ctx) {
+/* h [R, F] ← a [R, F1] (F1 = 2F with GLU), probs [R] or NULL. Warps walk the rows; in a row,
+ * lane j takes the vectors j, j + 32, ..., so a warp's accesses are 512 contiguous bytes and no
+ * thread divides an index. The row's prob is read once per row. */
+template <int DT, bool VEC, bool FLT>
+__global__ void __launch_bounds__(256) moe_glu_probs_fwd_kernel(void *__restrict__ h,
+                                                                const void *__restrict__ a,
+                                                                const void *probs, int64_t num_rows,
+                                                                int64_t ffn, moe_gp_ctx_t ctx) {
     moe_gp_ctx_t c = ctx;
     c.dtype = (moe_dtype_t)DT; /* a compile-time constant from here on */
     constexpr int n = VEC ? moe_gp_vec_n<DT>() : 1;
-    const int64_t per_row = ffn / n, width = c.gated ? 2 * ffn : ffn;
-    const int64_t total = num_rows * per_row;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t r = i / per_row, f = (i - r * per_row) * n;
+    constexpr int64_t esz = DT == MOE_DTYPE_FP64 ? 8 : (DT == MOE_DTYPE_FP32 ? 4 : 2);
+    const int lane = threadIdx.x % 32;
+    const int64_t width = c.gated ? 2 * ffn : ffn, per_row = ffn / n;
+    const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+    for (int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < num_rows;
+         r += warps) {
         const double p = c.has_probs ? moe_load(probs, c.probs_dtype, r) : 1.0;
-        if (VEC) {
-            const uint4 g = *(const uint4 *)((const char *)a +
-                                             (r * width + f) * (int64_t)sizeof(uint4) / n);
-            const uint4 l = c.gated ? *(const uint4 *)((const char *)a + (r * width + ffn + f) *
-                                                                            (int64_t)sizeof(uint4) / n)
-                                    : make_uint4(0, 0, 0, 0);
-            *(uint4 *)((char *)h + (r * ffn + f) * (int64_t)sizeof(uint4) / n) =
-                moe_gp_vec_fwd<DT>(&c, g, l, p);
-        } else {
-            const double g = moe_load(a, c.dtype, r * width + f);
-            const double l = c.gated ? moe_load(a, c.dtype, r * width + ffn + f) : 0.0;
-            moe_store(h, c.dtype, r * ffn + f, moe_gp_elem_fwd(&c, g, l, p));
+        const char *arow = (const char *)a + r * width * esz;
+        char *hrow = (char *)h + r * ffn * esz;
+        for (int64_t j = lane; j < per_row; j += 32) {
+            if (VEC) {
+                const uint4 g = *(const uint4 *)(arow + j * 16);
+                const uint4 l = c.gated ? *(const uint4 *)(arow + ffn * esz + j * 16)
+                                        : make_uint4(0, 0, 0, 0);
+                *(uint4 *)(hrow + j * 16) = moe_gp_vec_fwd<DT, FLT>(&c, g, l, p);
+            } else {
+                const double g = moe_load(arow, c.dtype, j);
+                const double l = c.gated ? moe_load(arow, c.dtype, ffn + j) : 0.0;
+                const double v = FLT ? (double)moe_gp_elem_fwd_f(&c, (float)g, (float)l, (float)p)
+                                     : moe_gp_elem_fwd(&c, g, l, p);
+                moe_store(hrow, c.dtype, j, v);
+            }
         }
     }
 }
 
-/* One warp per row: grad_a [R, F1], grad_probs [R] (or NULL) ← grad_h [R, F], a, probs.
- * Chunks of `chunk` elements (moe_gp_chunk): VEC loads each as one 16-byte vector. */
-template <int DT, bool VEC>
+/* One warp per row: grad_a [R, F1], grad_probs [R] (or NULL) and, when h is not NULL, the
+ * forward's h [R, F] recomputed, ← grad_h [R, F], a, probs. Chunks of `chunk` elements
+ * (moe_gp_chunk): VEC loads each as one 16-byte vector. grad_a may be a and h may be grad_h: each
+ * element is read before it is written, by the thread that writes it. */
+template <int DT, bool VEC, bool FLT>
 __global__ void __launch_bounds__(128) moe_glu_probs_bwd_kernel(void *grad_a, void *grad_probs,
-                                                                const void *grad_h, const void *a,
-                                                                const void *probs, int64_t num_rows,
-                                                                int64_t ffn, int64_t chunk,
-                                                                moe_gp_ctx_t ctx) {
+                                                                void *h, const void *grad_h,
+                                                                const void *a, const void *probs,
+                                                                int64_t num_rows, int64_t ffn,
+                                                                int64_t chunk, moe_gp_ctx_t ctx) {
     moe_gp_ctx_t c = ctx;
     c.dtype = (moe_dtype_t)DT;
     constexpr int n = moe_gp_vec_n<DT>();
@@ -64,11 +79,12 @@ __global__ void __launch_bounds__(128) moe_glu_probs_bwd_kernel(void *grad_a, vo
     for (int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < num_rows;
          r += warps) {
         const double p = c.has_probs ? moe_load(probs, c.probs_dtype, r) : 1.0;
+        const float pf = (float)p;
         double acc = 0.0;
         for (int64_t j = lane; j < nchunks; j += 32) {
             const int64_t f = j * chunk;
             if (VEC) {
-                moe_gp_vec dy, g, l, gg, gl;
+                moe_gp_vec dy, g, l, gg, gl, hv;
                 dy.u = *(const uint4 *)((const char *)grad_h + (r * ffn + f) * (int64_t)sizeof(uint4) / n);
                 g.u = *(const uint4 *)((const char *)a + (r * width + f) * (int64_t)sizeof(uint4) / n);
                 if (c.gated)
@@ -76,26 +92,41 @@ __global__ void __launch_bounds__(128) moe_glu_probs_bwd_kernel(void *grad_a, vo
                                             (r * width + ffn + f) * (int64_t)sizeof(uint4) / n);
 #pragma unroll
                 for (int e = 0; e < n; ++e) {
-                    double vg, vl, term;
-                    moe_gp_elem_bwd(&c, moe_gp_vget<DT>(dy, e), moe_gp_vget<DT>(g, e),
-                                    c.gated ? moe_gp_vget<DT>(l, e) : 0.0, p, &vg, &vl, &term);
-                    moe_gp_vset<DT>(gg, e, vg);
-                    moe_gp_vset<DT>(gl, e, vl);
-                    acc = __dadd_rn(acc, term);
+                    if constexpr (FLT && DT != MOE_DTYPE_FP64) {
+                        float vg, vl, term, vh;
+                        moe_gp_elem_bwd_f(&c, moe_gp_vgetf<DT>(dy, e), moe_gp_vgetf<DT>(g, e),
+                                          c.gated ? moe_gp_vgetf<DT>(l, e) : 0.0f, pf, &vg, &vl,
+                                          &term, &vh);
+                        moe_gp_vsetf<DT>(gg, e, vg);
+                        moe_gp_vsetf<DT>(gl, e, vl);
+                        moe_gp_vsetf<DT>(hv, e, vh);
+                        acc = __dadd_rn(acc, (double)term);
+                    } else {
+                        double vg, vl, term, vh;
+                        moe_gp_elem_bwd(&c, moe_gp_vget<DT>(dy, e), moe_gp_vget<DT>(g, e),
+                                        c.gated ? moe_gp_vget<DT>(l, e) : 0.0, p, &vg, &vl, &term,
+                                        &vh);
+                        moe_gp_vset<DT>(gg, e, vg);
+                        moe_gp_vset<DT>(gl, e, vl);
+                        moe_gp_vset<DT>(hv, e, vh);
+                        acc = __dadd_rn(acc, term);
+                    }
                 }
                 *(uint4 *)((char *)grad_a + (r * width + f) * (int64_t)sizeof(uint4) / n) = gg.u;
                 if (c.gated)
                     *(uint4 *)((char *)grad_a + (r * width + ffn + f) * (int64_t)sizeof(uint4) / n) =
                         gl.u;
+                if (h) *(uint4 *)((char *)h + (r * ffn + f) * (int64_t)sizeof(uint4) / n) = hv.u;
             } else {
                 for (int64_t e = 0; e < chunk; ++e) {
-                    double vg, vl, term;
+                    double vg, vl, term, vh;
                     moe_gp_elem_bwd(&c, moe_load(grad_h, c.dtype, r * ffn + f + e),
                                     moe_load(a, c.dtype, r * width + f + e),
                                     c.gated ? moe_load(a, c.dtype, r * width + ffn + f + e) : 0.0,
-                                    p, &vg, &vl, &term);
+                                    p, &vg, &vl, &term, &vh);
                     moe_store(grad_a, c.dtype, r * width + f + e, vg);
                     if (c.gated) moe_store(grad_a, c.dtype, r * width + ffn + f + e, vl);
+                    if (h) moe_store(h, c.dtype, r * ffn + f + e, vh);
                     acc = __dadd_rn(acc, term);
                 }
             }
@@ -139,21 +170,25 @@ extern "C" moe_status_t moe_cuda_glu_probs_fwd(void *h, const void *a, const voi
     const moe_gp_ctx_t c = moe_gp_ctx_make(params, dtype, probs != NULL, probs_dtype);
     const int64_t n = 16 / (int64_t)moe_dtype_size(dtype);
     const int vec = ffn % n == 0 && moe_gp_aligned(a) && moe_gp_aligned(h);
-    const int64_t work = num_rows * (vec ? ffn / n : ffn);
+    const int flt = moe_gp_float_math(&c);
+    const unsigned grid = moe_gp_grid(num_rows, 8); /* 8 warps, a row at a time each */
     cudaStream_t s = (cudaStream_t)stream;
     MOE_GP_DISPATCH(dtype, DT, {
-        if (vec)
-            moe_glu_probs_fwd_kernel<DT, true><<<moe_gp_grid(work, 256), 256, 0, s>>>(
-                h, a, probs, num_rows, ffn, c);
+        if (vec && flt)
+            moe_glu_probs_fwd_kernel<DT, true, true><<<grid, 256, 0, s>>>(h, a, probs, num_rows, ffn, c);
+        else if (vec)
+            moe_glu_probs_fwd_kernel<DT, true, false><<<grid, 256, 0, s>>>(h, a, probs, num_rows, ffn, c);
+        else if (flt)
+            moe_glu_probs_fwd_kernel<DT, false, true><<<grid, 256, 0, s>>>(h, a, probs, num_rows, ffn, c);
         else
-            moe_glu_probs_fwd_kernel<DT, false><<<moe_gp_grid(work, 256), 256, 0, s>>>(
-                h, a, probs, num_rows, ffn, c);
+            moe_glu_probs_fwd_kernel<DT, false, false><<<grid, 256, 0, s>>>(h, a, probs, num_rows, ffn, c);
     });
     MOE_CHECK_LAUNCH("moe_glu_probs_fwd_kernel");
     return MOE_OK;
 }
 
-extern "C" moe_status_t moe_cuda_glu_probs_bwd(void *grad_a, void *grad_probs, const void *grad_h,
+extern "C" moe_status_t moe_cuda_glu_probs_bwd(void *grad_a, void *grad_probs, void *h,
+                                               const void *grad_h,
                                                const void *a, const void *probs, int64_t num_rows,
                                                int64_t ffn, moe_dtype_t dtype,
                                                moe_dtype_t probs_dtype,
@@ -169,16 +204,20 @@ extern "C" moe_status_t moe_cuda_glu_probs_bwd(void *grad_a, void *grad_probs, c
     const moe_gp_ctx_t c = moe_gp_ctx_make(params, dtype, probs != NULL, probs_dtype);
     const int64_t chunk = moe_gp_chunk(dtype, ffn);
     const int vec = chunk > 1 && moe_gp_aligned(a) && moe_gp_aligned(grad_a) &&
-                    moe_gp_aligned(grad_h);
+                    moe_gp_aligned(grad_h) && (!h || moe_gp_aligned(h));
+    const int flt = moe_gp_float_math(&c);
     cudaStream_t s = (cudaStream_t)stream;
     const unsigned grid = moe_gp_grid(num_rows, 4); /* 4 warps, one row each */
     MOE_GP_DISPATCH(dtype, DT, {
-        if (vec)
-            moe_glu_probs_bwd_kernel<DT, true><<<grid, 128, 0, s>>>(
-                grad_a, grad_probs, grad_h, a, probs, num_rows, ffn, chunk, c);
+        if (vec && flt)
+            moe_glu_probs_bwd_kernel<DT, true, true><<<grid, 128, 0, s>>>(
+                grad_a, grad_probs, h, grad_h, a, probs, num_rows, ffn, chunk, c);
+        else if (vec)
+            moe_glu_probs_bwd_kernel<DT, true, false><<<grid, 128, 0, s>>>(
+                grad_a, grad_probs, h, grad_h, a, probs, num_rows, ffn, chunk, c);
         else
-            moe_glu_probs_bwd_kernel<DT, false><<<grid, 128, 0, s>>>(
-                grad_a, grad_probs, grad_h, a, probs, num_rows, ffn, chunk, c);
+            moe_glu_probs_bwd_kernel<DT, false, false><<<grid, 128, 0, s>>>(
+                grad_a, grad_probs, h, grad_h, a, probs, num_rows, ffn, chunk, c);
     });
     MOE_CHECK_LAUNCH("moe_glu_probs_bwd_kernel");
     return MOE_OK;

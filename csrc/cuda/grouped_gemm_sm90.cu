@@ -621,7 +621,9 @@ __device__ __forceinline__ void gg_store_fused(const gg_args_t &args, int64_t ro
                 *(uint4 *)(a_out + r * ld_a + col) = gv;
                 if (GLU) *(uint4 *)(a_out + r * ld_a + ffn + col) = lv;
                 const double p = c.has_probs ? moe_load(args.probs, c.probs_dtype, r) : 1.0;
-                *(uint4 *)(h_out + r * ffn + col) = moe_gp_vec_fwd<DT>(&c, gv, lv, p);
+                *(uint4 *)(h_out + r * ffn + col) =
+                    moe_gp_float_math(&c) ? moe_gp_vec_fwd<DT, true>(&c, gv, lv, p)
+                                          : moe_gp_vec_fwd<DT, false>(&c, gv, lv, p);
             }
         }
         asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
