@@ -14,6 +14,11 @@ Numerics follow Megatron's expert MLP (SequentialMLP / TEGroupedMLP, unfused pat
                                                  Hopper epilogue fusion is opt-in)
     y = h @ W2_eᵀ (+ b2_e * p)                   grouped GEMM
 
+Without biases, with an activation ops.glu_probs knows and the probs applied after the activation
+(Megatron's default), the whole MLP is one op, ops.expert_mlp, with the same bits: its backward
+keeps only fc1's output (not x, not h; x is gathered again from the unpermuted tokens when the
+caller says where it came from) and works in place.
+
 Weights are stored per expert in Megatron's ``nn.Linear`` layout (``[E, out, in]``), so a stack of
 Megatron's per-expert ``linear_fc1.weight`` / ``linear_fc2.weight`` loads as is.
 """
@@ -110,23 +115,35 @@ class GroupedMLP(nn.Module):
                 self.bias1.zero_()
                 self.bias2.zero_()
 
-    def forward(self, x: torch.Tensor, expert_offsets: torch.Tensor,
-                probs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, expert_offsets: torch.Tensor, probs: torch.Tensor,
+                tokens: Optional[torch.Tensor] = None,
+                sorted_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Expert outputs.
 
         Args:
             x: ``[rows, H]`` expert-sorted tokens (activation dtype).
             expert_offsets: ``[E + 1]`` int64 row offsets on x's device (local experts).
             probs: ``[rows]`` router probs of each row (router dtype).
+            tokens, sorted_indices: where x came from (``permute``'s input ``[T, H]`` and its
+                ``sorted_indices`` ``[rows]``), or None: with them the backward gathers the rows
+                again rather than keeping x.
 
         Returns:
             ``[rows, H]`` in x's dtype.
         """
         cfg = self.config
+        name = ops.activation_name(cfg.activation_func)
+        if self.bias1 is None and name is not None and not cfg.moe_apply_probs_on_input:
+            # fc1, the activation, the probs and fc2 as one op that keeps only fc1's output for
+            # the backward (ops/expert_mlp.py); the same bits as the two ops below
+            gated = cfg.gated_linear_unit
+            return ops.expert_mlp(
+                x, self.weight1, self.weight2, expert_offsets, probs, name, gated,
+                cfg.glu_linear_offset if gated else 0.0,
+                cfg.activation_func_clamp_value if gated else None, tokens, sorted_indices)
         if cfg.moe_apply_probs_on_input:
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
-        name = ops.activation_name(cfg.activation_func)
         row_expert = None
         if self.bias1 is None and name is not None:
             # fc1, the activation and the probs multiply as one op (the bias would have to be

@@ -192,7 +192,7 @@ class MoELayer(nn.Module):
         if self.dispatcher is None:
             rows, row_probs, sorted_indices, expert_offsets, _ = ops.permute(
                 x, routing_map, probs, num_out_tokens=self.num_permuted_rows(x.shape[0]))
-            y = self.experts(rows, expert_offsets, row_probs)
+            y = self.experts(rows, expert_offsets, row_probs, x, sorted_indices)
             out = ops.unpermute(y, sorted_indices, restore_shape=x.shape)
         else:
             out, overlapped = self._expert_parallel(x, probs, routing_map, hidden_states, overlap)

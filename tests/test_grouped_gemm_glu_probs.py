@@ -300,8 +300,9 @@ def test_compile_fullgraph_forward_backward():
                                        (lambda x: x * torch.tanh(x), False)])
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, False), (True, True)])
 def test_grouped_mlp_uses_the_fused_op(monkeypatch, act, fused, gated, bias):
-    """GroupedMLP calls the fused op exactly when the activation is one glu_probs knows and there
-    is no fc1 bias, and its output and gradients equal the unfused path's bit for bit."""
+    """GroupedMLP calls the fused op (fc1 + glu_probs inside ops.expert_mlp) exactly when the
+    activation is one glu_probs knows and there is no fc1 bias, and its output and gradients
+    equal the unfused path's bit for bit."""
     cfg = MoEConfig(hidden_size=16, num_moe_experts=4, moe_router_topk=2,
                     moe_ffn_hidden_size=8, gated_linear_unit=gated, activation_func=act,
                     glu_linear_offset=0.5 if gated else 0.0, add_bias_linear=bias,
@@ -311,9 +312,8 @@ def test_grouped_mlp_uses_the_fused_op(monkeypatch, act, fused, gated, bias):
     off = offsets_of([5, 0, 11, 4])
     probs = torch.rand(23)
     calls = []
-    real = ops.grouped_gemm_glu_probs
-    monkeypatch.setattr(ops, "grouped_gemm_glu_probs",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = ops.expert_mlp
+    monkeypatch.setattr(ops, "expert_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
     xr = x.clone().requires_grad_()
     y = mlp(xr, off, probs)
     y.float().square().sum().backward()

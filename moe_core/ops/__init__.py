@@ -36,6 +36,7 @@ from moe_core.ops.grouped_gemm import grouped_gemm, grouped_gemm_dgrad, grouped_
 # the activation epilogue (issue 7, item 3)
 from moe_core.ops.glu_probs import activation_name, glu_probs
 from moe_core.ops.grouped_gemm_glu_probs import grouped_gemm_glu_probs
+from moe_core.ops.expert_mlp import expert_mlp
 
 __all__ = [
     "router_gating_linear",
@@ -75,4 +76,5 @@ __all__ = [
     "glu_probs",
     "activation_name",
     "grouped_gemm_glu_probs",
+    "expert_mlp",
 ]

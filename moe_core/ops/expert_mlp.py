@@ -1,0 +1,177 @@
+"""expert_mlp: every expert's MLP (fc1, the gated activation times the router probs, fc2) as one
+op whose backward keeps as little as the math allows.
+
+It computes exactly::
+
+    h, a = grouped_gemm_glu_probs(rows, weight1, expert_offsets, probs, activation, ...)
+    y = grouped_gemm(h, weight2, expert_offsets, trans_w=True)
+
+What it saves for the backward is fc1's output ``a`` ``[rows, F1]`` and the small index tensors:
+not the rows (when ``tokens`` and ``sorted_indices`` say where they came from, the backward gathers
+them again, one pass of ``[rows, H]`` bytes) and not ``h`` (the activation backward recomputes
+it from ``a``, with the same element functions, in the same pass that computes ``grad_a``). The
+backward also allocates no ``[rows, F1]`` or ``[rows, F]`` buffer of its own: ``glu_probs_bwd_``
+turns the saved ``a`` into ``grad_a`` and fc2's input gradient into ``h``, in place. Backward::
+
+    grad_h = grouped_gemm_dgrad(grad_y, weight2)                     [rows, F]
+    grad_probs = glu_probs_bwd_(grad_h, a, probs)                    a := grad_a, grad_h := h
+    dW2 = grouped_gemm_wgrad(h, grad_y)
+    dW1 = grouped_gemm_wgrad(rows, grad_a)                           rows gathered again
+    d_rows = grouped_gemm_dgrad(grad_a, weight1)
+
+Precision contract
+------------------
+* The output and every gradient are bit for bit those of autograd through the two ops above
+  (``grouped_gemm_glu_probs`` then ``grouped_gemm``), on every device: the same kernels on the
+  same values in the same order (the recomputed ``h`` is the forward's, bit for bit: both come
+  from ``glu_probs_math.h``'s element functions on the same ``a``; the gathered rows are copies).
+  So every statement of those ops' contracts holds: fp32 accumulation, one rounding of ``a`` to
+  the dtype, the activation rounded where torch's eager sequence rounds it; deterministic, no
+  atomics, no host synchronisation.
+* The backward consumes what it saved (``a`` becomes ``grad_a``): a second backward through the
+  same graph (``retain_graph=True``) raises a RuntimeError instead of reading overwritten values.
+  Without ``tokens`` / ``sorted_indices`` (rows that arrived by an all-to-all) the rows are saved.
+* Only what ``needs_input_grad`` asks for is computed; double backward is not supported (the
+  backward ops have no derivatives of their own).
+"""
+from typing import Optional, Tuple
+
+import torch
+
+_FC1 = torch.ops.moe_core.grouped_gemm_glu_probs
+_FC2 = torch.ops.moe_core.grouped_gemm
+_DGRAD = torch.ops.moe_core.grouped_gemm_dgrad
+_WGRAD = torch.ops.moe_core.grouped_gemm_wgrad
+_GLU_BWD_ = torch.ops.moe_core.glu_probs_bwd_
+_GLU_BWD = torch.ops.moe_core.glu_probs_bwd
+
+
+def expert_mlp(
+    rows: torch.Tensor,
+    weight1: torch.Tensor,
+    weight2: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    probs: Optional[torch.Tensor],
+    activation: str,
+    gated_linear_unit: bool,
+    linear_offset: float = 0.0,
+    clamp_value: Optional[float] = None,
+    tokens: Optional[torch.Tensor] = None,
+    sorted_indices: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The experts' MLPs over expert-sorted rows, with a minimal-memory backward.
+
+    Args:
+        rows: ``[R, H]`` expert-sorted rows (bf16 / fp16 / fp32 / fp64); expert ``e`` owns
+            ``rows[expert_offsets[e]:expert_offsets[e + 1]]``.
+        weight1: ``[E, F1, H]`` (Megatron's ``linear_fc1.weight`` stacked; ``F1 = 2F`` with
+            ``gated_linear_unit``, gate rows first), rows' dtype.
+        weight2: ``[E, H, F]`` (``linear_fc2.weight`` stacked), rows' dtype.
+        expert_offsets: ``[E + 1]`` int64 on rows' device (as for ``grouped_gemm``).
+        probs: ``[R]`` router probs of each row (any float dtype), or None for no multiply.
+        activation, gated_linear_unit, linear_offset, clamp_value: as for ``glu_probs``.
+        tokens: ``[T, H]`` the tensor the rows were gathered from (``permute``'s input), or None.
+        sorted_indices: ``[R]`` int64, the token of each row (-1: a zero padding row), as
+            ``permute`` returns it; given with ``tokens``, the rows are gathered again in the
+            backward instead of being saved. ``rows`` must then equal that gather.
+
+    Returns:
+        ``[R, H]`` in rows' dtype. Differentiable in ``rows``, ``weight1``, ``weight2`` and
+        ``probs`` (the gradient reaching ``rows`` flows on to ``tokens`` through ``permute``).
+    """
+    if (tokens is None) != (sorted_indices is None):
+        raise ValueError("expert_mlp: pass tokens and sorted_indices together (the rows' source), "
+                         f"got tokens={'None' if tokens is None else 'a tensor'} and "
+                         f"sorted_indices={'None' if sorted_indices is None else 'a tensor'}")
+    if sorted_indices is not None and sorted_indices.shape != rows.shape[:1]:
+        raise ValueError(f"expert_mlp: sorted_indices must be [{rows.shape[0]}] (one per row), got "
+                         f"{tuple(sorted_indices.shape)}")
+    if tokens is not None and (tokens.dim() != 2 or tokens.shape[1] != rows.shape[1]):
+        raise ValueError(f"expert_mlp: tokens must be [T, {rows.shape[1]}] (the rows' hidden "
+                         f"size), got {tuple(tokens.shape)}")
+    y, _a = _expert_mlp(rows, weight1, weight2, expert_offsets, probs,
+                        None if tokens is None else tokens.detach(), sorted_indices, activation,
+                        bool(gated_linear_unit), float(linear_offset),
+                        None if clamp_value is None else float(clamp_value))
+    return y
+
+
+@torch.library.custom_op("moe_core::expert_mlp", mutates_args=())
+def _expert_mlp(rows: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor,
+                expert_offsets: torch.Tensor, probs: Optional[torch.Tensor],
+                tokens: Optional[torch.Tensor], sorted_indices: Optional[torch.Tensor],
+                activation: str, gated_linear_unit: bool, linear_offset: float,
+                clamp_value: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(y, a)``: ``a`` (fc1's output) is an output only so that the backward may keep
+    it; :func:`expert_mlp` drops it."""
+    h, a = _FC1(rows, weight1, expert_offsets, probs, activation, gated_linear_unit,
+                linear_offset, clamp_value, True)
+    return _FC2(h, weight2, expert_offsets, True, None), a
+
+
+@_expert_mlp.register_fake
+def _(rows, weight1, weight2, expert_offsets, probs, tokens, sorted_indices, activation,
+      gated_linear_unit, linear_offset, clamp_value):
+    return rows.new_empty((rows.shape[0], weight2.shape[1])), \
+        rows.new_empty((rows.shape[0], weight1.shape[1]))
+
+
+def _gather_rows(tokens: torch.Tensor, sorted_indices: torch.Tensor) -> torch.Tensor:
+    """``permute``'s rows again: ``tokens[sorted_indices]``, zero where the index is -1."""
+    rows = tokens.index_select(0, sorted_indices.clamp(min=0))
+    return rows.masked_fill_((sorted_indices < 0).unsqueeze(-1), 0)
+
+
+def _setup_context(ctx, inputs, output):
+    (rows, weight1, weight2, offsets, probs, tokens, sorted_indices, activation, gated, offset,
+     clamp) = inputs
+    _y, a = output
+    need_rows, need_w1, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
+        ctx.needs_input_grad[2]
+    keep_rows = need_w1 and tokens is None
+    ctx.save_for_backward(rows if keep_rows else None, tokens if need_w1 else None,
+                          sorted_indices if need_w1 else None, weight1 if need_rows else None,
+                          weight2, offsets, probs, a)
+    ctx.glu_opts = (activation, gated, offset, clamp)
+    ctx.consumed = False
+    # an unused output's gradient stays None (a's, always: expert_mlp drops it)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_y, grad_a_out):
+    if ctx.consumed:
+        raise RuntimeError(
+            "expert_mlp: backward ran twice through the same graph (retain_graph=True); its "
+            "saved fc1 output was turned into its gradient by the first backward. Run the "
+            "forward again for a second backward.")
+    rows, tokens, sorted_indices, weight1, weight2, offsets, probs, a = ctx.saved_tensors
+    need_rows, need_w1, need_w2, need_probs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                               ctx.needs_input_grad[2], ctx.needs_input_grad[4])
+    if grad_y is None:
+        return (None,) * 11
+    dtype = weight2.dtype
+    g = grad_y.to(dtype).contiguous()
+    grad_h = _DGRAD(g, weight2, offsets, True, dtype)
+    if grad_a_out is None:
+        ctx.consumed = True
+        grad_probs = _GLU_BWD_(grad_h, a, probs, *ctx.glu_opts)  # a := grad_a, grad_h := h
+        grad_a, h = a, grad_h
+    else:  # a was used elsewhere: keep it, and add the gradient it got there
+        grad_a, grad_probs = _GLU_BWD(grad_h, a, probs, *ctx.glu_opts)
+        grad_a = grad_a + grad_a_out.to(a.dtype)
+        h = torch.ops.moe_core.glu_probs(a, probs, *ctx.glu_opts)
+    del grad_h
+    dw2 = _WGRAD(h, g, offsets, True, dtype) if need_w2 else None
+    del h
+    dw1 = None
+    if need_w1:
+        x = rows if rows is not None else _gather_rows(tokens, sorted_indices)
+        dw1 = _WGRAD(x, grad_a, offsets, True, dtype)
+        del x
+    d_rows = _DGRAD(grad_a, weight1, offsets, True, dtype) if need_rows else None
+    if probs is None or not need_probs:
+        grad_probs = None
+    return d_rows, dw1, dw2, None, grad_probs, None, None, None, None, None, None
+
+
+_expert_mlp.register_autograd(_backward, setup_context=_setup_context)

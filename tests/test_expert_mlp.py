@@ -1,0 +1,272 @@
+"""expert_mlp: the experts' MLP as one op with a minimal-memory backward, and the in-place
+activation backward it is built on (glu_probs_bwd_).
+
+The reference is autograd through the two ops it replaces (``grouped_gemm_glu_probs`` then
+``grouped_gemm``): the op's contract is those bits, forward and every gradient, so every
+comparison is torch.equal-strict. The memory claims are checked on what autograd saves
+(``saved_tensors_hooks``): neither the rows nor ``h`` when the rows' source is given. CPU always;
+CUDA when there is a GPU.
+"""
+import pytest
+import torch
+
+from moe_core import MoEConfig, MoELayer, ops
+from gg_utils import offsets_of
+
+OPS = torch.ops.moe_core
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+CASES = [  # (activation, gated, offset, clamp)
+    ("silu", True, 0.0, None), ("gelu", False, 0.0, None), ("quick_gelu", True, -0.5, 2.01)]
+
+
+def routed(T, H, E, k, dtype, device, align_size=0, seed=0):
+    """Tokens, a top-k routing and permute's outputs for it."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(T, H, generator=g, dtype=torch.float64).to(dtype).to(device)
+    scores = torch.rand(T, E, generator=g)
+    scores[:, 0] = 0.0  # expert 0 gets no rows
+    idx = scores.topk(k, dim=1).indices
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, idx, True).to(device)
+    probs = (torch.rand(T, E, generator=g) * routing_map.cpu()).to(device)
+    rows, row_probs, sorted_indices, offsets, _ = ops.permute(
+        tokens, routing_map, probs, num_out_tokens=T * k, align_size=align_size)
+    return tokens, rows, row_probs, sorted_indices, offsets
+
+
+def weights(E, H, F_, gated, dtype, device, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    F1 = 2 * F_ if gated else F_
+    w1 = (torch.randn(E, F1, H, generator=g, dtype=torch.float64) * 2 / H**0.5).to(dtype)
+    w2 = (torch.randn(E, H, F_, generator=g, dtype=torch.float64) * 2 / F_**0.5).to(dtype)
+    return w1.to(device).requires_grad_(), w2.to(device).requires_grad_()
+
+
+def run(fn, tokens, w1, w2, probs_table, grad_seed=2):
+    """fn(tokens, w1, w2, probs) -> out; returns out and the gradients of tokens, w1, w2, probs."""
+    tokens = tokens.detach().requires_grad_()
+    probs_table = probs_table.detach().requires_grad_()
+    for w in (w1, w2):
+        w.grad = None
+    out = fn(tokens, w1, w2, probs_table)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed),
+                    dtype=torch.float64).to(out.dtype).to(out.device)
+    out.backward(g)
+    return out, tokens.grad, w1.grad, w2.grad, probs_table.grad
+
+
+def layer_fns(T, E, k, align_size, act, gated, offset, clamp, source):
+    """The permute → experts → unpermute pipeline, with expert_mlp or with the two ops."""
+    def setup(tokens, probs_table):
+        routing_map = probs_table.detach() > 0
+        return ops.permute(tokens, routing_map, probs_table, num_out_tokens=T * k,
+                           align_size=align_size)
+
+    def fused(tokens, w1, w2, probs_table):
+        rows, row_probs, idx, off, _ = setup(tokens, probs_table)
+        src = (tokens, idx) if source else (None, None)
+        y = ops.expert_mlp(rows, w1, w2, off, row_probs, act, gated, offset, clamp, *src)
+        return ops.unpermute(y, idx, restore_shape=tokens.shape)
+
+    def composed(tokens, w1, w2, probs_table):
+        rows, row_probs, idx, off, _ = setup(tokens, probs_table)
+        h, _a = ops.grouped_gemm_glu_probs(rows, w1, off, row_probs, act, gated, offset, clamp)
+        y = ops.grouped_gemm(h, w2, off, trans_w=True)
+        return ops.unpermute(y, idx, restore_shape=tokens.shape)
+
+    return fused, composed
+
+
+def probs_table_of(T, E, k, device, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(T, E, generator=g)
+    scores[:, 0] = 0.0
+    idx = scores.topk(k, dim=1).indices
+    mask = torch.zeros(T, E, dtype=torch.bool).scatter_(1, idx, True)
+    return ((torch.rand(T, E, generator=g) + 0.1) * mask).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("act,gated,offset,clamp", CASES)
+@pytest.mark.parametrize("source", [True, False])
+@pytest.mark.parametrize("align_size", [0, 8])
+def test_bitwise_equal_to_the_two_ops(device, dtype, act, gated, offset, clamp, source,
+                                      align_size):
+    T, H, E, k, F_ = 45, 32, 6, 2, 24
+    torch.manual_seed(0)
+    tokens = torch.randn(T, H, dtype=torch.float64).to(dtype).to(device)
+    w1, w2 = weights(E, H, F_, gated, dtype, device)
+    table = probs_table_of(T, E, k, device)
+    fused, composed = layer_fns(T, E, k, align_size, act, gated, offset, clamp, source)
+    got = run(fused, tokens, w1, w2, table)
+    want = run(composed, tokens, w1, w2, table)
+    for name, a, b in zip(("out", "d_tokens", "d_w1", "d_w2", "d_probs"), got, want):
+        assert torch.equal(a, b), f"{name}: max |diff| {(a.double() - b.double()).abs().max()}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saves_neither_rows_nor_h(device):
+    T, H, E, k, F_ = 64, 48, 4, 2, 40
+    tokens, rows, row_probs, idx, off = routed(T, H, E, k, torch.float32, device)
+    w1, w2 = weights(E, H, F_, True, torch.float32, device)
+    rows = rows.detach().requires_grad_()
+
+    def saved_shapes(source: bool):
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            src = (tokens, idx) if source else (None, None)
+            ops.expert_mlp(rows, w1, w2, off, row_probs, "silu", True, 0.0, None, *src)
+        return shapes
+
+    R = T * k
+    with_source = saved_shapes(True)
+    assert (R, 2 * F_) in with_source          # fc1's output: what the backward needs
+    assert (R, H) not in with_source           # the rows: gathered again from the tokens
+    assert (R, F_) not in with_source          # h: recomputed from a
+    # the only tensors bigger than a row index: a, the tokens (the caller's) and the weights
+    big = [s for s in with_source if len(s) >= 2 and s[0] * s[-1] > R]
+    assert sorted(big) == sorted([(R, 2 * F_), (T, H), (E, 2 * F_, H), (E, H, F_)])
+    # rows that arrived without a source (an all-to-all) are kept
+    assert (R, H) in saved_shapes(False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_second_backward_raises(device):
+    T, H, E, k, F_ = 16, 8, 4, 2, 8
+    tokens, rows, row_probs, idx, off = routed(T, H, E, k, torch.float32, device)
+    w1, w2 = weights(E, H, F_, True, torch.float32, device)
+    y = ops.expert_mlp(rows, w1, w2, off, row_probs, "silu", True, 0.0, None, tokens, idx)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_raw_op_with_fc1_output_used(device):
+    """The op's second output (fc1's output) used downstream: it is kept, not overwritten, and
+    the gradient it receives is added, as autograd through the two ops does."""
+    T, H, E, k, F_ = 20, 16, 4, 2, 12
+    tokens, rows, row_probs, idx, off = routed(T, H, E, k, torch.float32, device)
+    w1, w2 = weights(E, H, F_, True, torch.float32, device)
+    rows = rows.detach().requires_grad_()
+    row_probs = row_probs.detach().requires_grad_()
+
+    def grads(fused: bool):
+        for t in (rows, row_probs, w1, w2):
+            t.grad = None
+        if fused:
+            y, a = OPS.expert_mlp(rows, w1, w2, off, row_probs, tokens, idx, "silu", True, 0.0,
+                                  None)
+        else:
+            h, a = ops.grouped_gemm_glu_probs(rows, w1, off, row_probs, "silu", True)
+            y = ops.grouped_gemm(h, w2, off, trans_w=True)
+        (y.sum() + (a * a).sum()).backward()
+        return y, a, rows.grad, row_probs.grad, w1.grad, w2.grad
+
+    for got, want in zip(grads(True), grads(False)):
+        assert torch.equal(got, want)
+
+
+def test_mismatched_source_arguments():
+    tokens, rows, row_probs, idx, off = routed(16, 8, 4, 2, torch.float32, "cpu")
+    w1, w2 = weights(4, 8, 8, True, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="tokens and sorted_indices together"):
+        ops.expert_mlp(rows, w1, w2, off, row_probs, "silu", True, tokens=tokens)
+    with pytest.raises(ValueError, match="sorted_indices must be"):
+        ops.expert_mlp(rows, w1, w2, off, row_probs, "silu", True, tokens=tokens,
+                       sorted_indices=idx[:-1])
+    with pytest.raises(ValueError, match="tokens must be"):
+        ops.expert_mlp(rows, w1, w2, off, row_probs, "silu", True, tokens=tokens[:, :4],
+                       sorted_indices=idx)
+
+
+# ---- glu_probs_bwd_: the activation backward in place ----------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("act,gated,offset,clamp", CASES)
+@pytest.mark.parametrize("with_probs", [True, False])
+@pytest.mark.parametrize("F_", [24, 13])
+def test_glu_probs_bwd_inplace(device, dtype, act, gated, offset, clamp, with_probs, F_):
+    """a becomes grad_a and grad_h becomes h: bitwise the functional backward's grad_a and
+    grad_probs, and the forward's h (F = 13: the scalar kernels; 24: the vector ones)."""
+    R = 37
+    g = torch.Generator().manual_seed(4)
+    a = (torch.randn(R, 2 * F_ if gated else F_, generator=g, dtype=torch.float64) * 3).to(dtype)
+    a[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    grad_h = torch.randn(R, F_, generator=g, dtype=torch.float64).to(dtype)
+    probs = torch.rand(R, generator=g) if with_probs else None
+    a, grad_h = a.to(device), grad_h.to(device)
+    probs = None if probs is None else probs.to(device)
+    opts = (act, gated, offset, clamp)
+    want_ga, want_gp = OPS.glu_probs_bwd(grad_h, a, probs, *opts)
+    want_h = OPS.glu_probs(a, probs, *opts)
+    a2, h2 = a.clone(), grad_h.clone()
+    got_gp = OPS.glu_probs_bwd_(h2, a2, probs, *opts)
+    assert same_bits(a2, want_ga)
+    assert same_bits(h2, want_h)
+    assert same_bits(got_gp, want_gp)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (signed zeros included), NaN where NaN: a NaN's sign and payload depend on the
+    operand order the compiler picks for a commutative product, on the CPU."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    nan = a.isnan()
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(nan, b.isnan()) and \
+        torch.equal(a.masked_fill(nan, 0).view(ints[a.element_size()]),
+                    b.masked_fill(nan, 0).view(ints[b.element_size()]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_glu_probs_bwd_inplace_noncontiguous_raises(device):
+    a = torch.randn(8, 16, device=device).t()  # [16, 8], not contiguous
+    with pytest.raises(ValueError, match="must be contiguous"):
+        OPS.glu_probs_bwd_(torch.randn(16, 4, device=device), a, None, "silu", True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_glu_probs_bwd_inplace_overlap_raises(device):
+    buf = torch.randn(8, 16, device=device)
+    with pytest.raises(ValueError, match="must not share memory"):
+        OPS.glu_probs_bwd_(buf.view(16, 8)[:8], buf, None, "silu", True)
+
+
+# ---- through the layer ------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_saves_only_fc1_output(device):
+    """The single-device layer keeps fc1's output and small tensors, not the permuted rows."""
+    cfg = MoEConfig(hidden_size=32, moe_ffn_hidden_size=48, num_moe_experts=4, moe_router_topk=2,
+                    params_dtype=torch.float32, gated_linear_unit=True,
+                    activation_func=torch.nn.functional.silu, add_bias_linear=False)
+    with torch.device(device):
+        layer = MoELayer(cfg)
+    T = 40
+    x = torch.randn(T, 32, device=device, requires_grad=True)
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t,
+                                                  lambda t: t):
+        out = layer(x)
+    assert (T * 2, 2 * 48) in shapes
+    assert (T * 2, 32) not in shapes and (T * 2, 48) not in shapes
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    """Schemas, fake kernels, autograd registration and AOT dispatch (fullgraph compile) of both
+    ops, the mutating one included."""
+    tokens, rows, row_probs, idx, off = routed(24, 16, 4, 2, torch.float32, device)
+    w1, w2 = weights(4, 16, 8, True, torch.float32, device)
+    rows = rows.detach().requires_grad_()
+    row_probs = row_probs.detach().requires_grad_()
+    torch.library.opcheck(OPS.expert_mlp, (rows, w1, w2, off, row_probs, tokens, idx, "silu",
+                                           True, 0.0, None))
+    torch.library.opcheck(OPS.expert_mlp, (rows, w1, w2, off, None, None, None, "gelu", True,
+                                           0.5, 2.0))
+    a = torch.randn(48, 16, device=device, dtype=torch.bfloat16)
+    torch.library.opcheck(OPS.glu_probs_bwd_, (torch.randn(48, 8, device=device,
+                                                           dtype=torch.bfloat16), a,
+                                               torch.rand(48, device=device), "silu", True, 0.0,
+                                               None))
