@@ -279,6 +279,34 @@ def test_gating_linear_cpu_cuda(inp_dtype, w_dtype, router_dtype, T, H, E, bias)
                       dtype=max(router_dtype, w_dtype, key=lambda d: eps(d)), msg="grad_bias")
 
 
+@pytest.mark.parametrize("T,H,E", [(4096, 2048, 128), (333, 7168, 256), (64, 96, 3)])
+def test_gating_linear_bwd_bf16_on_tensor_cores(T, H, E):
+    """bf16 operands with an fp32 router: the backward splits the fp32 gradient into three bf16
+    terms for the tensor cores. Against the fp64 truth its error is that of an fp32 GEMM over
+    three times the terms (plus the bf16 rounding of the output), and it stays within one bf16
+    ulp of the fp32 path (Megatron's fp32 torch.mm, rounded to bf16); run to run bitwise."""
+    gen = torch.Generator().manual_seed(T + E)
+    inp = torch.randn(T, H, generator=gen).bfloat16()
+    w = (torch.randn(E, H, generator=gen) * 0.05).bfloat16()
+    g = torch.randn(T, E, generator=gen) * torch.logspace(-6, 0, E)  # gradients of many scales
+    gi, gw, _ = torch.ops.moe_core.router_gating_linear_bwd(g.cuda(), inp.cuda(), w.cuda())
+    gi2, gw2, _ = torch.ops.moe_core.router_gating_linear_bwd(g.cuda(), inp.cuda(), w.cuda())
+    assert torch.equal(gi, gi2) and torch.equal(gw, gw2)
+    gd, ind, wd = g.double(), inp.double(), w.double()
+    for ours, truth, a, b, length, name in (
+            (gi, gd @ wd, gd, wd, 3 * E, "grad_inp"), (gw, gd.t() @ ind, gd.t(), ind, 3 * T,
+                                                      "grad_weight")):
+        assert ours.dtype == torch.bfloat16, name
+        bound = _gemm_bound(a, b, length, 2.0**-23)
+        tol = bound + eps(torch.bfloat16) / 2 * truth.abs() * (1 + 2.0**-7)
+        diff = (ours.cpu().double() - truth).abs()
+        assert (diff <= tol).all(), f"{name}: max excess {(diff - tol).max().item():.3e}"
+        fp32_path = (a.float() @ b.float()).bfloat16().double()
+        ulp = eps(torch.bfloat16) * fp32_path.abs().clamp_min(2.0**-126)
+        # (plus both GEMMs' accumulation error, where cancellation leaves a small result)
+        assert ((ours.cpu().double() - fp32_path).abs() <= ulp + 2 * bound).all(), name
+
+
 def test_gating_linear_zero_tokens_cuda():
     inp = torch.randn(0, 64, device="cuda", requires_grad=True)
     w = torch.randn(8, 64, device="cuda", requires_grad=True)

@@ -14,6 +14,15 @@
  * mixed pair, an fp64 rd, or the backward's fp32 grad against half operands needs a conversion,
  * done by a small kernel into the caller's workspace (see gating_plan).
  *
+ * The backward of a bf16 router with fp32 rd (the forward ran on the tensor cores) stays on them
+ * too: the fp32 gradient g is split into three bf16 terms, g = g_hi + g_mid + g_lo, exactly (each
+ * takes the next 8 significant bits; bf16 has fp32's exponent range, so only |g| below about
+ * 2^-100 loses bits), every product of a term with a bf16 operand is exact in fp32, and the GEMMs
+ * accumulate in fp32: grad_inp is one GEMM over the 3E stacked terms, grad_weight three (one
+ * [3E, H] product, the slices added in a fixed order). The result carries the error of an fp32
+ * GEMM over 3E (or T, three times) terms instead of E (or T): the same order as Megatron's fp32
+ * torch.mm, at bf16 tensor-core speed instead of fp32 SIMT speed.
+ *
  * Handles and determinism: one cublasHandle_t per device, created lazily on first use and cached
  * for the life of the process (the one thing this core creates; the brief asked for it). A single
  * mutex guards creation and each call's SetStream → SetWorkspace → GemmEx sequence, because a
@@ -128,6 +137,31 @@ moe_gating_bias_grad_kernel(void *grad_bias, moe_dtype_t wd, moe_dtype_t rd,
         moe_store(grad_bias, wd, e, moe_round_to(rd, moe_col_total(partial, nchunks, E, e)));
 }
 
+/* g [T, E] fp32 → g3 [T, 3E] bf16: g3[t, j·E + e] is term j of g[t, e]; g = hi + mid + lo. */
+__global__ void moe_gating_split3_kernel(uint16_t *g3, const float *g, int64_t T, int64_t E) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= T * E) return;
+    const int64_t t = i / E, e = i - t * E;
+    const float v = g[i];
+    const uint16_t hi = moe_float_to_bf16(v);
+    const float r1 = v - moe_bf16_to_float(hi); /* exact: below hi's last bit */
+    const uint16_t mid = moe_float_to_bf16(r1);
+    const float r2 = r1 - moe_bf16_to_float(mid);
+    uint16_t *row = g3 + t * 3 * E;
+    row[e] = hi;
+    row[E + e] = mid;
+    row[2 * E + e] = moe_float_to_bf16(r2);
+}
+
+/* grad_weight [E, H] (wd) = (C3[e] + C3[E + e]) + C3[2E + e], the three terms' products (fp32). */
+__global__ void moe_gating_sum3_kernel(void *grad_weight, moe_dtype_t wd, const float *c3,
+                                       int64_t E, int64_t H) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= E * H) return;
+    const float v = __fadd_rn(__fadd_rn(c3[i], c3[E * H + i]), c3[2 * E * H + i]);
+    moe_store(grad_weight, wd, i, (double)v);
+}
+
 static moe_status_t cast(void *out, moe_dtype_t odt, const void *in, moe_dtype_t idt, int64_t n,
                          cudaStream_t s) {
     if (n == 0) return MOE_OK;
@@ -145,6 +179,8 @@ typedef struct gating_plan {
     size_t off_inp, off_w;   /* converted operands */
     size_t off_out;          /* backward: a gradient in rd, before its cast to the leaf dtype */
     size_t off_bias;         /* backward: fp64 chunk partials of the bias gradient */
+    int split3;              /* backward on the tensor cores: g split into three bf16 terms */
+    size_t off_g3, off_w3, off_c3; /* g3 [T, 3E] bf16, W3 [3E, H] bf16, C3 [3E, H] fp32 */
     size_t total;
 } gating_plan_t;
 
@@ -157,6 +193,10 @@ static gating_plan_t gating_plan(int64_t T, int64_t H, int64_t E, moe_dtype_t id
     p.ab = rd;
     /* fp32 router with one half (or fp32) dtype for both: cuBLAS takes them as they are */
     if (!backward && rd == MOE_DTYPE_FP32 && id == wd && id != MOE_DTYPE_FP64) p.ab = id;
+    /* ... and the backward of bf16 operands stays on the tensor cores (fp16's exponent range
+     * cannot hold the split terms of an fp32 gradient) */
+    p.split3 = backward && rd == MOE_DTYPE_FP32 && id == MOE_DTYPE_BF16 && wd == MOE_DTYPE_BF16;
+    if (p.split3) p.ab = MOE_DTYPE_BF16;
     p.cast_inp = id != p.ab;
     p.cast_w = wd != p.ab;
     const size_t ab_size = moe_dtype_size(p.ab), rd_size = moe_dtype_size(rd);
@@ -166,7 +206,17 @@ static gating_plan_t gating_plan(int64_t T, int64_t H, int64_t E, moe_dtype_t id
     p.off_w = off;
     if (p.cast_w) off += moe_align256(e * h * ab_size);
     p.off_out = off;
-    if (backward) {
+    if (p.split3) {
+        p.off_g3 = off;
+        off += moe_align256(t * 3 * e * 2);
+        p.off_w3 = off;
+        off += moe_align256(3 * e * h * 2);
+        p.off_c3 = off;
+        off += moe_align256(3 * e * h * 4);
+        p.off_out = off; /* unused: the GEMMs write their results directly */
+        p.off_bias = off;
+        off += moe_align256((size_t)moe_col_chunks(T) * e * sizeof(double));
+    } else if (backward) {
         size_t gi = id != rd ? t * h : 0, gw = wd != rd ? e * h : 0;
         off += moe_align256((gi > gw ? gi : gw) * rd_size);
         p.off_bias = off;
@@ -256,6 +306,44 @@ extern "C" moe_status_t moe_cuda_router_gating_linear_bwd(
     const moe_dtype_t rd = router_dtype;
     char *ws = (char *)workspace;
     void *tmp = ws + p.off_out; /* one staging buffer: the two GEMMs run one after the other */
+    if (p.split3 && T > 0 && (grad_inp || grad_weight)) {
+        uint16_t *g3 = (uint16_t *)(ws + p.off_g3);
+        moe_gating_split3_kernel<<<moe_blocks_for(T * E, 256), 256, 0, s>>>(
+            g3, (const float *)grad_logits, T, E);
+        MOE_CHECK_LAUNCH("moe_gating_split3_kernel");
+        /* grad_inp [T, H] = g3 [T, 3E] · W3 [3E, H] (W stacked three times), bf16 out */
+        if (grad_inp) {
+            char *w3 = ws + p.off_w3;
+            const size_t wbytes = (size_t)(E * H) * 2;
+            for (int j = 0; j < 3; ++j) {
+                cudaError_t ce = cudaMemcpyAsync(w3 + j * wbytes, weight, wbytes,
+                                                 cudaMemcpyDeviceToDevice, s);
+                if (ce != cudaSuccess)
+                    return moe_fail(MOE_ERR_CUDA, "cudaMemcpyAsync(W3) failed: %s",
+                                    cudaGetErrorString(ce));
+            }
+            cublasHandle_t h;
+            MOE_TRY(acquire_handle(&h, stream, ws, MOE_CUBLAS_WORKSPACE));
+            moe_status_t st = gemm(h, CUBLAS_OP_N, CUBLAS_OP_N, H, T, 3 * E, w3, H, g3, 3 * E,
+                                   grad_inp, H, MOE_DTYPE_BF16, MOE_DTYPE_BF16);
+            release_handle();
+            MOE_TRY(st);
+        }
+        /* C3 [3E, H] = g3ᵀ · inp: column-major [H, 3E] = inp view [H, T] · g3 view [3E, T]ᵀ */
+        if (grad_weight) {
+            float *c3 = (float *)(ws + p.off_c3);
+            cublasHandle_t h;
+            MOE_TRY(acquire_handle(&h, stream, ws, MOE_CUBLAS_WORKSPACE));
+            moe_status_t st = gemm(h, CUBLAS_OP_N, CUBLAS_OP_T, H, 3 * E, T, inp, H, g3, 3 * E,
+                                   c3, H, MOE_DTYPE_BF16, MOE_DTYPE_FP32);
+            release_handle();
+            MOE_TRY(st);
+            moe_gating_sum3_kernel<<<moe_blocks_for(E * H, 256), 256, 0, s>>>(
+                grad_weight, weight_dtype, c3, E, H);
+            MOE_CHECK_LAUNCH("moe_gating_sum3_kernel");
+        }
+        grad_inp = grad_weight = NULL; /* done; the bias gradient below still runs */
+    }
 
     /* grad_inp [T, H] = g [T, E] · W [E, H]: column-major [H, T] = W view [H, E] · g view [E, T] */
     if (grad_inp && T > 0) {
