@@ -19,7 +19,7 @@ holds the ``E / N`` local experts of its rank and a dispatcher (``moe_core.dispa
 permuted rows to their experts' ranks and back; routing and the combine stay on the token's rank.
 Only the dropless / dropping all-to-all reads its split sizes on the host (one wait per forward).
 """
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -154,8 +154,13 @@ class MoELayer(nn.Module):
                              f"the same number on every expert-parallel rank, got {seen}")
         self._validated_tokens = num_tokens
 
-    def num_permuted_rows(self, num_tokens: int) -> int:
-        """Static size of the permuted buffer for ``num_tokens`` tokens (no host sync needed)."""
+    def num_permuted_rows(self, num_tokens: Union[int, torch.SymInt]) -> Union[int, torch.SymInt]:
+        """Static size of the permuted buffer for ``num_tokens`` tokens (no host sync needed).
+
+        Dropless (and dropping without padding): ``num_tokens * topk``, integer arithmetic, so a
+        symbolic token count (``torch.compile`` with a dynamic token dimension) stays symbolic.
+        Pad-to-capacity rounds through ``get_capacity``'s float ``ceil`` and sizes the graph by
+        the capacity, so it specialises on the token count."""
         cfg = self.config
         cf = cfg.moe_expert_capacity_factor
         if cf is not None and cfg.moe_pad_expert_input_to_capacity:
@@ -294,8 +299,10 @@ def load_megatron_state_dict(layer: MoELayer, state_dict: dict, strict: bool = T
     ``experts.local_experts.{i}.linear_fc{1,2}.{weight,bias}`` or TE grouped naming
     ``experts.linear_fc{1,2}.{weight,bias}{i}``) into ``layer``. Router, shared-expert and latent
     keys share Megatron's names. An expert-parallel layer loads its rank's shard of a Megatron
-    state dict at the same EP size (local expert numbering ``0 .. E/N - 1``). Returns torch's
-    (missing, unexpected) keys result."""
+    state dict at the same EP size (local expert numbering ``0 .. E/N - 1``). Megatron does not
+    save the routers' running counts (expert-bias and global aux-loss token counts): the layer
+    keeps its own, and they are not reported missing. Returns torch's (missing, unexpected) keys
+    result."""
     E = layer.experts.num_local_experts
     out, stacks = {}, {}
     for key, value in state_dict.items():

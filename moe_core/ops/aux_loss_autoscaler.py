@@ -87,13 +87,20 @@ def _as_float(value) -> float:
     return float(value)
 
 
-_LOCAL = threading.local()
+class _ThreadScales(threading.local):
+    """Per-thread stack of the active ``with`` holders. It exists from a thread's first access
+    on, so reading it never creates it: a compiled forward then guards on a fixed attribute and
+    its first call does not change what the next call sees (no recompile)."""
+
+    def __init__(self) -> None:
+        self.stack: list = []
+
+
+_LOCAL = _ThreadScales()
 _DEFAULT = AuxLossScale(1.0)
 
 
 def _stack() -> list:
-    if not hasattr(_LOCAL, "stack"):
-        _LOCAL.stack = []
     return _LOCAL.stack
 
 

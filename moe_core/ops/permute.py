@@ -29,8 +29,17 @@ tokens_per_expert)``, with these deliberate differences:
   ``capacity - T`` zero rows with index -1.
 * ``fused`` is accepted and ignored (this is the fused kernel). ``num_out_tokens`` is required, as
   in Megatron's unfused path.
+
+Dynamic shapes
+--------------
+The C++ schemas take the row bound and the token count as ``int``, which the tracer specialises
+to one value. While tracing (``torch.compile``, where dynamo shows a symbolic size to Python as a
+plain ``int``, or any ``torch.SymInt`` size), the calls go through ``permute_symint`` /
+``permute_bwd_symint``: Python-defined ops with a ``SymInt`` in that place that run the same C++
+kernels, so with a dynamic token dimension one graph serves every token count. Eager calls run the
+C++ ops directly, as before.
 """
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -38,15 +47,25 @@ _OP = torch.ops.moe_core.permute
 _BWD = torch.ops.moe_core.permute_bwd
 
 
-def num_permuted_rows(num_experts: int, num_out_tokens: int, drop_and_pad: bool = False,
-                      align_size: int = 0) -> int:
-    """Rows of permute's output buffer (the static bound), as ``moe_permute_num_rows`` in C."""
+def num_permuted_rows(num_experts: int, num_out_tokens: Union[int, torch.SymInt],
+                      drop_and_pad: bool = False,
+                      align_size: int = 0) -> Union[int, torch.SymInt]:
+    """Rows of permute's output buffer (the static bound), as ``moe_permute_num_rows`` in C.
+
+    Integer arithmetic only, so a symbolic ``num_out_tokens`` gives a symbolic row count."""
     if drop_and_pad:
         block = num_out_tokens // num_experts
         if align_size > 1:
             block = (block + align_size - 1) // align_size * align_size
         return num_experts * block
     return num_out_tokens + (num_experts * (align_size - 1) if align_size > 1 else 0)
+
+
+def _tracing(size: Union[int, torch.SymInt]) -> bool:
+    """Whether ``size`` may be symbolic: under dynamo (which presents a SymInt to Python code as
+    an ``int``, so ``isinstance`` cannot tell) or when it is a ``torch.SymInt`` (make_fx, AOT
+    autograd tracing the backward)."""
+    return torch.compiler.is_compiling() or isinstance(size, torch.SymInt)
 
 
 def permute(
@@ -66,8 +85,9 @@ def permute(
         routing_map: ``[num_tokens, num_experts]`` bool.
         probs: ``[num_tokens, num_experts]`` float, or None.
         num_out_tokens: dropless: the row bound (``num_tokens * topk``, or the exact routed count);
-            drop_and_pad: ``num_experts * capacity``. A Python int (a 0-d tensor is accepted and
-            read with ``int()``, a host sync, as Megatron does).
+            drop_and_pad: ``num_experts * capacity``. A Python int, or a ``torch.SymInt`` while
+            tracing with dynamic shapes (a 0-d tensor is accepted and read with ``int()``, a host
+            sync, as Megatron does).
         fused: ignored.
         drop_and_pad: the ``[E * capacity]`` layout, ``capacity = num_out_tokens // E``.
         tokens_per_expert: ignored (the counts are computed and returned).
@@ -85,13 +105,65 @@ def permute(
                          "drop_and_pad")
     if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size < 0:
         raise ValueError(f"align_size must be an int >= 0, got {align_size!r}")
-    pt, pp, idx, offsets, counts = _OP(tokens, routing_map, probs, int(num_out_tokens),
-                                       bool(drop_and_pad), align_size)
+    if isinstance(num_out_tokens, torch.Tensor):
+        num_out_tokens = int(num_out_tokens)  # a host read, as Megatron's
+    op = _OP
+    if _tracing(num_out_tokens):
+        # a symbolic bound (dynamic token count) must stay symbolic: the C++ schema's int would
+        # pin the graph to the first token count
+        op = _OP_SYMINT
+    else:
+        num_out_tokens = int(num_out_tokens)
+    pt, pp, idx, offsets, counts = op(tokens, routing_map, probs, num_out_tokens,
+                                      bool(drop_and_pad), align_size)
     return pt, (pp if probs is not None else None), idx, offsets, counts
 
 
-@torch.library.register_fake("moe_core::permute")
-def _(tokens, routing_map, probs, num_out_tokens, drop_and_pad, align_size):
+@torch.library.custom_op("moe_core::permute_symint", mutates_args=())
+def permute_symint(tokens: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor],
+                   num_out_tokens: int, drop_and_pad: bool, align_size: int
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe_core::permute`` with ``num_out_tokens`` a ``SymInt`` in the schema (the op that
+    dynamic-shape graphs record). Same arguments, outputs and kernels: at run time the bound is
+    a concrete int and the C++ op runs.
+
+    Args:
+        tokens: ``[num_tokens, hidden]`` float.
+        routing_map: ``[num_tokens, num_experts]`` bool.
+        probs: ``[num_tokens, num_experts]`` float, or None.
+        num_out_tokens: the row bound (an int, symbolic while tracing).
+        drop_and_pad, align_size: as :func:`permute`.
+
+    Returns:
+        ``(permuted_tokens [R, hidden], permuted_probs [R] or [0] without probs,
+        sorted_indices [R] int64, expert_offsets [E + 1] int64, tokens_per_expert [E] int64)``.
+    """
+    return _OP(tokens, routing_map, probs, num_out_tokens, drop_and_pad, align_size)
+
+
+@torch.library.custom_op("moe_core::permute_bwd_symint", mutates_args=())
+def permute_bwd_symint(grad_permuted_tokens: torch.Tensor,
+                       grad_permuted_probs: Optional[torch.Tensor],
+                       sorted_indices: torch.Tensor, expert_offsets: torch.Tensor,
+                       num_tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``moe_core::permute_bwd`` with ``num_tokens`` a ``SymInt`` in the schema.
+
+    Args:
+        grad_permuted_tokens: ``[R, hidden]`` float.
+        grad_permuted_probs: ``[R]`` float, or None.
+        sorted_indices: ``[R]`` int64, permute's.
+        expert_offsets: ``[E + 1]`` int64, permute's.
+        num_tokens: tokens of the forward input (an int, symbolic while tracing).
+
+    Returns:
+        ``(grad_tokens [num_tokens, hidden], grad_probs [num_tokens, E] or [0] without probs)``.
+    """
+    return _BWD(grad_permuted_tokens, grad_permuted_probs, sorted_indices, expert_offsets,
+                num_tokens)
+
+
+def _permute_fake(tokens, routing_map, probs, num_out_tokens, drop_and_pad, align_size):
+    # sizes from the input shapes and the (possibly symbolic) bound, never int() of them
     E = routing_map.shape[1]
     R = num_permuted_rows(E, num_out_tokens, drop_and_pad, align_size)
     pp = probs.new_empty((R,)) if probs is not None else tokens.new_empty((0,))
@@ -100,12 +172,20 @@ def _(tokens, routing_map, probs, num_out_tokens, drop_and_pad, align_size):
             tokens.new_empty((E + 1,), dtype=torch.long), tokens.new_empty((E,), dtype=torch.long))
 
 
-@torch.library.register_fake("moe_core::permute_bwd")
-def _(grad_permuted_tokens, grad_permuted_probs, sorted_indices, expert_offsets, num_tokens):
+def _permute_bwd_fake(grad_permuted_tokens, grad_permuted_probs, sorted_indices, expert_offsets,
+                      num_tokens):
     grad_tokens = grad_permuted_tokens.new_empty((num_tokens, grad_permuted_tokens.shape[1]))
     if grad_permuted_probs is None:
         return grad_tokens, grad_permuted_tokens.new_empty((0,))
     return grad_tokens, grad_permuted_probs.new_empty((num_tokens, expert_offsets.shape[0] - 1))
+
+
+_OP_SYMINT = torch.ops.moe_core.permute_symint
+_BWD_SYMINT = torch.ops.moe_core.permute_bwd_symint
+for _name in ("moe_core::permute", "moe_core::permute_symint"):
+    torch.library.register_fake(_name, _permute_fake)
+for _name in ("moe_core::permute_bwd", "moe_core::permute_bwd_symint"):
+    torch.library.register_fake(_name, _permute_bwd_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -122,9 +202,12 @@ def _backward(ctx, grad_tokens, grad_probs, _gi, _go, _gc):
         grad_probs = grad_probs.contiguous()
     else:
         grad_probs = None
-    g_tokens, g_probs = _BWD(grad_tokens.contiguous(), grad_probs, sorted_indices,
-                             expert_offsets, ctx.num_tokens)
+    # a symbolic token count (dynamic-shape tracing) needs the SymInt schema, as in the forward
+    bwd = _BWD_SYMINT if _tracing(ctx.num_tokens) else _BWD
+    g_tokens, g_probs = bwd(grad_tokens.contiguous(), grad_probs, sorted_indices,
+                            expert_offsets, ctx.num_tokens)
     return g_tokens, None, (g_probs if want_probs else None), None, None, None
 
 
-torch.library.register_autograd("moe_core::permute", _backward, setup_context=_setup_context)
+for _name in ("moe_core::permute", "moe_core::permute_symint"):
+    torch.library.register_autograd(_name, _backward, setup_context=_setup_context)

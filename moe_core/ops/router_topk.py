@@ -219,7 +219,8 @@ def z_loss_from_lse(lse: torch.Tensor, z_loss_coeff: float,
     """
     total = (lse * lse).sum()
     if padding_mask is None:
-        loss = total / float(lse.shape[0])
+        # sym_float: float() of a plain count, and stays symbolic for a traced dynamic one
+        loss = total / torch.sym_float(lse.shape[0])
     else:
         loss = total / (~padding_mask.reshape(-1)).sum().clamp_min(1).to(torch.float64)
     return (loss * float(z_loss_coeff)).to(dtype)

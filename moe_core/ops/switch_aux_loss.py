@@ -30,10 +30,13 @@ Number = Union[int, float, torch.Tensor]
 def _as_total(total_num_tokens: Number, device: torch.device) -> torch.Tensor:
     if isinstance(total_num_tokens, torch.Tensor):
         return total_num_tokens
-    if isinstance(total_num_tokens, bool) or not isinstance(total_num_tokens, (int, float)):
+    # a symbolic count (a token dimension traced as dynamic) is a number too; sym_float keeps it
+    # symbolic where float() would pin it, and is float() for a plain number
+    numbers = (int, float, torch.SymInt, torch.SymFloat)
+    if isinstance(total_num_tokens, bool) or not isinstance(total_num_tokens, numbers):
         raise TypeError(f"total_num_tokens must be a number or a tensor, got {total_num_tokens!r}")
     # a fill, not a host-to-device copy: legal inside CUDA-graph capture
-    return torch.full((), float(total_num_tokens), dtype=torch.float64, device=device)
+    return torch.full((), torch.sym_float(total_num_tokens), dtype=torch.float64, device=device)
 
 
 def switch_load_balancing_loss_func(

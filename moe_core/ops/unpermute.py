@@ -20,8 +20,13 @@ for padding rows, which are skipped). With probs, the expert of each row comes f
 ``pad_offsets`` when given (pass permute's ``expert_offsets``, required after ``align_size > 1``),
 else from ``routing_map`` (column counts; ``drop_and_pad``: blocks of ``rows // E``). ``fused`` is
 ignored.
+
+Dynamic shapes: the C++ schema takes ``num_tokens`` as an ``int``, which the tracer specialises.
+While tracing (``torch.compile``, or a ``torch.SymInt`` size) the call goes through
+``unpermute_symint``, the same kernel behind a ``SymInt`` schema, so with a dynamic token
+dimension one graph serves every token count. Eager calls run the C++ op directly.
 """
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -68,7 +73,10 @@ def unpermute(
     del fused
     if len(restore_shape) != 2:
         raise ValueError(f"restore_shape must be (num_tokens, hidden), got {tuple(restore_shape)}")
-    num_tokens, hidden = (int(s) for s in restore_shape)
+    # under tracing the sizes may be symbolic (dynamo shows a SymInt as an int): int() would pin
+    # the graph to one token count
+    tracing = torch.compiler.is_compiling() or isinstance(restore_shape[0], torch.SymInt)
+    num_tokens, hidden = (s if tracing else int(s) for s in restore_shape)
     if permuted_tokens.dim() != 2 or permuted_tokens.shape[1] != hidden:
         raise ValueError(
             f"restore_shape {tuple(restore_shape)} must have the hidden size of permuted_tokens "
@@ -82,12 +90,38 @@ def unpermute(
             raise ValueError("routing_map (or pad_offsets) is required when probs are given")
         else:
             offsets = _expert_offsets(routing_map, permuted_tokens.shape[0], drop_and_pad)
-    return _OP(permuted_tokens, sorted_indices, num_tokens, probs, offsets)
+    op = _OP_SYMINT if tracing else _OP
+    return op(permuted_tokens, sorted_indices, num_tokens, probs, offsets)
 
 
-@torch.library.register_fake("moe_core::unpermute")
-def _(permuted_tokens, sorted_indices, num_tokens, probs, expert_offsets):
+@torch.library.custom_op("moe_core::unpermute_symint", mutates_args=())
+def unpermute_symint(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor,
+                     num_tokens: int, probs: Optional[torch.Tensor],
+                     expert_offsets: Optional[torch.Tensor]) -> torch.Tensor:
+    """``moe_core::unpermute`` with ``num_tokens`` a ``SymInt`` in the schema (the op that
+    dynamic-shape graphs record); at run time the count is a concrete int and the C++ op runs.
+
+    Args:
+        permuted_tokens: ``[R, hidden]`` float.
+        sorted_indices: ``[R]`` int64 (-1 rows are skipped).
+        num_tokens: rows of the output (an int, symbolic while tracing).
+        probs: ``[num_tokens, num_experts]`` float, or None.
+        expert_offsets: ``[E + 1]`` int64 (required with probs), or None.
+
+    Returns:
+        ``[num_tokens, hidden]`` in ``permuted_tokens.dtype``.
+    """
+    return _OP(permuted_tokens, sorted_indices, num_tokens, probs, expert_offsets)
+
+
+def _unpermute_fake(permuted_tokens, sorted_indices, num_tokens: Union[int, torch.SymInt],
+                    probs, expert_offsets):
     return permuted_tokens.new_empty((num_tokens, permuted_tokens.shape[1]))
+
+
+_OP_SYMINT = torch.ops.moe_core.unpermute_symint
+for _name in ("moe_core::unpermute", "moe_core::unpermute_symint"):
+    torch.library.register_fake(_name, _unpermute_fake)
 
 
 @torch.library.register_fake("moe_core::unpermute_bwd")
@@ -113,4 +147,5 @@ def _backward(ctx, grad_output):
     return grad_rows, None, None, (grad_probs if ctx.want_probs else None), None
 
 
-torch.library.register_autograd("moe_core::unpermute", _backward, setup_context=_setup_context)
+for _name in ("moe_core::unpermute", "moe_core::unpermute_symint"):
+    torch.library.register_autograd(_name, _backward, setup_context=_setup_context)
