@@ -14,6 +14,12 @@ scale they are multiplied by is ``self.aux_loss_scale`` when set (an AuxLossScal
 process-wide class attribute. The last values of the losses are kept, detached, in
 ``self.last_losses`` (divided by their coefficients, as Megatron logs them), and each expert's
 share of the routed tokens in ``self.last_routing_load``, with no host sync.
+
+State: everything a run needs to resume exactly is in ``state_dict()``: the weights, the expert
+bias and its running token counts, the global aux loss's running counts (``global_aux_buffer.*``)
+and, when a holder is bound, the value of ``aux_loss_scale``. Megatron saves neither running
+count (non-persistent buffers), so a state dict without them loads and keeps the current counts.
+Logging state (``last_losses``, ``last_routing_load``) is not saved.
 """
 from typing import Dict, Optional, Tuple
 
@@ -29,9 +35,17 @@ from moe_core.parallel import group_size
 
 class TopKRouter(nn.Module):
     """Parameters (Megatron's names, ``config.params_dtype``): weight ``[E, H]``, bias ``[E]``
-    when ``add_bias_linear``. Buffers: expert_bias ``[E]`` fp32 (persistent) and
-    local_tokens_per_expert ``[E]`` fp32 (not persistent) with ``moe_router_enable_expert_bias``.
+    when ``add_bias_linear``. Buffers, all persistent and kept fp32 when the model is cast:
+    expert_bias ``[E]`` and local_tokens_per_expert ``[E]`` (the counts since the last bias
+    update) with ``moe_router_enable_expert_bias``; global_aux_buffer.tokens_per_expert ``[E]``
+    and global_aux_buffer.steps ``[]`` with the global aux loss. State-dict key
+    ``aux_loss_scale`` (0-d fp32): the bound holder's value, present only while one is bound.
     """
+
+    # buffers Megatron does not save (its local_tokens_per_expert is not persistent): a state
+    # dict without them keeps the current values instead of failing a strict load
+    _OPTIONAL_STATE = ("local_tokens_per_expert",)
+    _SCALE_KEY = "aux_loss_scale"
 
     def __init__(self, config: MoEConfig, tp_cp_group=None, tp_dp_cp_group=None):
         """tp_cp_group: the aux losses' token counts are summed over it (Megatron's TP x CP
@@ -50,8 +64,9 @@ class TopKRouter(nn.Module):
             self.register_parameter("bias", None)
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
-            self.register_buffer("local_tokens_per_expert", torch.zeros(E, dtype=torch.float32),
-                                 persistent=False)
+            # persistent, unlike Megatron's: a checkpoint taken between two bias updates
+            # resumes with the counts gathered so far
+            self.register_buffer("local_tokens_per_expert", torch.zeros(E, dtype=torch.float32))
         else:
             self.expert_bias = None
             self.local_tokens_per_expert = None
@@ -75,14 +90,47 @@ class TopKRouter(nn.Module):
                 nn.init.normal_(b, 0.0, std)
                 self.bias.copy_(b)
 
-    def _apply(self, fn, *args, **kwargs):
-        # The global aux-loss buffer is plain state, not a registered buffer: move it along.
-        out = super()._apply(fn, *args, **kwargs)
-        if self.global_aux_buffer is not None:
-            buf = self.global_aux_buffer
-            buf.tokens_per_expert = fn(buf.tokens_per_expert).float()
-            buf.steps = fn(buf.steps).float()
-        return out
+    def _apply(self, fn, recurse: bool = True):
+        # Casting the model to a half dtype must not round the expert bias or its counts
+        # (Megatron re-casts its bias to fp32 for the same reason): follow fn's device only.
+        before = {n: self._buffers[n] for n in ("expert_bias", "local_tokens_per_expert")
+                  if self._buffers.get(n) is not None}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new.dtype != torch.float32:
+                self._buffers[name] = old.to(device=new.device)
+        return self
+
+    # ---- state dict: the bound aux-loss scale --------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.aux_loss_scale is not None:
+            value = self.aux_loss_scale.value
+            destination[prefix + self._SCALE_KEY] = value if keep_vars else value.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        for name in self._OPTIONAL_STATE:
+            if prefix + name in missing_keys:
+                missing_keys.remove(prefix + name)
+        key = prefix + self._SCALE_KEY
+        if key not in state_dict:
+            return  # saved without a bound holder: the current binding stays
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        value = state_dict[key]
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else repr(value)
+            error_msgs.append(f"{key}: expected a one-element tensor, got {got}")
+            return
+        if self.aux_loss_scale is None:
+            self.aux_loss_scale = AuxLossScale(value, device=self.weight.device)
+        else:  # in place, so a holder shared by several routers stays shared
+            holder = self.aux_loss_scale
+            holder.set(value.detach().to(device=holder.value.device))
 
     # ---- pieces -----------------------------------------------------------------------------
     def router_dtype(self, inp: torch.Tensor) -> torch.dtype:

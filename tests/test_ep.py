@@ -368,8 +368,10 @@ def misc_worker(rank: int, world: int) -> dict:
     res["clipped"] = {n: _compare(p.grad, before[n] * coef, False, n_ulps=2)
                       for n, p in ep.named_parameters()}
     full = full_state_dict(ep)
+    # the running token counts differ by design: the EP layer has routed a batch, ref has not
+    running = {"router.local_tokens_per_expert"}
     res["full_state_dict"] = sorted(full) == sorted(ref.state_dict()) and all(
-        torch.equal(full[k], v) for k, v in ref.state_dict().items())
+        torch.equal(full[k], v) for k, v in ref.state_dict().items() if k not in running)
     # errors: raised on every rank before any exchange, so the next collective still works
     errs = {}
     errs["ep_size_vs_world"] = _error_of(

@@ -10,10 +10,19 @@ Precision contract
 ------------------
 * The buffer and the step count are fp32 device tensors, as Megatron's; the running average is
   ``buffer / steps`` in fp32. The loss is :func:`switch_load_balancing_loss_func`'s. No host sync.
+
+State
+-----
+:class:`GlobalAuxLossBuffer` is an ``nn.Module`` whose counts are persistent buffers, so they are
+in the router's ``state_dict()`` (``global_aux_buffer.tokens_per_expert``, ``.steps``): a
+checkpoint taken in the middle of a global batch resumes with the same running average. Megatron
+keeps them in non-persistent buffers, so its state dicts lack them: a load without them keeps the
+current counts and does not report them missing.
 """
 from typing import Optional
 
 import torch
+from torch import nn
 
 from moe_core.ops.aux_loss_scores import flat_padding_mask
 from moe_core.ops.switch_aux_loss import (
@@ -23,8 +32,12 @@ from moe_core.ops.switch_aux_loss import (
 )
 
 
-class GlobalAuxLossBuffer:
+class GlobalAuxLossBuffer(nn.Module):
     """Running per-expert token counts of the current global batch (one per router).
+
+    Buffers (persistent, fp32 whatever dtype the model is cast to): ``tokens_per_expert``
+    ``[num_experts]``, the summed counts, and ``steps`` ``[]``, the micro-batches added since the
+    last :meth:`reset`.
 
     Args:
         num_experts: experts of the router.
@@ -34,8 +47,10 @@ class GlobalAuxLossBuffer:
     def __init__(self, num_experts: int, device=None):
         if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
             raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
-        self.tokens_per_expert = torch.zeros(num_experts, dtype=torch.float32, device=device)
-        self.steps = torch.zeros((), dtype=torch.float32, device=device)
+        super().__init__()
+        self.register_buffer("tokens_per_expert",
+                             torch.zeros(num_experts, dtype=torch.float32, device=device))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.float32, device=device))
 
     def update(self, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Adds one micro-batch's counts; returns the running average ``[E]`` fp32."""
@@ -49,8 +64,26 @@ class GlobalAuxLossBuffer:
         self.tokens_per_expert.zero_()
         self.steps.zero_()
 
-    def state_dict(self) -> dict:
-        return {"tokens_per_expert": self.tokens_per_expert, "steps": self.steps}
+    def _apply(self, fn, recurse: bool = True):
+        # Casting the model to a half dtype must not round the counts (integers past 256 are
+        # not exact in bf16): follow fn's device, keep fp32 and the values.
+        before = dict(self._buffers)
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != torch.float32:
+                self._buffers[name] = old.to(device=new.device)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        # Megatron does not save these counts (non-persistent buffers): a state dict without
+        # them (Megatron's, or one saved before they were persistent) keeps the current counts.
+        for name in self._buffers:
+            if prefix + name in missing_keys:
+                missing_keys.remove(prefix + name)
 
 
 def global_load_balancing_loss(

@@ -1,0 +1,242 @@
+"""Exact resume: everything a layer needs to continue training bit for bit is in its state dict.
+
+A tiny CPU layer with every piece of router state (expert bias and its running token counts,
+the global aux loss's running counts, a bound aux-loss scale) trains 3 steps with Adam, saves
+model and optimizer state with ``torch.save``, and a fresh process builds a new layer from another
+seed, loads both and trains 2 more steps. Parameters, buffers, optimizer state and losses must
+equal those of 5 steps in one process, bitwise.
+
+The global batch here spans two optimizer steps (expert-bias update and global aux-loss reset
+every second step), so the checkpoint falls inside one and the running counts are non-zero when
+saved; ``test_each_piece_of_state_changes_the_result`` checks that resuming without any one of
+them (or without the scale) gives different bits, so the bitwise test can tell.
+"""
+import copy
+import os
+import subprocess
+import sys
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_core import MoEConfig, MoELayer, load_megatron_state_dict, reset_global_aux_loss
+from moe_core import update_expert_bias
+from moe_core.ops import AuxLossScale
+
+H, T, E = 16, 24, 8
+TOTAL_STEPS, SAVE_AFTER = 5, 3
+GLOBAL_BATCH_STEPS = 2  # optimizer steps per expert-bias update / global aux-loss reset
+AUX_SCALE = 0.5  # the router's bound aux-loss scale (not the default 1.0, so it must be restored)
+
+
+def config() -> MoEConfig:
+    """Sigmoid router with expert bias, the global aux loss and the z-loss; fp32 on the CPU."""
+    return MoEConfig(hidden_size=H, moe_ffn_hidden_size=24, num_moe_experts=E, moe_router_topk=2,
+                     add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+                     moe_router_dtype="fp32", moe_router_score_function="sigmoid",
+                     moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3,
+                     moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-1,
+                     moe_z_loss_coeff=1e-3)
+
+
+def build(seed: int, bind_scale: bool = True) -> Tuple[MoELayer, torch.optim.Adam]:
+    torch.manual_seed(seed)
+    layer = MoELayer(config())
+    if bind_scale:
+        layer.router.aux_loss_scale = AuxLossScale(AUX_SCALE)
+    return layer, torch.optim.Adam(layer.parameters(), lr=1e-2)
+
+
+def batch(step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s input and target ``[T, H]`` fp32, the same in every process."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
+
+
+def train(layer: MoELayer, opt: torch.optim.Adam, steps: range) -> List[torch.Tensor]:
+    """Training steps ``steps`` (global step numbers); returns each step's main loss and aux
+    losses stacked ``[3]`` fp32 (mse, global aux loss, z-loss)."""
+    losses = []
+    for step in steps:
+        x, target = batch(step)
+        loss = F.mse_loss(layer(x), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        last = layer.router.last_losses
+        losses.append(torch.stack([loss.detach(), last["global_load_balancing_loss"],
+                                   last["z_loss"]]))
+        if (step + 1) % GLOBAL_BATCH_STEPS == 0:
+            update_expert_bias(layer)
+            reset_global_aux_loss(layer)
+    return losses
+
+
+def snapshot(layer: MoELayer, opt: torch.optim.Adam, losses: List[torch.Tensor]) -> dict:
+    return {"model": layer.state_dict(), "optim": opt.state_dict(), "losses": losses}
+
+
+def resume(ckpt: str, out: str) -> None:
+    """The second process: a layer built from another seed, without a bound scale, loads the
+    checkpoint and trains the remaining steps; its state goes to ``out``."""
+    layer, opt = build(seed=99, bind_scale=False)
+    saved = torch.load(ckpt)
+    assert not torch.equal(layer.router.weight, saved["model"]["router.weight"])
+    result = layer.load_state_dict(saved["model"])
+    assert not result.missing_keys and not result.unexpected_keys, result
+    opt.load_state_dict(saved["optim"])
+    losses = train(layer, opt, range(SAVE_AFTER, TOTAL_STEPS))
+    torch.save(snapshot(layer, opt, losses), out)
+
+
+def assert_same_state(got: Dict, want: Dict, what: str) -> None:
+    assert sorted(got) == sorted(want), what
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value), f"{what}: {key}"
+        elif isinstance(value, dict):
+            assert_same_state(got[key], value, f"{what}.{key}")
+        elif isinstance(value, (list, tuple)):
+            assert len(got[key]) == len(value), f"{what}: {key}"
+            for i, (a, b) in enumerate(zip(got[key], value)):
+                assert_same_state({"v": a}, {"v": b}, f"{what}: {key}[{i}]")
+        else:
+            assert got[key] == value, f"{what}: {key}"
+
+
+def test_resume_in_a_fresh_process_is_bitwise_exact(tmp_path):
+    layer, opt = build(seed=0)
+    losses = train(layer, opt, range(SAVE_AFTER))
+    ckpt = str(tmp_path / "ckpt.pt")
+    torch.save(snapshot(layer, opt, losses), ckpt)
+    saved = torch.load(ckpt)["model"]
+    # the checkpoint is inside a global batch: the running counts are live state
+    assert saved["router.local_tokens_per_expert"].sum() == T * 2
+    assert saved["router.global_aux_buffer.steps"] == 1
+    assert saved["router.global_aux_buffer.tokens_per_expert"].sum() == T * 2
+    assert saved["router.expert_bias"].abs().sum() > 0
+    assert saved["router.aux_loss_scale"] == AUX_SCALE
+
+    losses += train(layer, opt, range(SAVE_AFTER, TOTAL_STEPS))
+    reference = snapshot(layer, opt, losses[SAVE_AFTER:])
+
+    out = str(tmp_path / "resumed.pt")
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {tests_dir!r}); import test_resume; "
+            f"test_resume.resume({ckpt!r}, {out!r})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(tests_dir))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    resumed = torch.load(out)
+    assert_same_state(resumed["model"], reference["model"], "model")
+    assert_same_state(resumed["optim"], reference["optim"], "optimizer")
+    assert len(resumed["losses"]) == TOTAL_STEPS - SAVE_AFTER
+    for step, (a, b) in enumerate(zip(resumed["losses"], reference["losses"]), SAVE_AFTER):
+        assert torch.equal(a, b), f"step {step}: losses {a.tolist()} != {b.tolist()}"
+
+
+def test_each_piece_of_state_changes_the_result():
+    """In one process: resuming from the full state dict is exact, and resuming from one without
+    a running count or the scale is not (so the fresh-process test can fail)."""
+    layer, opt = build(seed=0)
+    train(layer, opt, range(SAVE_AFTER))
+    model, optim = copy.deepcopy(layer.state_dict()), copy.deepcopy(opt.state_dict())
+    want_losses = train(layer, opt, range(SAVE_AFTER, TOTAL_STEPS))
+    want = layer.state_dict()
+
+    def resumed_equal(drop) -> bool:
+        other, other_opt = build(seed=99, bind_scale=False)
+        other.load_state_dict({k: v for k, v in model.items() if k not in drop})
+        other_opt.load_state_dict(optim)
+        losses = train(other, other_opt, range(SAVE_AFTER, TOTAL_STEPS))
+        got = other.state_dict()
+        return (all(torch.equal(a, b) for a, b in zip(losses, want_losses))
+                and all(torch.equal(got[k], v) for k, v in want.items() if k in got))
+
+    assert resumed_equal(drop=())
+    for drop in (["router.local_tokens_per_expert"],
+                 ["router.global_aux_buffer.tokens_per_expert", "router.global_aux_buffer.steps"],
+                 ["router.aux_loss_scale"]):
+        assert not resumed_equal(drop), f"resuming without {drop} changed nothing"
+
+
+def test_state_dict_holds_the_running_counts_and_the_scale():
+    layer, _ = build(seed=0)
+    train(layer, torch.optim.Adam(layer.parameters()), range(1))
+    sd = layer.state_dict()
+    router = layer.router
+    assert torch.equal(sd["router.local_tokens_per_expert"], router.local_tokens_per_expert)
+    assert torch.equal(sd["router.global_aux_buffer.tokens_per_expert"],
+                       router.global_aux_buffer.tokens_per_expert)
+    assert torch.equal(sd["router.global_aux_buffer.steps"], router.global_aux_buffer.steps)
+    assert sd["router.aux_loss_scale"].dtype == torch.float32
+    assert sd["router.aux_loss_scale"] == AUX_SCALE
+    # no holder bound: no key (the ambient scale belongs to the training loop)
+    unbound, _ = build(seed=0, bind_scale=False)
+    assert "router.aux_loss_scale" not in unbound.state_dict()
+
+
+def test_loaded_scale_updates_a_shared_holder_in_place():
+    """A holder bound to several routers stays one holder: loading sets its value."""
+    src, _ = build(seed=0)
+    shared = AuxLossScale(3.0)
+    a, _ = build(seed=1, bind_scale=False)
+    b, _ = build(seed=2, bind_scale=False)
+    a.router.aux_loss_scale = b.router.aux_loss_scale = shared
+    a.load_state_dict(src.state_dict())
+    assert a.router.aux_loss_scale is shared and b.router.aux_loss_scale is shared
+    assert shared.value == AUX_SCALE
+
+
+def test_state_dict_without_running_counts_loads_strictly_and_keeps_them():
+    """Megatron saves neither running count (non-persistent buffers): such a state dict loads
+    strictly, the layer's own counts stay, and nothing is reported missing."""
+    src, _ = build(seed=0)
+    layer, opt = build(seed=1)
+    train(layer, opt, range(1))
+    kept = {k: v.clone() for k, v in layer.state_dict().items()
+            if "tokens_per_expert" in k or k.endswith("steps")}
+    assert len(kept) == 3 and all(v.sum() > 0 for v in kept.values())
+    sd = {k: v for k, v in src.state_dict().items() if k not in kept}
+    result = layer.load_state_dict(sd)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(layer.router.weight, src.router.weight)
+    for key, value in kept.items():
+        assert torch.equal(layer.state_dict()[key], value), key
+    # the same through load_megatron_state_dict, with Megatron's per-expert naming
+    megatron = {k: v for k, v in sd.items() if not k.startswith("experts.")}
+    for i in range(E):
+        megatron[f"experts.linear_fc1.weight{i}"] = src.experts.weight1[i].clone()
+        megatron[f"experts.linear_fc2.weight{i}"] = src.experts.weight2[i].clone()
+    other, _ = build(seed=2)
+    result = load_megatron_state_dict(other, megatron)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(other.experts.weight2, src.experts.weight2)
+
+
+def test_casting_the_model_keeps_the_balancing_state_fp32():
+    """bf16 has 8 significant bits: a count of 257 or a bias of 1e-2 + 2**-20 would round."""
+    layer, _ = build(seed=0)
+    router = layer.router
+    with torch.no_grad():
+        router.local_tokens_per_expert.fill_(257.0)
+        router.global_aux_buffer.tokens_per_expert.fill_(257.0)
+        router.global_aux_buffer.steps.fill_(3.0)
+        router.expert_bias.fill_(1e-2 + 2.0**-20)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16
+    for key in ("router.local_tokens_per_expert", "router.global_aux_buffer.tokens_per_expert",
+                "router.global_aux_buffer.steps", "router.expert_bias"):
+        value = layer.state_dict()[key]
+        assert value.dtype == torch.float32 and torch.equal(value, before[key]), key
+
+
+def test_scale_of_more_than_one_element_is_refused():
+    layer, _ = build(seed=0)
+    sd = dict(layer.state_dict(), **{"router.aux_loss_scale": torch.ones(2)})
+    with pytest.raises(RuntimeError, match=r"router\.aux_loss_scale: expected a one-element "
+                                           r"tensor, got \(2,\)"):
+        layer.load_state_dict(sd)
