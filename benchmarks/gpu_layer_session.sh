@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call for the single-GPU layer: build with CUDA, the GPU tests of the expert path and
+# the router (expert_mlp, glu_probs, fc1 + glu_probs, the gating linear, the layer against
+# Megatron-Core, CUDA graphs), then benchmarks/bench_layer.py (the whole layer fwd + bwd against
+# Megatron's MoELayer and a compiled plain-PyTorch layer) and benchmarks/profile_layer.py (the
+# kernel table and what is saved for backward); the summary and the tables last.
+# Run on the lent GPU machine from the repo root, megatron-core carried as a wheel in .whl/:
+# run(command="bash benchmarks/gpu_layer_session.sh", carry=[".whl"], timeout_s=600).
+# Knobs: SKIP_BUILD, SKIP_TESTS, SKIP_BENCH, SESSION_S, LAYER_ARGS (default: --rounds 10),
+# PROFILE_ARGS (default: --top 12).
+set -uo pipefail
+source benchmarks/session_lib.sh
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+
+if [ -z "${SKIP_BUILD:-}" ]; then
+  if ! run_step build 240 env MAX_JOBS=16 MOE_CORE_CUDA=1 \
+      python3 -m pip install -q --no-build-isolation -e .; then
+    tail -n 40 "$OUT/build.log"
+  fi
+fi
+
+if [ -z "${SKIP_TESTS:-}" ]; then
+  TIMEOUT_ARG=() XDIST_ARG=()
+  python3 -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARG=(--timeout 200)
+  python3 -c "import xdist" 2>/dev/null && XDIST_ARG=(-n "${NPROC:-8}")
+  run_step test_expert_path 240 env OMP_NUM_THREADS=1 python3 -m pytest tests/test_expert_mlp.py \
+      tests/test_glu_probs.py tests/test_grouped_gemm_glu_probs.py tests/test_layer.py \
+      tests/test_cuda_graph.py "tests/test_balancing_cuda.py::test_gating_linear_cpu_cuda" \
+      "tests/test_balancing_cuda.py::test_gating_linear_bwd_bf16_on_tensor_cores" \
+      -q -p no:cacheprovider -rfE --tb=short "${XDIST_ARG[@]}" "${TIMEOUT_ARG[@]}"
+  pytest_report "$OUT/test_expert_path.log"
+fi
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+  run_step bench_layer 200 python3 benchmarks/bench_layer.py ${LAYER_ARGS:---rounds 10}
+  run_step profile_layer 120 python3 benchmarks/profile_layer.py ${PROFILE_ARGS:---top 12}
+fi
+
+echo
+echo "== session summary ($(( $(date +%s) - T_START )) s)"
+for line in "${SUMMARY[@]}"; do echo "$line"; done
+[ -f "$OUT/profile_layer.log" ] && grep -E "^==|saved for backward|memory:|GPU time|glu|gating|gg_sm90" "$OUT/profile_layer.log" | cut -c1-150
+[ -f "$OUT/bench_layer.log" ] && sed -n '/^| shape/,$p' "$OUT/bench_layer.log"

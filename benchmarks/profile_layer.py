@@ -1,0 +1,163 @@
+"""Where our whole layer's forward + backward spends its GPU time and its memory, per reference shape.
+
+Three tables per shape (``bench_ep``'s layer builders, bf16, dropless, the same layer that
+``bench_layer.py`` times):
+
+* kernels: a ``torch.profiler`` table of one forward + backward (after a warm-up), the GPU time
+  of each kernel summed over the step, largest first, with its share of the step;
+* saved for backward: every tensor autograd keeps between forward and backward (a
+  ``saved_tensors_hooks`` pack hook), by shape and dtype, each storage counted once, the storages
+  the layer's caller owns (its input, the parameters) marked and left out of the total;
+* memory: allocated after the forward above what was there before it (saved activations plus
+  the output), and the peak during forward + backward above that base, with and without the
+  parameter gradients.
+
+    python benchmarks/profile_layer.py [--shapes mixtral,qwen3_30b_a3b,dsv3_like] [--top 15]
+        [--device cuda|cpu]
+    python benchmarks/profile_layer.py --shapes tiny --device cpu     (smoke: no kernel table)
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import argparse  # noqa: E402
+from collections import defaultdict  # noqa: E402
+from typing import Dict, List, Tuple  # noqa: E402
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import bench_ep  # noqa: E402
+from bench_ep import build_ours, moe_kwargs, sync  # noqa: E402
+
+GiB = float(1 << 30)
+
+
+def saved_breakdown(layer, x: torch.Tensor, g: torch.Tensor) -> Tuple[List[str], float]:
+    """The tensors autograd saves in one forward (unique storages), as table lines, and the
+    bytes of those the caller does not own already."""
+    owned = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    owned.add(x.untyped_storage().data_ptr())
+    seen: Dict[int, Tuple[str, int, bool]] = {}
+
+    def pack(t: torch.Tensor):
+        if t.device.type != "meta" and t.numel():
+            s = t.untyped_storage()
+            key = s.data_ptr()
+            if key not in seen:
+                seen[key] = (f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}", s.nbytes(),
+                             key in owned)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    out.backward(g)
+    free_grads(layer, x)
+    groups: Dict[Tuple[str, bool], List[int]] = defaultdict(list)
+    for desc, nbytes, is_owned in seen.values():
+        groups[(desc, is_owned)].append(nbytes)
+    lines, total = [], 0.0
+    for (desc, is_owned), sizes in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
+        b = sum(sizes)
+        if not is_owned:
+            total += b
+        lines.append(f"  {b / GiB:8.3f} GiB  {len(sizes):3d} x {desc}"
+                     + ("  (caller's: input or parameter)" if is_owned else ""))
+    return lines, total
+
+
+def free_grads(layer, x: torch.Tensor) -> None:
+    """As bench_layer does between calls: every backward allocates its gradients afresh."""
+    for t in list(layer.parameters()) + [x]:
+        t.grad = None
+
+
+def kernel_table(layer, x: torch.Tensor, g: torch.Tensor, top: int) -> List[str]:
+    for _ in range(2):
+        layer(x).backward(g)
+        free_grads(layer, x)
+    sync(x.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        layer(x).backward(g)
+        sync(x.device)
+    free_grads(layer, x)
+    per: Dict[str, List[float]] = defaultdict(list)
+    spans = []
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name].append(ev.device_time)
+            spans.append((ev.time_range.start, ev.time_range.end))
+    total = sum(sum(v) for v in per.values())
+    # the step's span on the GPU and the time in it when no kernel ran (launch gaps, host waits)
+    spans.sort()
+    busy, end = 0.0, None
+    for a, b in spans:
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    wall = (max(b for _, b in spans) - spans[0][0]) if spans else 0.0
+    lines = [f"  GPU time of the step: {total / 1e3:.2f} ms (kernels, summed); span "
+             f"{wall / 1e3:.2f} ms, idle {(wall - busy) / 1e3:.2f} ms"]
+    for name, ts in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"  {sum(ts) / 1e3:7.3f} ms {100 * sum(ts) / total:5.1f}%  x{len(ts):<3d} "
+                     f"{name[:110]}")
+    return lines
+
+
+def memory(layer, x: torch.Tensor, g: torch.Tensor) -> str:
+    dev = x.device
+    if dev.type != "cuda":
+        return "  memory: n/a on the CPU"
+    free_grads(layer, x)
+    sync(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    out = layer(x)
+    sync(dev)
+    held = torch.cuda.memory_allocated(dev) - base
+    out.backward(g)
+    del out
+    sync(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in layer.parameters()
+                if p.grad is not None)
+    free_grads(layer, x)
+    return (f"  memory: held after forward {held / GiB:.3f} GiB, peak fwd+bwd {peak / GiB:.3f} "
+            f"GiB, parameter gradients {grads / GiB:.3f} GiB, peak - grads "
+            f"{(peak - grads) / GiB:.3f} GiB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="mixtral,qwen3_30b_a3b,dsv3_like")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    for name in args.shapes.split(","):
+        shape = bench_ep.SHAPES[name]
+        layer = build_ours(moe_kwargs(shape, "dropless", 1), dev, 0, None, None)
+        gen = torch.Generator(device=dev).manual_seed(1)
+        x = torch.randn(shape.tokens, shape.hidden, device=dev, dtype=torch.bfloat16,
+                        generator=gen, requires_grad=True)
+        g = torch.randn(shape.tokens, shape.hidden, device=dev, dtype=torch.bfloat16,
+                        generator=gen)
+        print(f"== {name}: T={shape.tokens} H={shape.hidden} E={shape.experts} k={shape.topk} "
+              f"F={shape.ffn}", flush=True)
+        lines, total = saved_breakdown(layer, x, g)
+        print(f"  saved for backward: {total / GiB:.3f} GiB besides the caller's tensors")
+        print("\n".join(lines))
+        print(memory(layer, x, g))
+        if dev.type == "cuda":
+            print("\n".join(kernel_table(layer, x, g, args.top)), flush=True)
+        del layer, x, g
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
