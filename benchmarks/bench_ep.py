@@ -192,8 +192,12 @@ def build_ours(kw: dict, dev: torch.device, seed: int, ep_group, state: Optional
     cfg = MoEConfig(**{k: v for k, v in kw.items() if k in MoEConfig.__dataclass_fields__})
     if ep_group is None:
         cfg = dataclasses.replace(cfg, expert_model_parallel_size=1)
-    with torch.device(dev):
-        layer = MoELayer(cfg, ep_group=ep_group)
+    sync(dev)
+    t0 = time.perf_counter()
+    layer = MoELayer(cfg, ep_group=ep_group, device=dev)  # built and initialised on dev
+    sync(dev)
+    print(f"built our MoELayer on {dev} in {time.perf_counter() - t0:.3f} s "
+          f"({sum(p.numel() for p in layer.parameters()) / 1e9:.2f} G parameters)", flush=True)
     if state is not None:
         load_megatron_state_dict(layer, state)
     layer.router.aux_loss_scale = AuxLossScale(1.0, device=dev)

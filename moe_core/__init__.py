@@ -30,7 +30,8 @@ def has_cuda() -> bool:
 # The ops a training step of MoELayer calls (forward and backward).
 LAYER_OPS = ("router_gating_linear", "router_topk_dense", "router_topk_fused", "router_lse_bwd",
              "aux_loss_scores_bwd", "permute", "unpermute", "grouped_gemm", "grouped_gemm_dgrad",
-             "grouped_gemm_wgrad", "glu_probs", "switch_aux_loss", "z_loss", "tokens_per_expert",
+             "grouped_gemm_wgrad", "glu_probs", "glu_probs_bwd", "glu_probs_bwd_",
+             "grouped_gemm_glu_probs", "switch_aux_loss", "z_loss", "tokens_per_expert",
              "token_dropping")
 
 

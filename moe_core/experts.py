@@ -62,6 +62,16 @@ def activation_times_probs(config: MoEConfig, a: torch.Tensor,
                          config.activation_func_clamp_value if gated else None)
 
 
+def uninitialized_linear(in_features: int, out_features: int, bias: bool,
+                         device: Optional[torch.device], dtype: torch.dtype) -> nn.Linear:
+    """An ``nn.Linear`` with uninitialised storage on ``device`` (None: torch's default device,
+    which honours ``with torch.device(...)``): nn.Linear's own init would draw random numbers
+    that the owner's ``reset_parameters`` then overwrites, so a layer built and a layer reset
+    would consume the generator differently."""
+    lin = nn.Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype)
+    return lin.to_empty(device=device if device is not None else torch.get_default_device())
+
+
 class GroupedMLP(nn.Module):
     """The routed experts of this rank.
 
@@ -74,7 +84,11 @@ class GroupedMLP(nn.Module):
     """
 
     def __init__(self, config: MoEConfig, input_size: Optional[int] = None, ep_size: int = 1,
-                 ep_rank: int = 0):
+                 ep_rank: int = 0, *, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None):
+        """dtype: the parameters' dtype (default ``config.params_dtype``); device: where they are
+        created and initialised (``"meta"``: shapes only, then ``to_empty`` and
+        :meth:`reset_parameters`)."""
         super().__init__()
         self.config = config
         self.ep_size, self.ep_rank = ep_size, ep_rank
@@ -82,12 +96,13 @@ class GroupedMLP(nn.Module):
         E, F_ = self.num_local_experts, config.moe_ffn_hidden_size
         H = input_size or config.hidden_size
         F1 = 2 * F_ if config.gated_linear_unit else F_
-        dt = config.params_dtype
-        self.weight1 = nn.Parameter(torch.empty(E, F1, H, dtype=dt))
-        self.weight2 = nn.Parameter(torch.empty(E, H, F_, dtype=dt))
+        self.input_size, self.ffn_size = H, F_
+        kw = dict(device=device, dtype=dtype or config.params_dtype)
+        self.weight1 = nn.Parameter(torch.empty(E, F1, H, **kw))
+        self.weight2 = nn.Parameter(torch.empty(E, H, F_, **kw))
         if config.add_bias_linear:
-            self.bias1 = nn.Parameter(torch.zeros(E, F1, dtype=dt))
-            self.bias2 = nn.Parameter(torch.zeros(E, H, dtype=dt))
+            self.bias1 = nn.Parameter(torch.empty(E, F1, **kw))
+            self.bias2 = nn.Parameter(torch.empty(E, H, **kw))
         else:
             self.register_parameter("bias1", None)
             self.register_parameter("bias2", None)
@@ -114,6 +129,15 @@ class GroupedMLP(nn.Module):
             if self.bias1 is not None:
                 self.bias1.zero_()
                 self.bias2.zero_()
+
+    def extra_repr(self) -> str:
+        s = (f"num_local_experts={self.num_local_experts}, input_size={self.input_size}, "
+             f"ffn_hidden_size={self.ffn_size}, gated_linear_unit={self.config.gated_linear_unit}, "
+             f"bias={self.bias1 is not None}, dtype={self.weight1.dtype}")
+        if self.ep_size > 1:
+            s += f", experts {self.ep_rank * self.num_local_experts}.." \
+                 f"{(self.ep_rank + 1) * self.num_local_experts - 1} of {self.config.num_moe_experts}"
+        return s
 
     def forward(self, x: torch.Tensor, expert_offsets: torch.Tensor, probs: torch.Tensor,
                 tokens: Optional[torch.Tensor] = None,
@@ -180,16 +204,19 @@ class SharedExpertMLP(nn.Module):
     gate_weight ``[1, H]`` when ``moe_shared_expert_gate``.
     """
 
-    def __init__(self, config: MoEConfig):
+    def __init__(self, config: MoEConfig, *, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None):
+        """dtype: the parameters' dtype (default ``config.params_dtype``); device: where they are
+        created and initialised."""
         super().__init__()
         self.config = config
         H, F_ = config.hidden_size, config.moe_shared_expert_intermediate_size
         F1 = 2 * F_ if config.gated_linear_unit else F_
-        dt = config.params_dtype
-        self.linear_fc1 = nn.Linear(H, F1, bias=False, dtype=dt)
-        self.linear_fc2 = nn.Linear(F_, H, bias=False, dtype=dt)
+        kw = dict(device=device, dtype=dtype or config.params_dtype)
+        self.linear_fc1 = uninitialized_linear(H, F1, bias=False, **kw)
+        self.linear_fc2 = uninitialized_linear(F_, H, bias=False, **kw)
         if config.moe_shared_expert_gate:
-            self.gate_weight = nn.Parameter(torch.empty(1, H, dtype=dt))
+            self.gate_weight = nn.Parameter(torch.empty(1, H, **kw))
         else:
             self.register_parameter("gate_weight", None)
         self.reset_parameters()
@@ -201,6 +228,9 @@ class SharedExpertMLP(nn.Module):
             nn.init.normal_(self.linear_fc2.weight, 0.0, std / math.sqrt(2.0 * self.config.num_layers))
             if self.gate_weight is not None:
                 nn.init.normal_(self.gate_weight, 0.0, std)
+
+    def extra_repr(self) -> str:
+        return f"gate={self.gate_weight is not None}"
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[..., H]`` → ``[..., H]`` in hidden's dtype."""

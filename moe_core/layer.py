@@ -28,7 +28,7 @@ from torch import nn
 from moe_core import ops
 from moe_core.config import MoEConfig
 from moe_core.dispatcher import DISPATCHERS
-from moe_core.experts import GroupedMLP, SharedExpertMLP
+from moe_core.experts import GroupedMLP, SharedExpertMLP, uninitialized_linear
 from moe_core.parallel import GroupLike, as_group
 from moe_core.router import TopKRouter
 
@@ -47,7 +47,8 @@ class MoELayer(nn.Module):
 
     def __init__(self, config: MoEConfig, ep_group: GroupLike = None,
                  layer_number: Optional[int] = None, *, tp_cp_group: GroupLike = None,
-                 tp_dp_cp_group: GroupLike = None):
+                 tp_dp_cp_group: GroupLike = None, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None):
         """
         Args:
             config: the MoE fields (``MoEConfig``).
@@ -62,6 +63,12 @@ class MoELayer(nn.Module):
             tp_dp_cp_group: the group the global aux loss's counts and the expert-bias counts are
                 summed over (Megatron's TP x DP x CP group); None: the default group for an
                 expert-parallel layer (pure EP + DP), this rank alone otherwise.
+            device: where the parameters and buffers are created and initialised (build on the
+                GPU directly: initialising a large layer on the CPU first takes minutes).
+                ``"meta"``: shapes only; then ``to_empty(device=...)`` and
+                :meth:`reset_parameters`.
+            dtype: the parameters' dtype (default ``config.params_dtype``); the router's
+                buffers stay fp32.
         """
         super().__init__()
         self.config = config
@@ -77,28 +84,51 @@ class MoELayer(nn.Module):
             self._check_same_config_on_every_rank()
         self.tp_cp_group = as_group(tp_cp_group, "tp_cp_group")
         self.tp_dp_cp_group = as_group(tp_dp_cp_group, "tp_dp_cp_group")
+        kw = dict(device=device, dtype=dtype)
+        # each submodule initialises itself as it is built, in the order reset_parameters
+        # repeats, so a layer built and a layer reset draw the same numbers
         self.router = TopKRouter(config, tp_cp_group=self.tp_cp_group,
-                                 tp_dp_cp_group=self.tp_dp_cp_group)
+                                 tp_dp_cp_group=self.tp_dp_cp_group, **kw)
         if L:
-            dt = config.params_dtype
-            self.fc1_latent_proj = nn.Linear(H, L, bias=config.add_bias_linear, dtype=dt)
-            self.fc2_latent_proj = nn.Linear(L, H, bias=config.add_bias_linear, dtype=dt)
-            with torch.no_grad():
-                std = config.init_method_std
-                nn.init.normal_(self.fc1_latent_proj.weight, 0.0, std)
-                nn.init.normal_(self.fc2_latent_proj.weight, 0.0, std / (2.0 * config.num_layers) ** 0.5)
-                for lin in (self.fc1_latent_proj, self.fc2_latent_proj):
-                    if lin.bias is not None:
-                        lin.bias.zero_()
+            lin = dict(bias=config.add_bias_linear, device=device,
+                       dtype=dtype or config.params_dtype)
+            self.fc1_latent_proj = uninitialized_linear(H, L, **lin)
+            self.fc2_latent_proj = uninitialized_linear(L, H, **lin)
+            self._reset_latent_projections()
         else:
             self.fc1_latent_proj = self.fc2_latent_proj = None
         ep_size = 1 if self.dispatcher is None else self.dispatcher.ep_size
         ep_rank = 0 if self.dispatcher is None else self.dispatcher.ep_rank
-        self.experts = GroupedMLP(config, input_size=L or H, ep_size=ep_size, ep_rank=ep_rank)
-        self.shared_experts = (SharedExpertMLP(config)
+        self.experts = GroupedMLP(config, input_size=L or H, ep_size=ep_size, ep_rank=ep_rank,
+                                  **kw)
+        self.shared_experts = (SharedExpertMLP(config, **kw)
                                if config.moe_shared_expert_intermediate_size is not None else None)
         self._validated_tokens = None
         self._shared_stream = None
+
+    def reset_parameters(self) -> None:
+        """Re-initialises everything as Megatron does, in construction order (router, latent
+        projections, experts, shared expert): the same numbers as a layer built now with the
+        same seed on the same device. Also zeroes the router's buffers (expert bias, running
+        counts). Use after ``to_empty`` to materialise a layer built on ``device="meta"``."""
+        self.router.reset_parameters()
+        if self.fc1_latent_proj is not None:
+            self._reset_latent_projections()
+        self.experts.reset_parameters()
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters()
+
+    def _reset_latent_projections(self) -> None:
+        """Megatron's init of the latent projections: N(0, std) for fc1, N(0, std / sqrt(2
+        num_layers)) for fc2, zero bias."""
+        cfg = self.config
+        with torch.no_grad():
+            nn.init.normal_(self.fc1_latent_proj.weight, 0.0, cfg.init_method_std)
+            nn.init.normal_(self.fc2_latent_proj.weight, 0.0,
+                            cfg.init_method_std / (2.0 * cfg.num_layers) ** 0.5)
+            for lin in (self.fc1_latent_proj, self.fc2_latent_proj):
+                if lin.bias is not None:
+                    lin.bias.zero_()
 
     # ---- expert parallelism: set-up checks ------------------------------------------------
     @staticmethod

@@ -47,48 +47,73 @@ class TopKRouter(nn.Module):
     _OPTIONAL_STATE = ("local_tokens_per_expert",)
     _SCALE_KEY = "aux_loss_scale"
 
-    def __init__(self, config: MoEConfig, tp_cp_group=None, tp_dp_cp_group=None):
+    def __init__(self, config: MoEConfig, tp_cp_group=None, tp_dp_cp_group=None, *,
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
         """tp_cp_group: the aux losses' token counts are summed over it (Megatron's TP x CP
         group); tp_dp_cp_group: the global aux loss's and the expert bias's counts (TP x DP x CP).
-        None: this rank alone."""
+        None: this rank alone. dtype: the weight's and bias's dtype (default
+        ``config.params_dtype``; the buffers are fp32 whatever it is); device: where everything is
+        created and initialised."""
         super().__init__()
         self.config = config
         self.tp_cp_group = tp_cp_group
         self.tp_dp_cp_group = tp_dp_cp_group
         E, H = config.num_moe_experts, config.hidden_size
         self.topk = config.moe_router_topk
-        self.weight = nn.Parameter(torch.empty(E, H, dtype=config.params_dtype))
+        dtype = dtype or config.params_dtype
+        self.weight = nn.Parameter(torch.empty(E, H, device=device, dtype=dtype))
         if config.add_bias_linear:
-            self.bias = nn.Parameter(torch.empty(E, dtype=config.params_dtype))
+            self.bias = nn.Parameter(torch.empty(E, device=device, dtype=dtype))
         else:
             self.register_parameter("bias", None)
         if config.moe_router_enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
+            self.register_buffer("expert_bias",
+                                 torch.zeros(E, device=device, dtype=torch.float32))
             # persistent, unlike Megatron's: a checkpoint taken between two bias updates
             # resumes with the counts gathered so far
-            self.register_buffer("local_tokens_per_expert", torch.zeros(E, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert",
+                                 torch.zeros(E, device=device, dtype=torch.float32))
         else:
             self.expert_bias = None
             self.local_tokens_per_expert = None
         self.global_aux_buffer = None
         if "global_aux_loss" in config.load_balancing_types:
-            self.global_aux_buffer = ops.GlobalAuxLossBuffer(E)
+            self.global_aux_buffer = ops.GlobalAuxLossBuffer(E, device=device)
         self.aux_loss_scale: Optional[AuxLossScale] = None
         self.last_losses: Dict[str, torch.Tensor] = {}
         self.last_routing_load: Optional[torch.Tensor] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Megatron's init: weight and bias ~ N(0, init_method_std), drawn in fp32."""
+        """Megatron's init: weight and bias ~ N(0, init_method_std), drawn in fp32 on the
+        weight's device; the expert bias, its token counts and the global aux loss's counts
+        zeroed."""
         std = self.config.init_method_std
         with torch.no_grad():
-            w = torch.empty(self.weight.shape, dtype=torch.float32)
+            w = torch.empty(self.weight.shape, device=self.weight.device, dtype=torch.float32)
             nn.init.normal_(w, 0.0, std)
             self.weight.copy_(w)
             if self.bias is not None:
-                b = torch.empty(self.bias.shape, dtype=torch.float32)
+                b = torch.empty(self.bias.shape, device=self.bias.device, dtype=torch.float32)
                 nn.init.normal_(b, 0.0, std)
                 self.bias.copy_(b)
+            if self.expert_bias is not None:
+                self.expert_bias.zero_()
+                self.local_tokens_per_expert.zero_()
+        if self.global_aux_buffer is not None:
+            self.global_aux_buffer.reset()
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        s = (f"num_experts={cfg.num_moe_experts}, hidden_size={cfg.hidden_size}, "
+             f"topk={self.topk}, score_function={cfg.moe_router_score_function}")
+        if cfg.moe_router_num_groups:
+            s += f", groups={cfg.moe_router_num_groups} (top {cfg.moe_router_group_topk})"
+        if self.expert_bias is not None:
+            s += ", expert_bias"
+        if cfg.moe_router_dtype:
+            s += f", router_dtype={cfg.moe_router_dtype}"
+        return s
 
     def _apply(self, fn, recurse: bool = True):
         # Casting the model to a half dtype must not round the expert bias or its counts
