@@ -1,4 +1,4 @@
-"""Helpers shared by the load-balancing tests (issue 4): a one-rank gloo process group."""
+"""Helpers shared by the load-balancing tests: a one-rank gloo process group."""
 import os
 import socket
 

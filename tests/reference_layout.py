@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference of the token layout ops (issue 3), written from the spec, loop by loop.
+"""Pure-PyTorch reference of the token layout ops, written from the spec, loop by loop.
 
 Slow and obvious on purpose: every choice the C core makes (tie rules, padding rows, rounding
 points) is spelled out here once, in the simplest form, for the tests to compare against.

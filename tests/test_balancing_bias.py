@@ -1,4 +1,4 @@
-"""Issue 4: aux-loss-free balancing: token counting and the expert bias update, bit for bit
+"""Aux-loss-free balancing: token counting and the expert bias update, bit for bit
 against megatron-core's get_updated_expert_bias over several steps."""
 import warnings
 

@@ -1,4 +1,4 @@
-"""Issue 6: the CUDA kernels of the load-balancing ops and of router_gating_linear against the CPU
+"""The CUDA kernels of the load-balancing ops and of router_gating_linear against the CPU
 kernels (the C reference path), bitwise determinism run to run, and capture into a CUDA graph
 (no host sync). Integer outputs (maps, counts) must be equal; values within tolerances derived
 from the roundings in which the two devices may differ (the order of a sum, the math library).
@@ -321,7 +321,7 @@ def test_gating_linear_zero_tokens_cuda():
 
 
 def _all_cuda_outputs(logits, inp, w, b, pad):
-    """Every issue-6 op, forward and backward, on one set of CUDA inputs."""
+    """Every balancing op and the gating linear, forward and backward, on one set of CUDA inputs."""
     outs = []
     x = logits.detach().requires_grad_()
     m, s = ops.compute_routing_scores_for_aux_loss(x, 8, "sigmoid", padding_mask=pad)

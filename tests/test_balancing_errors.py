@@ -1,4 +1,4 @@
-"""Issue 4: bad input to the load-balancing ops. One test per rejected case; each checks the
+"""Bad input to the load-balancing ops. One test per rejected case; each checks the
 exception type and that the message names the argument and its bad value."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Issue 4: aux-loss scores, the switch / seq / global aux losses, z-loss and the autoscaler,
+"""Aux-loss scores, the switch / seq / global aux losses, z-loss and the autoscaler,
 against megatron-core's own functions (forward and backward), plus opcheck and fp64 gradcheck."""
 import warnings
 

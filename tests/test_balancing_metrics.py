@@ -1,4 +1,4 @@
-"""Issue 4: routing metrics on the device and the per-layer tracker, against direct PyTorch."""
+"""Routing metrics on the device and the per-layer tracker, against direct PyTorch."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""Issue 4: Sinkhorn normalisation and Sinkhorn routing (top-1 and top-k, training and eval)
+"""Sinkhorn normalisation and Sinkhorn routing (top-1 and top-k, training and eval)
 against megatron-core's sinkhorn and its TopKRouter.sinkhorn_load_balancing."""
 import warnings
 

@@ -1,4 +1,4 @@
-"""The dropless path waits on nothing from the host (issue 6, item 4).
+"""The dropless path waits on nothing from the host.
 
 Router → permute → expert-side probs multiply → unpermute, forward and backward, captured into a
 CUDA graph and replayed on new inputs: the replay equals eager mode bit for bit. A capture fails

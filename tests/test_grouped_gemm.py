@@ -1,4 +1,4 @@
-"""Grouped expert GEMM (issue 5, item 1): forward, dgrad and wgrad against an fp64 per-expert
+"""Grouped expert GEMM: forward, dgrad and wgrad against an fp64 per-expert
 reference, autograd, opcheck, determinism, compile, and bad input (one test per case). The tests
 taking the `device` fixture also run on CUDA when a GPU is present (more in
 test_grouped_gemm_cuda.py).

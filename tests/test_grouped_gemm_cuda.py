@@ -1,4 +1,4 @@
-"""Grouped expert GEMM on CUDA (issue 7): the three products against an fp64 truth for every
+"""Grouped expert GEMM on CUDA: the three products against an fp64 truth for every
 operand dtype, both weight layouts, uneven counts (zeros, ones, one expert holding everything,
 counts no multiple of any tile, rows past the last offset), K/N on and off the tensor-core path
 (multiples of 8 or not, misaligned pointers), every out_dtype, bitwise equality with the CPU
@@ -461,7 +461,7 @@ def test_cuda_graph_forward_backward(trans_w):
                         trans_w)
 
 
-# ---- fc1 fused with glu_probs (issue 7, item 3): grouped_gemm_glu_probs -----------------------
+# ---- fc1 fused with glu_probs: grouped_gemm_glu_probs ------------------------------------
 # The contract is the composition's bits (grouped_gemm, then glu_probs, on the same GPU), so the
 # fused op is compared with torch.equal-strictness; the composition itself is held to the fp64
 # truth by the tests above and by test_glu_probs.py. On Hopper, bf16/fp16 with trans_w and

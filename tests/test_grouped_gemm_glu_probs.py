@@ -1,4 +1,4 @@
-"""grouped_gemm_glu_probs (issue 7, item 3): fc1 with the gated activation and the router-probs
+"""grouped_gemm_glu_probs: fc1 with the gated activation and the router-probs
 multiply fused into its epilogue. CPU tests (the CUDA ones are in test_grouped_gemm_cuda.py,
 named *glu*).
 

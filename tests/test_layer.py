@@ -1,4 +1,4 @@
-"""MoELayer (issue 5): the same weights and inputs through megatron-core's real MoELayer (world size
+"""MoELayer: the same weights and inputs through megatron-core's real MoELayer (world size
 1, allgather dispatcher, local SequentialMLP experts) and through ours, forward and backward.
 
 Compared: routing maps exactly; probs, outputs, input gradients, router, expert and shared-expert

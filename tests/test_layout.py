@@ -1,4 +1,4 @@
-"""Token layout ops (issue 3): capacity, token dropping, permute / unpermute, sort_chunks_by_idxs.
+"""Token layout ops: capacity, token dropping, permute / unpermute, sort_chunks_by_idxs.
 
 Compared with tests/reference_layout.py (our defined semantics, loop by loop) and with
 megatron-core's real functions. Integer outputs, moved rows and probs must be exactly equal;

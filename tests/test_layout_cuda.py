@@ -1,4 +1,4 @@
-"""CUDA token layout ops (issue 6) against the CPU ops: the same inputs on both devices.
+"""CUDA token layout ops against the CPU ops: the same inputs on both devices.
 
 The CUDA kernels promise the CPU's results bit for bit (integer outputs, moved rows and probs,
 the combine, permute's backward, unpermute's row gradients, token dropping), and a fixed-order

@@ -31,7 +31,7 @@ def samples(device):
                                   "sqrtsoftplus", None)
     yield OPS.router_topk_dense_bwd, (torch.randn(T, E, device=device), logits.detach(), idx, k,
                                       False, 0, 0, 1.5, "sigmoid")
-    # the fused router's extras (issue 6): aux scores + map and lse, with and without a mask
+    # the fused router's extras: aux scores + map and lse, with and without a mask
     pad = torch.rand(T, device=device) < 0.3
     yield OPS.router_topk_fused, (logits, k, False, 0, 0, 0.0, "softmax", None, pad, True, True)
     yield OPS.router_topk_fused, (logits, k, True, 4, 2, 2.5, "softmax", None, None, True, False)
@@ -45,7 +45,7 @@ def samples(device):
                                logits.detach(), torch.logsumexp(logits.detach().double(), 1), pad)
     yield OPS.topk_to_dense, (torch.randn(T, k, device=device, requires_grad=True), idx, E)
     yield OPS.topk_to_dense_bwd, (torch.randn(T, E, device=device), idx)
-    # token layout (issues 3 and 6): every layout, with and without probs
+    # token layout: every layout, with and without probs
     m = torch.zeros(T, E, dtype=torch.bool, device=device).scatter_(1, idx, True)
     probs = (torch.rand(T, E, device=device) * m).requires_grad_()
     x = torch.randn(T, H, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -78,7 +78,7 @@ def samples(device):
     yield OPS.router_gating_linear_bwd, (torch.randn(T, E, device=device), inp.detach(), w.detach())
     yield OPS.router_gating_linear_bwd, (torch.randn(T, E, device=device, dtype=torch.float64),
                                          inp.detach(), w.detach())
-    # load balancing (issue 4 on the CPU, issue 6 on CUDA): padded and unpadded
+    # load balancing: padded and unpadded
     pad = torch.rand(T, device=device) < 0.3
     probs = torch.rand(T, E, device=device, requires_grad=True)
     counts = torch.randint(0, 9, (E,), device=device).float()
@@ -99,14 +99,14 @@ def samples(device):
                                      2)
     yield OPS.routing_metrics, (routing_map, probs.detach(), pad)
     yield OPS.topk_overlap, (idx, idx.flip(1), E, pad)
-    # glu_probs (issue 7, item 3): GLU with probs, offset and clamp; plain activation, no probs
+    # glu_probs: GLU with probs, offset and clamp; plain activation, no probs
     ga = torch.randn(T, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
     gp = torch.rand(T, device=device, requires_grad=True)
     yield OPS.glu_probs, (ga, gp, "silu", True, 0.5, 2.0)
     yield OPS.glu_probs, (ga, None, "gelu", False, 0.0, None)
     yield OPS.glu_probs_bwd, (torch.randn(T, 8, device=device, dtype=torch.bfloat16), ga.detach(),
                               gp.detach(), "gelu_tanh", True, 0.0, None)
-    # grouped GEMM (issues 5, 7): uneven counts with an empty expert, both weight layouts, the
+    # grouped GEMM: uneven counts with an empty expert, both weight layouts, the
     # tensor-core path (H = 32, 8 columns) and on CUDA the SIMT path (fp32, 5 columns)
     off = torch.tensor([0, 5, 5, 12], device=device)
     gw = torch.randn(3, H, 8, device=device, dtype=torch.bfloat16, requires_grad=True)

@@ -1,4 +1,4 @@
-"""Router ops (issue 2): topk routing and gating linear vs tests/reference.py and megatron-core.
+"""Router ops: topk routing and gating linear vs tests/reference.py and megatron-core.
 
 Inputs are tie-free wherever the comparison involves torch.topk (whose tie-breaking is
 unspecified); our own tie rule is tested separately. Tolerances come from tests/tolerances.py.

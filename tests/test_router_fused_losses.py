@@ -1,4 +1,4 @@
-"""Issue 6: the aux-loss scores and the z-loss's logsumexp from the router's single pass.
+"""The aux-loss scores and the z-loss's logsumexp from the router's single pass.
 
 router_topk_fused must give, next to router_topk_dense's routing, exactly what the separate ops
 give: compute_routing_scores_for_aux_loss's scores and map, and an lse whose z-loss
@@ -317,7 +317,7 @@ def test_cpu_cuda_same_extras(dtype, E, k, router_kernel):
 # ---- the router: one fused call vs the old three-call path -------------------------------------
 
 def old_forward(router: TopKRouter, hidden, padding_mask=None):
-    """TopKRouter.forward before issue 6 (separate z_loss_func and aux-score passes)."""
+    """TopKRouter.forward with the losses computed apart (separate z_loss_func and aux-score passes)."""
     cfg = router.config
     E, k = cfg.num_moe_experts, router.topk
     seq_length = hidden.shape[0]

@@ -1,4 +1,4 @@
-/* test_balancing.c: the load-balancing kernels (issue 4) against brute-force C references. */
+/* test_balancing.c: the load-balancing kernels against brute-force C references. */
 #include <stdlib.h>
 #include <string.h>
 
