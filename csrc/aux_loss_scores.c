@@ -33,7 +33,12 @@ size_t moe_aux_loss_scores_workspace_size(int64_t num_tokens, int64_t num_expert
     (void)num_tokens;
     (void)num_experts;
     if (topk < 1) topk = 1;
-    return (size_t)moe_max_threads() * (size_t)topk * (sizeof(double) + sizeof(int64_t));
+    int64_t words;
+    if (moe_checked_mul_i64(topk, moe_max_threads(), &words) ||
+        moe_checked_bytes(words, (int64_t)(sizeof(double) + sizeof(int64_t))) == MOE_SIZE_OVERFLOW)
+        return moe_fail_size("moe_aux_loss_scores_workspace_size: topk=%lld needs more than "
+                             "int64 bytes of scratch", (long long)topk);
+    return moe_checked_bytes(words, (int64_t)(sizeof(double) + sizeof(int64_t)));
 }
 
 moe_status_t moe_aux_loss_scores_fwd(void *scores, uint8_t *routing_map, const void *logits,
@@ -51,7 +56,9 @@ moe_status_t moe_aux_loss_scores_fwd(void *scores, uint8_t *routing_map, const v
     MOE_TRY(check_score_function(score_function));
     if (num_tokens == 0) return MOE_OK;
     MOE_CHECK(scores && routing_map && logits, "scores, routing_map and logits must not be NULL");
-    const size_t per_thread = (size_t)topk * (sizeof(double) + sizeof(int64_t));
+    const size_t per_thread = moe_checked_bytes(topk, (int64_t)(sizeof(double) + sizeof(int64_t)));
+    MOE_CHECK(per_thread != MOE_SIZE_OVERFLOW, "topk=%lld: its scratch overflows int64 bytes",
+              (long long)topk);
     const int64_t nthreads = (int64_t)(workspace_bytes / per_thread);
     MOE_CHECK(workspace != NULL && nthreads >= 1,
               "workspace too small: %zu bytes, need at least %zu "

@@ -87,7 +87,7 @@ MOE_HD static inline double moe_switch_factor(int64_t num_experts, int64_t topk,
 static inline moe_status_t check_sizes(int64_t num_tokens, int64_t num_experts, const char *cols) {
     MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
     MOE_CHECK(num_experts >= 1, "%s must be >= 1, got %lld", cols, (long long)num_experts);
-    return MOE_OK;
+    return moe_check_mul(num_tokens, "num_tokens", num_experts, cols);
 }
 
 static inline moe_status_t check_switch(const void *probs, const float *tpe, const double *total,
@@ -114,9 +114,7 @@ static inline moe_status_t check_score_function(moe_score_function_t sf) {
 
 static inline moe_status_t check_workspace(const void *workspace, size_t have, size_t need,
                                     const char *fn) {
-    MOE_CHECK(need == 0 || (workspace != NULL && have >= need),
-              "workspace too small: %zu bytes, need %zu (%s)", have, need, fn);
-    return MOE_OK;
+    return moe_check_workspace(workspace, have, need, fn);
 }
 
 #endif /* MOE_CORE_BALANCING_MATH_H_ */

@@ -1,5 +1,6 @@
 /*
- * common.c: status strings, the thread-local error message, dtype sizes.
+ * common.c: status strings, the thread-local error message, dtype sizes, the overflow checks
+ * shared by every op's argument check.
  *
  * The message buffer is thread-local, so concurrent callers (PyTorch's inter-op threads, the
  * autograd engine's device threads) never read each other's errors.
@@ -20,6 +21,29 @@ moe_status_t moe_fail(moe_status_t status, const char *fmt, ...) {
 }
 
 void moe_clear_error(void) { moe_error_message[0] = '\0'; }
+
+size_t moe_fail_size(const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(moe_error_message, sizeof moe_error_message, fmt, args);
+    va_end(args);
+    return MOE_SIZE_OVERFLOW;
+}
+
+moe_status_t moe_check_mul(int64_t a, const char *a_name, int64_t b, const char *b_name) {
+    int64_t product;
+    MOE_CHECK(!moe_checked_mul_i64(a, b, &product),
+              "%s=%lld times %s=%lld overflows int64", a_name, (long long)a, b_name,
+              (long long)b);
+    return MOE_OK;
+}
+
+moe_status_t moe_check_workspace(const void *workspace, size_t have, size_t need, const char *fn) {
+    if (need == MOE_SIZE_OVERFLOW) return MOE_ERR_INVALID_ARGUMENT; /* message: the size function's */
+    MOE_CHECK(need == 0 || (workspace != NULL && have >= need),
+              "workspace too small: %zu bytes, need %zu (%s)", have, need, fn);
+    return MOE_OK;
+}
 
 const char *moe_last_error(void) { return moe_error_message; }
 

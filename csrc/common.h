@@ -37,9 +37,41 @@ moe_status_t moe_fail(moe_status_t status, const char *fmt, ...)
 /* Clears the thread-local message; every public entry point calls it first. */
 void moe_clear_error(void);
 
+/* Records a formatted message (as moe_fail) and returns MOE_SIZE_OVERFLOW: how a size function
+ * (size_t result, no status to return) reports a size that does not fit. */
+size_t moe_fail_size(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2)))
+#endif
+    ;
+
+/* MOE_OK when a · b fits in int64, else MOE_ERR_INVALID_ARGUMENT naming both factors and their
+ * values. The per-op checks call it on every product of sizes (elements of a [rows, cols]
+ * buffer), so the index arithmetic of the kernels behind them cannot wrap. */
+moe_status_t moe_check_mul(int64_t a, const char *a_name, int64_t b, const char *b_name);
+
+/* Checks a workspace against the bytes its size function asked for. MOE_SIZE_OVERFLOW (the size
+ * function has already recorded why) is an invalid argument, not a request for SIZE_MAX bytes. */
+moe_status_t moe_check_workspace(const void *workspace, size_t have, size_t need, const char *fn);
+
 /* Sizes, layout and dtypes of a grouped GEMM (grouped_gemm.c); the CPU and CUDA entry points
  * share it so that both reject bad params with the same message. */
 moe_status_t moe_grouped_gemm_check_params(const moe_grouped_gemm_params_t *p);
+
+/* The size checks of the token layout ops, shared by the CPU and CUDA entry points so that both
+ * reject the same arguments with the same message (none reads a buffer):
+ *   moe_permute_check_params: permute's sizes and params, the row bound (checked, into
+ *     *num_rows) and every element count of its buffers (permute.c);
+ *   moe_layout_check_sizes: unpermute / permute_bwd sizes, the dtype of the rows (`what` names
+ *     the buffer) and the element counts of [num_tokens | num_rows, hidden] and
+ *     [num_tokens, num_experts] (layout.c);
+ *   moe_topk_to_dense_check_sizes: topk_to_dense's sizes and dtype (topk_to_dense.c). */
+moe_status_t moe_permute_check_params(int64_t num_tokens, int64_t hidden, int64_t num_experts,
+                                      const moe_permute_params_t *p, int64_t *num_rows);
+moe_status_t moe_layout_check_sizes(int64_t num_tokens, int64_t hidden, int64_t num_experts,
+                                    int64_t num_rows, moe_dtype_t dtype, const char *what);
+moe_status_t moe_topk_to_dense_check_sizes(int64_t num_tokens, int64_t num_experts, int64_t topk,
+                                           moe_dtype_t dtype);
 
 #ifdef __cplusplus
 }
@@ -50,6 +82,39 @@ moe_status_t moe_grouped_gemm_check_params(const moe_grouped_gemm_params_t *p);
     do {                                                            \
         if (!(cond)) return moe_fail(MOE_ERR_INVALID_ARGUMENT, __VA_ARGS__); \
     } while (0)
+
+/* ---- checked int64 arithmetic: every size the core computes from caller values goes through
+ * these. Signed overflow is undefined behaviour in C, and a wrapped size is worse than a crash:
+ * it passes range checks and sizes buffers too small. Each returns 0 with *out = the exact
+ * result, or 1 when the result does not fit in int64 (*out is then unspecified). Host code only
+ * (C and the host side of the .cu files); the kernels index buffers whose sizes were checked. */
+static inline int moe_checked_add_i64(int64_t a, int64_t b, int64_t *out) {
+    return __builtin_add_overflow(a, b, out) ? 1 : 0;
+}
+
+static inline int moe_checked_mul_i64(int64_t a, int64_t b, int64_t *out) {
+    return __builtin_mul_overflow(a, b, out) ? 1 : 0;
+}
+
+/* count · elem_bytes as a size_t, or MOE_SIZE_OVERFLOW when count < 0 or the product overflows
+ * (no message: the caller, which knows the arguments, records one). */
+static inline size_t moe_checked_bytes(int64_t count, int64_t elem_bytes) {
+    int64_t bytes;
+    if (count < 0 || elem_bytes < 0 || moe_checked_mul_i64(count, elem_bytes, &bytes))
+        return MOE_SIZE_OVERFLOW;
+    return (size_t)bytes;
+}
+
+/* *total += count · elem_bytes rounded up to a multiple of align (a power of two), all checked:
+ * one section of a workspace layout. Returns 1 on overflow (or a negative count), else 0. */
+static inline int moe_checked_section(int64_t *total, int64_t count, int64_t elem_bytes,
+                                      int64_t align) {
+    int64_t b;
+    if (count < 0 || moe_checked_mul_i64(count, elem_bytes, &b) ||
+        moe_checked_add_i64(b, align - 1, &b))
+        return 1;
+    return moe_checked_add_i64(*total, b & ~(align - 1), total);
+}
 
 /* Propagates a non-OK status. */
 #define MOE_TRY(expr)                          \

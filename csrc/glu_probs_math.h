@@ -555,7 +555,11 @@ static inline moe_status_t moe_gp_check_args(const void *out, const void *a, int
               "clamp_value must be >= 0 (the linear half is clamped to [-v, v]), got %g",
               p->clamp_value);
     MOE_CHECK(num_rows == 0 || (out && a), "the output and a must not be NULL");
-    return MOE_OK;
+    /* a is [num_rows, 2 ffn] with GLU: that element count must fit in int64 */
+    int64_t width;
+    MOE_CHECK(!moe_checked_mul_i64(ffn, p->gated_linear_unit ? 2 : 1, &width),
+              "ffn=%lld: the GLU input width 2 * ffn overflows int64", (long long)ffn);
+    return moe_check_mul(num_rows, "num_rows", width, p->gated_linear_unit ? "2 * ffn" : "ffn");
 }
 
 /* Argument checks of grouped_gemm_glu_probs (fc1 with glu_probs in its epilogue), shared by the

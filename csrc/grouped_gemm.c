@@ -502,6 +502,13 @@ moe_status_t moe_grouped_gemm_check_params(const moe_grouped_gemm_params_t *p) {
     MOE_CHECK(is_operand_dtype(p->out_dtype),
               "out_dtype must be float32, float16, bfloat16 or float64, got %s",
               moe_dtype_name(p->out_dtype));
+    /* x [rows, K], y [rows, N], weight [E, K, N]: each element count must fit in int64 */
+    int64_t kn;
+    MOE_TRY(moe_check_mul(p->num_rows, "num_rows", p->in_features, "in_features"));
+    MOE_TRY(moe_check_mul(p->num_rows, "num_rows", p->out_features, "out_features"));
+    MOE_TRY(moe_check_mul(p->in_features, "in_features", p->out_features, "out_features"));
+    (void)moe_checked_mul_i64(p->in_features, p->out_features, &kn);
+    MOE_TRY(moe_check_mul(p->num_experts, "num_experts", kn, "in_features * out_features"));
     return MOE_OK;
 }
 
@@ -533,7 +540,13 @@ static void zero_tail(void *out, const int64_t *off, const moe_grouped_gemm_para
 
 size_t moe_grouped_gemm_workspace_size(const moe_grouped_gemm_params_t *params) {
     (void)params;
-    return (size_t)moe_max_threads() * (size_t)THREAD_FLOATS * sizeof(float) + ALIGN_BYTES;
+    int64_t floats, bytes;
+    if (moe_checked_mul_i64(moe_max_threads(), THREAD_FLOATS, &floats) ||
+        moe_checked_mul_i64(floats, (int64_t)sizeof(float), &bytes) ||
+        moe_checked_add_i64(bytes, ALIGN_BYTES, &bytes))
+        return moe_fail_size("moe_grouped_gemm_workspace_size: %d threads' packing buffers "
+                             "overflow int64 bytes", moe_max_threads());
+    return (size_t)bytes;
 }
 
 static int64_t tiles_of(gg_problem_t pr) {
@@ -554,8 +567,11 @@ static moe_status_t run(const gg_call_t *call, void *workspace, size_t workspace
     if (nthreads > moe_max_threads()) nthreads = moe_max_threads();
     /* Waking a team costs microseconds (far more on a loaded machine); below ~2^18 multiply-adds
      * one thread is faster. Safe for determinism: results never depend on the thread count. */
-    const int64_t macs = (p->num_rows + E) * p->in_features * p->out_features;
-    if (macs < ((int64_t)1 << 18)) nthreads = 1;
+    int64_t macs;
+    const int overflow = moe_checked_add_i64(p->num_rows, E, &macs) ||
+                         moe_checked_mul_i64(macs, p->in_features, &macs) ||
+                         moe_checked_mul_i64(macs, p->out_features, &macs);
+    if (!overflow && macs < ((int64_t)1 << 18)) nthreads = 1;
     const uintptr_t align_mask = (uintptr_t)(ALIGN_BYTES - 1);
     float *base = (float *)(((uintptr_t)workspace + align_mask) & ~align_mask);
     const gg_kernels_t kernels = pick_kernels();

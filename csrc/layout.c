@@ -12,19 +12,14 @@
 moe_status_t moe_token_rows_build(moe_token_rows_t *out, const int64_t *sorted_indices,
                                   int64_t num_tokens, int64_t num_rows, void *workspace,
                                   size_t workspace_bytes) {
-    const size_t need = moe_unpermute_workspace_size(num_tokens, num_rows);
-    MOE_CHECK(workspace_bytes >= need && (need == 0 || workspace),
-              "workspace too small: %zu bytes, need at least %zu (moe_unpermute_workspace_size)",
-              workspace_bytes, need);
-    MOE_CHECK(num_rows == 0 || sorted_indices, "sorted_indices must not be NULL");
+    MOE_TRY(moe_check_workspace(workspace, workspace_bytes,
+                                moe_unpermute_workspace_size(num_tokens, num_rows),
+                                "moe_unpermute_workspace_size"));
     int64_t *start = (int64_t *)workspace;
     int64_t *rows = start + num_tokens + 1;
     for (int64_t t = 0; t <= num_tokens; ++t) start[t] = 0;
     for (int64_t r = 0; r < num_rows; ++r) {
-        const int64_t t = sorted_indices[r];
-        MOE_CHECK(t >= -1 && t < num_tokens,
-                  "sorted_indices[%lld] = %lld is outside [-1, num_tokens=%lld)", (long long)r,
-                  (long long)t, (long long)num_tokens);
+        const int64_t t = sorted_indices[r]; /* in [-1, num_tokens): moe_check_sorted_indices */
         if (t >= 0) ++start[t + 1];
     }
     for (int64_t t = 0; t < num_tokens; ++t) start[t + 1] += start[t];
@@ -42,7 +37,40 @@ moe_status_t moe_token_rows_build(moe_token_rows_t *out, const int64_t *sorted_i
 
 size_t moe_unpermute_workspace_size(int64_t num_tokens, int64_t num_rows) {
     if (num_tokens < 0 || num_rows < 0) return 0;
-    return (size_t)(num_tokens + 1 + num_rows) * sizeof(int64_t);
+    int64_t words;
+    size_t bytes = MOE_SIZE_OVERFLOW;
+    if (!moe_checked_add_i64(num_tokens, 1, &words) &&
+        !moe_checked_add_i64(words, num_rows, &words))
+        bytes = moe_checked_bytes(words, (int64_t)sizeof(int64_t));
+    if (bytes == MOE_SIZE_OVERFLOW)
+        return moe_fail_size("moe_unpermute_workspace_size: num_tokens=%lld + 1 + num_rows=%lld "
+                             "int64 words overflow int64 bytes",
+                             (long long)num_tokens, (long long)num_rows);
+    return bytes;
+}
+
+moe_status_t moe_layout_check_sizes(int64_t num_tokens, int64_t hidden, int64_t num_experts,
+                                    int64_t num_rows, moe_dtype_t dtype, const char *what) {
+    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
+    MOE_CHECK(hidden >= 1, "hidden must be >= 1, got %lld", (long long)hidden);
+    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
+    MOE_CHECK(num_rows >= 0, "num_rows must be >= 0, got %lld", (long long)num_rows);
+    MOE_CHECK(moe_is_float_dtype(dtype), "%s must be a float dtype, got %s", what,
+              moe_dtype_name(dtype));
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", hidden, "hidden"));
+    MOE_TRY(moe_check_mul(num_rows, "num_rows", hidden, "hidden"));
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
+    return MOE_OK;
+}
+
+moe_status_t moe_check_sorted_indices(const int64_t *sorted_indices, int64_t num_tokens,
+                                      int64_t num_rows) {
+    MOE_CHECK(num_rows == 0 || sorted_indices, "sorted_indices must not be NULL");
+    for (int64_t r = 0; r < num_rows; ++r)
+        MOE_CHECK(sorted_indices[r] >= -1 && sorted_indices[r] < num_tokens,
+                  "sorted_indices[%lld] = %lld is outside [-1, num_tokens=%lld)", (long long)r,
+                  (long long)sorted_indices[r], (long long)num_tokens);
+    return MOE_OK;
 }
 
 moe_status_t moe_check_expert_offsets(const int64_t *expert_offsets, int64_t num_experts,
@@ -50,6 +78,11 @@ moe_status_t moe_check_expert_offsets(const int64_t *expert_offsets, int64_t num
     MOE_CHECK(expert_offsets, "expert_offsets must not be NULL when probs are given");
     MOE_CHECK(expert_offsets[0] >= 0, "expert_offsets[0] must be >= 0, got %lld",
               (long long)expert_offsets[0]);
+    /* the blocks describe rows of this buffer: one past its end names rows that do not exist */
+    MOE_CHECK(expert_offsets[num_experts] <= num_rows,
+              "expert_offsets[num_experts=%lld] = %lld is past the rows of the permuted buffer "
+              "(num_rows=%lld)", (long long)num_experts, (long long)expert_offsets[num_experts],
+              (long long)num_rows);
     for (int64_t e = 0; e < num_experts; ++e)
         MOE_CHECK(expert_offsets[e + 1] >= expert_offsets[e],
                   "expert_offsets must be non-decreasing, got expert_offsets[%lld] = %lld > "

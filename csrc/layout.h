@@ -42,7 +42,7 @@ static inline int64_t moe_row_expert(const int64_t *offsets, int64_t num_experts
 /*
  * The token → rows map, built from sorted_indices by a stable counting sort in `workspace`
  * ((num_tokens + 1 + num_rows) int64): the rows of token t are rows[start[t] .. start[t+1]), in
- * ascending order. Checks every index is in [-1, num_tokens).
+ * ascending order. The indices must have passed moe_check_sorted_indices (the op's check).
  */
 typedef struct moe_token_rows {
     const int64_t *start; /* [num_tokens + 1] */
@@ -64,8 +64,12 @@ void moe_gather_sum_token(void *out_row, const void *rows_base, const int64_t *r
                           moe_dtype_t probs_dtype, const int64_t *expert_offsets,
                           int64_t num_experts, int64_t token);
 
-/* Checks expert_offsets: [E + 1] non-decreasing from >= 0, and every row with a token inside
- * [offsets[0], offsets[E]). */
+/* Checks sorted_indices: every entry in [-1, num_tokens) (moe_token_rows_build relies on it). */
+moe_status_t moe_check_sorted_indices(const int64_t *sorted_indices, int64_t num_tokens,
+                                      int64_t num_rows);
+
+/* Checks expert_offsets: [E + 1] non-decreasing from >= 0 to at most num_rows, and every row with
+ * a token inside [offsets[0], offsets[E]). */
 moe_status_t moe_check_expert_offsets(const int64_t *expert_offsets, int64_t num_experts,
                                       const int64_t *sorted_indices, int64_t num_rows);
 

@@ -15,6 +15,11 @@
  * and never exits. On failure a function returns a status other than MOE_OK and leaves a message
  * naming the argument and its bad value in a thread-local buffer, read with moe_last_error().
  * Sizes and indices are int64 throughout.
+ *
+ * Overflow: every size the core derives from its arguments (element counts, row bounds, byte
+ * counts) is computed with checked int64 arithmetic. An op whose sizes do not fit returns
+ * MOE_ERR_INVALID_ARGUMENT naming the argument and its value; a *_workspace_size function, which
+ * has no status to return, returns MOE_SIZE_OVERFLOW and leaves the message in moe_last_error().
  */
 #ifndef MOE_CORE_H_
 #define MOE_CORE_H_
@@ -59,6 +64,13 @@ typedef enum moe_score_function {
     MOE_SCORE_SIGMOID = 1,     /**< sigmoid(x), renormalised over the top-k when topk > 1 */
     MOE_SCORE_SQRTSOFTPLUS = 2 /**< sqrt(softplus(x)), renormalised like sigmoid */
 } moe_score_function_t;
+
+/**
+ * What every *_workspace_size function returns when the size does not fit (an argument so large
+ * that the byte count overflows int64): never a valid request, since no
+ * buffer can have SIZE_MAX bytes. moe_last_error() then names the function and its arguments.
+ */
+#define MOE_SIZE_OVERFLOW SIZE_MAX
 
 /** Name of a status code, e.g. "MOE_ERR_INVALID_ARGUMENT". Never NULL. */
 const char *moe_status_string(moe_status_t status);
@@ -278,7 +290,10 @@ moe_status_t moe_router_lse_bwd(void *grad_logits, const double *grad_lse, const
 
 /**
  * Forward: probs[t, e] = topk_probs[t, j] where topk_indices[t, j] == e, else 0;
- * routing_map[t, e] = 1 exactly there. Indices must be distinct within a row and in [0, E).
+ * routing_map[t, e] = 1 exactly there. Indices must be distinct within a row and in [0, E): the
+ * CPU entry points (forward and backward) reject a repeated or out-of-range id before writing
+ * anything; the CUDA ones cannot without a host sync (the ids are in device memory), so there it
+ * is the caller's contract (an out-of-range id is ignored, a repeated one's last value wins).
  * \param[out] probs         [num_tokens, num_experts], `dtype`, or NULL
  * \param[out] routing_map   [num_tokens, num_experts], bool (uint8 0/1), or NULL
  * \param[in]  topk_probs    [num_tokens, topk], `dtype`
@@ -382,7 +397,8 @@ typedef struct moe_permute_params {
 } moe_permute_params_t;
 
 /**
- * Rows of the permuted buffer (the static bound), or -1 with a message for bad params:
+ * Rows of the permuted buffer (the static bound), or -1 with a message (moe_last_error()) for
+ * bad params or a bound that overflows int64 (e.g. a huge align_size):
  *   dropless:     num_out_tokens + (align_size > 1 ? num_experts·(align_size - 1) : 0)
  *   drop_and_pad: num_experts · roundup(num_out_tokens / num_experts, max(align_size, 1))
  */
@@ -452,8 +468,9 @@ moe_status_t moe_permute_bwd(void *grad_tokens, void *grad_probs, const void *gr
  * \param[in]  permuted_tokens [num_rows, hidden], `dtype` (float)
  * \param[in]  sorted_indices  [num_rows], int64 in [-1, num_tokens): -1 rows are skipped
  * \param[in]  probs           [num_tokens, num_experts], `probs_dtype`, or NULL
- * \param[in]  expert_offsets  [num_experts + 1], int64, non-decreasing (required with probs):
- *                             row r belongs to the expert e with offsets[e] <= r < offsets[e+1]
+ * \param[in]  expert_offsets  [num_experts + 1], int64, non-decreasing, offsets[E] <= num_rows
+ *                             (required with probs): row r belongs to the expert e with
+ *                             offsets[e] <= r < offsets[e+1]
  * \param[in]  workspace       moe_unpermute_workspace_size(num_tokens, num_rows) bytes
  */
 moe_status_t moe_unpermute_fwd(void *output, const void *permuted_tokens,
@@ -1024,6 +1041,8 @@ moe_status_t moe_cuda_topk_to_dense_bwd(void *grad_topk_probs, const void *grad_
  * - Arguments that live in device memory (sorted_indices, expert_offsets, split_sizes,
  *   sorted_idxs) are not validated; out-of-range values are the caller's contract (the kernels
  *   skip an index outside [-1, num_tokens) / [0, num_chunks) rather than write out of bounds).
+ *   Everything derived from the sizes alone (row bounds, element counts, workspace bytes) is
+ *   checked on the host exactly as on the CPU, with the same messages.
  * - Integer outputs (indices, offsets, counts, maps) are bitwise the CPU's; so are permute's
  *   rows and probs, unpermute's output, permute_bwd's grads, unpermute_bwd's
  *   grad_permuted_tokens and token dropping's outputs. unpermute_bwd's grad_probs sums its

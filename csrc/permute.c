@@ -9,19 +9,58 @@
  */
 #include "layout.h"
 
-static int64_t round_up(int64_t x, int64_t m) { return m > 1 ? (x + m - 1) / m * m : x; }
+/* x rounded up to a multiple of m (m <= 1: x itself); 1 when that overflows int64. */
+static int round_up_checked(int64_t x, int64_t m, int64_t *out) {
+    if (m <= 1) return *out = x, 0;
+    if (moe_checked_add_i64(x, m - 1, out)) return 1;
+    return moe_checked_mul_i64(*out / m, m, out);
+}
+
+/* round_up for a block that is cut off at the row bound anyway: saturates instead of failing. */
+static int64_t round_up_sat(int64_t x, int64_t m) {
+    int64_t r;
+    return round_up_checked(x, m, &r) ? INT64_MAX : r;
+}
 
 int64_t moe_permute_num_rows(int64_t num_tokens, int64_t num_experts,
                              const moe_permute_params_t *p) {
-    if (!p || num_tokens < 0 || num_experts < 1 || p->num_out_tokens < 0 || p->align_size < 0)
-        return -1;
-    if (p->drop_and_pad)
-        return num_experts * round_up(p->num_out_tokens / num_experts, p->align_size);
-    return p->num_out_tokens + (p->align_size > 1 ? num_experts * (p->align_size - 1) : 0);
+    if (!p) return moe_fail(MOE_ERR_INVALID_ARGUMENT, "params must not be NULL"), -1;
+    if (num_tokens < 0)
+        return moe_fail(MOE_ERR_INVALID_ARGUMENT, "num_tokens must be >= 0, got %lld",
+                        (long long)num_tokens), -1;
+    if (num_experts < 1)
+        return moe_fail(MOE_ERR_INVALID_ARGUMENT, "num_experts must be >= 1, got %lld",
+                        (long long)num_experts), -1;
+    if (p->num_out_tokens < 0)
+        return moe_fail(MOE_ERR_INVALID_ARGUMENT, "num_out_tokens must be >= 0, got %lld",
+                        (long long)p->num_out_tokens), -1;
+    if (p->align_size < 0)
+        return moe_fail(MOE_ERR_INVALID_ARGUMENT, "align_size must be >= 0, got %lld",
+                        (long long)p->align_size), -1;
+    int64_t rows, block;
+    if (p->drop_and_pad) {
+        const int64_t capacity = p->num_out_tokens / num_experts;
+        if (round_up_checked(capacity, p->align_size, &block) ||
+            moe_checked_mul_i64(num_experts, block, &rows))
+            return moe_fail(MOE_ERR_INVALID_ARGUMENT,
+                            "drop_and_pad: num_experts=%lld blocks of capacity=%lld "
+                            "(num_out_tokens=%lld) rounded up to align_size=%lld overflow int64 "
+                            "rows", (long long)num_experts, (long long)capacity,
+                            (long long)p->num_out_tokens, (long long)p->align_size), -1;
+        return rows;
+    }
+    if (p->align_size <= 1) return p->num_out_tokens;
+    if (moe_checked_mul_i64(num_experts, p->align_size - 1, &block) ||
+        moe_checked_add_i64(p->num_out_tokens, block, &rows))
+        return moe_fail(MOE_ERR_INVALID_ARGUMENT,
+                        "align_size=%lld overflows the row bound num_out_tokens=%lld + "
+                        "num_experts=%lld * (align_size - 1)", (long long)p->align_size,
+                        (long long)p->num_out_tokens, (long long)num_experts), -1;
+    return rows;
 }
 
-static moe_status_t check_params(int64_t num_tokens, int64_t hidden, int64_t num_experts,
-                                 const moe_permute_params_t *p) {
+moe_status_t moe_permute_check_params(int64_t num_tokens, int64_t hidden, int64_t num_experts,
+                                      const moe_permute_params_t *p, int64_t *num_rows) {
     MOE_CHECK(p != NULL, "params must not be NULL");
     MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
     MOE_CHECK(hidden >= 1, "hidden must be >= 1, got %lld", (long long)hidden);
@@ -29,6 +68,12 @@ static moe_status_t check_params(int64_t num_tokens, int64_t hidden, int64_t num
     MOE_CHECK(p->num_out_tokens >= 0, "num_out_tokens must be >= 0, got %lld",
               (long long)p->num_out_tokens);
     MOE_CHECK(p->align_size >= 0, "align_size must be >= 0, got %lld", (long long)p->align_size);
+    const int64_t R = moe_permute_num_rows(num_tokens, num_experts, p);
+    if (R < 0) return MOE_ERR_INVALID_ARGUMENT; /* moe_permute_num_rows said why */
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", hidden, "hidden"));
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
+    MOE_TRY(moe_check_mul(R, "num_rows", hidden, "hidden"));
+    *num_rows = R;
     return MOE_OK;
 }
 
@@ -41,7 +86,8 @@ moe_status_t moe_permute_fwd(void *permuted_tokens, void *permuted_probs, int64_
                              size_t workspace_bytes, void *stream) {
     (void)workspace, (void)workspace_bytes, (void)stream;
     moe_clear_error();
-    MOE_TRY(check_params(num_tokens, hidden, num_experts, params));
+    int64_t R;
+    MOE_TRY(moe_permute_check_params(num_tokens, hidden, num_experts, params, &R));
     const size_t esize = moe_dtype_size(dtype);
     MOE_CHECK(esize > 0, "tokens has an unknown dtype (%d)", (int)dtype);
     MOE_CHECK(!permuted_probs || moe_is_float_dtype(probs_dtype),
@@ -50,7 +96,7 @@ moe_status_t moe_permute_fwd(void *permuted_tokens, void *permuted_probs, int64_
               "probs must not be NULL when permuted_probs is requested");
     MOE_CHECK(expert_offsets && tokens_per_expert,
               "expert_offsets and tokens_per_expert must not be NULL");
-    const int64_t T = num_tokens, E = num_experts, R = moe_permute_num_rows(T, E, params);
+    const int64_t T = num_tokens, E = num_experts;
     MOE_CHECK(R == 0 || (permuted_tokens && sorted_indices),
               "permuted_tokens and sorted_indices must not be NULL");
     MOE_CHECK(T == 0 || (tokens && routing_map), "tokens and routing_map must not be NULL");
@@ -63,7 +109,7 @@ moe_status_t moe_permute_fwd(void *permuted_tokens, void *permuted_probs, int64_
     for (int64_t e = 0; e < E; ++e) {
         int64_t count = 0;
         for (int64_t t = 0; t < T; ++t) count += routing_map[t * E + e] != 0;
-        tokens_per_expert[e] = dap ? round_up(capacity, align) : round_up(count, align);
+        tokens_per_expert[e] = round_up_sat(dap ? capacity : count, align); /* cut to R below */
     }
     expert_offsets[0] = 0;
     for (int64_t e = 0; e < E; ++e) {
@@ -116,23 +162,20 @@ moe_status_t moe_permute_bwd(void *grad_tokens, void *grad_probs, const void *gr
                              void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(hidden >= 1, "hidden must be >= 1, got %lld", (long long)hidden);
-    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
-    MOE_CHECK(num_rows >= 0, "num_rows must be >= 0, got %lld", (long long)num_rows);
-    MOE_CHECK(moe_is_float_dtype(dtype), "grad_permuted_tokens must be a float dtype, got %s",
-              moe_dtype_name(dtype));
+    MOE_TRY(moe_layout_check_sizes(num_tokens, hidden, num_experts, num_rows, dtype,
+                                   "grad_permuted_tokens"));
     MOE_CHECK(!grad_probs || moe_is_float_dtype(probs_dtype),
               "grad_permuted_probs must be a float dtype, got %s", moe_dtype_name(probs_dtype));
     MOE_CHECK(!grad_probs || num_rows == 0 || grad_permuted_probs,
               "grad_permuted_probs must not be NULL when grad_probs is requested");
     MOE_CHECK(num_tokens == 0 || grad_tokens, "grad_tokens must not be NULL");
     MOE_CHECK(num_rows == 0 || grad_permuted_tokens, "grad_permuted_tokens must not be NULL");
+    MOE_TRY(moe_check_sorted_indices(sorted_indices, num_tokens, num_rows));
+    if (grad_probs)
+        MOE_TRY(moe_check_expert_offsets(expert_offsets, num_experts, sorted_indices, num_rows));
     moe_token_rows_t map;
     MOE_TRY(moe_token_rows_build(&map, sorted_indices, num_tokens, num_rows, workspace,
                                  workspace_bytes));
-    if (grad_probs)
-        MOE_TRY(moe_check_expert_offsets(expert_offsets, num_experts, sorted_indices, num_rows));
     const size_t esize = moe_dtype_size(dtype);
 
 #pragma omp parallel for schedule(static)

@@ -24,6 +24,9 @@ static moe_status_t check_args(int64_t num_tokens, int64_t hidden, int64_t num_e
               moe_dtype_name(weight_dtype));
     MOE_CHECK(moe_is_float_dtype(router_dtype), "router_dtype must be a float dtype, got %s",
               moe_dtype_name(router_dtype));
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", hidden, "hidden"));
+    MOE_TRY(moe_check_mul(num_experts, "num_experts", hidden, "hidden"));
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
     return MOE_OK;
 }
 

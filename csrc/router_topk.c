@@ -15,9 +15,16 @@
 #include "router_topk_math.h"
 
 /* One thread's scratch (row scratch + its probs + the aux top-k list of the fused forward),
- * padded to whole 64-byte cache lines so that threads never write to the same line. */
+ * padded to whole 64-byte cache lines so that threads never write to the same line; -1 when the
+ * word count overflows int64 (topk or num_groups near 2^62). */
 static int64_t thread_words(int64_t topk, int64_t num_groups) {
-    return (moe_topk_scratch_words(topk, num_groups) + 3 * topk + 7) / 8 * 8;
+    int64_t a, b, w;
+    if (topk < 0) topk = 0;
+    if (num_groups < 0) num_groups = 0;
+    if (moe_checked_mul_i64(topk, 6, &a) || moe_checked_mul_i64(num_groups, 3, &b) ||
+        moe_checked_add_i64(a, b, &w) || moe_checked_add_i64(w, 1 + 7, &w))
+        return -1;
+    return w / 8 * 8;
 }
 
 size_t moe_router_topk_workspace_size(int64_t num_tokens, int64_t num_experts,
@@ -25,7 +32,14 @@ size_t moe_router_topk_workspace_size(int64_t num_tokens, int64_t num_experts,
     (void)num_tokens;
     int64_t groups = params && params->num_groups > 0 ? params->num_groups : 0;
     int64_t topk = params ? params->topk : num_experts;
-    return (size_t)moe_max_threads() * (size_t)thread_words(topk, groups) * sizeof(double);
+    const int64_t words = thread_words(topk, groups);
+    int64_t all;
+    if (words < 0 || moe_checked_mul_i64(words, moe_max_threads(), &all) ||
+        moe_checked_bytes(all, (int64_t)sizeof(double)) == MOE_SIZE_OVERFLOW)
+        return moe_fail_size("moe_router_topk_workspace_size: topk=%lld, num_groups=%lld need "
+                             "more than int64 bytes of scratch",
+                             (long long)topk, (long long)groups);
+    return moe_checked_bytes(all, (int64_t)sizeof(double));
 }
 
 moe_status_t moe_router_topk_check(const moe_router_topk_params_t *p, int64_t num_experts,
@@ -68,7 +82,13 @@ static moe_status_t check_common(int64_t num_tokens, int64_t num_experts, moe_dt
                                  const moe_router_topk_params_t *p, int has_bias) {
     MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
     MOE_CHECK(moe_is_float_dtype(dt), "logits must be a float dtype, got %s", moe_dtype_name(dt));
-    return moe_router_topk_check(p, num_experts, has_bias);
+    MOE_TRY(moe_router_topk_check(p, num_experts, has_bias));
+    /* [T, E] logits and probs; [T, topk] with topk <= E fits whenever this does */
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
+    MOE_CHECK(thread_words(p->topk, p->num_groups) >= 0,
+              "topk=%lld, num_groups=%lld: the per-thread scratch overflows int64",
+              (long long)p->topk, (long long)p->num_groups);
+    return MOE_OK;
 }
 
 /* The forward of both layouts: compact topk_probs [T, k] and/or dense probs + map [T, E], and
@@ -177,6 +197,7 @@ moe_status_t moe_router_lse_bwd(void *grad_logits, const double *grad_lse, const
     MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
     MOE_CHECK(moe_is_float_dtype(logits_dtype), "logits must be a float dtype, got %s",
               moe_dtype_name(logits_dtype));
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
     if (num_tokens == 0) return MOE_OK;
     MOE_CHECK(grad_logits && grad_lse && logits && lse,
               "grad_logits, grad_lse, logits and lse must not be NULL");

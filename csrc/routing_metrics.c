@@ -14,7 +14,12 @@
 
 size_t moe_routing_metrics_workspace_size(int64_t num_tokens, int64_t num_experts) {
     (void)num_experts;
-    return (size_t)(num_tokens > 0 ? num_tokens : 0) * sizeof(double);
+    if (num_tokens <= 0) return 0;
+    const size_t bytes = moe_checked_bytes(num_tokens, (int64_t)sizeof(double));
+    if (bytes == MOE_SIZE_OVERFLOW)
+        return moe_fail_size("moe_routing_metrics_workspace_size: num_tokens=%lld fp64 words "
+                             "overflow int64 bytes", (long long)num_tokens);
+    return bytes;
 }
 
 moe_status_t moe_routing_metrics_fwd(int64_t *tokens_per_expert, float *stats,
@@ -26,14 +31,14 @@ moe_status_t moe_routing_metrics_fwd(int64_t *tokens_per_expert, float *stats,
     moe_clear_error();
     MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
     MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
     MOE_CHECK(scores == NULL || moe_is_float_dtype(scores_dtype),
               "scores must be a float dtype, got %s", moe_dtype_name(scores_dtype));
     MOE_CHECK(tokens_per_expert && stats && (routing_map || num_tokens == 0),
               "tokens_per_expert, stats and routing_map must not be NULL");
     const size_t need = moe_routing_metrics_workspace_size(num_tokens, num_experts);
-    MOE_CHECK(need == 0 || (workspace != NULL && workspace_bytes >= need),
-              "workspace too small: %zu bytes, need %zu (moe_routing_metrics_workspace_size)",
-              workspace_bytes, need);
+    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, need,
+                                "moe_routing_metrics_workspace_size"));
     const int64_t T = num_tokens, E = num_experts;
 
 #pragma omp parallel for schedule(static)
@@ -83,6 +88,7 @@ moe_status_t moe_topk_overlap_fwd(float *overlap, const int64_t *indices_a,
     MOE_CHECK(topk >= 1, "topk must be >= 1, got %lld", (long long)topk);
     MOE_CHECK(num_experts >= topk, "num_experts must be >= topk=%lld, got %lld", (long long)topk,
               (long long)num_experts);
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", topk, "topk"));
     MOE_CHECK(overlap && ((indices_a && indices_b) || num_tokens == 0),
               "overlap, indices_a and indices_b must not be NULL");
     const int64_t n = num_tokens * topk;

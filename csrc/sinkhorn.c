@@ -15,16 +15,28 @@
 #include "balancing_math.h"
 #include "router_topk_math.h"
 
-/* Words of scratch: d0 + d1 + d1_old + C + (routing only) one top-k list per thread. */
-static size_t sinkhorn_words(int64_t T, int64_t E, int64_t topk) {
-    size_t words = (size_t)T + 2u * (size_t)E + (size_t)T * (size_t)E;
-    if (topk > 0) words += (size_t)moe_max_threads() * 2u * (size_t)topk;
-    return words;
+/* Words of scratch: d0 + d1 + d1_old + C + (routing only) one top-k list per thread; -1 when
+ * the count overflows int64. */
+static int64_t sinkhorn_words(int64_t T, int64_t E, int64_t topk) {
+    int64_t te, e2, w, lists = 0;
+    if (moe_checked_mul_i64(T, E, &te) || moe_checked_mul_i64(E, 2, &e2) ||
+        moe_checked_add_i64(te, e2, &w) || moe_checked_add_i64(w, T, &w))
+        return -1;
+    if (topk > 0 && (moe_checked_mul_i64(topk, 2 * (int64_t)moe_max_threads(), &lists) ||
+                     moe_checked_add_i64(w, lists, &w)))
+        return -1;
+    return w;
 }
 
 size_t moe_sinkhorn_workspace_size(int64_t num_tokens, int64_t num_experts, int64_t topk) {
     if (num_tokens < 0 || num_experts < 1) return 0;
-    return sinkhorn_words(num_tokens, num_experts, topk) * sizeof(double);
+    const int64_t words = sinkhorn_words(num_tokens, num_experts, topk);
+    const size_t bytes = words < 0 ? MOE_SIZE_OVERFLOW : moe_checked_bytes(words, (int64_t)sizeof(double));
+    if (bytes == MOE_SIZE_OVERFLOW)
+        return moe_fail_size("moe_sinkhorn_workspace_size: num_tokens=%lld, num_experts=%lld, "
+                             "topk=%lld overflow int64 bytes of scratch",
+                             (long long)num_tokens, (long long)num_experts, (long long)topk);
+    return bytes;
 }
 
 /*
@@ -70,7 +82,7 @@ static moe_status_t check_common(int64_t T, int64_t E, moe_dtype_t dt, const cha
     MOE_CHECK(E >= 1, "num_experts must be >= 1, got %lld", (long long)E);
     MOE_CHECK(moe_is_float_dtype(dt), "%s must be a float dtype, got %s", name,
               moe_dtype_name(dt));
-    return MOE_OK;
+    return moe_check_mul(T, "num_tokens", E, "num_experts");
 }
 
 moe_status_t moe_sinkhorn_fwd(void *out, const void *cost, int64_t num_tokens,
@@ -85,10 +97,8 @@ moe_status_t moe_sinkhorn_fwd(void *out, const void *cost, int64_t num_tokens,
     if (num_tokens == 0) return MOE_OK;
     MOE_CHECK(out && cost, "out and cost must not be NULL");
     const int64_t T = num_tokens, E = num_experts;
-    const size_t need = moe_sinkhorn_workspace_size(T, E, 0);
-    MOE_CHECK(workspace != NULL && workspace_bytes >= need,
-              "workspace too small: %zu bytes, need %zu (moe_sinkhorn_workspace_size, topk=0)",
-              workspace_bytes, need);
+    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, moe_sinkhorn_workspace_size(T, E, 0),
+                                "moe_sinkhorn_workspace_size, topk=0"));
     const int fp64 = cost_dtype == MOE_DTYPE_FP64;
     double *d0 = (double *)workspace, *d1 = d0 + T, *d1_old = d1 + E, *C = d1_old + E;
 #pragma omp parallel for schedule(static)
@@ -134,10 +144,8 @@ moe_status_t moe_sinkhorn_routing_fwd(void *probs, uint8_t *routing_map, const v
     if (num_tokens == 0) return MOE_OK;
     MOE_CHECK(probs && routing_map && logits, "probs, routing_map and logits must not be NULL");
     const int64_t T = num_tokens, E = num_experts, k = topk;
-    const size_t need = moe_sinkhorn_workspace_size(T, E, k);
-    MOE_CHECK(workspace != NULL && workspace_bytes >= need,
-              "workspace too small: %zu bytes, need %zu (moe_sinkhorn_workspace_size)",
-              workspace_bytes, need);
+    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, moe_sinkhorn_workspace_size(T, E, k),
+                                "moe_sinkhorn_workspace_size"));
     const int fp64 = logits_dtype == MOE_DTYPE_FP64;
     double *d0 = (double *)workspace, *d1 = d0 + T, *d1_old = d1 + E, *C = d1_old + E;
     double *lists = C + T * E;

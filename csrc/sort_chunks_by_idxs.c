@@ -17,12 +17,21 @@ static moe_status_t check_args(const void *dst, const void *src, const int64_t *
     MOE_CHECK(moe_dtype_size(dtype) > 0, "input has an unknown dtype (%d)", (int)dtype);
     MOE_CHECK(num_chunks == 0 || (split_sizes && sorted_idxs),
               "split_sizes and sorted_idxs must not be NULL");
-    MOE_CHECK(num_rows * row_elems == 0 || (dst && src), "input and output must not be NULL");
+    MOE_TRY(moe_check_mul(num_rows, "num_rows", row_elems, "row_elems"));
+    MOE_CHECK(num_rows == 0 || row_elems == 0 || (dst && src), "input and output must not be NULL");
+    /* A checked sum: sizes whose wrapped sum equals num_rows would otherwise pass and move chunks
+     * far past the buffer. Every partial sum fits, so the running starts of move_chunks do too. */
     int64_t total = 0;
     for (int64_t c = 0; c < num_chunks; ++c) {
         MOE_CHECK(split_sizes[c] >= 0, "split_sizes[%lld] = %lld must be >= 0", (long long)c,
                   (long long)split_sizes[c]);
-        total += split_sizes[c];
+        int64_t next;
+        MOE_CHECK(!moe_checked_add_i64(total, split_sizes[c], &next),
+                  "split_sizes overflow int64 when summed: split_sizes[%lld] = %lld after a "
+                  "partial sum of %lld (they must sum to the rows of input, %lld)",
+                  (long long)c, (long long)split_sizes[c], (long long)total,
+                  (long long)num_rows);
+        total = next;
     }
     MOE_CHECK(total == num_rows, "split_sizes must sum to the rows of input (%lld), got %lld",
               (long long)num_rows, (long long)total);

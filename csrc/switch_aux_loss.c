@@ -11,7 +11,12 @@
 
 size_t moe_switch_aux_loss_workspace_size(int64_t num_tokens, int64_t num_columns) {
     (void)num_tokens;
-    return (size_t)(num_columns > 0 ? num_columns : 0) * sizeof(double);
+    if (num_columns <= 0) return 0;
+    const size_t bytes = moe_checked_bytes(num_columns, (int64_t)sizeof(double));
+    if (bytes == MOE_SIZE_OVERFLOW)
+        return moe_fail_size("moe_switch_aux_loss_workspace_size: num_columns=%lld fp64 words "
+                             "overflow int64 bytes", (long long)num_columns);
+    return bytes;
 }
 
 moe_status_t moe_switch_aux_loss_fwd(void *loss, const void *probs,

@@ -34,13 +34,24 @@ static void sort_by_key(int64_t *idx, int64_t *tmp, const double *key, int64_t n
     }
 }
 
-static size_t words_per_thread(int64_t num_tokens) { return (size_t)(3 * num_tokens); }
+/* Bytes of the probs policy's scratch for `nthreads` threads (3·T words each), or
+ * MOE_SIZE_OVERFLOW. */
+static size_t scratch_bytes(int64_t num_tokens, int64_t nthreads) {
+    int64_t words;
+    if (moe_checked_mul_i64(num_tokens, 3, &words) || moe_checked_mul_i64(words, nthreads, &words))
+        return MOE_SIZE_OVERFLOW;
+    return moe_checked_bytes(words, (int64_t)sizeof(int64_t));
+}
 
 size_t moe_token_dropping_workspace_size(int64_t num_tokens, int64_t num_experts,
                                          moe_drop_policy_t policy) {
     (void)num_experts;
     if (policy != MOE_DROP_PROBS || num_tokens <= 0) return 0;
-    return (size_t)moe_max_threads() * words_per_thread(num_tokens) * sizeof(int64_t);
+    const size_t bytes = scratch_bytes(num_tokens, moe_max_threads());
+    if (bytes == MOE_SIZE_OVERFLOW)
+        return moe_fail_size("moe_token_dropping_workspace_size: num_tokens=%lld overflows int64 "
+                             "bytes of sort scratch", (long long)num_tokens);
+    return bytes;
 }
 
 static moe_status_t check_common(int64_t num_tokens, int64_t num_experts, moe_dtype_t dtype) {
@@ -48,7 +59,7 @@ static moe_status_t check_common(int64_t num_tokens, int64_t num_experts, moe_dt
     MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
     MOE_CHECK(moe_is_float_dtype(dtype), "routing_probs must be a float dtype, got %s",
               moe_dtype_name(dtype));
-    return MOE_OK;
+    return moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts");
 }
 
 moe_status_t moe_token_dropping_fwd(void *final_probs, uint8_t *final_map,
@@ -69,12 +80,17 @@ moe_status_t moe_token_dropping_fwd(void *final_probs, uint8_t *final_map,
     const int64_t T = num_tokens, E = num_experts;
     const int sorting = policy == MOE_DROP_PROBS && capacity < T;
     const int nthreads = moe_max_threads();
-    const size_t words = words_per_thread(T);
-    if (sorting)
-        MOE_CHECK(workspace && workspace_bytes >= (size_t)nthreads * words * sizeof(int64_t),
+    /* 3 · T words per thread, used only when sorting (where scratch_bytes checked the product) */
+    const int64_t words = sorting ? 3 * T : 0;
+    if (sorting) {
+        const size_t need = scratch_bytes(T, nthreads);
+        MOE_CHECK(need != MOE_SIZE_OVERFLOW,
+                  "num_tokens=%lld: the sort scratch overflows int64 bytes", (long long)T);
+        MOE_CHECK(workspace && workspace_bytes >= need,
                   "workspace too small: %zu bytes, need at least %zu "
                   "(moe_token_dropping_workspace_size)",
-                  workspace_bytes, (size_t)nthreads * words * sizeof(int64_t));
+                  workspace_bytes, need);
+    }
 
 #pragma omp parallel num_threads(nthreads)
     {

@@ -14,12 +14,9 @@ static moe_status_t check_args(const void *probs, const int64_t *sorted_indices,
                                const int64_t *expert_offsets, int64_t num_tokens, int64_t hidden,
                                int64_t num_experts, int64_t num_rows, moe_dtype_t dtype,
                                moe_dtype_t probs_dtype) {
-    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(hidden >= 1, "hidden must be >= 1, got %lld", (long long)hidden);
-    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
-    MOE_CHECK(num_rows >= 0, "num_rows must be >= 0, got %lld", (long long)num_rows);
-    MOE_CHECK(moe_is_float_dtype(dtype), "permuted_tokens must be a float dtype, got %s",
-              moe_dtype_name(dtype));
+    MOE_TRY(moe_layout_check_sizes(num_tokens, hidden, num_experts, num_rows, dtype,
+                                   "permuted_tokens"));
+    MOE_TRY(moe_check_sorted_indices(sorted_indices, num_tokens, num_rows));
     if (probs) {
         MOE_CHECK(moe_is_float_dtype(probs_dtype), "probs must be a float dtype, got %s",
                   moe_dtype_name(probs_dtype));

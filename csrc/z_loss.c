@@ -26,7 +26,12 @@ static inline double row_lse(const void *logits, moe_dtype_t dt, int64_t base, i
 
 size_t moe_z_loss_workspace_size(int64_t num_tokens, int64_t num_experts) {
     (void)num_experts;
-    return (size_t)(num_tokens > 0 ? num_tokens : 0) * sizeof(double);
+    if (num_tokens <= 0) return 0;
+    const size_t bytes = moe_checked_bytes(num_tokens, (int64_t)sizeof(double));
+    if (bytes == MOE_SIZE_OVERFLOW)
+        return moe_fail_size("moe_z_loss_workspace_size: num_tokens=%lld fp64 words overflow "
+                             "int64 bytes", (long long)num_tokens);
+    return bytes;
 }
 
 static moe_status_t check_z(const void *logits, int64_t num_tokens, int64_t num_experts,
