@@ -45,6 +45,7 @@ extern "C" moe_status_t moe_cuda_expert_bias_update_fwd(float *updated_bias,
     MOE_CHECK(isfinite(update_rate), "expert_bias_update_rate must be finite, got %g",
               update_rate);
     MOE_CHECK(num_rows <= 0x7fffffff, "num_rows must be < 2^31, got %lld", (long long)num_rows);
+    MOE_TRY(moe_check_mul(num_rows, "num_rows", num_experts, "num_experts"));
     if (num_rows == 0) return MOE_OK;
     MOE_CHECK(updated_bias && tokens_per_expert && expert_bias,
               "updated_bias, tokens_per_expert and expert_bias must not be NULL");

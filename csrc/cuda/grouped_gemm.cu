@@ -490,6 +490,13 @@ static size_t portable_workspace(const moe_grouped_gemm_params_t *p) {
 
 extern "C" size_t moe_cuda_grouped_gemm_workspace_size(const moe_grouped_gemm_params_t *params) {
     if (params == NULL || params->num_experts < 1) return 0;
+    /* both layouts grow by at most 256 bytes per expert (the Hopper wgrad's two tensor maps)
+     * over a fixed part: bound that with checked arithmetic before the size_t sums */
+    int64_t bound = 0;
+    if (moe_checked_section(&bound, params->num_experts, 256, 256) ||
+        moe_checked_add_i64(bound, 1024, &bound))
+        return moe_fail_size("moe_cuda_grouped_gemm_workspace_size: num_experts=%lld overflows "
+                             "int64 bytes", (long long)params->num_experts);
     const size_t a = portable_workspace(params), b = moe_cuda_gg_sm90_workspace_size(params);
     return a > b ? a : b;
 }
@@ -597,11 +604,8 @@ static moe_status_t check_common(const int64_t *offsets, const moe_grouped_gemm_
                                  void *workspace, size_t workspace_bytes) {
     MOE_TRY(moe_grouped_gemm_check_params(p));
     MOE_CHECK(offsets != NULL, "expert_offsets must not be NULL");
-    const size_t need = moe_cuda_grouped_gemm_workspace_size(p);
-    MOE_CHECK(workspace_bytes >= need && (need == 0 || workspace != NULL),
-              "workspace too small: %zu bytes, need at least %zu "
-              "(moe_cuda_grouped_gemm_workspace_size)",
-              workspace_bytes, need);
+    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, moe_cuda_grouped_gemm_workspace_size(p),
+                                "moe_cuda_grouped_gemm_workspace_size"));
     MOE_CHECK(aligned16(workspace), "workspace must be 16-byte aligned");
     return MOE_OK;
 }

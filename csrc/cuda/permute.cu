@@ -75,7 +75,7 @@ typedef struct {
 static size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
 
 static size_t perm_ws_layout(int64_t T, int64_t E, perm_ws_t *ws, void *base) {
-    const int64_t nchunks = (T + MOE_PERM_CHUNK - 1) / MOE_PERM_CHUNK;
+    const int64_t nchunks = T / MOE_PERM_CHUNK + (T % MOE_PERM_CHUNK != 0);
     const size_t sizes[5] = {(size_t)(nchunks * E) * sizeof(int32_t),
                              (size_t)(nchunks * E) * sizeof(uint32_t), (size_t)E * sizeof(int64_t),
                              sizeof(int64_t), sizeof(unsigned)};
@@ -95,6 +95,18 @@ extern "C" size_t moe_cuda_permute_workspace_size(int64_t num_tokens, int64_t nu
                                                   const moe_permute_params_t *params) {
     (void)params;
     if (num_tokens < 0 || num_experts < 1) return 0;
+    /* perm_ws_layout's sections, checked: once this total fits, its size_t sums do too */
+    const int64_t nchunks = num_tokens / MOE_PERM_CHUNK + (num_tokens % MOE_PERM_CHUNK != 0);
+    int64_t cells, total = 0;
+    if (moe_checked_mul_i64(nchunks, num_experts, &cells) ||
+        moe_checked_section(&total, cells, (int64_t)sizeof(int32_t), 16) ||
+        moe_checked_section(&total, cells, (int64_t)sizeof(uint32_t), 16) ||
+        moe_checked_section(&total, num_experts, (int64_t)sizeof(int64_t), 16) ||
+        moe_checked_section(&total, 1, (int64_t)sizeof(int64_t), 16) ||
+        moe_checked_section(&total, 1, (int64_t)sizeof(unsigned), 16))
+        return moe_fail_size("moe_cuda_permute_workspace_size: num_tokens=%lld, num_experts=%lld "
+                             "overflow int64 bytes", (long long)num_tokens,
+                             (long long)num_experts);
     return perm_ws_layout(num_tokens, num_experts, NULL, NULL);
 }
 
@@ -514,15 +526,9 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
                                              const moe_permute_params_t *params, void *workspace,
                                              size_t workspace_bytes, void *stream) {
     moe_clear_error();
-    MOE_CHECK(params != NULL, "params must not be NULL");
+    int64_t R;
+    MOE_TRY(moe_permute_check_params(num_tokens, hidden, num_experts, params, &R));
     const int64_t T = num_tokens, E = num_experts;
-    MOE_CHECK(T >= 0, "num_tokens must be >= 0, got %lld", (long long)T);
-    MOE_CHECK(hidden >= 1, "hidden must be >= 1, got %lld", (long long)hidden);
-    MOE_CHECK(E >= 1, "num_experts must be >= 1, got %lld", (long long)E);
-    MOE_CHECK(params->num_out_tokens >= 0, "num_out_tokens must be >= 0, got %lld",
-              (long long)params->num_out_tokens);
-    MOE_CHECK(params->align_size >= 0, "align_size must be >= 0, got %lld",
-              (long long)params->align_size);
     const size_t esize = moe_dtype_size(dtype);
     MOE_CHECK(esize > 0, "tokens has an unknown dtype (%d)", (int)dtype);
     MOE_CHECK(!permuted_probs || moe_is_float_dtype(probs_dtype),
@@ -531,7 +537,6 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
               "probs must not be NULL when permuted_probs is requested");
     MOE_CHECK(expert_offsets && tokens_per_expert,
               "expert_offsets and tokens_per_expert must not be NULL");
-    const int64_t R = moe_permute_num_rows(T, E, params);
     MOE_CHECK(R == 0 || (permuted_tokens && sorted_indices),
               "permuted_tokens and sorted_indices must not be NULL");
     MOE_CHECK(T == 0 || (tokens && routing_map), "tokens and routing_map must not be NULL");
@@ -540,10 +545,9 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
               (long long)T, INT32_MAX);
     MOE_CHECK(R <= INT32_MAX, "the permuted buffer has %lld rows; the CUDA kernel supports at "
               "most %d", (long long)R, INT32_MAX);
-    const size_t need = moe_cuda_permute_workspace_size(T, E, params);
-    MOE_CHECK(workspace_bytes >= need && (need == 0 || workspace),
-              "workspace too small: %zu bytes, need at least %zu "
-              "(moe_cuda_permute_workspace_size)", workspace_bytes, need);
+    MOE_TRY(moe_check_workspace(workspace, workspace_bytes,
+                                moe_cuda_permute_workspace_size(T, E, params),
+                                "moe_cuda_permute_workspace_size"));
     perm_ws_t ws;
     perm_ws_layout(T, E, &ws, workspace);
     cudaStream_t st = (cudaStream_t)stream;

@@ -238,12 +238,31 @@ static moe_status_t check_args(int64_t num_tokens, int64_t hidden, int64_t num_e
               moe_dtype_name(weight_dtype));
     MOE_CHECK(moe_is_float_dtype(router_dtype), "router_dtype must be a float dtype, got %s",
               moe_dtype_name(router_dtype));
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", hidden, "hidden"));
+    MOE_TRY(moe_check_mul(num_experts, "num_experts", hidden, "hidden"));
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
     return MOE_OK;
 }
 
 extern "C" size_t moe_cuda_router_gating_linear_workspace_size(
     int64_t num_tokens, int64_t hidden, int64_t num_experts, moe_dtype_t inp_dtype,
     moe_dtype_t weight_dtype, moe_dtype_t router_dtype, int backward) {
+    /* gating_plan sums size_t sections: bound them first with checked arithmetic. Every section
+     * is at most 40 bytes per element of [T, H], [E, H] and [T, E] together (the split-three
+     * backward's copies are the largest), plus the column partials, cuBLAS's scratch and the
+     * 256-byte alignment of each section. */
+    const int64_t T = num_tokens > 0 ? num_tokens : 0, H = hidden > 0 ? hidden : 0,
+                  E = num_experts > 0 ? num_experts : 0;
+    int64_t th, eh, te, bound = 0;
+    if (moe_checked_mul_i64(T, H, &th) ||
+        moe_checked_mul_i64(E, H, &eh) || moe_checked_mul_i64(T, E, &te) ||
+        moe_checked_add_i64(th, eh, &bound) || moe_checked_add_i64(bound, te, &bound) ||
+        moe_checked_mul_i64(bound, 40, &bound) ||
+        moe_checked_section(&bound, te, (int64_t)sizeof(double), 1) || /* chunks <= T */
+        moe_checked_add_i64(bound, (int64_t)MOE_CUBLAS_WORKSPACE + 8 * 256, &bound))
+        return moe_fail_size("moe_cuda_router_gating_linear_workspace_size: num_tokens=%lld, "
+                             "hidden=%lld, num_experts=%lld overflow int64 bytes",
+                             (long long)num_tokens, (long long)hidden, (long long)num_experts);
     return gating_plan(num_tokens, hidden, num_experts, inp_dtype, weight_dtype, router_dtype,
                        backward)
         .total;

@@ -1215,7 +1215,18 @@ __global__ void moe_router_lse_bwd_kernel(void *grad_logits, const double *grad_
 extern "C" size_t moe_cuda_router_topk_workspace_size(int64_t num_tokens, int64_t num_experts,
                                                       const moe_router_topk_params_t *params) {
     if (!params || num_tokens <= 0 || warp_vpl(num_experts, params->num_groups) > 0) return 0;
-    return (size_t)num_tokens * (size_t)row_words(params) * sizeof(double);
+    /* row_words = 4·topk + 3·num_groups + 1, per token, checked */
+    const int64_t k = params->topk > 0 ? params->topk : 0;
+    const int64_t g = params->num_groups > 0 ? params->num_groups : 0;
+    int64_t a, b, words;
+    if (moe_checked_mul_i64(k, 4, &a) || moe_checked_mul_i64(g, 3, &b) ||
+        moe_checked_add_i64(a, b, &words) || moe_checked_add_i64(words, 1, &words) ||
+        moe_checked_mul_i64(words, num_tokens, &words) ||
+        moe_checked_bytes(words, (int64_t)sizeof(double)) == MOE_SIZE_OVERFLOW)
+        return moe_fail_size("moe_cuda_router_topk_workspace_size: num_tokens=%lld, topk=%lld, "
+                             "num_groups=%lld overflow int64 bytes", (long long)num_tokens,
+                             (long long)params->topk, (long long)params->num_groups);
+    return moe_checked_bytes(words, (int64_t)sizeof(double));
 }
 
 static moe_status_t check_common(int64_t num_tokens, int64_t num_experts, moe_dtype_t dt,
@@ -1224,7 +1235,10 @@ static moe_status_t check_common(int64_t num_tokens, int64_t num_experts, moe_dt
     MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
     MOE_CHECK(moe_is_float_dtype(dt), "logits must be a float dtype, got %s", moe_dtype_name(dt));
     MOE_TRY(moe_router_topk_check(p, num_experts, has_bias));
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
+    if (workspace_bytes == MOE_SIZE_OVERFLOW) return MOE_OK; /* the caller checks its own size */
     const size_t need = moe_cuda_router_topk_workspace_size(num_tokens, num_experts, p);
+    if (need == MOE_SIZE_OVERFLOW) return MOE_ERR_INVALID_ARGUMENT; /* the size function said why */
     MOE_CHECK(workspace_bytes >= need, "workspace too small: %zu bytes, need %zu", workspace_bytes,
               need);
     return MOE_OK;
@@ -1326,10 +1340,19 @@ extern "C" size_t moe_cuda_router_topk_fused_workspace_size(int64_t num_tokens,
     if (!params || num_tokens <= 0) return 0;
     const int vpl = warp_vpl(num_experts, params->num_groups);
     if (vpl > 0 && logits_dtype != MOE_DTYPE_FP64) return 0;
-    const size_t aux = with_aux ? (size_t)num_tokens * 2 * (size_t)params->topk * sizeof(double)
-                                : 0;
-    return compact_bytes(num_tokens, params->topk, logits_dtype) +
-           moe_cuda_router_topk_workspace_size(num_tokens, num_experts, params) + aux;
+    /* the compact [T, topk] probs (256-byte aligned), the per-row scratch, the aux lists */
+    const size_t rows = moe_cuda_router_topk_workspace_size(num_tokens, num_experts, params);
+    int64_t total = 0;
+    if (rows == MOE_SIZE_OVERFLOW) return rows;
+    int64_t cells;
+    if (moe_checked_mul_i64(num_tokens, params->topk > 0 ? params->topk : 0, &cells) ||
+        moe_checked_section(&total, cells, (int64_t)moe_dtype_size(logits_dtype), 256) ||
+        moe_checked_add_i64(total, (int64_t)rows, &total) ||
+        (with_aux && moe_checked_section(&total, cells, 2 * (int64_t)sizeof(double), 1)))
+        return moe_fail_size("moe_cuda_router_topk_fused_workspace_size: num_tokens=%lld, "
+                             "topk=%lld overflow int64 bytes", (long long)num_tokens,
+                             (long long)params->topk);
+    return (size_t)total;
 }
 
 extern "C" moe_status_t moe_cuda_router_topk_fwd(void *topk_probs, int64_t *topk_indices,
@@ -1360,10 +1383,11 @@ extern "C" moe_status_t moe_cuda_router_topk_fused_fwd(void *probs, uint8_t *rou
     moe_clear_error();
     /* the workspace check is the fused size's below (check_common knows the compact path's) */
     MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, params, expert_bias != NULL,
-                         (size_t)-1));
+                         MOE_SIZE_OVERFLOW));
     MOE_TRY(moe_router_topk_extras_check(extras, num_tokens));
     const size_t need = moe_cuda_router_topk_fused_workspace_size(
         num_tokens, num_experts, params, logits_dtype, extras && extras->aux_scores);
+    if (need == MOE_SIZE_OVERFLOW) return MOE_ERR_INVALID_ARGUMENT; /* the size function said why */
     MOE_CHECK(workspace_bytes >= need, "workspace too small: %zu bytes, need %zu", workspace_bytes,
               need);
     if (num_tokens == 0) return MOE_OK;
@@ -1385,6 +1409,7 @@ extern "C" moe_status_t moe_cuda_router_lse_bwd(void *grad_logits, const double 
     MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
     MOE_CHECK(moe_is_float_dtype(logits_dtype), "logits must be a float dtype, got %s",
               moe_dtype_name(logits_dtype));
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
     if (num_tokens == 0) return MOE_OK;
     MOE_CHECK(grad_logits && grad_lse && logits && lse,
               "grad_logits, grad_lse, logits and lse must not be NULL");

@@ -117,8 +117,16 @@ moe_topk_overlap_final_kernel(float *overlap, const int64_t *partial, int64_t nb
 extern "C" size_t moe_cuda_routing_metrics_workspace_size(int64_t num_tokens,
                                                           int64_t num_experts) {
     if (num_experts < 1) return 0;
-    return ((size_t)moe_col_chunks(num_tokens) * (size_t)num_experts +
-            2u * (size_t)moe_tok_blocks(num_tokens)) * sizeof(double);
+    int64_t cells, words;
+    if (num_tokens > INT64_MAX - MOE_COL_MIN_CHUNK || /* the chunk and block counts round up */
+        moe_checked_mul_i64(moe_col_chunks(num_tokens), num_experts, &cells) ||
+        moe_checked_mul_i64(moe_tok_blocks(num_tokens), 2, &words) ||
+        moe_checked_add_i64(cells, words, &words) ||
+        moe_checked_bytes(words, (int64_t)sizeof(double)) == MOE_SIZE_OVERFLOW)
+        return moe_fail_size("moe_cuda_routing_metrics_workspace_size: num_tokens=%lld, "
+                             "num_experts=%lld overflow int64 bytes", (long long)num_tokens,
+                             (long long)num_experts);
+    return moe_checked_bytes(words, (int64_t)sizeof(double));
 }
 
 extern "C" moe_status_t moe_cuda_routing_metrics_fwd(int64_t *tokens_per_expert, float *stats,
@@ -133,12 +141,12 @@ extern "C" moe_status_t moe_cuda_routing_metrics_fwd(int64_t *tokens_per_expert,
     MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
     MOE_CHECK(scores == NULL || moe_is_float_dtype(scores_dtype),
               "scores must be a float dtype, got %s", moe_dtype_name(scores_dtype));
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
     MOE_CHECK(tokens_per_expert && stats && (routing_map || num_tokens == 0),
               "tokens_per_expert, stats and routing_map must not be NULL");
     const size_t need = moe_cuda_routing_metrics_workspace_size(num_tokens, num_experts);
-    MOE_CHECK(need == 0 || (workspace != NULL && workspace_bytes >= need),
-              "workspace too small: %zu bytes, need %zu (moe_cuda_routing_metrics_workspace_size)",
-              workspace_bytes, need);
+    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, need,
+                                "moe_cuda_routing_metrics_workspace_size"));
     cudaStream_t s = (cudaStream_t)stream;
     const int64_t T = num_tokens, E = num_experts;
     double *counts = (double *)workspace;
@@ -159,8 +167,11 @@ extern "C" moe_status_t moe_cuda_routing_metrics_fwd(int64_t *tokens_per_expert,
 /* Workspace: two int64 words per block of MOE_BAL_FINAL_THREADS tokens. */
 extern "C" size_t moe_cuda_topk_overlap_workspace_size(int64_t num_tokens, int64_t topk) {
     (void)topk;
+    if (num_tokens > INT64_MAX - MOE_BAL_FINAL_THREADS)
+        return moe_fail_size("moe_cuda_topk_overlap_workspace_size: num_tokens=%lld overflows "
+                             "int64", (long long)num_tokens);
     const int64_t nblocks = num_tokens > 0 ? moe_ceil_div(num_tokens, MOE_BAL_FINAL_THREADS) : 0;
-    return 2u * (size_t)nblocks * sizeof(int64_t);
+    return moe_checked_bytes(nblocks, 2 * (int64_t)sizeof(int64_t));
 }
 
 extern "C" moe_status_t moe_cuda_topk_overlap_fwd(float *overlap, const int64_t *indices_a,
@@ -174,12 +185,12 @@ extern "C" moe_status_t moe_cuda_topk_overlap_fwd(float *overlap, const int64_t 
     MOE_CHECK(topk >= 1, "topk must be >= 1, got %lld", (long long)topk);
     MOE_CHECK(num_experts >= topk, "num_experts must be >= topk=%lld, got %lld", (long long)topk,
               (long long)num_experts);
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", topk, "topk"));
     MOE_CHECK(overlap && ((indices_a && indices_b) || num_tokens == 0),
               "overlap, indices_a and indices_b must not be NULL");
     const size_t need = moe_cuda_topk_overlap_workspace_size(num_tokens, topk);
-    MOE_CHECK(need == 0 || (workspace != NULL && workspace_bytes >= need),
-              "workspace too small: %zu bytes, need %zu (moe_cuda_topk_overlap_workspace_size)",
-              workspace_bytes, need);
+    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, need,
+                                "moe_cuda_topk_overlap_workspace_size"));
     cudaStream_t s = (cudaStream_t)stream;
     int64_t *partial = (int64_t *)workspace;
     const int64_t nblocks = num_tokens > 0 ? moe_ceil_div(num_tokens, MOE_BAL_FINAL_THREADS) : 0;

@@ -169,15 +169,23 @@ static moe_status_t check_common(int64_t T, int64_t E, moe_dtype_t dt, const cha
     MOE_CHECK(E <= 0x7fffffff, "num_experts must be < 2^31, got %lld", (long long)E);
     MOE_CHECK(moe_is_float_dtype(dt), "%s must be a float dtype, got %s", name,
               moe_dtype_name(dt));
-    return MOE_OK;
+    return moe_check_mul(T, "num_tokens", E, "num_experts");
 }
 
 extern "C" size_t moe_cuda_sinkhorn_workspace_size(int64_t num_tokens, int64_t num_experts,
                                                    int64_t topk) {
     (void)topk; /* the top-k needs no scratch on CUDA (the map row is the taken set) */
     if (num_tokens < 0 || num_experts < 1) return 0;
-    const size_t T = (size_t)num_tokens, E = (size_t)num_experts;
-    return (T + 2u * E + T * E) * sizeof(double); /* d0, d1, d1_old, C (up to fp64) */
+    /* d0, d1, d1_old, C (up to fp64): T + 2E + T·E words, checked */
+    int64_t te, e2, words;
+    if (moe_checked_mul_i64(num_tokens, num_experts, &te) ||
+        moe_checked_mul_i64(num_experts, 2, &e2) || moe_checked_add_i64(te, e2, &words) ||
+        moe_checked_add_i64(words, num_tokens, &words) ||
+        moe_checked_bytes(words, (int64_t)sizeof(double)) == MOE_SIZE_OVERFLOW)
+        return moe_fail_size("moe_cuda_sinkhorn_workspace_size: num_tokens=%lld, "
+                             "num_experts=%lld overflow int64 bytes", (long long)num_tokens,
+                             (long long)num_experts);
+    return moe_checked_bytes(words, (int64_t)sizeof(double));
 }
 
 /* exp → solve → apply into `out` (odt). Workspace: d0 [T], d1 [E], d1_old [E], C [T·E]. */

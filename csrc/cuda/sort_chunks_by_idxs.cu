@@ -11,7 +11,12 @@
 
 extern "C" size_t moe_cuda_sort_chunks_by_idxs_workspace_size(int64_t num_chunks) {
     if (num_chunks < 0) return 0;
-    return (size_t)(3 * num_chunks + 2) * sizeof(int64_t);
+    int64_t words;
+    if (moe_checked_mul_i64(num_chunks, 3, &words) || moe_checked_add_i64(words, 2, &words) ||
+        moe_checked_bytes(words, (int64_t)sizeof(int64_t)) == MOE_SIZE_OVERFLOW)
+        return moe_fail_size("moe_cuda_sort_chunks_by_idxs_workspace_size: num_chunks=%lld "
+                             "overflows int64 bytes", (long long)num_chunks);
+    return moe_checked_bytes(words, (int64_t)sizeof(int64_t));
 }
 
 /* One block. unsorted_start[c] = Σ_{c' < c} split_sizes[c'], sorted_start[j] = Σ_{j' < j}
@@ -85,17 +90,18 @@ static moe_status_t sort_chunks(void *dst, const void *src, const int64_t *split
     MOE_CHECK(num_chunks >= 0, "num_chunks must be >= 0, got %lld", (long long)num_chunks);
     const size_t esize = moe_dtype_size(dtype);
     MOE_CHECK(esize > 0, "input has an unknown dtype (%d)", (int)dtype);
+    MOE_TRY(moe_check_mul(num_rows, "num_rows", row_elems, "row_elems"));
     MOE_CHECK(num_chunks > 0 || num_rows == 0,
               "split_sizes must sum to the rows of input (%lld), got 0 (no chunks)",
               (long long)num_rows);
     MOE_CHECK(num_chunks == 0 || (split_sizes && sorted_idxs),
               "split_sizes and sorted_idxs must not be NULL");
-    MOE_CHECK(num_rows * row_elems == 0 || (dst && src), "input and output must not be NULL");
+    MOE_CHECK(num_rows == 0 || row_elems == 0 || (dst && src),
+              "input and output must not be NULL");
     if (num_chunks == 0 || num_rows == 0 || row_elems == 0) return MOE_OK;
-    const size_t need = moe_cuda_sort_chunks_by_idxs_workspace_size(num_chunks);
-    MOE_CHECK(workspace && workspace_bytes >= need,
-              "workspace too small: %zu bytes, need at least %zu "
-              "(moe_cuda_sort_chunks_by_idxs_workspace_size)", workspace_bytes, need);
+    MOE_TRY(moe_check_workspace(workspace, workspace_bytes,
+                                moe_cuda_sort_chunks_by_idxs_workspace_size(num_chunks),
+                                "moe_cuda_sort_chunks_by_idxs_workspace_size"));
     int64_t *unsorted_start = (int64_t *)workspace;
     int64_t *sorted_start = unsorted_start + num_chunks + 1;
     int64_t *inv = sorted_start + num_chunks + 1;

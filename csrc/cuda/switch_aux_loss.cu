@@ -46,7 +46,14 @@ __global__ void moe_switch_aux_loss_bwd_kernel(void *grad_probs, const void *gra
 extern "C" size_t moe_cuda_switch_aux_loss_workspace_size(int64_t num_tokens,
                                                           int64_t num_columns) {
     if (num_columns < 1) return 0;
-    return (size_t)moe_col_chunks(num_tokens) * (size_t)num_columns * sizeof(double);
+    int64_t cells;
+    if (num_tokens > INT64_MAX - MOE_COL_MIN_CHUNK || /* moe_col_chunks rounds up */
+        moe_checked_mul_i64(moe_col_chunks(num_tokens), num_columns, &cells) ||
+        moe_checked_bytes(cells, (int64_t)sizeof(double)) == MOE_SIZE_OVERFLOW)
+        return moe_fail_size("moe_cuda_switch_aux_loss_workspace_size: num_tokens=%lld, "
+                             "num_columns=%lld overflow int64 bytes", (long long)num_tokens,
+                             (long long)num_columns);
+    return moe_checked_bytes(cells, (int64_t)sizeof(double));
 }
 
 extern "C" moe_status_t moe_cuda_switch_aux_loss_fwd(

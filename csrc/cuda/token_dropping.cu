@@ -59,8 +59,14 @@ extern "C" size_t moe_cuda_token_dropping_workspace_size(int64_t num_tokens, int
                                                          moe_drop_policy_t policy,
                                                          moe_dtype_t dtype) {
     if (num_tokens <= 0 || num_experts < 1) return 0;
-    return keys_region_bytes(num_tokens * num_experts, key_bytes(policy, dtype)) +
-           (size_t)(2 * num_experts) * sizeof(int64_t);
+    int64_t cells, total = 0;
+    if (moe_checked_mul_i64(num_tokens, num_experts, &cells) ||
+        moe_checked_section(&total, cells, (int64_t)key_bytes(policy, dtype), 16) ||
+        moe_checked_section(&total, num_experts, 2 * (int64_t)sizeof(int64_t), 1))
+        return moe_fail_size("moe_cuda_token_dropping_workspace_size: num_tokens=%lld, "
+                             "num_experts=%lld overflow int64 bytes", (long long)num_tokens,
+                             (long long)num_experts);
+    return (size_t)total; /* = keys_region_bytes(T·E, key width) + 2E int64 */
 }
 
 /* keys[e, t] = key of (t, e): a 32 × 32 tile transpose through shared memory, so both the read of
@@ -239,17 +245,17 @@ extern "C" moe_status_t moe_cuda_token_dropping_fwd(void *final_probs, uint8_t *
     MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
     MOE_CHECK(moe_is_float_dtype(dtype), "routing_probs must be a float dtype, got %s",
               moe_dtype_name(dtype));
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
     MOE_CHECK(capacity >= 0, "capacity must be >= 0, got %lld", (long long)capacity);
     MOE_CHECK(policy == MOE_DROP_PROBS || policy == MOE_DROP_POSITION,
               "drop_policy must be probs (0) or position (1), got %d", (int)policy);
     if (num_tokens == 0) return MOE_OK;
     MOE_CHECK(final_probs && final_map && routing_probs && routing_map,
               "final_probs, final_map, routing_probs and routing_map must not be NULL");
-    const size_t need = moe_cuda_token_dropping_workspace_size(num_tokens, num_experts, policy,
-                                                               dtype);
-    MOE_CHECK(workspace && workspace_bytes >= need,
-              "workspace too small: %zu bytes, need at least %zu "
-              "(moe_cuda_token_dropping_workspace_size)", workspace_bytes, need);
+    MOE_TRY(moe_check_workspace(workspace, workspace_bytes,
+                                moe_cuda_token_dropping_workspace_size(num_tokens, num_experts,
+                                                                       policy, dtype),
+                                "moe_cuda_token_dropping_workspace_size"));
     const int position = policy == MOE_DROP_POSITION;
     cudaStream_t st = (cudaStream_t)stream;
     if (key_bytes(policy, dtype) == 8)
@@ -273,6 +279,7 @@ extern "C" moe_status_t moe_cuda_token_dropping_bwd(void *grad_routing_probs,
     MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
     MOE_CHECK(moe_is_float_dtype(dtype), "routing_probs must be a float dtype, got %s",
               moe_dtype_name(dtype));
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
     if (num_tokens == 0) return MOE_OK;
     MOE_CHECK(grad_routing_probs && grad_final_probs && final_map,
               "grad_routing_probs, grad_final_probs and final_map must not be NULL");

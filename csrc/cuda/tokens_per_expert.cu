@@ -32,6 +32,7 @@ extern "C" moe_status_t moe_cuda_tokens_per_expert_fwd(int64_t *counts,
     moe_clear_error();
     MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
     MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
     MOE_CHECK(counts != NULL && (routing_map != NULL || num_tokens == 0),
               "counts and routing_map must not be NULL");
     cudaStream_t st = (cudaStream_t)stream;

@@ -2,8 +2,11 @@
  * topk_to_dense.cu: compact routing [T, topk] ↔ dense [T, E] probs and routing map, on CUDA.
  *
  * One thread per (token, expert) element of the dense output: it scans the token's topk ids and
- * writes its value or zero, so every element is written exactly once, by a plain store. Out-of-
- * range ids (which the host cannot check without a sync) match no element and are thus ignored.
+ * writes its value or zero, so every element is written exactly once, by a plain store. The sizes
+ * are checked on the host by the CPU op's own check (moe_topk_to_dense_check_sizes). The ids live
+ * in device memory: checking them would need a host sync, so on CUDA they are the caller's
+ * contract, as the header says. Out-of-range ids match no element and are ignored; a row that
+ * repeats an id (which the CPU op rejects) gets the value of its last occurrence.
  */
 #include "cuda_common.cuh"
 
@@ -33,18 +36,6 @@ __global__ void moe_topk_to_dense_bwd_kernel(void *grad_topk_probs, const void *
     moe_store(grad_topk_probs, dtype, i, ok ? moe_load(grad_probs, dtype, t * num_experts + e) : 0.0);
 }
 
-static moe_status_t check_args(int64_t num_tokens, int64_t num_experts, int64_t topk,
-                               moe_dtype_t dtype) {
-    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
-    MOE_CHECK(topk >= 1 && topk <= num_experts,
-              "topk must be in [1, num_experts=%lld], got topk=%lld", (long long)num_experts,
-              (long long)topk);
-    MOE_CHECK(moe_is_float_dtype(dtype), "probs must be a float dtype, got %s",
-              moe_dtype_name(dtype));
-    return MOE_OK;
-}
-
 extern "C" moe_status_t moe_cuda_topk_to_dense_fwd(void *probs, uint8_t *routing_map,
                                                    const void *topk_probs,
                                                    const int64_t *topk_indices, int64_t num_tokens,
@@ -53,7 +44,7 @@ extern "C" moe_status_t moe_cuda_topk_to_dense_fwd(void *probs, uint8_t *routing
                                                    size_t workspace_bytes, void *stream) {
     (void)workspace, (void)workspace_bytes;
     moe_clear_error();
-    MOE_TRY(check_args(num_tokens, num_experts, topk, dtype));
+    MOE_TRY(moe_topk_to_dense_check_sizes(num_tokens, num_experts, topk, dtype));
     const int64_t n = num_tokens * num_experts;
     if (n == 0) return MOE_OK;
     moe_topk_to_dense_fwd_kernel<<<moe_blocks_for(n, 256), 256, 0, (cudaStream_t)stream>>>(
@@ -69,7 +60,7 @@ extern "C" moe_status_t moe_cuda_topk_to_dense_bwd(void *grad_topk_probs, const 
                                                    size_t workspace_bytes, void *stream) {
     (void)workspace, (void)workspace_bytes;
     moe_clear_error();
-    MOE_TRY(check_args(num_tokens, num_experts, topk, dtype));
+    MOE_TRY(moe_topk_to_dense_check_sizes(num_tokens, num_experts, topk, dtype));
     const int64_t n = num_tokens * topk;
     if (n == 0) return MOE_OK;
     moe_topk_to_dense_bwd_kernel<<<moe_blocks_for(n, 256), 256, 0, (cudaStream_t)stream>>>(

@@ -76,6 +76,17 @@ static size_t token_slots_layout(token_slots_t *m, void *ws, int64_t T, int64_t 
 
 extern "C" size_t moe_cuda_unpermute_workspace_size(int64_t num_tokens, int64_t num_rows) {
     if (num_tokens < 0 || num_rows < 0) return 0;
+    /* the larger layout, checked: the CSR's (2T + 1 + 3R) words, the slots' three sections */
+    int64_t csr_b = 0, slots_b = 0, t2, r3, t1;
+    if (moe_checked_mul_i64(num_tokens, 2, &t2) || moe_checked_mul_i64(num_rows, 3, &r3) ||
+        moe_checked_add_i64(t2, r3, &csr_b) || moe_checked_add_i64(csr_b, 1, &csr_b) ||
+        moe_checked_mul_i64(csr_b, (int64_t)sizeof(int64_t), &csr_b) ||
+        moe_checked_add_i64(num_tokens, 1, &t1) ||
+        moe_checked_section(&slots_b, t1, (int64_t)sizeof(int64_t), 16) ||
+        moe_checked_section(&slots_b, num_tokens, MOE_SLOTS * (int64_t)sizeof(int64_t), 16) ||
+        moe_checked_section(&slots_b, num_rows, (int64_t)sizeof(longlong2), 1))
+        return moe_fail_size("moe_cuda_unpermute_workspace_size: num_tokens=%lld, num_rows=%lld "
+                             "overflow int64 bytes", (long long)num_tokens, (long long)num_rows);
     const size_t csr = (size_t)(2 * num_tokens + 1 + 3 * num_rows) * sizeof(int64_t);
     const size_t slots = token_slots_layout(NULL, NULL, num_tokens, num_rows);
     return csr > slots ? csr : slots;
@@ -193,11 +204,8 @@ __global__ void moe_token_rows_sort_kernel(int64_t *rows, int64_t *rexp, const i
 /* What both maps (CSR, slots) need: the workspace (one size for both) and the indices. */
 static moe_status_t check_map_args(const void *workspace, size_t workspace_bytes,
                                    const int64_t *sorted_indices, int64_t T, int64_t R) {
-    const size_t need = moe_cuda_unpermute_workspace_size(T, R);
-    MOE_CHECK(workspace_bytes >= need && (need == 0 || workspace),
-              "workspace too small: %zu bytes, need at least %zu "
-              "(moe_cuda_unpermute_workspace_size)",
-              workspace_bytes, need);
+    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, moe_cuda_unpermute_workspace_size(T, R),
+                                "moe_cuda_unpermute_workspace_size"));
     MOE_CHECK(R == 0 || sorted_indices, "sorted_indices must not be NULL");
     return MOE_OK;
 }
@@ -819,12 +827,7 @@ static moe_status_t launch_zero_pad(void *rows_base, const int64_t *sorted_indic
 
 static moe_status_t check_common(int64_t num_tokens, int64_t hidden, int64_t num_experts,
                                  int64_t num_rows, moe_dtype_t dtype, const char *what) {
-    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(hidden >= 1, "hidden must be >= 1, got %lld", (long long)hidden);
-    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
-    MOE_CHECK(num_rows >= 0, "num_rows must be >= 0, got %lld", (long long)num_rows);
-    MOE_CHECK(moe_is_float_dtype(dtype), "%s must be a float dtype, got %s", what,
-              moe_dtype_name(dtype));
+    MOE_TRY(moe_layout_check_sizes(num_tokens, hidden, num_experts, num_rows, dtype, what));
     MOE_CHECK(num_tokens <= 0x7fffffffLL, "num_tokens=%lld; the CUDA kernels take at most 2^31-1",
               (long long)num_tokens);
     return MOE_OK;

@@ -113,8 +113,12 @@ static moe_status_t check_z(const void *logits, int64_t num_tokens, int64_t num_
 
 extern "C" size_t moe_cuda_z_loss_workspace_size(int64_t num_tokens, int64_t num_experts) {
     (void)num_experts;
-    /* forward: two words per block; backward: one word (the divisor) */
-    const size_t fwd = 2u * (size_t)moe_tok_blocks(num_tokens) * sizeof(double);
+    /* forward: two words per block; backward: one word (the divisor). Blocks are a fraction of
+     * the tokens, so only a num_tokens near 2^63 can overflow (moe_tok_blocks' rounding). */
+    if (num_tokens > INT64_MAX - MOE_TOK_PER_BLOCK)
+        return moe_fail_size("moe_cuda_z_loss_workspace_size: num_tokens=%lld overflows int64",
+                             (long long)num_tokens);
+    const size_t fwd = moe_checked_bytes(moe_tok_blocks(num_tokens), 2 * (int64_t)sizeof(double));
     return fwd > sizeof(double) ? fwd : sizeof(double);
 }
 
