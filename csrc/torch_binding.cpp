@@ -18,6 +18,7 @@
 #include <string>
 
 #include "moe_core.h"
+#include "common.h"  // the core's checked int64 arithmetic (moe_checked_mul_i64)
 
 namespace {
 
@@ -166,7 +167,11 @@ void *stream_of(const at::Tensor &t) {
 #define MOE_WS_BYTES(t, cpu_bytes, cuda_bytes) ((size_t)(cpu_bytes))
 #endif
 
+// Every workspace is allocated here, so a size function's overflow sentinel is always caught:
+// MOE_SIZE_OVERFLOW becomes a ValueError with the size function's message (which names the
+// function, the argument and its value) instead of a request for SIZE_MAX bytes.
 at::Tensor workspace_for(const at::Tensor &like, size_t bytes) {
+  MOE_CHECK_VALUE(bytes != MOE_SIZE_OVERFLOW, moe_last_error());
   return at::empty({(int64_t)bytes}, like.options().dtype(at::kByte));
 }
 
@@ -249,7 +254,7 @@ at::Tensor topk_workspace(const at::Tensor &logits, const moe_router_topk_params
                                  0
 #endif
                                  : moe_router_topk_workspace_size(T, E, &p);
-  return at::empty({(int64_t)bytes}, logits.options().dtype(at::kByte));
+  return workspace_for(logits, bytes);
 }
 
 // The routing inputs every router op validates alike: logits [T, E], the optional fp32 bias [E],
@@ -393,8 +398,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                                  0
 #endif
                                  : moe_router_topk_workspace_size(T, E, &in.p);
-  at::Tensor ws = bytes ? at::empty({(int64_t)bytes}, logits.options().dtype(at::kByte))
-                        : at::Tensor();
+  at::Tensor ws = bytes ? workspace_for(logits, bytes) : at::Tensor();
   check_status(MOE_CALL(logits, router_topk_fused_fwd, probs.data_ptr(),
                         (uint8_t *)routing_map.data_ptr(), indices.data_ptr<int64_t>(), &extras,
                         logits.data_ptr(),
@@ -519,7 +523,7 @@ void check_index_vector(const at::Tensor &t, int64_t size, const char *name, con
 }
 
 at::Tensor workspace_bytes(const at::Tensor &like, size_t bytes) {
-  return at::empty({(int64_t)bytes}, like.options().dtype(at::kByte));
+  return workspace_for(like, bytes);
 }
 
 moe_drop_policy_t to_drop_policy(c10::string_view name) {
@@ -609,7 +613,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute(
   p.num_out_tokens = num_out_tokens;
   p.align_size = align_size;
   p.drop_and_pad = drop_and_pad ? 1 : 0;
+  // the row bound is checked arithmetic in the core: -1 (with the reason) when it overflows
   const int64_t R = moe_permute_num_rows(T, E, &p);
+  MOE_CHECK_VALUE(R >= 0, "permute: ", moe_last_error());
+  int64_t elems = 0;
+  MOE_CHECK_VALUE(!moe_checked_mul_i64(R, H, &elems), "permute: the permuted buffer has ", R,
+                  " rows (num_out_tokens=", num_out_tokens, ", align_size=", align_size,
+                  ") of hidden=", H, " elements, which overflows int64");
   at::Tensor out = at::empty({R, H}, tokens.options());
   at::Tensor out_probs = probs.defined() ? at::empty({R}, probs.options())
                                          : at::empty({0}, tokens.options());
@@ -1190,7 +1200,7 @@ at::Tensor grouped_gemm_workspace(const at::Tensor &like, const moe_grouped_gemm
                                0
 #endif
                                : moe_grouped_gemm_workspace_size(&p);
-  return at::empty({(int64_t)bytes}, like.options().dtype(at::kByte));
+  return workspace_for(like, bytes);
 }
 
 at::Tensor grouped_gemm(const at::Tensor &x_, const at::Tensor &weight_,
