@@ -318,7 +318,10 @@ at::Tensor topk_bwd(const at::Tensor &grad_probs_, const at::Tensor &logits_,
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
+  MOE_CHECK_VALUE(E >= 1, "logits must have at least one expert column, got shape ",
+                  logits_.sizes());
   check_dim(grad_probs_, 2, "grad_probs");
+  check_float(grad_probs_, "grad_probs");
   check_dim(topk_indices_, 2, "topk_indices");
   check_size(grad_probs_, 0, T, "grad_probs", "logits.shape[0] (num_tokens)");
   if (dense) check_size(grad_probs_, 1, E, "grad_probs", "logits.shape[1] (num_experts)");
@@ -437,6 +440,7 @@ at::Tensor router_lse_bwd(const at::Tensor &grad_lse_, const at::Tensor &logits_
   check_float(logits_, "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
   check_dim(grad_lse_, 1, "grad_lse");
+  check_float(grad_lse_, "grad_lse");
   check_dim(lse_, 1, "lse");
   check_size(grad_lse_, 0, T, "grad_lse", "logits.shape[0] (num_tokens)");
   check_size(lse_, 0, T, "lse", "logits.shape[0] (num_tokens)");
@@ -574,6 +578,9 @@ at::Tensor token_dropping_bwd(const at::Tensor &grad_final_probs_, const at::Ten
                     final_map_.sizes(), " must equal grad_final_probs shape ",
                     grad_final_probs_.sizes());
   check_same_device(final_map_, grad_final_probs_, "final_map", "grad_final_probs");
+  MOE_CHECK_VALUE(grad_final_probs_.size(1) >= 1,
+                  "grad_final_probs must have at least one expert column, got shape ",
+                  grad_final_probs_.sizes());
   at::Tensor g = grad_final_probs_.contiguous(), map = final_map_.contiguous();
   at::Tensor out = at::empty_like(g);
   MOE_DEVICE_GUARD(g);
@@ -655,6 +662,8 @@ std::tuple<at::Tensor, at::Tensor> permute_bwd(
   check_dim(grad_permuted_tokens_, 2, "grad_permuted_tokens");
   check_float(grad_permuted_tokens_, "grad_permuted_tokens");
   const int64_t R = grad_permuted_tokens_.size(0), H = grad_permuted_tokens_.size(1);
+  MOE_CHECK_VALUE(H >= 1, "grad_permuted_tokens must have hidden >= 1, got shape ",
+                  grad_permuted_tokens_.sizes());
   check_index_vector(sorted_indices_, R, "sorted_indices", "grad_permuted_tokens.shape[0] (rows)",
                      grad_permuted_tokens_, "grad_permuted_tokens");
   check_index_vector(expert_offsets_, -1, "expert_offsets", "", grad_permuted_tokens_,
@@ -874,6 +883,7 @@ at::Tensor aux_loss_scores_bwd(const at::Tensor &grad_scores_, const at::Tensor 
   check_float(logits_, "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
   check_dim(grad_scores_, 2, "grad_scores");
+  check_float(grad_scores_, "grad_scores");
   check_size(grad_scores_, 0, T, "grad_scores", "logits.shape[0] (num_tokens)");
   check_size(grad_scores_, 1, E, "grad_scores", "logits.shape[1] (num_experts)");
   check_same_device(grad_scores_, logits_, "grad_scores", "logits");
@@ -944,6 +954,7 @@ at::Tensor switch_aux_loss_bwd(const at::Tensor &grad_loss_, const at::Tensor &p
   auto [probs, tpe, total] = switch_inputs(probs_, tokens_per_expert_, total_num_tokens_);
   MOE_CHECK_VALUE(grad_loss_.numel() == 1, "grad_loss must have one element, got shape ",
                     grad_loss_.sizes());
+  check_float(grad_loss_, "grad_loss");
   check_same_device(grad_loss_, probs, "grad_loss", "probs");
   const int64_t T = probs.size(0), C = probs.size(1);
   at::Tensor mask, g = grad_loss_.to(compute_type(probs)).reshape({1}).contiguous();
@@ -983,6 +994,7 @@ at::Tensor z_loss_bwd(const at::Tensor &grad_loss_, const at::Tensor &logits_, d
   check_float(logits_, "logits");
   MOE_CHECK_VALUE(grad_loss_.numel() == 1, "grad_loss must have one element, got shape ",
                     grad_loss_.sizes());
+  check_float(grad_loss_, "grad_loss");
   check_same_device(grad_loss_, logits_, "grad_loss", "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
   at::Tensor logits = logits_.contiguous(), mask;
@@ -1088,6 +1100,7 @@ at::Tensor sinkhorn_routing_bwd(const at::Tensor &grad_probs_, const at::Tensor 
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   check_routing_map(routing_map_, "routing_map");
+  check_float(grad_probs_, "grad_probs");
   MOE_CHECK_VALUE(grad_probs_.sizes() == logits_.sizes(), "grad_probs shape ",
                     grad_probs_.sizes(), " must equal logits shape ", logits_.sizes());
   MOE_CHECK_VALUE(routing_map_.sizes() == logits_.sizes(), "routing_map shape ",
