@@ -140,6 +140,9 @@ def test_router_topk_bwd_no_experts(device):
         ops.router_topk_bwd(torch.ones(4, 1, device=device), logits,
                             torch.zeros(4, 1, dtype=torch.long, device=device), 1, False, 0, 0,
                             0.0, "softmax")
+    ok = torch.randn(4, 8, device=device)
+    _, idx = ops.router_topk(ok, 2, False, 0, 0, 0.0, "softmax", None)
+    ops.router_topk_bwd(torch.ones(4, 2, device=device), ok, idx, 2, False, 0, 0, 0.0, "softmax")
 
 
 def test_router_lse_bwd_grad_lse_dtype(device):
@@ -187,6 +190,9 @@ def test_token_dropping_bwd_no_experts(device):
     g = torch.ones(4, 0, device=device)
     with pytest.raises(ValueError, match=r"grad_final_probs must have at least one expert column"):
         ops.token_dropping_bwd(g, torch.zeros(4, 0, dtype=torch.bool, device=device))
+    m = torch.ones(4, 2, dtype=torch.bool, device=device)
+    assert torch.equal(ops.token_dropping_bwd(torch.ones(4, 2, device=device), m),
+                       torch.ones(4, 2, device=device))
 
 
 def test_permute_bwd_hidden(device):
@@ -196,3 +202,4 @@ def test_permute_bwd_hidden(device):
     with pytest.raises(ValueError, match=r"grad_permuted_tokens must have hidden >= 1, got shape "
                                          r"\[8, 0\]"):
         ops.permute_bwd(g, None, idx, offsets, 4)
+    _permute_still_works(device)
