@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from moe_core.ops._guards import register_fake
 from moe_core.ops.router_topk import SCORE_FUNCTIONS
 
 _OP = torch.ops.moe_core.aux_loss_scores
@@ -79,14 +80,14 @@ def compute_routing_scores_for_aux_loss(
     return routing_map, scores
 
 
-@torch.library.register_fake("moe_core::aux_loss_scores")
+@register_fake("moe_core::aux_loss_scores")
 def _(logits, topk, score_function, padding_mask):
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     return logits.new_empty(logits.shape, dtype=dtype), logits.new_empty(logits.shape,
                                                                          dtype=torch.bool)
 
 
-@torch.library.register_fake("moe_core::aux_loss_scores_bwd")
+@register_fake("moe_core::aux_loss_scores_bwd")
 def _(grad_scores, logits, score_function, padding_mask):
     return torch.empty_like(logits)
 

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from moe_core.ops._guards import register_fake
 from moe_core.ops.tokens_per_expert import tokens_per_expert as _tokens_per_expert
 
 _OP = torch.ops.moe_core.expert_bias_update
@@ -71,6 +72,6 @@ def get_updated_expert_bias(
         return _OP(tokens_per_expert, expert_bias, float(expert_bias_update_rate))
 
 
-@torch.library.register_fake("moe_core::expert_bias_update")
+@register_fake("moe_core::expert_bias_update")
 def _(tokens_per_expert, expert_bias, update_rate):
     return torch.empty_like(expert_bias)

@@ -38,6 +38,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from moe_core.ops._guards import register_fake
+
 _FC1 = torch.ops.moe_core.grouped_gemm_glu_probs
 _FC2 = torch.ops.moe_core.grouped_gemm
 _DGRAD = torch.ops.moe_core.grouped_gemm_dgrad
@@ -109,7 +111,7 @@ def _expert_mlp(rows: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor
     return _FC2(h, weight2, expert_offsets, True, None), a
 
 
-@_expert_mlp.register_fake
+@register_fake("moe_core::expert_mlp")
 def _(rows, weight1, weight2, expert_offsets, probs, tokens, sorted_indices, activation,
       gated_linear_unit, linear_offset, clamp_value):
     return rows.new_empty((rows.shape[0], weight2.shape[1])), \

@@ -42,6 +42,8 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from moe_core.ops._guards import register_fake
+
 _OP = torch.ops.moe_core.glu_probs
 _BWD = torch.ops.moe_core.glu_probs_bwd
 
@@ -103,13 +105,13 @@ def glu_probs(
                None if clamp_value is None else float(clamp_value))
 
 
-@torch.library.register_fake("moe_core::glu_probs")
+@register_fake("moe_core::glu_probs")
 def _(a, probs, activation, gated_linear_unit, linear_offset=0.0, clamp_value=None):
     f = a.shape[1] // 2 if gated_linear_unit else a.shape[1]
     return a.new_empty((a.shape[0], f))
 
 
-@torch.library.register_fake("moe_core::glu_probs_bwd")
+@register_fake("moe_core::glu_probs_bwd")
 def _(grad_h, a, probs, activation, gated_linear_unit, linear_offset=0.0, clamp_value=None):
     grad_probs = probs.new_empty(probs.shape) if probs is not None else a.new_empty((0,))
     return torch.empty_like(a), grad_probs
@@ -132,6 +134,6 @@ def _backward(ctx, grad_h) -> Tuple[Optional[torch.Tensor], ...]:
 torch.library.register_autograd("moe_core::glu_probs", _backward, setup_context=_setup_context)
 
 
-@torch.library.register_fake("moe_core::glu_probs_bwd_")
+@register_fake("moe_core::glu_probs_bwd_")
 def _(grad_h, a, probs, activation, gated_linear_unit, linear_offset=0.0, clamp_value=None):
     return probs.new_empty(probs.shape) if probs is not None else a.new_empty((0,))

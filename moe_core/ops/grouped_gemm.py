@@ -41,6 +41,8 @@ from typing import Optional
 
 import torch
 
+from moe_core.ops._guards import register_fake
+
 _FWD = torch.ops.moe_core.grouped_gemm
 _DGRAD = torch.ops.moe_core.grouped_gemm_dgrad
 _WGRAD = torch.ops.moe_core.grouped_gemm_wgrad
@@ -83,20 +85,20 @@ def grouped_gemm_wgrad(x, grad_y, expert_offsets, trans_w=False, out_dtype=None)
     return _WGRAD(x, grad_y, expert_offsets, trans_w, out_dtype)
 
 
-@torch.library.register_fake("moe_core::grouped_gemm")
+@register_fake("moe_core::grouped_gemm")
 def _(x, weight, expert_offsets, trans_w=False, out_dtype=None):
     n = weight.shape[1] if trans_w else weight.shape[2]
     return x.new_empty((x.shape[0], n), dtype=x.dtype if out_dtype is None else out_dtype)
 
 
-@torch.library.register_fake("moe_core::grouped_gemm_dgrad")
+@register_fake("moe_core::grouped_gemm_dgrad")
 def _(grad_y, weight, expert_offsets, trans_w=False, out_dtype=None):
     k = weight.shape[2] if trans_w else weight.shape[1]
     dtype = grad_y.dtype if out_dtype is None else out_dtype
     return grad_y.new_empty((grad_y.shape[0], k), dtype=dtype)
 
 
-@torch.library.register_fake("moe_core::grouped_gemm_wgrad")
+@register_fake("moe_core::grouped_gemm_wgrad")
 def _(x, grad_y, expert_offsets, trans_w=False, out_dtype=None):
     e, k, n = expert_offsets.shape[0] - 1, x.shape[1], grad_y.shape[1]
     dtype = x.dtype if out_dtype is None else out_dtype

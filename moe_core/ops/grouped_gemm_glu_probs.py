@@ -49,6 +49,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from moe_core.ops._guards import register_fake
+
 _OP = torch.ops.moe_core.grouped_gemm_glu_probs
 _GLU_BWD = torch.ops.moe_core.glu_probs_bwd
 _DGRAD = torch.ops.moe_core.grouped_gemm_dgrad
@@ -94,7 +96,7 @@ def grouped_gemm_glu_probs(
                bool(trans_w))
 
 
-@torch.library.register_fake("moe_core::grouped_gemm_glu_probs")
+@register_fake("moe_core::grouped_gemm_glu_probs")
 def _(x, weight, expert_offsets, probs, activation, gated_linear_unit, linear_offset=0.0,
       clamp_value=None, trans_w=True):
     n = weight.shape[1] if trans_w else weight.shape[2]

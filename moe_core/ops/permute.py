@@ -43,6 +43,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from moe_core.ops._guards import register_fake
+
 _OP = torch.ops.moe_core.permute
 _BWD = torch.ops.moe_core.permute_bwd
 
@@ -183,9 +185,9 @@ def _permute_bwd_fake(grad_permuted_tokens, grad_permuted_probs, sorted_indices,
 _OP_SYMINT = torch.ops.moe_core.permute_symint
 _BWD_SYMINT = torch.ops.moe_core.permute_bwd_symint
 for _name in ("moe_core::permute", "moe_core::permute_symint"):
-    torch.library.register_fake(_name, _permute_fake)
+    register_fake(_name)(_permute_fake)
 for _name in ("moe_core::permute_bwd", "moe_core::permute_bwd_symint"):
-    torch.library.register_fake(_name, _permute_bwd_fake)
+    register_fake(_name)(_permute_bwd_fake)
 
 
 def _setup_context(ctx, inputs, output):

@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from moe_core.ops._guards import register_fake
+
 _OP = torch.ops.moe_core.router_gating_linear
 _BWD = torch.ops.moe_core.router_gating_linear_bwd
 
@@ -45,12 +47,12 @@ def router_gating_linear(
     return logits.reshape(*lead, weight.shape[0])
 
 
-@torch.library.register_fake("moe_core::router_gating_linear")
+@register_fake("moe_core::router_gating_linear")
 def _(inp, weight, bias, router_dtype):
     return inp.new_empty((inp.shape[0], weight.shape[0]), dtype=router_dtype)
 
 
-@torch.library.register_fake("moe_core::router_gating_linear_bwd")
+@register_fake("moe_core::router_gating_linear_bwd")
 def _(grad_logits, inp, weight):
     return torch.empty_like(inp), torch.empty_like(weight), weight.new_empty((weight.shape[0],))
 

@@ -25,6 +25,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from moe_core.ops._guards import register_fake
+
 
 _OP = torch.ops.moe_core.router_topk
 _BWD = torch.ops.moe_core.router_topk_bwd
@@ -259,14 +261,14 @@ def group_limited_topk(
     return scores.gather(1, indices), indices
 
 
-@torch.library.register_fake("moe_core::router_topk")
+@register_fake("moe_core::router_topk")
 def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
       expert_bias):
     shape = (logits.shape[0], topk)
     return logits.new_empty(shape), logits.new_empty(shape, dtype=torch.long)
 
 
-@torch.library.register_fake("moe_core::router_topk_bwd")
+@register_fake("moe_core::router_topk_bwd")
 def _(grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups, group_topk,
       scaling_factor, score_function):
     return torch.empty_like(logits)
@@ -288,7 +290,7 @@ def _backward(ctx, grad_probs, _grad_indices):
 torch.library.register_autograd("moe_core::router_topk", _backward, setup_context=_setup_context)
 
 
-@torch.library.register_fake("moe_core::router_topk_dense")
+@register_fake("moe_core::router_topk_dense")
 def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
       expert_bias):
     T, E = logits.shape
@@ -296,7 +298,7 @@ def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, sco
             logits.new_empty((T, topk), dtype=torch.long))
 
 
-@torch.library.register_fake("moe_core::router_topk_dense_bwd")
+@register_fake("moe_core::router_topk_dense_bwd")
 def _(grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups, group_topk,
       scaling_factor, score_function):
     return torch.empty_like(logits)
@@ -319,7 +321,7 @@ torch.library.register_autograd("moe_core::router_topk_dense", _dense_backward,
                                 setup_context=_dense_setup_context)
 
 
-@torch.library.register_fake("moe_core::router_topk_fused")
+@register_fake("moe_core::router_topk_fused")
 def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
       expert_bias, padding_mask, with_aux, with_lse):
     T, E = logits.shape
@@ -331,7 +333,7 @@ def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, sco
             logits.new_empty((T if with_lse else 0,), dtype=torch.float64))
 
 
-@torch.library.register_fake("moe_core::router_lse_bwd")
+@register_fake("moe_core::router_lse_bwd")
 def _(grad_lse, logits, lse, padding_mask):
     return torch.empty_like(logits)
 

@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from moe_core.ops._guards import register_fake
 from moe_core.ops.aux_loss_scores import flat_padding_mask
 
 _OP = torch.ops.moe_core.routing_metrics
@@ -81,12 +82,12 @@ def topk_overlap(indices_a: torch.Tensor, indices_b: torch.Tensor, num_experts: 
     return _OVERLAP(indices_a, indices_b, num_experts, mask)
 
 
-@torch.library.register_fake("moe_core::routing_metrics")
+@register_fake("moe_core::routing_metrics")
 def _(routing_map, scores, padding_mask):
     return (routing_map.new_empty((routing_map.shape[1],), dtype=torch.long),
             routing_map.new_empty((4,), dtype=torch.float32))
 
 
-@torch.library.register_fake("moe_core::topk_overlap")
+@register_fake("moe_core::topk_overlap")
 def _(indices_a, indices_b, num_experts, padding_mask):
     return indices_a.new_empty((), dtype=torch.float32)

@@ -17,6 +17,8 @@ from typing import Tuple
 
 import torch
 
+from moe_core.ops._guards import register_fake
+
 _SINKHORN = torch.ops.moe_core.sinkhorn
 _OP = torch.ops.moe_core.sinkhorn_routing
 _BWD = torch.ops.moe_core.sinkhorn_routing_bwd
@@ -58,18 +60,18 @@ def sinkhorn_load_balancing(logits: torch.Tensor, topk: int, training: bool = Tr
 sinkhorn_routing = sinkhorn_load_balancing
 
 
-@torch.library.register_fake("moe_core::sinkhorn")
+@register_fake("moe_core::sinkhorn")
 def _(cost, tol, max_iters):
     dtype = torch.float64 if cost.dtype == torch.float64 else torch.float32
     return cost.new_empty(cost.shape, dtype=dtype)
 
 
-@torch.library.register_fake("moe_core::sinkhorn_routing")
+@register_fake("moe_core::sinkhorn_routing")
 def _(logits, topk, training, tol):
     return torch.empty_like(logits), logits.new_empty(logits.shape, dtype=torch.bool)
 
 
-@torch.library.register_fake("moe_core::sinkhorn_routing_bwd")
+@register_fake("moe_core::sinkhorn_routing_bwd")
 def _(grad_probs, logits, routing_map, topk):
     return torch.empty_like(logits)
 

@@ -11,6 +11,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from moe_core.ops._guards import register_fake
+
 _OP = torch.ops.moe_core.sort_chunks_by_idxs
 _BWD = torch.ops.moe_core.sort_chunks_by_idxs_bwd
 
@@ -51,12 +53,12 @@ def sort_chunks_by_idxs(
     return out, (_OP(probs, split_sizes, sorted_idxs) if probs is not None else None)
 
 
-@torch.library.register_fake("moe_core::sort_chunks_by_idxs")
+@register_fake("moe_core::sort_chunks_by_idxs")
 def _(input, split_sizes, sorted_idxs):
     return torch.empty_like(input)
 
 
-@torch.library.register_fake("moe_core::sort_chunks_by_idxs_bwd")
+@register_fake("moe_core::sort_chunks_by_idxs_bwd")
 def _(grad_output, split_sizes, sorted_idxs):
     return torch.empty_like(grad_output)
 

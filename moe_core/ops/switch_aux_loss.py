@@ -18,6 +18,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from moe_core.ops._guards import register_fake
 from moe_core.ops.aux_loss_scores import flat_padding_mask
 from moe_core.ops.tokens_per_expert import tokens_per_expert as _tokens_per_expert
 
@@ -191,13 +192,13 @@ def seq_load_balancing_loss(
                                            moe_aux_loss_coeff / bsz)
 
 
-@torch.library.register_fake("moe_core::switch_aux_loss")
+@register_fake("moe_core::switch_aux_loss")
 def _(probs, tokens_per_expert, total_num_tokens, topk, num_experts, coeff, padding_mask):
     dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
     return probs.new_empty((), dtype=dtype)
 
 
-@torch.library.register_fake("moe_core::switch_aux_loss_bwd")
+@register_fake("moe_core::switch_aux_loss_bwd")
 def _(grad_loss, probs, tokens_per_expert, total_num_tokens, topk, num_experts, coeff,
       padding_mask):
     return torch.empty_like(probs)

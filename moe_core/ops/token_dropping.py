@@ -29,6 +29,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from moe_core.ops._guards import register_fake
+
 _OP = torch.ops.moe_core.token_dropping
 _BWD = torch.ops.moe_core.token_dropping_bwd
 DROP_POLICIES = ("probs", "position")
@@ -100,12 +102,12 @@ def apply_router_token_dropping(
     return _OP(routing_probs, routing_map, capacity, drop_policy, bool(pad_to_capacity))
 
 
-@torch.library.register_fake("moe_core::token_dropping")
+@register_fake("moe_core::token_dropping")
 def _(routing_probs, routing_map, capacity, drop_policy, pad_to_capacity):
     return torch.empty_like(routing_probs), torch.empty_like(routing_map)
 
 
-@torch.library.register_fake("moe_core::token_dropping_bwd")
+@register_fake("moe_core::token_dropping_bwd")
 def _(grad_final_probs, final_map):
     return torch.empty_like(grad_final_probs)
 

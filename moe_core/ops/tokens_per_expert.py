@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from moe_core.ops._guards import register_fake
 from moe_core.ops.aux_loss_scores import flat_padding_mask
 
 _OP = torch.ops.moe_core.tokens_per_expert
@@ -32,6 +33,6 @@ def tokens_per_expert(routing_map: torch.Tensor,
     return _OP(routing_map, flat_padding_mask(padding_mask, routing_map.shape[0]))
 
 
-@torch.library.register_fake("moe_core::tokens_per_expert")
+@register_fake("moe_core::tokens_per_expert")
 def _(routing_map, padding_mask):
     return routing_map.new_empty((routing_map.shape[1],), dtype=torch.long)

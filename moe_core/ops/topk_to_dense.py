@@ -9,6 +9,8 @@ from typing import Tuple
 
 import torch
 
+from moe_core.ops._guards import register_fake
+
 _OP = torch.ops.moe_core.topk_to_dense
 _BWD = torch.ops.moe_core.topk_to_dense_bwd
 
@@ -30,13 +32,13 @@ def topk_to_dense(
     return _OP(topk_probs, topk_indices, int(num_experts))
 
 
-@torch.library.register_fake("moe_core::topk_to_dense")
+@register_fake("moe_core::topk_to_dense")
 def _(topk_probs, topk_indices, num_experts):
     shape = (topk_probs.shape[0], num_experts)
     return topk_probs.new_empty(shape), topk_probs.new_empty(shape, dtype=torch.bool)
 
 
-@torch.library.register_fake("moe_core::topk_to_dense_bwd")
+@register_fake("moe_core::topk_to_dense_bwd")
 def _(grad_probs, topk_indices):
     return grad_probs.new_empty(topk_indices.shape)
 

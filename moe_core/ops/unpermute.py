@@ -30,6 +30,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from moe_core.ops._guards import register_fake
+
 _OP = torch.ops.moe_core.unpermute
 _BWD = torch.ops.moe_core.unpermute_bwd
 
@@ -121,10 +123,10 @@ def _unpermute_fake(permuted_tokens, sorted_indices, num_tokens: Union[int, torc
 
 _OP_SYMINT = torch.ops.moe_core.unpermute_symint
 for _name in ("moe_core::unpermute", "moe_core::unpermute_symint"):
-    torch.library.register_fake(_name, _unpermute_fake)
+    register_fake(_name)(_unpermute_fake)
 
 
-@torch.library.register_fake("moe_core::unpermute_bwd")
+@register_fake("moe_core::unpermute_bwd")
 def _(grad_output, sorted_indices, probs, expert_offsets, permuted_tokens):
     grad_rows = grad_output.new_empty((sorted_indices.shape[0], grad_output.shape[1]))
     if permuted_tokens is None:

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from moe_core.ops._guards import register_fake
 from moe_core.ops.aux_loss_scores import flat_padding_mask
 
 _OP = torch.ops.moe_core.z_loss
@@ -39,13 +40,13 @@ def z_loss_func(logits: torch.Tensor, z_loss_coeff: float,
     return _OP(logits, float(z_loss_coeff), flat_padding_mask(padding_mask, logits.shape[0]))
 
 
-@torch.library.register_fake("moe_core::z_loss")
+@register_fake("moe_core::z_loss")
 def _(logits, coeff, padding_mask):
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     return logits.new_empty((), dtype=dtype)
 
 
-@torch.library.register_fake("moe_core::z_loss_bwd")
+@register_fake("moe_core::z_loss_bwd")
 def _(grad_loss, logits, coeff, padding_mask):
     return torch.empty_like(logits)
 

@@ -1,0 +1,124 @@
+"""The guards every op shares (moe_core/ops/_guards.py).
+
+One device per call: a meta tensor among CPU ones dispatches to the fake kernel, which would
+return an uninitialised CPU tensor; every op must raise instead, naming the argument and its
+device, while calls with every tensor on meta keep working (shape inference, FakeTensor tracing).
+"""
+from typing import Iterator, List, Sequence, Tuple
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import test_opcheck
+from moe_core.ops import _guards
+
+OPS = torch.ops.moe_core
+Sample = Tuple[object, tuple]
+
+
+def extra_samples() -> Iterator[Sample]:
+    """Ops that test_opcheck.samples leaves to other modules (the SymInt variants, the fused fc1,
+    the in-place GLU backward, expert_mlp)."""
+    T, E, H, k = 12, 4, 16, 2
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    m = torch.zeros(T, E, dtype=torch.bool).scatter_(1, idx, True)
+    probs = (torch.rand(T, E) * m).requires_grad_()
+    x = torch.randn(T, H, requires_grad=True)
+    yield OPS.permute_symint, (x, m, probs, T * k, False, 0)
+    rows, _, sidx, off, _ = OPS.permute(x.detach(), m, None, T * k, False, 0)
+    R = rows.shape[0]
+    yield OPS.permute_bwd_symint, (torch.randn(R, H), torch.randn(R), sidx, off, T)
+    y = torch.randn(R, H, requires_grad=True)
+    yield OPS.unpermute_symint, (y, sidx, T, probs, off)
+    rows = rows.requires_grad_()
+    row_probs = torch.rand(R, requires_grad=True)
+    w1 = torch.randn(E, 16, H, requires_grad=True)
+    w2 = torch.randn(E, H, 8, requires_grad=True)
+    yield OPS.grouped_gemm_glu_probs, (rows, w1, off, row_probs, "silu", True, 0.0, None, True)
+    yield OPS.expert_mlp, (rows, w1, w2, off, row_probs, x.detach(), sidx, "silu", True, 0.0,
+                           None)
+    yield OPS.expert_mlp, (rows, w1, torch.randn(E, H, 16, requires_grad=True), off, None, None,
+                           None, "gelu", False, 0.5, None)
+    yield OPS.glu_probs_bwd_, (torch.randn(R, 8), torch.randn(R, 16), torch.rand(R), "silu", True,
+                               0.0, None)
+
+
+def all_samples() -> List[Sample]:
+    return list(test_opcheck.samples("cpu")) + list(extra_samples())
+
+
+def name_of(op) -> str:
+    return op._qualified_op_name.split("::")[1]
+
+
+def registered(key: str) -> List[str]:
+    return sorted(n.split("::")[1] for n in torch._C._dispatch_get_registrations_for_dispatch_key(key)
+                  if n.startswith("moe_core::"))
+
+
+# every op with a fake kernel: the C++ ops and the Python-defined ones
+META_OPS = registered("Meta")
+# the ops that take two tensors or more (sinkhorn and sinkhorn_routing take one)
+MIXABLE = [n for n in META_OPS
+           if sum("Tensor" in str(a.type) for a in getattr(OPS, n).default._schema.arguments) > 1]
+
+
+def samples_of(name: str) -> List[Sample]:
+    found = [(op, args) for op, args in all_samples() if name_of(op) == name]
+    assert found, f"no sample for moe_core::{name}"
+    return found
+
+
+def tensor_positions(args: Sequence) -> List[int]:
+    return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+
+def argument_names(op) -> List[str]:
+    return [a.name for a in op.default._schema.arguments]
+
+
+def test_every_op_registers_through_the_guards():
+    """No op's fake kernel was registered around the shared guard."""
+    assert META_OPS and set(registered("CPU")) <= set(META_OPS)
+    assert sorted(n.split("::")[1] for n in _guards.DEVICE_CHECKED) == META_OPS
+    assert set(META_OPS) - set(MIXABLE) == {"sinkhorn", "sinkhorn_routing"}
+
+
+@pytest.mark.parametrize("name", MIXABLE)
+def test_meta_argument_among_cpu_ones_raises(name):
+    """Each tensor argument in turn on meta, the others on the CPU: a ValueError naming it."""
+    checked = 0
+    for op, args in samples_of(name):
+        names = argument_names(op)
+        positions = tensor_positions(args)
+        if len(positions) < 2:
+            continue
+        for i in positions:
+            mixed = list(args)
+            mixed[i] = args[i].detach().to("meta")
+            with pytest.raises(ValueError, match=rf"^{name.removesuffix('_symint')}: ") as info:
+                op(*mixed)
+            msg = str(info.value)
+            assert names[i] in msg and "is on meta" in msg and "is on cpu" in msg, msg
+            checked += 1
+    assert checked, f"moe_core::{name}: no sample with two tensor arguments"
+
+
+@pytest.mark.parametrize("name", META_OPS)
+def test_all_meta_call_gives_meta_outputs(name):
+    for op, args in samples_of(name):
+        meta = [a.detach().to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+        out = op(*meta)
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        assert all(o.device.type == "meta" for o in outs if isinstance(o, torch.Tensor))
+
+
+def test_fake_tensors_on_two_devices_raise():
+    """Under FakeTensorMode (torch.compile's tracing) the check sees the fake devices: a CUDA
+    weight with CPU rows is refused while tracing, even on a machine without a GPU."""
+    with FakeTensorMode():
+        x, off = torch.randn(6, 8), torch.tensor([0, 2, 6])
+        with pytest.raises(ValueError, match=r"^grouped_gemm: weight is on cuda:0 but x is on cpu"):
+            OPS.grouped_gemm(x, torch.empty(2, 8, 4, device="cuda"), off)
+        assert OPS.grouped_gemm(x, torch.empty(2, 8, 4), off).shape == (6, 4)
