@@ -3,14 +3,21 @@
 One device per call: a meta tensor among CPU ones dispatches to the fake kernel, which would
 return an uninitialised CPU tensor; every op must raise instead, naming the argument and its
 device, while calls with every tensor on meta keep working (shape inference, FakeTensor tracing).
+
+No silent double backward: the backward kernels have no derivatives, so a backward with
+create_graph=True whose result would carry a graph must raise, per differentiable op and through
+MoELayer; where nothing requires grad the gradients are constants and must equal the ordinary
+backward's. Ordinary backward, opcheck and torch.compile are covered by their own test modules.
 """
 from typing import Iterator, List, Sequence, Tuple
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import test_opcheck
+from moe_core import MoEConfig, MoELayer
 from moe_core.ops import _guards
 
 OPS = torch.ops.moe_core
@@ -53,8 +60,8 @@ def name_of(op) -> str:
 
 
 def registered(key: str) -> List[str]:
-    return sorted(n.split("::")[1] for n in torch._C._dispatch_get_registrations_for_dispatch_key(key)
-                  if n.startswith("moe_core::"))
+    names = torch._C._dispatch_get_registrations_for_dispatch_key(key)
+    return sorted(n.split("::")[1] for n in names if n.startswith("moe_core::"))
 
 
 # every op with a fake kernel: the C++ ops and the Python-defined ones
@@ -62,6 +69,9 @@ META_OPS = registered("Meta")
 # the ops that take two tensors or more (sinkhorn and sinkhorn_routing take one)
 MIXABLE = [n for n in META_OPS
            if sum("Tensor" in str(a.type) for a in getattr(OPS, n).default._schema.arguments) > 1]
+# every op with an autograd formula (a Python-defined op without one gets torch's default kernel,
+# which refuses inputs that require grad: nothing to guard)
+GUARDED = sorted(n.split("::")[1] for n in _guards.DOUBLE_BACKWARD_GUARDED)
 
 
 def samples_of(name: str) -> List[Sample]:
@@ -79,10 +89,14 @@ def argument_names(op) -> List[str]:
 
 
 def test_every_op_registers_through_the_guards():
-    """No op's fake kernel was registered around the shared guard."""
+    """No op's fake kernel or autograd formula was registered around the shared guards."""
     assert META_OPS and set(registered("CPU")) <= set(META_OPS)
     assert sorted(n.split("::")[1] for n in _guards.DEVICE_CHECKED) == META_OPS
+    autograd = set(registered("Autograd"))
     assert set(META_OPS) - set(MIXABLE) == {"sinkhorn", "sinkhorn_routing"}
+    assert set(GUARDED) <= autograd
+    # the rest are Python-defined ops with torch's default autograd kernel
+    assert autograd - set(GUARDED) == {"permute_bwd_symint"}
 
 
 @pytest.mark.parametrize("name", MIXABLE)
@@ -122,3 +136,81 @@ def test_fake_tensors_on_two_devices_raise():
         with pytest.raises(ValueError, match=r"^grouped_gemm: weight is on cuda:0 but x is on cpu"):
             OPS.grouped_gemm(x, torch.empty(2, 8, 4, device="cuda"), off)
         assert OPS.grouped_gemm(x, torch.empty(2, 8, 4), off).shape == (6, 4)
+
+
+def _float_outputs(out) -> List[torch.Tensor]:
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    return [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+
+
+def _inputs_requiring_grad(args) -> List[torch.Tensor]:
+    return [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+
+def differentiable_samples(name: str) -> List[Sample]:
+    found = [(op, args) for op, args in samples_of(name) if _inputs_requiring_grad(args)]
+    assert found, f"no differentiable sample for moe_core::{name}"
+    return found
+
+
+@pytest.mark.parametrize("name", GUARDED)
+def test_create_graph_raises(name):
+    """A second derivative would flow through the backward kernels: the backward raises."""
+    for op, args in differentiable_samples(name):
+        outs = _float_outputs(op(*args))
+        # weights that require grad make every incoming gradient require grad
+        loss = sum((o.double() * torch.rand(o.shape, dtype=torch.float64, requires_grad=True))
+                   .sum() for o in outs)
+        with pytest.raises(RuntimeError, match=rf"^moe_core\.{name.removesuffix('_symint')}: "
+                                               r"double backward \(create_graph=True\) is not "
+                                               r"supported"):
+            torch.autograd.grad(loss, _inputs_requiring_grad(args), create_graph=True)
+
+
+@pytest.mark.parametrize("name", GUARDED)
+def test_create_graph_without_a_graph_is_exact_or_raises(name):
+    """With constant incoming gradients the result needs a graph only through saved tensors that
+    require grad: then it raises; otherwise the gradients are constants equal to backward's."""
+    for op, args in differentiable_samples(name):
+        inputs = _inputs_requiring_grad(args)
+        loss = sum(o.double().sum() for o in _float_outputs(op(*args)))
+        try:
+            grads = torch.autograd.grad(loss, inputs, create_graph=True, allow_unused=True)
+        except RuntimeError as e:
+            assert str(e).startswith(f"moe_core.{name.removesuffix('_symint')}: double backward")
+            continue
+        loss = sum(o.double().sum() for o in _float_outputs(op(*args)))
+        expected = torch.autograd.grad(loss, inputs, allow_unused=True)
+        for g, e in zip(grads, expected):
+            assert g is None or not g.requires_grad
+            assert (g is None) == (e is None) and (g is None or torch.equal(g, e))
+
+
+def test_nonlinear_ops_raise_with_constant_incoming_gradients():
+    """The check after the backward: grouped_gemm's input gradient depends on the weight, which
+    requires grad, even when the incoming gradient is a constant."""
+    x = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(2, 8, 4, requires_grad=True)
+    y = OPS.grouped_gemm(x, w, torch.tensor([0, 2, 6]))
+    with pytest.raises(RuntimeError, match=r"^moe_core\.grouped_gemm: double backward"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+    # only the frozen weight is saved: the gradient is a constant, and correct
+    y = OPS.grouped_gemm(x, w.detach(), torch.tensor([0, 2, 6]))
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert not g.requires_grad
+    assert torch.allclose(g, torch.cat([w[0].sum(1).expand(2, 8), w[1].sum(1).expand(4, 8)]))
+
+
+def test_layer_create_graph_raises():
+    layer = MoELayer(MoEConfig(hidden_size=32, moe_ffn_hidden_size=48, num_moe_experts=8,
+                               moe_router_topk=2, add_bias_linear=False, gated_linear_unit=True,
+                               activation_func=F.silu, moe_router_dtype="fp32",
+                               moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3))
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    loss = layer(x).square().sum()
+    with pytest.raises(RuntimeError, match=r"^moe_core\.[a-z_]+: double backward "
+                                           r"\(create_graph=True\) is not supported"):
+        torch.autograd.grad(loss, [x, *layer.parameters()], create_graph=True)
+    # the same layer still trains: an ordinary backward after the refused one
+    layer(x).square().sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in layer.parameters())

@@ -4,8 +4,9 @@ Names and argument order follow ``megatron.core.transformer.moe.moe_utils`` wher
 the function, so a Megatron user can switch imports. Every op is a ``torch.ops.moe_core`` custom
 op with a fake (meta) kernel and a registered autograd formula, so it traces under
 ``torch.compile(fullgraph=True)`` and passes ``torch.library.opcheck``. Every op refuses tensors on
-different devices (a meta tensor among real ones included) with a ValueError
-(``moe_core.ops._guards``).
+different devices (a meta tensor among real ones included) with a ValueError, and a backward with
+``create_graph=True`` whose result would carry a graph raises a RuntimeError: the backward kernels
+have no derivatives of their own (``moe_core.ops._guards``).
 """
 from moe_core.ops.router_gating_linear import router_gating_linear
 from moe_core.ops.router_topk import (

@@ -1,7 +1,8 @@
-"""Registration helpers shared by every op.
+"""Registration helpers shared by every op: one device per call, no silent double backward.
 
-Every ``torch.ops.moe_core`` op registers its fake (meta) kernel with :func:`register_fake` from
-this module, never with ``torch.library``'s directly, so the guard below holds for all of them.
+Every ``torch.ops.moe_core`` op registers its fake (meta) kernel with :func:`register_fake` and
+its autograd formula with :func:`register_autograd` from this module, never with
+``torch.library``'s directly, so the two guards below hold for all of them.
 
 One device per call
 -------------------
@@ -12,6 +13,18 @@ device of the first one and raise ``ValueError("<op>: <arg> is on <device> but <
 <device>; all tensors must be on one device")`` otherwise (the message of the C++ binding's own
 device check). Calls with every tensor on meta, and FakeTensor tracing (``torch.compile``,
 ``opcheck``), where the fake tensors of one call share a device, pass unchanged.
+
+No double backward
+------------------
+The backward formulas run the ``*_bwd`` kernels, which have no derivatives of their own, so a
+graph built through them (``create_graph=True``) would give wrong second derivatives. The
+registered backward therefore raises ``RuntimeError("moe_core.<op>: double backward
+(create_graph=True) is not supported ...")`` when grad mode is on (only ``create_graph=True``
+turns it on inside a backward) and its result would carry a graph: an incoming gradient requires
+grad (checked first), or a returned gradient does (it depends on a saved tensor that requires
+grad). With grad mode on but nothing requiring grad, the gradients are constants and correct, so
+that passes. ``torch.compile`` traces the backward with grad mode off, so compiled graphs are not
+affected.
 """
 import functools
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Set, Tuple
@@ -23,6 +36,7 @@ _NAMESPACE = "moe_core::"
 # The ops registered through this module (qualified names), so a test can tell that none was
 # registered around it.
 DEVICE_CHECKED: Set[str] = set()
+DOUBLE_BACKWARD_GUARDED: Set[str] = set()
 
 
 def op_label(qualname: str) -> str:
@@ -85,3 +99,42 @@ def register_fake(qualname: str) -> Callable[[Callable], Callable]:
         return fake
 
     return decorate
+
+
+def double_backward_error(op: str) -> RuntimeError:
+    return RuntimeError(
+        f"moe_core.{op}: double backward (create_graph=True) is not supported: its backward "
+        "runs kernels that have no derivatives of their own, so a second derivative through it "
+        "would be wrong. Differentiate without create_graph=True, or keep this op out of the "
+        "part of the graph that is differentiated twice.")
+
+
+def _requires_grad(values: Any) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
+
+
+def guard_double_backward(op: str, backward: Callable) -> Callable:
+    """Wrap an autograd formula ``backward(ctx, *grads) -> grads`` so that it raises
+    :func:`double_backward_error` where its result would carry a graph (see the module
+    docstring). Outside ``create_graph=True`` it costs one grad-mode test."""
+
+    @functools.wraps(backward)
+    def guarded(ctx, *grads):
+        if not torch.is_grad_enabled():
+            return backward(ctx, *grads)
+        if _requires_grad(grads):
+            raise double_backward_error(op)
+        out = backward(ctx, *grads)
+        if _requires_grad(out if isinstance(out, (tuple, list)) else (out,)):
+            raise double_backward_error(op)
+        return out
+
+    return guarded
+
+
+def register_autograd(qualname: str, backward: Callable, *, setup_context: Callable) -> None:
+    """``torch.library.register_autograd`` with the backward wrapped by
+    :func:`guard_double_backward`."""
+    torch.library.register_autograd(qualname, guard_double_backward(op_label(qualname), backward),
+                                    setup_context=setup_context)
+    DOUBLE_BACKWARD_GUARDED.add(qualname)

@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import register_autograd, register_fake
 from moe_core.ops.router_topk import SCORE_FUNCTIONS
 
 _OP = torch.ops.moe_core.aux_loss_scores
@@ -104,5 +104,4 @@ def _backward(ctx, grad_scores, _grad_map):
     return grad_logits, None, None, None
 
 
-torch.library.register_autograd("moe_core::aux_loss_scores", _backward,
-                                setup_context=_setup_context)
+register_autograd("moe_core::aux_loss_scores", _backward, setup_context=_setup_context)

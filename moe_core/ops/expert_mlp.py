@@ -31,14 +31,15 @@ Precision contract
 * The backward consumes what it saved (``a`` becomes ``grad_a``): a second backward through the
   same graph (``retain_graph=True``) raises a RuntimeError instead of reading overwritten values.
   Without ``tokens`` / ``sorted_indices`` (rows that arrived by an all-to-all) the rows are saved.
-* Only what ``needs_input_grad`` asks for is computed; double backward is not supported (the
-  backward ops have no derivatives of their own).
+* Only what ``needs_input_grad`` asks for is computed. Double backward is not supported (the
+  backward ops have no derivatives of their own): a backward with ``create_graph=True`` raises a
+  RuntimeError (every gradient depends on the saved ``a``, which requires grad).
 """
 from typing import Optional, Tuple
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import double_backward_error, register_autograd, register_fake
 
 _FC1 = torch.ops.moe_core.grouped_gemm_glu_probs
 _FC2 = torch.ops.moe_core.grouped_gemm
@@ -141,6 +142,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_y, grad_a_out):
+    if torch.is_grad_enabled():
+        # create_graph=True: every gradient depends on the saved fc1 output (an output of this
+        # op, so it requires grad), and the in-place backward must not run under grad mode
+        raise double_backward_error("expert_mlp")
     if ctx.consumed:
         raise RuntimeError(
             "expert_mlp: backward ran twice through the same graph (retain_graph=True); its "
@@ -176,4 +181,4 @@ def _backward(ctx, grad_y, grad_a_out):
     return d_rows, dw1, dw2, None, grad_probs, None, None, None, None, None, None
 
 
-_expert_mlp.register_autograd(_backward, setup_context=_setup_context)
+register_autograd("moe_core::expert_mlp", _backward, setup_context=_setup_context)

@@ -42,7 +42,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import register_autograd, register_fake
 
 _OP = torch.ops.moe_core.glu_probs
 _BWD = torch.ops.moe_core.glu_probs_bwd
@@ -131,7 +131,7 @@ def _backward(ctx, grad_h) -> Tuple[Optional[torch.Tensor], ...]:
     return grad_a, grad_probs, None, None, None, None
 
 
-torch.library.register_autograd("moe_core::glu_probs", _backward, setup_context=_setup_context)
+register_autograd("moe_core::glu_probs", _backward, setup_context=_setup_context)
 
 
 @register_fake("moe_core::glu_probs_bwd_")

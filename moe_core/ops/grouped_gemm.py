@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import register_autograd, register_fake
 
 _FWD = torch.ops.moe_core.grouped_gemm
 _DGRAD = torch.ops.moe_core.grouped_gemm_dgrad
@@ -124,4 +124,4 @@ def _backward(ctx, grad_y):
     return dx, dw, None, None, None
 
 
-torch.library.register_autograd("moe_core::grouped_gemm", _backward, setup_context=_setup_context)
+register_autograd("moe_core::grouped_gemm", _backward, setup_context=_setup_context)

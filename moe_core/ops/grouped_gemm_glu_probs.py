@@ -49,7 +49,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import register_autograd, register_fake
 
 _OP = torch.ops.moe_core.grouped_gemm_glu_probs
 _GLU_BWD = torch.ops.moe_core.glu_probs_bwd
@@ -136,5 +136,4 @@ def _backward(ctx, grad_h, grad_a_out):
     return dx, dw, None, grad_probs, None, None, None, None, None
 
 
-torch.library.register_autograd("moe_core::grouped_gemm_glu_probs", _backward,
-                                setup_context=_setup_context)
+register_autograd("moe_core::grouped_gemm_glu_probs", _backward, setup_context=_setup_context)

@@ -43,7 +43,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import register_autograd, register_fake
 
 _OP = torch.ops.moe_core.permute
 _BWD = torch.ops.moe_core.permute_bwd
@@ -212,4 +212,4 @@ def _backward(ctx, grad_tokens, grad_probs, _gi, _go, _gc):
 
 
 for _name in ("moe_core::permute", "moe_core::permute_symint"):
-    torch.library.register_autograd(_name, _backward, setup_context=_setup_context)
+    register_autograd(_name, _backward, setup_context=_setup_context)

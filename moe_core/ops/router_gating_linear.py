@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import register_autograd, register_fake
 
 _OP = torch.ops.moe_core.router_gating_linear
 _BWD = torch.ops.moe_core.router_gating_linear_bwd
@@ -69,4 +69,4 @@ def _backward(ctx, grad_logits):
     return grad_inp, grad_weight, (grad_bias if ctx.has_bias else None), None
 
 
-torch.library.register_autograd("moe_core::router_gating_linear", _backward, setup_context=_setup_context)
+register_autograd("moe_core::router_gating_linear", _backward, setup_context=_setup_context)

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import register_autograd, register_fake
 
 
 _OP = torch.ops.moe_core.router_topk
@@ -287,7 +287,7 @@ def _backward(ctx, grad_probs, _grad_indices):
     return grad_logits, None, None, None, None, None, None, None
 
 
-torch.library.register_autograd("moe_core::router_topk", _backward, setup_context=_setup_context)
+register_autograd("moe_core::router_topk", _backward, setup_context=_setup_context)
 
 
 @register_fake("moe_core::router_topk_dense")
@@ -317,8 +317,8 @@ def _dense_backward(ctx, grad_probs, _grad_map, _grad_indices):
     return grad_logits, None, None, None, None, None, None, None
 
 
-torch.library.register_autograd("moe_core::router_topk_dense", _dense_backward,
-                                setup_context=_dense_setup_context)
+register_autograd("moe_core::router_topk_dense", _dense_backward,
+                  setup_context=_dense_setup_context)
 
 
 @register_fake("moe_core::router_topk_fused")
@@ -363,5 +363,5 @@ def _fused_backward(ctx, grad_probs, _grad_map, _grad_indices, grad_aux, _grad_a
     return grad, None, None, None, None, None, None, None, None, None, None
 
 
-torch.library.register_autograd("moe_core::router_topk_fused", _fused_backward,
-                                setup_context=_fused_setup_context)
+register_autograd("moe_core::router_topk_fused", _fused_backward,
+                  setup_context=_fused_setup_context)

@@ -17,7 +17,7 @@ from typing import Tuple
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import register_autograd, register_fake
 
 _SINKHORN = torch.ops.moe_core.sinkhorn
 _OP = torch.ops.moe_core.sinkhorn_routing
@@ -88,5 +88,4 @@ def _backward(ctx, grad_probs, _grad_map):
     return _BWD(grad_probs.contiguous(), logits, routing_map, ctx.topk), None, None, None
 
 
-torch.library.register_autograd("moe_core::sinkhorn_routing", _backward,
-                                setup_context=_setup_context)
+register_autograd("moe_core::sinkhorn_routing", _backward, setup_context=_setup_context)

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import register_autograd, register_fake
 
 _OP = torch.ops.moe_core.sort_chunks_by_idxs
 _BWD = torch.ops.moe_core.sort_chunks_by_idxs_bwd
@@ -72,5 +72,4 @@ def _backward(ctx, grad_output):
     return _BWD(grad_output.contiguous(), split_sizes, sorted_idxs), None, None
 
 
-torch.library.register_autograd("moe_core::sort_chunks_by_idxs", _backward,
-                                setup_context=_setup_context)
+register_autograd("moe_core::sort_chunks_by_idxs", _backward, setup_context=_setup_context)

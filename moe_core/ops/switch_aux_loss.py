@@ -18,7 +18,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import register_autograd, register_fake
 from moe_core.ops.aux_loss_scores import flat_padding_mask
 from moe_core.ops.tokens_per_expert import tokens_per_expert as _tokens_per_expert
 
@@ -216,5 +216,4 @@ def _backward(ctx, grad_loss):
     return grad_probs, None, None, None, None, None, None
 
 
-torch.library.register_autograd("moe_core::switch_aux_loss", _backward,
-                                setup_context=_setup_context)
+register_autograd("moe_core::switch_aux_loss", _backward, setup_context=_setup_context)

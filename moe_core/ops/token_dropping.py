@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import register_autograd, register_fake
 
 _OP = torch.ops.moe_core.token_dropping
 _BWD = torch.ops.moe_core.token_dropping_bwd
@@ -121,4 +121,4 @@ def _backward(ctx, grad_final_probs, _grad_map):
     return _BWD(grad_final_probs.contiguous(), final_map), None, None, None, None
 
 
-torch.library.register_autograd("moe_core::token_dropping", _backward, setup_context=_setup_context)
+register_autograd("moe_core::token_dropping", _backward, setup_context=_setup_context)

@@ -9,7 +9,7 @@ from typing import Tuple
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import register_autograd, register_fake
 
 _OP = torch.ops.moe_core.topk_to_dense
 _BWD = torch.ops.moe_core.topk_to_dense_bwd
@@ -53,4 +53,4 @@ def _backward(ctx, grad_probs, _grad_map):
     return _BWD(grad_probs.contiguous(), topk_indices), None, None
 
 
-torch.library.register_autograd("moe_core::topk_to_dense", _backward, setup_context=_setup_context)
+register_autograd("moe_core::topk_to_dense", _backward, setup_context=_setup_context)

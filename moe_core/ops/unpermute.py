@@ -30,7 +30,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import register_autograd, register_fake
 
 _OP = torch.ops.moe_core.unpermute
 _BWD = torch.ops.moe_core.unpermute_bwd
@@ -150,4 +150,4 @@ def _backward(ctx, grad_output):
 
 
 for _name in ("moe_core::unpermute", "moe_core::unpermute_symint"):
-    torch.library.register_autograd(_name, _backward, setup_context=_setup_context)
+    register_autograd(_name, _backward, setup_context=_setup_context)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import register_autograd, register_fake
 from moe_core.ops.aux_loss_scores import flat_padding_mask
 
 _OP = torch.ops.moe_core.z_loss
@@ -62,4 +62,4 @@ def _backward(ctx, grad_loss):
     return _BWD(grad_loss, logits, ctx.coeff, padding_mask), None, None
 
 
-torch.library.register_autograd("moe_core::z_loss", _backward, setup_context=_setup_context)
+register_autograd("moe_core::z_loss", _backward, setup_context=_setup_context)
