@@ -6,6 +6,9 @@ Environment:
   MOE_CORE_CUDA=0   never build the CUDA kernels
   (unset)           build them whenever possible
   MOE_CORE_DEBUG=1  -O0 -g
+  MOE_CORE_SANITIZE=1  -O1 -g with -fsanitize=address,undefined -fno-sanitize-recover=all on the C
+                    core and the binding (CPU only: `make test-sanitize` builds it into
+                    build/sanitize/, never in place; load it with libasan preloaded)
   TORCH_CUDA_ARCH_LIST  defaults to "8.0;9.0a": the portable sm_80 path and Hopper's sm_90a
 """
 import glob
@@ -23,7 +26,13 @@ from torch.utils import cpp_extension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEBUG = os.environ.get("MOE_CORE_DEBUG") == "1"
-OPT = ["-O0", "-g"] if DEBUG else ["-O3"]
+SANITIZE = os.environ.get("MOE_CORE_SANITIZE") == "1"
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                  "-fno-omit-frame-pointer"]
+if SANITIZE:
+    OPT = ["-O1", "-g"] + SANITIZE_FLAGS
+else:
+    OPT = ["-O0", "-g"] if DEBUG else ["-O3"]
 
 
 def want_cuda() -> bool:
@@ -95,10 +104,12 @@ class BuildExt(cpp_extension.BuildExtension):
 
 def make_extension():
     cuda = want_cuda()
+    if cuda and SANITIZE:
+        raise RuntimeError("MOE_CORE_SANITIZE=1 builds the CPU kernels only: set MOE_CORE_CUDA=0")
     sources = ["csrc/torch_binding.cpp"]
     cxx = ["-fopenmp"] + OPT
     define = []
-    link = ["-fopenmp"]
+    link = ["-fopenmp"] + (SANITIZE_FLAGS if SANITIZE else [])
     if cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
