@@ -1,7 +1,12 @@
 # moe-core: `make test` and `make demo` set everything up on a fresh machine (a virtual
 # environment with torch, megatron-core and the test tools; the extension built in place).
 #
-#   make test    every test tier: the C tests (no torch) and pytest (CPU; GPU tests where a GPU is)
+#   make test    every test tier: the C tests (no torch), pytest (CPU; GPU tests where a GPU is;
+#                the hypothesis fuzz tier tests/fuzz/ included) and the sanitizer tier
+#   make test-sanitize  the C core, its C tests and the CPU extension built with
+#                -fsanitize=address,undefined (into build/sanitize/, beside the normal build), then
+#                the C tests and the op-level pytest files against that extension
+#   make test-fuzz  the property-based tier alone (MOE_CORE_FUZZ_PROFILE=thorough for many more)
 #   make demo    the main job (examples/)
 #   make ctest   the C core alone: static library + C test program, no Python or torch
 #   make build   (re)build the extension into the virtual environment
@@ -24,7 +29,26 @@ C_SOURCES := $(wildcard csrc/*.c)
 C_OBJECTS := $(patsubst csrc/%.c,$(BUILD)/core/%.o,$(C_SOURCES))
 C_TESTS := $(wildcard tests/c/test_*.c)
 
-.PHONY: all venv build test ctest pytest demo bench clean
+# The sanitizer tier: ASan + UBSan, any report fatal (-fno-sanitize-recover=all), CPU kernels only.
+SAN := $(BUILD)/sanitize
+SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+CFLAGS_SAN := -std=c11 -O1 -g $(SAN_FLAGS) -Wall -Wextra -Werror -fopenmp -Icsrc
+SAN_OBJECTS := $(patsubst csrc/%.c,$(SAN)/core/%.o,$(C_SOURCES))
+# The Python process is not instrumented: the sanitizer runtimes are preloaded (libasan first).
+# Leak checking is off there (CPython and torch keep allocations alive by design); the C tests
+# keep it on. Every pytest file of the op-level tier exercises each C entry point of the CPU
+# build; megatron-marked parity tests repeat the same calls against the oracle and are left out.
+SAN_PRELOAD = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -print-file-name=libubsan.so)
+SAN_ENV = LD_PRELOAD="$(SAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=$(CURDIR)/$(SAN)/lib
+SAN_PYTESTS := tests/test_layout.py tests/test_router.py tests/test_router_errors.py \
+	tests/test_router_fused_losses.py tests/test_balancing_losses.py \
+	tests/test_balancing_errors.py tests/test_balancing_bias.py tests/test_balancing_sinkhorn.py \
+	tests/test_balancing_metrics.py tests/test_glu_probs.py tests/test_grouped_gemm.py \
+	tests/test_grouped_gemm_glu_probs.py tests/test_expert_mlp.py tests/fuzz
+
+.PHONY: all venv build test ctest pytest demo bench clean test-sanitize ctest-sanitize \
+	pytest-sanitize test-fuzz
 
 all: build
 
@@ -67,7 +91,43 @@ ctest: $(BUILD)/test_core
 pytest: build
 	$(PY) -m pytest tests -q -ra
 
-test: ctest pytest
+test: ctest pytest test-sanitize
+
+test-fuzz: build
+	$(PY) -m pytest tests/fuzz -q -ra
+
+# --- sanitizer tier --------------------------------------------------------------------------
+
+$(SAN)/core/%.o: csrc/%.c csrc/moe_core.h csrc/common.h $(wildcard csrc/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_SAN) -c $< -o $@
+
+$(SAN)/libmoe_core.a: $(SAN_OBJECTS)
+	ar rcs $@ $^
+
+$(SAN)/test_core: $(C_TESTS) $(SAN)/libmoe_core.a tests/c/ctest.h
+	$(CC) $(CFLAGS_SAN) -Itests/c $(C_TESTS) $(SAN)/libmoe_core.a -lm -o $@
+
+ctest-sanitize: $(SAN)/test_core
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 $(SAN)/test_core
+
+# moe_core._C with the sanitizers, CPU only, built outside the tree (the in-place .so stays as
+# it is); build/sanitize/lib/moe_core/ links the package's Python files beside it.
+$(SAN)/.ext_stamp: $(VENV)/.stamp setup.py $(wildcard csrc/*.c csrc/*.h csrc/*.cpp)
+	@mkdir -p $(SAN)/lib/moe_core
+	MOE_CORE_CUDA=0 MOE_CORE_SANITIZE=1 $(PY) setup.py -q build_ext -b $(SAN)/lib \
+	    -t $(SAN)/tmp > $(SAN)/build.log 2>&1 || { tail -n 60 $(SAN)/build.log; exit 1; }
+	@touch $@
+
+pytest-sanitize: $(SAN)/.ext_stamp
+	@cd $(SAN)/lib/moe_core && for f in ../../../../moe_core/*.py ../../../../moe_core/ops; do \
+	    ln -sfn $$f .; done
+	@# -P: the checkout's own moe_core/ (the uninstrumented .so) must not come first on sys.path
+	$(SAN_ENV) $(PY) -P -c "import moe_core._C as c, sys; \
+	    sys.exit(0 if '/$(SAN)/lib/' in c.__file__ else 'wrong moe_core._C: ' + c.__file__)"
+	$(SAN_ENV) $(PY) -P -m pytest $(SAN_PYTESTS) -q -ra -m "not megatron" -p no:cacheprovider
+
+test-sanitize: ctest-sanitize pytest-sanitize
 
 demo: build
 	$(PY) examples/train_tiny_moe.py

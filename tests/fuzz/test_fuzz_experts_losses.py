@@ -3,8 +3,9 @@
 
 * glu_probs: bit for bit torch's scalar-path sequence (tests/test_glu_probs.py's reference),
   forward and grad_a, NaN and inf included; grad_probs within test_glu_probs' rounding bound.
-* grouped_gemm (fwd, dgrad, wgrad) on small shapes, empty experts and K or N of 1: our error
-  against the fp64 per-expert truth at most 2x torch's own matmul error (tests/tolerances.py).
+* grouped_gemm (fwd, dgrad, wgrad) on small shapes, empty experts and K or N of 1: every element
+  within the worst-case error of a running fp32 (fp64) sum against the fp64 per-expert truth;
+  on larger outputs also at most 2x torch's own matmul error (tests/tolerances.py).
 * switch aux loss and z-loss: their formulas in fp64, rounded once, as the contracts say; a few
   ulps of slack for the fp64 sums' order (more for fp64 results, which nothing rounds away).
 """
@@ -97,15 +98,20 @@ def test_grouped_gemm_vs_per_expert_matmul(case):
             ops.grouped_gemm_wgrad(x, dy, off, trans_w))
     truth = gg_reference(x, w, dy, off, trans_w, torch.float64)
     same = gg_reference(x, w, dy, off, trans_w, dtype)
-    # fp64: torch's matmul in fp64 *is* the truth, so the 2x-torch rule has nothing to scale;
-    # bound by the reduction's rounding instead: length x eps64 x sum of |products|
+    # Every element: the worst case of a running sum of n products in the fp32 (fp64)
+    # accumulator, (n + 1) eps x sum of |products|, plus the final rounding to the dtype.
+    # tests/tolerances.py's statistical rule (max error at most 2x torch's) only on outputs of
+    # 1024+ elements: on a handful, torch's blocked sums can be luckier than any one running sum
+    # (e.g. 4.5 vs 0.5 ulps on a [2, 130] x [130, 1] fwd), and in fp64 torch *is* the truth.
+    acc_eps = 2.0**-52 if dtype == torch.float64 else 2.0**-23
     mags = gg_reference(x.abs(), w.abs(), dy.abs(), off, trans_w, torch.float64)
     lengths = (x.shape[1], dy.shape[1], max(counts + [1]))
     for name, o, t, s, m, n in zip(("fwd", "dgrad", "wgrad"), outs, truth, same, mags, lengths):
         assert o.dtype == dtype and o.shape == t.shape, (name, o.dtype, tuple(o.shape))
-        if dtype == torch.float64:
-            assert ((o - t).abs() <= n * 2.0**-52 * m).all(), f"{name} fp64 trans_w={trans_w}"
-        elif t.numel():
+        tol = (n + 1) * acc_eps * m + eps(dtype) * t.abs()
+        err = (o.double() - t).abs()
+        assert (err <= tol).all(), f"{name} {dtype} trans_w={trans_w}: {(err - tol).max():.3e}"
+        if dtype != torch.float64 and t.numel() >= 1024:
             assert_error_at_most(o, s, t, factor=2.0, msg=f"{name} {dtype} trans_w={trans_w}")
     for e, c in enumerate(counts):
         if c == 0:
