@@ -36,8 +36,10 @@ CFLAGS_SAN := -std=c11 -O1 -g $(SAN_FLAGS) -Wall -Wextra -Werror -fopenmp -Icsrc
 SAN_OBJECTS := $(patsubst csrc/%.c,$(SAN)/core/%.o,$(C_SOURCES))
 # The Python process is not instrumented: the sanitizer runtimes are preloaded (libasan first).
 # Leak checking is off there (CPython and torch keep allocations alive by design); the C tests
-# keep it on. Every pytest file of the op-level tier exercises each C entry point of the CPU
-# build; megatron-marked parity tests repeat the same calls against the oracle and are left out.
+# keep it on. pytest captures sys.stdout/err only (--capture=sys): the report the runtime writes to
+# fd 2 right before it aborts the process must not be lost in pytest's capture file. The op-level
+# pytest files exercise every C entry point of the CPU build; megatron-marked parity tests repeat
+# the same calls against the oracle and are left out.
 SAN_PRELOAD = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -print-file-name=libubsan.so)
 SAN_ENV = LD_PRELOAD="$(SAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=$(CURDIR)/$(SAN)/lib
@@ -125,7 +127,8 @@ pytest-sanitize: $(SAN)/.ext_stamp
 	@# -P: the checkout's own moe_core/ (the uninstrumented .so) must not come first on sys.path
 	$(SAN_ENV) $(PY) -P -c "import moe_core._C as c, sys; \
 	    sys.exit(0 if '/$(SAN)/lib/' in c.__file__ else 'wrong moe_core._C: ' + c.__file__)"
-	$(SAN_ENV) $(PY) -P -m pytest $(SAN_PYTESTS) -q -ra -m "not megatron" -p no:cacheprovider
+	$(SAN_ENV) $(PY) -P -m pytest $(SAN_PYTESTS) -q -ra -m "not megatron" -p no:cacheprovider \
+	    --capture=sys
 
 test-sanitize: ctest-sanitize pytest-sanitize
 

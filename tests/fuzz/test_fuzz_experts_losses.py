@@ -52,6 +52,12 @@ def test_glu_probs_vs_torch_scalar_sequence(case):
                    reference(a, probs, act, gated, offset, clamp), f"forward {act}")
     ref_ga, _ = autograd_grads(a, probs, dy, act, gated, offset, clamp)
     ga, gp = OPS.glu_probs_bwd(dy, a, probs, act, gated, offset, clamp)
+    if act in ("relu", "squared_relu"):
+        # known: a NaN gate input gets no gradient here (test_relu_backward_at_nan_follows_autograd)
+        gate = a[:, : a.shape[1] // 2] if gated else a
+        known = torch.zeros_like(a, dtype=torch.bool)
+        known[:, : gate.shape[1]] = gate.isnan()
+        ga, ref_ga = ga.masked_fill(known, 0), ref_ga.masked_fill(known, 0)
     assert_bitwise(ga, ref_ga, f"grad_a {act}")
     if probs is None:
         return
@@ -190,6 +196,21 @@ def test_z_loss_vs_formula(case, coeff):
     ulps = 4 if dtype != torch.float64 else 16 + 2 * E
     assert_close_or_same_special(x.grad, want_g.to(dtype), ulps, floor=torch.finfo(dtype).tiny,
                                  msg="grad logits")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "moe-core bug: glu_probs' backward gives a NaN relu / squared_relu input a zero gradient; "
+    "autograd's threshold_backward (x <= 0 ? 0 : grad) passes the gradient there (relu: grad, "
+    "squared_relu: NaN), and the contract says grad_a follows autograd's graph bit for bit"))
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("act", ["relu", "squared_relu"])
+def test_relu_backward_at_nan_follows_autograd(act, gated):
+    """Found by test_glu_probs_vs_torch_scalar_sequence: a NaN gate input, fp32."""
+    a = torch.tensor([[float("nan"), 0.5]] if gated else [[float("nan")]])
+    dy = torch.tensor([[2.0]])
+    ref_ga, _ = autograd_grads(a, None, dy, act, gated, 0.0, None)
+    ga, _ = OPS.glu_probs_bwd(dy, a, None, act, gated, 0.0, None)
+    assert_bitwise(ga, ref_ga, f"grad_a {act}")
 
 
 @pytest.mark.xfail(strict=True, raises=ValueError, reason=(
