@@ -53,7 +53,6 @@ import datetime
 import gc
 import os
 import socket
-import statistics
 import sys
 import time
 import warnings
@@ -61,7 +60,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 for _var, _val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                    ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_var, _val)  # NVLink multicast stays off on the lent machines
+    os.environ.setdefault(_var, _val)  # NVLink multicast stays off (see benchmarks/README.md)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -70,6 +69,8 @@ import torch.nn.functional as F  # noqa: E402
 import moe_core  # noqa: E402
 from moe_core import MoEConfig, MoELayer, load_megatron_state_dict  # noqa: E402
 from moe_core.ops import AuxLossScale  # noqa: E402
+from shapes import EP_SHAPES, SHAPES, Shape  # noqa: E402,F401  (this folder)
+from timing import Variant, peak_bytes, sync, time_interleaved  # noqa: E402,F401  (this folder)
 
 # the sync-debug mode's warning for a blocking operation (its first use also warns that the mode
 # is a prototype, which is not a sync)
@@ -78,27 +79,6 @@ SYNC_WARNING = "called a synchronizing CUDA operation"
 TESTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    tokens: int       # per rank
-    hidden: int
-    experts: int
-    topk: int
-    ffn: int          # expert ffn
-    router: Tuple[Tuple[str, object], ...] = ()  # extra MoE config fields
-
-
-SOFTMAX = (("moe_router_load_balancing_type", "aux_loss"), ("moe_aux_loss_coeff", 1e-2))
-SHAPES: Dict[str, Shape] = {
-    "mixtral": Shape(8192, 4096, 8, 2, 14336, SOFTMAX),
-    "qwen3_30b_a3b": Shape(16384, 2048, 128, 8, 768, SOFTMAX),
-    "dsv3_like": Shape(8192, 7168, 256, 8, 2048, (
-        ("moe_router_score_function", "sigmoid"), ("moe_router_num_groups", 8),
-        ("moe_router_group_topk", 4), ("moe_router_enable_expert_bias", True),
-        ("moe_router_topk_scaling_factor", 2.5), ("moe_shared_expert_intermediate_size", 2048),
-        ("moe_router_load_balancing_type", "seq_aux_loss"), ("moe_aux_loss_coeff", 1e-4))),
-    "tiny": Shape(256, 128, 8, 2, 256, SOFTMAX),
-}
 MODES: Dict[str, dict] = {
     "dropless": {},
     "drop_pad": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
@@ -202,63 +182,6 @@ def build_ours(kw: dict, dev: torch.device, seed: int, ep_group, state: Optional
         load_megatron_state_dict(layer, state)
     layer.router.aux_loss_scale = AuxLossScale(1.0, device=dev)
     return layer.train()
-
-
-# ---- timing -------------------------------------------------------------------------------
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def time_call(fn: Callable[[], None], dev: torch.device) -> float:
-    """ms of one call: CUDA events (waited for), or the wall clock on the CPU."""
-    if dev.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-Variant = Tuple[Callable[[int], None], Callable[[], None]]  # (run(round), cleanup)
-
-
-def time_interleaved(variants: Dict[str, Variant], dev: torch.device, warmup: int,
-                     rounds: int) -> Dict[str, float]:
-    """Median ms of each variant over ``rounds`` interleaved rounds (one call of each per round)
-    after ``warmup`` rounds; the maximum over the ranks of each median."""
-    for i in range(warmup):
-        for run, cleanup in variants.values():
-            run(i)
-            cleanup()
-    sync(dev)
-    times: Dict[str, List[float]] = {k: [] for k in variants}
-    for i in range(rounds):
-        for name, (run, cleanup) in variants.items():
-            times[name].append(time_call(lambda: run(i), dev))
-            cleanup()
-    med = torch.tensor([statistics.median(times[k]) for k in variants], dtype=torch.float64,
-                       device=dev)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return dict(zip(variants, med.tolist()))
-
-
-def peak_bytes(run: Callable[[], None], cleanup: Callable[[], None], dev: torch.device) -> float:
-    """Peak allocated bytes during ``run`` above what was allocated before (CUDA only)."""
-    if dev.type != "cuda":
-        return float("nan")
-    sync(dev)
-    base = torch.cuda.memory_allocated(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    run()
-    sync(dev)
-    peak = torch.cuda.max_memory_allocated(dev) - base
-    cleanup()
-    return float(peak)
 
 
 @contextlib.contextmanager
@@ -559,7 +482,7 @@ def resolve_run_args(args: argparse.Namespace) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default="qwen3_30b_a3b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="qwen3_30b_a3b", choices=sorted(EP_SHAPES))
     ap.add_argument("--tokens", type=int, help="tokens per rank (default: the shape's)")
     ap.add_argument("--experts", type=int, help="number of experts (default: the shape's)")
     ap.add_argument("--modes", default="dropless,drop_pad")

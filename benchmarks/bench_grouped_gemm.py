@@ -11,7 +11,7 @@ never zeros; every output checked against torch._grouped_mm (or the loop) by rel
 error before it is timed. Printed per shape and product: ms, TFLOP/s, speed ratio vs grouped_mm
 and vs the loop (> 1: ours is faster), % of the dense ceiling; a short table last.
 
-Extra row set (issue 7, item 3), per layer: fc1 with SwiGLU and the router probs, forward only —
+Extra row set, per layer: fc1 with SwiGLU and the router probs, forward only —
 ours fused (grouped_gemm_glu_probs with MOE_GG_GLU_EPILOGUE=1: the activation in the sm90 GEMM's
 epilogue; the op's default is the two kernels) vs ours unfused
 (grouped_gemm, then glu_probs) vs torch (torch._grouped_mm, then F.silu(g) * l * p in torch ops).
@@ -24,40 +24,22 @@ The fused output must equal the unfused one bit for bit (asserted before timing)
 'vs var': > 1 when the default is faster), e.g. MOE_GG_SM90_SPLIT_TAIL=0. The option is set
 inside the timed call and the GPU waits for the host there: at sub-millisecond calls the variant
 read 2-6% slower where the option changes nothing (qwen3_30b_a3b, H200). For differences that
-small, gg_split_tail_ab.py (host work hidden behind a sleep kernel) is the measurement.
+small, tools/gg_split_tail_ab.py (host work hidden behind a sleep kernel) is the measurement.
 """
 import argparse
 import contextlib
 import os
-import statistics
 
 import torch
 
 import moe_core  # noqa: F401  (registers the ops)
-from gg_sm90_check import time_interleaved  # this folder: the variants timed in turns
+from shapes import REFERENCE, SHAPES  # this folder
+from timing import dense_ceiling, time_round_robin  # this folder: the variants timed in turns
 
 OPS = torch.ops.moe_core
 
 # name: (tokens, hidden, experts, topk, expert ffn)
-LAYERS = {
-    "mixtral": (8192, 4096, 8, 2, 14336),
-    "qwen3_30b_a3b": (16384, 2048, 128, 8, 768),
-    "dsv3_like": (8192, 7168, 256, 8, 2048),
-}
-
-
-def time_ms(fn, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+LAYERS = {name: SHAPES[name].dims() for name in REFERENCE}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -70,14 +52,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
         num += (x - y).square().sum().item()
         den += y.square().sum().item()
     return (num / max(den, 1e-30)) ** 0.5
-
-
-def dense_ceiling(reps: int) -> float:
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = time_ms(lambda: torch.mm(a, b), 3, reps)
-    return 2 * n**3 / ms / 1e9
 
 
 def routing_counts(tokens: int, experts: int, topk: int, gen: torch.Generator) -> list:
@@ -171,7 +145,7 @@ def bench_problem(name, rows_per_expert, K, N, reps, ceiling, results, variant=N
             del fns["gmm"]
             print(f"  torch._grouped_mm {prod}: {str(exc).splitlines()[0][:100]}")
         del ref
-        t = time_interleaved(fns, rounds=reps)
+        t = time_round_robin(fns, rounds=reps)
         t_ours, t_loop, t_gmm = t["ours"], t["loop"], t.get("gmm", float("nan"))
         tf = flops / t_ours / 1e9
         row = dict(shape=name, prod=prod, ms=t_ours, tflops=tf, vs_gmm=t_gmm / t_ours,
@@ -240,7 +214,7 @@ def bench_fused_fc1(name, rows_per_expert, H, ffn, reps, ceiling, results):
         del fns["torch"]
         print(f"  torch._grouped_mm fc1+act: {str(exc).splitlines()[0][:100]}")
     del h_f
-    t = time_interleaved(fns, rounds=reps)
+    t = time_round_robin(fns, rounds=reps)
     t_fused, t_unfused, t_torch = t["fused"], t["unfused"], t.get("torch", float("nan"))
     tf = flops / t_fused / 1e9
     row = dict(shape=name, ms=t_fused, tflops=tf, unfused_ms=t_unfused, torch_ms=t_torch,
@@ -268,7 +242,7 @@ def main():
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA {torch.version.cuda}")
-    ceiling = dense_ceiling(args.reps)
+    ceiling = dense_ceiling("cuda", args.reps, queued=True)
     print(f"dense bf16 ceiling (torch.mm 8192^3): {ceiling:.0f} TFLOP/s")
     gen = torch.Generator(device="cuda").manual_seed(0)
     results, fused_rows = [], []

@@ -11,36 +11,15 @@ best time of each (the machine this was written on is shared) and the ratio of t
     PYTHONPATH=. python benchmarks/bench_grouped_gemm_cpu.py [--threads N] [--iters N] [--dtypes fp32,bf16]
 """
 import argparse
-import statistics
-import time
 
 import torch
 
 import moe_core  # noqa: F401
 from moe_core import ops
+from shapes import CPU_GEMM_SHAPES as SHAPES  # this folder
+from timing import paired_times  # this folder
 
-SHAPES = [
-    # name, tokens, hidden, experts, topk, ffn
-    ("demo_tiny", 2048, 128, 8, 2, 256),
-    ("small", 4096, 512, 8, 2, 1024),
-    ("many_small_experts", 4096, 512, 32, 4, 256),
-]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def paired_times(fn_a, fn_b, iters):
-    """Best and median wall-clock of two functions, called alternately so that load from other
-    processes on a shared machine hits both alike; the best is the less noisy there."""
-    for _ in range(2):
-        fn_a()
-        fn_b()
-    ta, tb = [], []
-    for _ in range(iters):
-        for fn, ts in ((fn_a, ta), (fn_b, tb)):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return (min(ta), statistics.median(ta)), (min(tb), statistics.median(tb))
 
 
 def routed_offsets(tokens, experts, topk):

@@ -44,7 +44,7 @@ Measured per variant:
   random 8192 x 8192 bf16 matrices, median of CUDA-event timings, measured before and after the
   shapes; the higher of the two is used).
 * ``peak GiB`` (activation memory): the peak of ``torch.cuda.max_memory_allocated`` during one
-  forward + backward above what was allocated right before it (``bench_ep.peak_bytes``, the same
+  forward + backward above what was allocated right before it (``timing.peak_bytes``, the same
   method for every variant). Backward allocates the parameter gradients inside that window, the
   same bytes for every variant (printed per shape as ``grads``); ``peak - grads`` subtracts them,
   which leaves the activations and the transients. ``held GiB``: allocated right after
@@ -85,7 +85,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import math  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402
@@ -95,19 +94,16 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-import bench_ep  # noqa: E402  (this folder: the layers' builders, timing, memory, sync counting)
 import moe_core  # noqa: E402
-from bench_ep import (Shape, add_run_args, build_megatron, build_ours, free_grads,  # noqa: E402
-                      host_syncs, init_distributed, moe_kwargs, patch_megatron_for_cpu, peak_bytes,
-                      rel_diff, resolve_run_args, sync, time_call, time_interleaved)
+from bench_ep import (add_run_args, build_megatron, build_ours, free_grads,  # noqa: E402
+                      host_syncs, init_distributed, moe_kwargs, patch_megatron_for_cpu,
+                      rel_diff, resolve_run_args)  # this folder: the layers' builders, syncs
 from moe_core import MoELayer  # noqa: E402
+from shapes import LAYER_SHAPES, REFERENCE, Shape, select  # noqa: E402
+from timing import (dense_ceiling, held_after_forward, peak_bytes, sync,  # noqa: E402
+                    time_interleaved)
 
-REFERENCE = ("mixtral", "qwen3_30b_a3b", "dsv3_like")
-_DSV3 = bench_ep.SHAPES["dsv3_like"]
-SHAPES: Dict[str, Shape] = dict(bench_ep.SHAPES)
-# the dsv3_like router (sigmoid, groups, expert bias, scaling, shared expert) at a CPU-smoke size
-SHAPES["tiny_dsv3"] = Shape(256, 128, 32, 8, 128, tuple(
-    (k, 128 if k == "moe_shared_expert_intermediate_size" else v) for k, v in _DSV3.router))
+SHAPES: Dict[str, Shape] = select(LAYER_SHAPES)
 SKIPPABLE = ("megatron", "compiled", "plain")
 
 
@@ -115,19 +111,6 @@ def layer_flops(shape: Shape) -> float:
     """Useful FLOPs of one forward + backward (module docstring): 6·T·H·(E + 3·k·F + 3·Fs)."""
     fs = dict(shape.router).get("moe_shared_expert_intermediate_size") or 0
     return 6.0 * shape.tokens * shape.hidden * (shape.experts + 3 * shape.topk * shape.ffn + 3 * fs)
-
-
-def dense_ceiling(dev: torch.device, reps: int) -> float:
-    """TFLOP/s of a square bf16 torch.mm (8192 on CUDA, 512 on the CPU), median of ``reps``."""
-    n = 8192 if dev.type == "cuda" else 512
-    gen = torch.Generator(device=dev).manual_seed(7)
-    a = torch.randn(n, n, device=dev, generator=gen).to(torch.bfloat16)
-    b = torch.randn(n, n, device=dev, generator=gen).to(torch.bfloat16)
-    for _ in range(10):
-        torch.mm(a, b)
-    sync(dev)
-    ms = statistics.median(time_call(lambda: torch.mm(a, b), dev) for _ in range(reps))
-    return 2.0 * n**3 / ms / 1e9
 
 
 # ---- the plain-PyTorch layer ------------------------------------------------------------------
@@ -303,24 +286,6 @@ class Row:
     first_s: float = float("nan")
     err: str = ""     # vs Megatron (or ours eager): "out / dx (tokens routed differently)"
     note: str = ""
-
-
-def held_after_forward(forward: Callable[[], Tuple[torch.Tensor, torch.Tensor]],
-                       grad: torch.Tensor, cleanup: Callable[[], None],
-                       dev: torch.device) -> float:
-    """Bytes allocated right after one forward above what was allocated before it (CUDA only);
-    the backward then runs and the gradients are freed."""
-    if dev.type != "cuda":
-        return float("nan")
-    sync(dev)
-    base = torch.cuda.memory_allocated(dev)
-    out, x = forward()
-    sync(dev)
-    held = torch.cuda.memory_allocated(dev) - base
-    out.backward(grad)
-    del out, x
-    cleanup()
-    return float(held)
 
 
 def compare(got, ref, map_got: Optional[torch.Tensor], map_ref: Optional[torch.Tensor]):

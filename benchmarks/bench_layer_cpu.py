@@ -10,9 +10,7 @@ ours runs the custom ops with no host sync.
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,23 +20,13 @@ import megatron_layer  # noqa: E402
 
 from moe_core import MoEConfig, MoELayer, load_megatron_state_dict  # noqa: E402
 from moe_core.ops import AuxLossScale  # noqa: E402
-
-SHAPES = [
-    # name, S, B, hidden, experts, topk, ffn, dtype
-    ("tiny_demo", 128, 16, 128, 8, 2, 256, torch.float32),
-    ("small_bf16", 256, 8, 512, 16, 4, 512, torch.bfloat16),
-    ("dsv3_mini_bf16", 256, 8, 512, 64, 8, 256, torch.bfloat16),
-]
+from shapes import CPU_LAYER_SHAPES as SHAPES  # noqa: E402  (this folder)
+from timing import median_ms  # noqa: E402  (this folder)
 
 
 def median_time(fn, iters):
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median wall-clock seconds of fn() over iters calls after one warm-up call."""
+    return median_ms(lambda i: fn(), "cpu", iters, warmup=1) / 1e3
 
 
 def main():

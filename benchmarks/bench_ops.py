@@ -1,4 +1,4 @@
-"""Op benchmark (issue 6): each moe-core CUDA op vs megatron-core's own function, same GPU, same run.
+"""Op benchmark: each moe-core CUDA op vs megatron-core's own function, same GPU, same run.
 
 For the reference shapes of shared/DESIGN.md (plus dsv3 at T=16384), times every op of the
 routing and token-layout path with CUDA events (warm-up, median of many, inputs rotated through
@@ -16,7 +16,6 @@ step, without the Python / dispatcher cost of an eager call or the graph's own l
 """
 import argparse
 import math
-import statistics
 import warnings
 
 import torch
@@ -24,41 +23,20 @@ import torch
 import moe_core
 from moe_core import ops
 from moe_core.ops.router_topk import router_topk_fused, z_loss_from_lse
+from shapes import OP_SHAPES, SHAPES, routing_options  # this folder
+from timing import copy_bandwidth, median_ms  # this folder
 
 warnings.filterwarnings("ignore")
 from megatron.core.transformer.moe import moe_utils as mcore  # noqa: E402
 
-# name, tokens, hidden, experts, topk, router options
-SHAPES = [
-    ("mixtral", 8192, 4096, 8, 2, dict(score_function="softmax")),
-    ("qwen3_30b_a3b", 16384, 2048, 128, 8, dict(score_function="softmax")),
-    ("dsv3_like", 8192, 7168, 256, 8, dict(score_function="sigmoid", num_groups=8, group_topk=4,
-                                           scaling_factor=2.5, bias=True)),
-    ("dsv3_T16k", 16384, 7168, 256, 8, dict(score_function="sigmoid", num_groups=8, group_topk=4,
-                                           scaling_factor=2.5, bias=True)),
-]
 L2_ROTATE_BYTES = 256 << 20
-
-
-def median_event_time(run, iters):
-    """Median seconds of run(i) for i in range(iters), each bracketed by CUDA events."""
-    times = []
-    for i in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run(i)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def timer(fn, args_list, iters):
     """Median seconds of fn(*args) over iters runs, cycling through args_list (cold L2)."""
     for a in args_list[:3]:
         fn(*a)
-    torch.cuda.synchronize()
-    return median_event_time(lambda i: fn(*args_list[i % len(args_list)]), iters)
+    return median_ms(lambda i: fn(*args_list[i % len(args_list)]), "cuda", iters) / 1e3
 
 
 GRAPH_CALLS = 8
@@ -87,20 +65,13 @@ def graph_timer(fn, args_list, iters):
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
-    return median_event_time(lambda i: g.replay(), iters) / GRAPH_CALLS
+    return median_ms(lambda i: g.replay(), "cuda", iters) / 1e3 / GRAPH_CALLS
 
 
 def copies(make, nbytes):
     """Enough independent copies of an input tuple to overflow L2 when cycled."""
     n = max(1, min(8, math.ceil(L2_ROTATE_BYTES / max(nbytes, 1))))
     return [make() for _ in range(n)]
-
-
-def copy_bandwidth(iters):
-    a = torch.randn(1 << 28, device="cuda")  # 1 GiB
-    b = torch.empty_like(a)
-    t = timer(lambda: b.copy_(a), [()], iters)
-    return 2 * a.numel() * 4 / t
 
 
 def has_cuda_kernel(op):
@@ -230,20 +201,22 @@ def cases(name, T, H, E, k, o):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--shapes", default=",".join(OP_SHAPES))
     ap.add_argument("--ops", default="", help="comma-separated substrings of op labels")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays, not eager calls")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    bw = copy_bandwidth(args.iters)
+    bw = copy_bandwidth("cuda", args.iters)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"moe_core {moe_core.__version__}, copy bandwidth {bw / 1e12:.3f} TB/s")
     want = set(args.shapes.split(","))
     filters = [f for f in args.ops.split(",") if f]
     rows = []
-    for name, T, H, E, k, o in SHAPES:
+    for name in OP_SHAPES:
         if name not in want:
             continue
+        T, H, E, k, _ = SHAPES[name].dims()
+        o = routing_options(SHAPES[name])
         torch.manual_seed(0)
         for label, op, ours, theirs, make, nbytes, flops in cases(name, T, H, E, k, o):
             if filters and not any(f in label for f in filters):

@@ -9,54 +9,22 @@ over Megatron-Core. CUDA events, warm-up, median of many; on the CPU, wall-clock
     python benchmarks/bench_router.py [--device cuda|cpu] [--iters N]
 """
 import argparse
-import statistics
-import time
 import warnings
 
 import torch
 
 import moe_core  # noqa: F401
 from moe_core import ops
+from shapes import OP_SHAPES, SHAPES, routing_options  # this folder
+from timing import copy_bandwidth, median_ms  # this folder
 
 warnings.filterwarnings("ignore")
 from megatron.core.transformer.moe import moe_utils as mcore  # noqa: E402
 
-SHAPES = [
-    # name, tokens, experts, topk, options
-    ("mixtral", 8192, 8, 2, dict(score_function="softmax")),
-    ("qwen3_30b_a3b", 16384, 128, 8, dict(score_function="softmax")),
-    ("dsv3_like", 8192, 256, 8, dict(score_function="sigmoid", num_groups=8, group_topk=4,
-                                     scaling_factor=2.5, bias=True)),
-    ("dsv3_T16k", 16384, 256, 8, dict(score_function="sigmoid", num_groups=8, group_topk=4,
-                                      scaling_factor=2.5, bias=True)),
-]
-
 
 def timer(device, fn, iters):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device, iters):
-    n = 1 << 28 if device == "cuda" else 1 << 24  # 1 GiB / 64 MiB of fp32
-    a = torch.randn(n, device=device)
-    b = torch.empty_like(a)
-    t = timer(device, lambda: b.copy_(a), iters)
-    return 2 * a.numel() * 4 / t
+    """Median seconds of fn() over iters calls after 3 warm-up calls (timing.median_ms)."""
+    return median_ms(lambda i: fn(), device, iters, warmup=3) / 1e3
 
 
 def main():
@@ -70,8 +38,9 @@ def main():
     name_dev = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"device {name_dev}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.3f} TB/s")
     rows = []
-    for name, T, E, k, o in SHAPES:
-        o = dict(o)
+    for name in OP_SHAPES:
+        T, _, E, k, _ = SHAPES[name].dims()
+        o = routing_options(SHAPES[name])
         bias = torch.randn(E, device=dev) * 0.1 if o.pop("bias", False) else None
         kw = dict(topk=k, expert_bias=bias, **o)
         logits = torch.randn(T, E, device=dev, requires_grad=True)

@@ -28,8 +28,9 @@ from typing import Dict, List, Tuple  # noqa: E402
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-import bench_ep  # noqa: E402
-from bench_ep import build_ours, moe_kwargs, sync  # noqa: E402
+from bench_ep import build_ours, moe_kwargs  # noqa: E402  (this folder)
+from shapes import SHAPES  # noqa: E402
+from timing import held_after_forward, peak_bytes, sync  # noqa: E402
 
 GiB = float(1 << 30)
 
@@ -113,22 +114,17 @@ def memory(layer, x: torch.Tensor, g: torch.Tensor) -> str:
     if dev.type != "cuda":
         return "  memory: n/a on the CPU"
     free_grads(layer, x)
-    sync(dev)
-    base = torch.cuda.memory_allocated(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    out = layer(x)
-    sync(dev)
-    held = torch.cuda.memory_allocated(dev) - base
-    out.backward(g)
-    del out
-    sync(dev)
-    peak = torch.cuda.max_memory_allocated(dev) - base
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in layer.parameters()
-                if p.grad is not None)
-    free_grads(layer, x)
+    held = held_after_forward(lambda: (layer(x), x), g, lambda: free_grads(layer, x), dev)
+    grads = []
+
+    def count_and_free() -> None:
+        grads.append(sum(p.grad.numel() * p.grad.element_size() for p in layer.parameters()
+                         if p.grad is not None))
+        free_grads(layer, x)
+    peak = peak_bytes(lambda: layer(x).backward(g), count_and_free, dev)
     return (f"  memory: held after forward {held / GiB:.3f} GiB, peak fwd+bwd {peak / GiB:.3f} "
-            f"GiB, parameter gradients {grads / GiB:.3f} GiB, peak - grads "
-            f"{(peak - grads) / GiB:.3f} GiB")
+            f"GiB, parameter gradients {grads[0] / GiB:.3f} GiB, peak - grads "
+            f"{(peak - grads[0]) / GiB:.3f} GiB")
 
 
 def main() -> None:
@@ -139,7 +135,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device(args.device)
     for name in args.shapes.split(","):
-        shape = bench_ep.SHAPES[name]
+        shape = SHAPES[name]
         layer = build_ours(moe_kwargs(shape, "dropless", 1), dev, 0, None, None)
         gen = torch.Generator(device=dev).manual_seed(1)
         x = torch.randn(shape.tokens, shape.hidden, device=dev, dtype=torch.bfloat16,

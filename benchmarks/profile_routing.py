@@ -11,6 +11,11 @@ from torch.profiler import ProfilerActivity, profile
 
 import moe_core  # noqa: F401
 from moe_core import ops
+from shapes import SHAPES, routing_options  # this folder
+from timing import sync  # this folder
+
+# --shape: the shapes.py shape it profiles
+PROFILED = {"dsv3": "dsv3_T16k", "mixtral": "mixtral"}
 
 
 def main() -> None:
@@ -19,18 +24,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--hidden", type=int, default=None)
     args = ap.parse_args()
-    if args.shape == "dsv3":
-        T, H, E, k = 16384, 7168, 256, 8
-    else:
-        T, H, E, k = 8192, 4096, 8, 2
+    shape = SHAPES[PROFILED[args.shape]]
+    T, H, E, k, _ = shape.dims()
     T, H = args.tokens or T, args.hidden or H
     logits = torch.randn(T, E, device="cuda")
-    if args.shape == "dsv3":
-        bias = torch.randn(E, device="cuda") * 0.1
-        opts = dict(score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5,
-                    expert_bias=bias)
-    else:
-        opts = dict(score_function="softmax")
+    opts = routing_options(shape)
+    if opts.pop("bias", False):
+        opts["expert_bias"] = torch.randn(E, device="cuda") * 0.1
     tokens = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
 
     def step() -> None:
@@ -40,11 +40,11 @@ def main() -> None:
 
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
+    sync("cuda")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             step()
-        torch.cuda.synchronize()
+        sync("cuda")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
                                     max_name_column_width=60))
 
