@@ -1,4 +1,4 @@
-"""A/B of two versions of the Hopper grouped GEMM's source, with torch._grouped_mm, in one run.
+"""Compares two versions of the Hopper grouped GEMM's source (the tree's, another .cu) and torch._grouped_mm.
 
 Builds csrc/cuda/grouped_gemm_sm90.cu as it is in the tree (new) and another copy of it (old,
 e.g. `git show REV:csrc/cuda/grouped_gemm_sm90.cu > /tmp/old.cu`) into two standalone libraries
@@ -9,7 +9,7 @@ in turns, each after a sleep kernel so the host's launch work is hidden; median 
 "bits" says whether old and new wrote the same output. For changes that a run-time option
 cannot switch (gg_env_ab.py covers those).
 
-    python3 benchmarks/gg_lib_ab.py /tmp/old.cu [--layers mixtral] [--rounds 12]
+    python3 tools/gg_lib_ab.py /tmp/old.cu [--layers mixtral] [--rounds 12]
 """
 import argparse
 import ctypes
@@ -18,10 +18,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))  # shapes, timing, bench_grouped_gemm
 from bench_grouped_gemm import LAYERS, expert_offsets, routing_counts  # noqa: E402
-from gg_env_ab import timed_turns  # noqa: E402
-from gg_sm90_check import DT, Params, build  # noqa: E402
+from gg_sm90_check import DT, Params, build  # noqa: E402  (this folder)
+from timing import time_turns  # noqa: E402
 
 PRODS = ("fwd", "dgrad", "wgrad")
 
@@ -91,7 +92,7 @@ def main():
                 fns = {k: lib.product(prod, outs[k], *operands[prod], off, K, N)
                        for k, lib in libs.items()}
                 fns["gmm"] = gmm[prod]
-                t = timed_turns({k: (False, fn) for k, fn in fns.items()}, None, args.rounds)
+                t = time_turns({k: (False, fn) for k, fn in fns.items()}, args.rounds)
                 bits = "EQUAL" if torch.equal(fns["old"](), fns["new"]()) else "differ"
                 flops = 2.0 * R * K * N
                 print(f"{layer + '.' + fc + ' ' + prod:26s} {t['old']:8.3f} {t['new']:8.3f} "

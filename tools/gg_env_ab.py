@@ -1,4 +1,4 @@
-"""A/B of one environment option of the Hopper grouped GEMM, with torch._grouped_mm in the same run.
+"""Compares the Hopper grouped GEMM by default (A) with itself under one environment option (B), and torch._grouped_mm.
 
 The products of the reference layers at bench_grouped_gemm.py's routing (seed 0), bf16,
 Megatron's weight layout: ours by default (A), ours under VAR=VALUE (B), and torch._grouped_mm.
@@ -13,8 +13,8 @@ Two timings:
                    the samples): what a training step sees once the card sits at its power cap,
                    where less energy per flop turns into clock.
 
-    python3 benchmarks/gg_env_ab.py MOE_GG_SM90_EXPERT_MAPS=0
-    python3 benchmarks/gg_env_ab.py MOE_GG_SM90_EXPERT_MAPS=0 --layers mixtral --prods wgrad --sustained
+    python3 tools/gg_env_ab.py MOE_GG_SM90_EXPERT_MAPS=0
+    python3 tools/gg_env_ab.py MOE_GG_SM90_EXPERT_MAPS=0 --layers mixtral --prods wgrad --sustained
 """
 import argparse
 import os
@@ -28,8 +28,10 @@ import torch
 
 import moe_core  # noqa: F401  (registers the ops)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))  # shapes, timing, bench_grouped_gemm
 from bench_grouped_gemm import LAYERS, expert_offsets, routing_counts  # noqa: E402
+from timing import time_call, time_turns  # noqa: E402
 
 OPS = torch.ops.moe_core
 PRODS = ("fwd", "dgrad", "wgrad")
@@ -50,32 +52,6 @@ class Env:
             os.environ[self.var] = val
 
 
-def timed_turns(fns: dict, env: Env | None, rounds: int) -> dict:
-    """fns: name -> (option on?, callable); median ms of each, in turns, sleep-padded. env None:
-    no option to switch (the flags are ignored)."""
-    def switch(on: bool):
-        if env is not None:
-            env.set(on)
-
-    for on, fn in fns.values():
-        switch(on)
-        fn()
-    torch.cuda.synchronize()
-    ts = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, (on, fn) in fns.items():
-            switch(on)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(1_000_000)  # the launch below is queued before the GPU gets to it
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            ts[k].append(s.elapsed_time(e))
-    switch(False)
-    return {k: statistics.median(v) for k, v in ts.items()}
-
-
 def smi_sample():
     """(SM clock MHz, board power W) of GPU 0."""
     out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=clocks.sm,power.draw",
@@ -88,12 +64,7 @@ def sustained(fn, seconds: float = 0.8):
     """(ms per call, median SM MHz, median W) over about `seconds` of back-to-back calls."""
     fn()
     torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    fn()
-    e.record()
-    e.synchronize()
-    n = max(10, int(seconds * 1e3 / max(s.elapsed_time(e), 1e-3)))
+    n = max(10, int(seconds * 1e3 / max(time_call(fn, "cuda"), 1e-3)))
     samples, stop = [], threading.Event()
 
     def monitor():
@@ -101,17 +72,17 @@ def sustained(fn, seconds: float = 0.8):
             samples.append(smi_sample())
             time.sleep(0.01)
 
+    def calls():
+        for _ in range(n):
+            fn()
+
     th = threading.Thread(target=monitor)
     th.start()
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    e.synchronize()
+    ms = time_call(calls, "cuda")
     stop.set()
     th.join()
     tail = samples[len(samples) // 3:] or samples or [(float("nan"), float("nan"))]
-    return (s.elapsed_time(e) / n, statistics.median(x[0] for x in tail),
+    return (ms / n, statistics.median(x[0] for x in tail),
             statistics.median(x[1] for x in tail))
 
 
@@ -178,8 +149,8 @@ def main():
                               f"{r['gmm'][0] / r['A'][0]:6.3f} {r['A'][1]:6.0f} "
                               f"{r['gmm'][1]:7.0f} {r['A'][2]:5.0f}", flush=True)
                 else:
-                    t = timed_turns({"A": (False, ours), "B": (True, ours), "gmm": (False, gmm)},
-                                    env, args.rounds)
+                    t = time_turns({"A": (False, ours), "B": (True, ours), "gmm": (False, gmm)},
+                                   args.rounds, env.set)
                     print(f"{name:24s} {t['A']:8.3f} {t['B']:8.3f} {t['gmm']:8.3f} "
                           f"{t['B'] / t['A']:6.3f} {t['gmm'] / t['A']:6.3f} "
                           f"{flops / t['A'] / 1e9:7.0f} {bits}", flush=True)

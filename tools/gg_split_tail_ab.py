@@ -1,14 +1,15 @@
-"""The split last wave of the sm90 grouped GEMM, A/B at bench_grouped_gemm.py's routing (seed 0).
+"""Compares the sm90 grouped GEMM with its last wave split and unsplit (and regrouped into whole tiles).
 
-For fwd/dgrad products of the reference layers: ours by default (the last wave split where it
+At bench_grouped_gemm.py's routing (seed 0), for fwd/dgrad products of the reference layers: ours by default (the last wave split where it
 applies) against MOE_GG_SM90_SPLIT_TAIL=0, and, unsplit, the same rows regrouped so the experts
 hold whole 128-row tiles but one (fewer tiles, fewer waves: what the partial wave costs). Each
 call is preceded by a sleep kernel so the host's launch work is hidden (the variants differ by an
 environment switch); the variants run in turns, median of ROUNDS. "bits" says whether the split
 changed the output (EQUAL: no split at that shape, so its ratio is the harness's noise).
 
-    python3 benchmarks/gg_split_tail_ab.py        (ROUNDS=25 by default)
+    python3 tools/gg_split_tail_ab.py [--rounds R]        (ROUNDS=25 by default)
 """
+import argparse
 import os
 import sys
 
@@ -16,9 +17,11 @@ import torch
 
 import moe_core  # noqa: F401  (registers the ops)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))  # shapes, timing, bench_grouped_gemm
 from bench_grouped_gemm import LAYERS, expert_offsets, routing_counts  # noqa: E402
-from gg_env_ab import Env, timed_turns  # noqa: E402
+from gg_env_ab import Env  # noqa: E402  (this folder)
+from timing import time_turns  # noqa: E402
 
 OPS = torch.ops.moe_core
 ROUNDS = int(os.environ.get("ROUNDS", "25"))
@@ -57,6 +60,9 @@ def product(layer: str, fc: str, prod: str, counts):
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="default: $ROUNDS or 25")
+    args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)  # bench_grouped_gemm.py's routing
     counts = {name: routing_counts(T, E, k, gen) for name, (T, _, E, k, _) in LAYERS.items()}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -76,8 +82,8 @@ def main():
         unsplit_env.set(False)
         bits = "EQUAL" if torch.equal(unsplit, ours()) else "differ"
         del unsplit
-        t = timed_turns({"split": (False, ours), "unsplit": (True, ours), "regr": (True, regr)},
-                        unsplit_env, ROUNDS)
+        t = time_turns({"split": (False, ours), "unsplit": (True, ours), "regr": (True, regr)},
+                       args.rounds, unsplit_env.set)
         print(f"{layer + '.' + fc + ' ' + prod:22s} {tiles:6d} {tiles / sms:7.2f} "
               f"{t['split']:9.3f} {t['unsplit']:8.3f} {t['regr']:9.3f} "
               f"{t['unsplit'] / t['split']:13.3f} {t['regr'] / t['unsplit']:12.3f} {bits}",

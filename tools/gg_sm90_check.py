@@ -1,11 +1,13 @@
-"""Standalone check and benchmark of the Hopper grouped GEMM (csrc/cuda/grouped_gemm_sm90.cu).
+"""Checks the Hopper grouped GEMM standalone, and compares its TFLOP/s with torch._grouped_mm and a loop.
+
+The kernel: csrc/cuda/grouped_gemm_sm90.cu.
 
 Needs no moe_core build: compiles the .cu with csrc/common.c into a shared library and calls
 moe_cuda_gg_sm90_{fwd,dgrad,wgrad} through ctypes on torch CUDA tensors (current stream).
 
-  python benchmarks/gg_sm90_check.py              # build, check, benchmark
-  python benchmarks/gg_sm90_check.py --lib X.so   # use a prebuilt library (rebuilt if it fails)
-  python benchmarks/gg_sm90_check.py --no-bench   # correctness only
+  python tools/gg_sm90_check.py              # build, check, benchmark
+  python tools/gg_sm90_check.py --lib X.so   # use a prebuilt library (rebuilt if it fails)
+  python tools/gg_sm90_check.py --no-bench   # correctness only
   GG_WATCHDOG=1 ...                                # build with the mbarrier-wait watchdog
 
 Checks: fwd / dgrad / wgrad, trans_w 0 and 1, bf16 and fp16 operands, bf16 / fp16 / fp32
@@ -51,7 +53,7 @@ rows = tokens * topk, random top-k routing, seed 0). All three runs passed the c
       swizzled whole-block staging), overlapping the next tile's MMAs: round-robin against v2
       in one run, wgrad mixtral +3.5-4.2%, qwen3 +8.7-9.2%, dsv3 +10.4-10.8%, same bits.
       CTA pairs (clusters of two, one operand block multicast to both) measured 0.96-1.03x of
-      v2: L2 bandwidth is not the limit (branch wip/gg-cluster-pairs, benchmarks/RESULTS.md).
+      v2: L2 bandwidth is not the limit (branch wip/gg-cluster-pairs, docs/perf-history.md).
   v5  (2026-12-03) fwd / dgrad store 16-bit blocks through the copy engine too, when the
       warpgroup's 64 rows lie inside the expert (blocks cut by the expert's end: staged stores);
       3 stages at BN 256 for every plain product. A/B against v4: fwd/dgrad +0.5-6.8%, same
@@ -86,13 +88,17 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import statistics
 import subprocess
 import sys
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from shapes import REFERENCE, select  # noqa: E402
+from timing import sync as _sync  # noqa: E402
+from timing import time_round_robin  # noqa: E402
+
 DEV = "cuda"
 DT = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 
@@ -169,8 +175,7 @@ class GG:
 
 
 def sync() -> None:
-    if DEV == "cuda":
-        torch.cuda.synchronize()
+    _sync(DEV)
 
 
 def reference(op: str, a: torch.Tensor, b: torch.Tensor, offs: list[int], e: int, k: int, n: int,
@@ -305,41 +310,11 @@ def correctness(gg: GG) -> int:
     return len(fails)
 
 
-def time_interleaved(fns: dict, rounds: int = 20, preheat_s: float = 0.5) -> dict:
-    """Median ms of each callable, timed round-robin (one call of each per round, CUDA events),
-    after a pre-heat: the card's clock drifts down under sustained load, and timing variants one
-    after another would favour whichever ran first."""
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    first = next(iter(fns.values()))
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    first()
-    e.record()
-    e.synchronize()
-    for _ in range(max(1, int(preheat_s * 1e3 / max(s.elapsed_time(e), 1e-3)))):
-        first()
-    ts = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            ts[k].append(s.elapsed_time(e))
-    return {k: statistics.median(v) for k, v in ts.items()}
-
-
 TILES = ("256", "128")  # MOE_GG_SM90_TILE: cooperative 128x256, 128x128
 WGRAD_BKS = ("64", "32")  # MOE_GG_SM90_WGRAD_BK: wgrad's expert rows per stage
 
 SHAPES = {  # name: hidden, ffn, experts, topk, tokens
-    "mixtral": (4096, 14336, 8, 2, 8192),
-    "qwen3_30b_a3b": (2048, 768, 128, 8, 16384),
-    "dsv3_like": (7168, 2048, 256, 8, 8192),
-}
+    name: (s.hidden, s.ffn, s.experts, s.topk, s.tokens) for name, s in select(REFERENCE).items()}
 
 
 def bench(gg: GG, only: list[str] | None) -> list[str]:
@@ -389,7 +364,7 @@ def bench(gg: GG, only: list[str] | None) -> list[str]:
                 "wgrad": ours("wgrad", dw, x, dy),
                 "t_wgrad": lambda: torch._grouped_mm(dy.t(), x, offs=offs32),
             }
-            res = time_interleaved(fns)
+            res = time_round_robin(fns)
             os.environ.pop("MOE_GG_SM90_TILE", None)
             # sanity: ours vs torch on this shape
             gg.run("fwd", y, x, w, offs64, e, k, n, 1)
