@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# One device call for expert parallelism on one GPU: build with CUDA, the EP GPU tests
+# One GPU session for expert parallelism on one GPU: build with CUDA, the EP GPU tests
 # (tests/test_ep_cuda.py: NCCL world of one), the layer GPU tests (test_layer.py,
 # test_cuda_graph.py), then benchmarks/bench_ep.py at a world of one on qwen3_30b_a3b and
 # dsv3_like (ours vs Megatron-Core's alltoall MoELayer, our EP path vs the plain layer,
 # dispatch + combine vs a bare all_to_all_single); a summary and the benchmark tables last.
-# Run on the lent GPU machine from the repo root, megatron-core carried as a wheel in .whl/
-# (device_env.sh installs it), e.g. run(command="bash benchmarks/gpu_ep_session.sh",
-# carry=[".whl"], timeout_s=600).
+# Run on any CUDA machine from the repo root: `bash benchmarks/gpu_ep_session.sh`; megatron-core
+# from the environment or from a wheel copied into .whl/ (device_env.sh installs it).
 #
 # Each step runs under its own time cap, cut to what is left of the session's budget
-# (SESSION_S, default 560 s, kept below the 600 s of one call); a step that fails or runs out
-# is reported and the later steps still run. Logs: $OUT/<step>.log (6 files at most).
-# The steps' durations on the H200 are in benchmarks/RESULTS.md. dsv3_like with all 256 experts
+# (SESSION_S, default 560 s: set it below any limit your machine puts on one command); a step
+# that fails or runs out is reported and the later steps still run. Logs: $OUT/<step>.log
+# (6 files at most). The steps' durations on one H200 are in docs/perf-history.md. dsv3_like with all 256 experts
 # holds two copies of its weights (Megatron's and ours, shared by our variants) plus one set of
 # gradients; if the run with Megatron fails, it is retried without Megatron when time is left.
 # Knobs: SKIP_BUILD, SKIP_TESTS, SKIP_BENCH, SESSION_S, NPROC (pytest workers for the layer

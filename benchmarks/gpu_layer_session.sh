@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One device call for the single-GPU layer: build with CUDA, the GPU tests of the expert path and
+# One GPU session for the single-GPU layer: build with CUDA, the GPU tests of the expert path and
 # the router (expert_mlp, glu_probs, fc1 + glu_probs, the gating linear, the layer against
 # Megatron-Core, CUDA graphs), then benchmarks/bench_layer.py (the whole layer fwd + bwd against
 # Megatron's MoELayer and a compiled plain-PyTorch layer) and benchmarks/profile_layer.py (the
 # kernel table and what is saved for backward); the summary and the tables last.
-# Run on the lent GPU machine from the repo root, megatron-core carried as a wheel in .whl/:
-# run(command="bash benchmarks/gpu_layer_session.sh", carry=[".whl"], timeout_s=600).
+# Run on any CUDA machine from the repo root: `bash benchmarks/gpu_layer_session.sh`; megatron-core
+# from the environment or from a wheel copied into .whl/ (device_env.sh installs it).
 # Knobs: SKIP_BUILD, SKIP_TESTS, SKIP_BENCH, SESSION_S, LAYER_ARGS (default: --rounds 10),
 # PROFILE_ARGS (default: --top 12).
 set -uo pipefail

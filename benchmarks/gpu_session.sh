@@ -1,24 +1,20 @@
 #!/usr/bin/env bash
-# One device session: build with CUDA, run the C tests, the GPU test suite (CUDA parity, CPU-vs-CUDA
+# One GPU session: build with CUDA, run the C tests, the GPU test suite (CUDA parity, CPU-vs-CUDA
 # equality), compute-sanitizer on the CUDA kernels, and the benchmarks; the table comes last.
-# Run on the lent GPU machine from the repo root, with megatron-core carried as a wheel in .whl/.
-# Durations on the H200 (2026-12-02, third session): machine start 30-90 s; build 62-70 s; test
-# groups (-n 16) router + graphs + opcheck 34 s, layout 30 s, grouped GEMM + glu 24 s, balancing
-# 25 s, layer 21 s; bench_ops 60 s (--graph 45 s), bench_grouped_gemm 60 s (--fused only 25 s);
-# compute-sanitizer on the default selection (239 tests) memcheck 20 s, racecheck 76 s. The
-# whole suite + bench_ops --graph + profiles is one ~275 s call. A 30-minute device budget then
-# leaves room for about three more build-and-measure calls; keep the last 2-3 minutes unspent.
-# A refused start (no machine free) also costs device time, 15 s up to about 2 min, and the tool
-# then waits 3-10 min before it tries again: put the verification run first, not last.
+# Run on any CUDA machine from the repo root: `bash benchmarks/gpu_session.sh`. megatron-core
+# comes from the environment, or from a wheel copied into .whl/ (device_env.sh installs it).
+# Logs go to $OUT (default /tmp/out).
+# Durations on one H200: build 62-70 s; test groups (-n 16) router + graphs + opcheck 34 s,
+# layout 30 s, grouped GEMM + glu 24 s, balancing 25 s, layer 21 s; bench_ops 60 s (--graph 45 s),
+# bench_grouped_gemm 60 s (--fused only 25 s); compute-sanitizer on the default selection (239
+# tests) memcheck 20 s, racecheck 76 s. The whole suite + bench_ops --graph + profiles: ~275 s.
 # Knobs: TESTS='g1|g2' (pytest groups), TCAP / PT_TIMEOUT (group / per-test caps, s), NFAIL,
 # SKIP_BUILD, SKIP_SANITIZER, SAN_TOOLS / SAN_TESTS / SAN_K / SCAP, PROFILE, BENCHES, BENCH_ARGS.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+# $OUT, unbuffered Python, NCCL without NVLink multicast, megatron-core from .whl/ if carried
+source benchmarks/session_lib.sh
 # 16 pytest workers on 16 cores: one intra-op thread each, or the CPU references oversubscribe
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 t0=$(date +%s)

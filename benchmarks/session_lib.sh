@@ -1,7 +1,9 @@
-# Shared by the device session scripts (gpu_ep_session.sh, gpu_layer_session.sh): the output
-# folder, the session deadline (SESSION_S, default 560 s, below the 600 s of one device call),
-# run_step (one step under its own time cap, its log in $OUT/<step>.log) and pytest_report.
-# Sourced from the repo root; also sources device_env.sh (megatron-core from the carried wheel).
+# Shared by the GPU session scripts (gpu_session.sh, gpu_ep_session.sh, gpu_layer_session.sh):
+# the output folder ($OUT, default /tmp/out), the session deadline (SESSION_S, default 560 s: keep
+# it below any limit the machine puts on one command), run_step (one step under its own time
+# cap, its log in $OUT/<step>.log) and pytest_report. NVLink multicast stays off (NCCL NVLS,
+# symmetric memory, NVSHMEM): some multi-GPU hosts do not support it. Sourced from the repo root;
+# also sources device_env.sh (megatron-core from a wheel in .whl/, if there is one).
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
