@@ -4,17 +4,22 @@ The text is real and on every machine: the Python standard library's own source 
 bytes (a 256-symbol vocabulary), so nothing is downloaded. Each block is pre-norm causal
 self-attention followed by an MoELayer (top-2 of 8 SwiGLU experts, aux loss and z-loss attached
 through the autoscaler). It runs on the CPU by default, and on a GPU when one is present and this
-build has CUDA kernels for every op of the layer (moe_core.layer_runs_on_cuda()). It prints a
-progress line with the loss, the aux loss and the load imbalance, saves a checkpoint, and writes
-a PNG of every layer's per-expert load over the steps.
+build has CUDA kernels for every op of the layer (moe_core.layer_runs_on_cuda()). A tqdm bar
+shows the loss, the validation loss, the aux loss, the load imbalance and tokens/s; the
+validation loss is measured every ``--eval-every`` steps on fixed held-out sequences (the last
+5 % of the corpus, other files than the training bytes), without grad. It saves a checkpoint
+(the weights, the arguments and every recorded metric; ``load_checkpoint`` rebuilds the model)
+and one matplotlib figure (Agg, no screen): the train / validation loss, the aux loss and the
+load imbalance over the steps, and one heat map per MoE layer of every expert's share of the
+routed tokens at every step.
 
-    python examples/train_tiny_moe.py [--steps 300] [--out examples/out]
+    python examples/train_tiny_moe.py [--steps 300] [--eval-every 25] [--out examples/out]
 
 Expert parallel: under torchrun, ``--expert-parallel N`` splits every layer's experts over
 groups of N ranks (gloo on the CPU, NCCL on GPUs); with more ranks than N the groups are
 replicated (EP x DP, Megatron's layout). Every rank draws the same global batch and trains on its
 shard, so the global batch, the initial weights and (up to rounding and the per-rank aux loss)
-the loss curve are the single process's. Only rank 0 prints, plots and saves; the checkpoint
+the loss curve are the single process's. Only rank 0 shows the bar, plots and saves; the checkpoint
 holds every expert, in the single-process layout.
 
     torchrun --nproc-per-node 2 examples/train_tiny_moe.py --expert-parallel 2 \
@@ -25,17 +30,17 @@ import dataclasses
 import glob
 import math
 import os
-import struct
 import sys
 import sysconfig
 import time
-import zlib
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 import moe_core
 from moe_core import MoEConfig, MoELayer
@@ -91,40 +96,89 @@ class TinyMoELM(nn.Module):
         return self.norm(x) @ self.embed.weight.t()
 
 
-def write_png(path: str, rows: list, title_rows: int = 0) -> None:
-    """A heat map PNG from rows of values in [0, 1] (white = 0, dark blue = 1), no dependencies."""
-    h, w = len(rows), len(rows[0])
-    raw = b""
-    for r in rows:
-        line = bytearray([0])
-        for v in r:
-            v = min(max(v, 0.0), 1.0)
-            line += bytes((int(255 - 230 * v), int(255 - 180 * v), int(255 - 60 * v)))
-        raw += bytes(line)
-
-    def chunk(tag, data):
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-    with open(path, "wb") as f:
-        f.write(png)
+def _trailing_mean(values: np.ndarray, window: int) -> np.ndarray:
+    """The mean of the last ``window`` values at every step (fewer at the start)."""
+    c = np.cumsum(np.insert(np.asarray(values, dtype=np.float64), 0, 0.0))
+    n = np.arange(1, len(values) + 1)
+    lo = np.maximum(n - window, 0)
+    return (c[n] - c[lo]) / (n - lo)
 
 
-def load_plot(history: list, num_layers: int, num_experts: int, path: str, scale: int = 6) -> None:
-    """One band per layer: x = training step, y = expert, shade = that expert's share of tokens
-    relative to twice the uniform share (so uniform load is mid-blue)."""
-    steps = len(history)
-    rows = []
-    for layer in range(num_layers):
-        for e in range(num_experts):
-            row = []
-            for step in history:
-                share = step[layer][e]
-                row += [share * num_experts / 2.0] * scale
-            rows += [row] * scale
-        rows += [[0.0] * (steps * scale)] * scale  # a white gap between layers
-    write_png(path, rows)
+def plot_training(metrics: Dict, path: str) -> None:
+    """One PNG: the train / validation loss, the aux loss, the load imbalance and, one heat map per
+    MoE layer, each expert's share of the routed tokens at every step. Drawn with matplotlib's
+    Agg canvas (no screen, no pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.figure import Figure
+
+    steps = np.asarray(metrics["step"])
+    loads = np.asarray(metrics["load"])                    # [steps, layers, experts]
+    L, E = loads.shape[1], loads.shape[2]
+    window = max(1, len(steps) // 25)
+    smooth = f"mean of the last {window} steps" if window > 1 else "per step"
+
+    fig = Figure(figsize=(13, 3.9 + 1.9 * L), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.add_gridspec(1 + L, 3, height_ratios=[1.6] + [1.0] * L)
+    fig.suptitle(metrics.get("title", "tiny MoE language model"), fontsize=13)
+
+    ax = fig.add_subplot(grid[0, 0])
+    ax.plot(steps, metrics["train_loss"], color="tab:blue", alpha=0.25, lw=0.8)
+    ax.plot(steps, _trailing_mean(metrics["train_loss"], window), color="tab:blue",
+            lw=1.8, label=f"train ({smooth})")
+    ax.plot(metrics["val_step"], metrics["val_loss"], "o-", color="tab:orange", ms=4, lw=1.8,
+            label="validation (held out)")
+    ax.axhline(math.log(256), color="grey", ls=":", lw=1, label="uniform guess (ln 256)")
+    ax.set(title="loss", xlabel="step", ylabel="cross-entropy (nats / byte)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+    ax = fig.add_subplot(grid[0, 1])
+    aux = np.asarray(metrics["aux_loss"])                  # [steps, layers]
+    if metrics.get("aux_loss_coeff", 1.0) > 0:
+        for layer in range(L):
+            ax.plot(steps, _trailing_mean(aux[:, layer], window), lw=1.5,
+                    color=f"C{layer}", label=f"layer {layer + 1}")
+        ax.axhline(1.0, color="grey", ls=":", lw=1, label="uniform routing (1)")
+        ax.legend(fontsize=8)
+        ax.set_title(f"load-balancing aux loss / coefficient ({smooth})", fontsize=10)
+    else:
+        ax.text(0.5, 0.5, "aux loss off (--aux-loss-coeff 0)", ha="center", va="center",
+                transform=ax.transAxes, color="grey")
+        ax.set_title("load-balancing aux loss", fontsize=10)
+    ax.set(xlabel="step", ylabel="aux loss")
+    ax.grid(alpha=0.3)
+
+    ax = fig.add_subplot(grid[0, 2])
+    imbalance = loads.max(axis=2) * E                      # [steps, layers]
+    for layer in range(L):
+        ax.plot(steps, imbalance[:, layer], color=f"C{layer}", alpha=0.2, lw=0.8)
+        ax.plot(steps, _trailing_mean(imbalance[:, layer], window), color=f"C{layer}", lw=1.5,
+                label=f"layer {layer + 1}")
+    ax.axhline(1.0, color="grey", ls=":", lw=1, label="perfect balance (1)")
+    ax.set_ylim(bottom=0)
+    ax.set(xlabel="step", ylabel="busiest expert's load / mean load")
+    ax.set_title(f"load imbalance ({smooth})", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+    # White is the uniform share 1/E; red, an expert taking more than its share; blue, less.
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0 / E, vmax=max(2.0 / E, float(loads.max())))
+    heat_axes, image = [], None
+    for layer in range(L):
+        ax = fig.add_subplot(grid[1 + layer, :])
+        image = ax.imshow(loads[:, layer, :].T, aspect="auto", origin="lower", cmap="RdBu_r",
+                          norm=norm, interpolation="nearest",
+                          extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, E - 0.5))
+        ax.set_yticks(range(E) if E <= 16 else np.linspace(0, E - 1, 9).round())
+        ax.set_ylabel("expert")
+        ax.set_title(f"layer {layer + 1}: each expert's share of the routed tokens", fontsize=10)
+        heat_axes.append(ax)
+    heat_axes[-1].set_xlabel("step")
+    bar = fig.colorbar(image, ax=heat_axes, shrink=0.9, pad=0.01)
+    bar.set_label(f"share of routed tokens\n(white: uniform 1/{E} = {1 / E:.3f})")
+    fig.savefig(path)
 
 
 @dataclasses.dataclass
@@ -179,7 +233,7 @@ def setup_expert_parallel(ap: argparse.ArgumentParser, args: argparse.Namespace
                           groups.layer_kwargs())
 
 
-def main() -> None:
+def parse_args(argv: Optional[List[str]] = None) -> Tuple[argparse.ArgumentParser, argparse.Namespace]:
     ap = argparse.ArgumentParser(description="Train a tiny MoE language model with moe-core.")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16, help="global batch, in sequences")
@@ -191,6 +245,11 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--aux-loss-coeff", type=float, default=1e-2,
                     help="the load-balancing aux loss's coefficient (0: off)")
+    ap.add_argument("--eval-every", type=int, default=25, metavar="N",
+                    help="the validation loss every N steps (and before the first and after the "
+                         "last), on the same held-out sequences every time")
+    ap.add_argument("--val-seqs", type=int, default=16,
+                    help="held-out sequences in every validation")
     ap.add_argument("--device", default="cuda" if moe_core.layer_runs_on_cuda() else "cpu")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     ap.add_argument("--expert-parallel", type=int, default=None, metavar="N",
@@ -198,7 +257,62 @@ def main() -> None:
                          "world size must be a multiple of N)")
     ap.add_argument("--dispatcher", choices=("alltoall", "allgather"), default="alltoall",
                     help="the expert-parallel token dispatcher (Megatron's names)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.eval_every < 1:
+        ap.error(f"--eval-every {args.eval_every}: must be >= 1")
+    return ap, args
+
+
+def build_config(args: argparse.Namespace, ep_size: int = 1, dispatcher: str = "alltoall") -> MoEConfig:
+    ep_fields = {} if ep_size == 1 else dict(expert_model_parallel_size=ep_size,
+                                             moe_token_dispatcher_type=dispatcher)
+    return MoEConfig(hidden_size=args.hidden, num_layers=args.layers, num_moe_experts=args.experts,
+                     moe_ffn_hidden_size=2 * args.hidden, moe_router_topk=args.topk,
+                     add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+                     moe_router_dtype="fp32", moe_aux_loss_coeff=args.aux_loss_coeff,
+                     moe_z_loss_coeff=1e-3, **ep_fields)
+
+
+def load_checkpoint(path: str, device: str = "cpu") -> Tuple[TinyMoELM, Dict]:
+    """A fresh single-process model with a checkpoint's weights (any EP size saved it), and the
+    checkpoint (its ``args`` and the run's ``metrics``)."""
+    ckpt = torch.load(path, map_location=device, weights_only=False)
+    args = argparse.Namespace(**ckpt["args"])
+    model = TinyMoELM(build_config(args), args.layers, heads=4, seq_len=args.seq_len).to(device)
+    model.load_state_dict(ckpt["model"])
+    return model, ckpt
+
+
+def corpus_split(max_bytes: int = 4 << 20) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation): the corpus's first 95 % and the held-out last 5 % (other files)."""
+    data = load_corpus(max_bytes)
+    split = int(len(data) * 0.95)
+    return data[:split], data[split:]
+
+
+def validation_batch(val_data: torch.Tensor, seq_len: int, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``n`` windows spread evenly over the held-out bytes: (inputs, targets), each [S, n]."""
+    starts = torch.linspace(0, len(val_data) - seq_len - 1, n).long()
+    chunk = torch.stack([val_data[i: i + seq_len + 1] for i in starts]).t()
+    return chunk[:-1], chunk[1:]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The mean cross-entropy in eval mode, without grad. The routers skip their aux losses and
+    their expert-bias counting there, so evaluation leaves the training statistics alone."""
+    was_training = model.training
+    model.eval()
+    try:
+        logits = model(x)
+    finally:
+        model.train(was_training)
+    return F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)).item()
+
+
+def main(argv: Optional[List[str]] = None) -> Dict:
+    """Train, save the checkpoint and the figure; returns the recorded metrics (every rank)."""
+    ap, args = parse_args(argv)
     ep = setup_expert_parallel(ap, args)
     main_rank = ep is None or ep.rank == 0
     torch.manual_seed(0)  # every rank: the same weights and the same global batches
@@ -206,16 +320,8 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
     dev = torch.device(args.device)
 
-    data = load_corpus(4 << 20)
-    split = int(len(data) * 0.95)
-    train_data, val_data = data[:split], data[split:]
-    ep_fields = {} if ep is None else dict(expert_model_parallel_size=ep.ep_size,
-                                           moe_token_dispatcher_type=args.dispatcher)
-    cfg = MoEConfig(hidden_size=args.hidden, num_layers=args.layers, num_moe_experts=args.experts,
-                    moe_ffn_hidden_size=2 * args.hidden, moe_router_topk=args.topk,
-                    add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
-                    moe_router_dtype="fp32", moe_aux_loss_coeff=args.aux_loss_coeff,
-                    moe_z_loss_coeff=1e-3, **ep_fields)
+    train_data, val_data = corpus_split()
+    cfg = build_config(args, 1 if ep is None else ep.ep_size, args.dispatcher)
     # Under EP, GroupedMLP draws every global expert in order and keeps its own, so the same
     # seed gives every rank the single process's weights (and leaves the generator in the same
     # state, so the batches below are the same too).
@@ -226,7 +332,8 @@ def main() -> None:
                    for p in model.parameters())
     if main_rank:
         print(f"tiny MoE LM: {args.layers} layers, {args.experts} experts top-{args.topk}, "
-              f"{n_params / 1e6:.2f} M parameters, {len(data) / 1e6:.1f} MB of stdlib source, on {dev}")
+              f"{n_params / 1e6:.2f} M parameters, {(len(train_data) + len(val_data)) / 1e6:.1f} MB "
+              f"of stdlib source ({len(val_data) / 1e3:.0f} kB held out), on {dev}")
         if ep is not None:
             print(f"expert parallel: {ep.world} ranks, EP {ep.ep_size} x DP {ep.world // ep.ep_size}, "
                   f"{args.experts // ep.ep_size} experts per rank per layer, {args.dispatcher} "
@@ -242,24 +349,22 @@ def main() -> None:
         chunk = torch.stack([src[i: i + args.seq_len + 1] for i in idx]).t().to(dev)  # [S+1, B]
         return chunk[:-1], chunk[1:]
 
-    @torch.no_grad()
-    def val_loss():
-        # Under EP every rank evaluates the same 8 sequences: the expert layers need every rank
-        # in the forward anyway, and each rank then gets the whole value without a reduction.
-        model.eval()
-        g = torch.Generator().manual_seed(1)
-        idx = torch.randint(0, len(val_data) - args.seq_len - 1, (8,), generator=g)
-        chunk = torch.stack([val_data[i: i + args.seq_len + 1] for i in idx]).t().to(dev)
-        logits = model(chunk[:-1])
-        model.train()
-        return F.cross_entropy(logits.reshape(-1, 256), chunk[1:].reshape(-1)).item()
+    # Under EP every rank evaluates the same held-out sequences: the expert layers need every rank
+    # in the forward anyway, and each rank then gets the whole value without a reduction.
+    val_x, val_y = (t.to(dev) for t in validation_batch(val_data, args.seq_len, args.val_seqs))
 
     layers = moe_core.moe_layers(model)
-    history, losses = [], []
-    first_val = val_loss()
-    t0 = time.time()
+    L, E = len(layers), args.experts
+    metrics = {"step": [], "train_loss": [], "aux_loss": [], "load": [], "val_step": [0],
+               "val_loss": [evaluate(model, val_x, val_y)], "aux_loss_coeff": args.aux_loss_coeff}
+    tokens_per_step = args.batch * args.seq_len
+    warmup = min(20, max(1, args.steps // 5))
+    bar = tqdm(total=args.steps, disable=not main_rank, unit="step", dynamic_ncols=True,
+               desc="training")
+    train_time, t0 = 0.0, time.perf_counter()
     for step in range(1, args.steps + 1):
-        lr = args.lr * min(1.0, step / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+        t_step = time.perf_counter()
+        lr = args.lr * min(1.0, step / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
         for group in opt.param_groups:
             group["lr"] = lr
         x, y = batch(train_data)
@@ -277,39 +382,58 @@ def main() -> None:
         opt.step()
         moe_core.finalize_step(model)
         none = torch.zeros((), device=dev)  # at coefficient 0 the router computes no aux loss
-        aux = sum(l.router.last_losses.get("load_balancing_loss", none) for l in layers) / len(layers)
-        # loss, aux loss and per-expert loads of this rank's tokens, averaged over the ranks in one
-        # all-reduce: equal shards make the means of the loss and the loads the global batch's;
-        # the aux loss stays the mean of the ranks' own (what each rank optimises)
-        stats = torch.cat([loss.detach().view(1), aux.view(1),
+        # loss, per-layer aux loss and per-expert loads of this rank's tokens, averaged over the
+        # ranks in one all-reduce: equal shards make the means of the loss and the loads the
+        # global batch's; the aux loss stays the mean of the ranks' own (what each rank optimises)
+        stats = torch.cat([loss.detach().view(1),
+                           torch.stack([l.router.last_losses.get("load_balancing_loss", none)
+                                        for l in layers]).float(),
                            torch.stack([l.router.last_routing_load for l in layers]).view(-1)])
         if ep is not None:
             dist.all_reduce(stats)
             stats /= ep.world
-        stats = stats.tolist()
-        loads = [stats[2 + i * args.experts: 2 + (i + 1) * args.experts] for i in range(len(layers))]
-        history.append(loads)
-        imbalance = max(max(ld) * len(ld) for ld in loads)
-        losses.append(stats[0])
-        if main_rank:
-            done = step / args.steps
-            bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
-            sys.stdout.write(f"\r[{bar}] step {step}/{args.steps}  loss {losses[-1]:.3f}  "
-                             f"aux {stats[1]:.3f}  max load/mean {imbalance:.2f}  {time.time() - t0:5.1f}s")
-            sys.stdout.flush()
-    final_val = val_loss()
+        stats = stats.tolist()  # (waits for the device: the step's time below is the whole step)
+        train_time += time.perf_counter() - t_step
+        aux = stats[1: 1 + L]
+        loads = [stats[1 + L + i * E: 1 + L + (i + 1) * E] for i in range(L)]
+        imbalance = max(max(ld) * E for ld in loads)
+        metrics["step"].append(step)
+        metrics["train_loss"].append(stats[0])
+        metrics["aux_loss"].append(aux)
+        metrics["load"].append(loads)
+        if step % args.eval_every == 0 or step == args.steps:
+            metrics["val_step"].append(step)
+            metrics["val_loss"].append(evaluate(model, val_x, val_y))
+        postfix = {"loss": f"{stats[0]:.3f}", "val": f"{metrics['val_loss'][-1]:.3f}"}
+        if args.aux_loss_coeff > 0:
+            postfix["aux"] = f"{sum(aux) / L:.3f}"
+        postfix["max/mean load"] = f"{imbalance:.2f}"
+        postfix["tok/s"] = f"{step * tokens_per_step / train_time:,.0f}"
+        bar.set_postfix(postfix, refresh=False)
+        bar.update()
+    bar.close()
+    elapsed = time.perf_counter() - t0
+    metrics["tokens_per_s"] = args.steps * tokens_per_step / train_time
+    metrics["title"] = (f"tiny MoE LM: {L} layers, {E} experts top-{args.topk}, "
+                        f"batch {args.batch} x {args.seq_len} bytes, {args.steps} steps on {dev}"
+                        + ("" if ep is None else f", EP {ep.ep_size} x DP {ep.world // ep.ep_size}"))
     state = full_state_dict(model, ep.ep_group if ep is not None else None)
     if main_rank:
-        print()
         ckpt = os.path.join(args.out, "tiny_moe.pt")
-        torch.save({"model": state, "args": vars(args)}, ckpt)
-        png = os.path.join(args.out, "expert_load.png")
-        load_plot(history, len(layers), args.experts, png)
-        print(f"validation loss {first_val:.3f} -> {final_val:.3f} (uniform guess: {math.log(256):.3f}); "
-              f"train loss first 10 steps {sum(losses[:10]) / 10:.3f}, last 10 {sum(losses[-10:]) / 10:.3f}")
-        print(f"checkpoint: {ckpt}\nper-expert load plot: {png} ({time.time() - t0:.0f} s)")
+        torch.save({"model": state, "args": vars(args), "metrics": metrics}, ckpt)
+        png = os.path.join(args.out, "training.png")
+        plot_training(metrics, png)
+        n = min(10, args.steps)
+        print(f"validation loss {metrics['val_loss'][0]:.3f} -> {metrics['val_loss'][-1]:.3f} "
+              f"(uniform guess: {math.log(256):.3f}); train loss first {n} steps "
+              f"{sum(metrics['train_loss'][:n]) / n:.3f}, last {n} "
+              f"{sum(metrics['train_loss'][-n:]) / n:.3f}; {metrics['tokens_per_s']:,.0f} tokens/s")
+        print(f"checkpoint: {ckpt}\nfigure (loss, aux loss, imbalance, per-expert load): {png} "
+              f"({elapsed:.0f} s)")
+        metrics["checkpoint"], metrics["figure"] = ckpt, png
     if ep is not None:
         dist.destroy_process_group()
+    return metrics
 
 
 if __name__ == "__main__":
