@@ -1,0 +1,14 @@
+"""Hugging Face transformers integration.
+
+Two routes onto moe-core:
+
+* :func:`register_experts_backend` registers the ``"moe_core"`` experts implementation: HF's
+  router stays, the experts run on moe-core's permute / grouped GEMM / activation / unpermute ops
+  (``from_pretrained(..., experts_implementation="moe_core")``).
+* :func:`replace_moe_blocks` swaps each supported family's sparse-MoE block for a moe-core block
+  (router, dispatch and experts all moe-core's ``MoELayer`` machinery), keeping HF's parameter
+  names, state-dict keys and return type.
+"""
+from moe_core.hf.backend import BACKEND_NAME, moe_core_experts_forward, register_experts_backend
+
+__all__ = ["BACKEND_NAME", "moe_core_experts_forward", "register_experts_backend"]
