@@ -10,5 +10,19 @@ Two routes onto moe-core:
   names, state-dict keys and return type.
 """
 from moe_core.hf.backend import BACKEND_NAME, moe_core_experts_forward, register_experts_backend
+from moe_core.hf.blocks import (
+    MoECoreSparseMoeBlock,
+    UnsupportedMoEBlockError,
+    moe_core_losses,
+    replace_moe_blocks,
+)
 
-__all__ = ["BACKEND_NAME", "moe_core_experts_forward", "register_experts_backend"]
+__all__ = [
+    "BACKEND_NAME",
+    "moe_core_experts_forward",
+    "register_experts_backend",
+    "replace_moe_blocks",
+    "MoECoreSparseMoeBlock",
+    "UnsupportedMoEBlockError",
+    "moe_core_losses",
+]
