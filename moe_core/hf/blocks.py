@@ -88,8 +88,10 @@ class MoECoreRouter(TopKRouter):
 
     @property
     def expert_bias(self) -> Optional[torch.Tensor]:
-        # HF's name for DeepSeek-V3's expert bias (a buffer of the HF router, loaded as is)
-        return self._buffers.get("e_score_correction_bias")
+        # HF's name for DeepSeek-V3's expert bias (a buffer of the HF router, loaded as is);
+        # HF keeps it fp32, but a model cast with .to(dtype) rounds it: the score math is fp32
+        bias = self._buffers.get("e_score_correction_bias")
+        return bias if bias is None or bias.dtype == torch.float32 else bias.float()
 
     @expert_bias.setter
     def expert_bias(self, value: Optional[torch.Tensor]) -> None:

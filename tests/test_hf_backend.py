@@ -1,0 +1,194 @@
+"""The "moe_core" experts implementation against HF's eager experts, on tiny random models of
+every family whose experts module uses ``@use_experts_implementation``.
+
+Tolerances. fp64: the logits and every parameter gradient of the whole model within 1e-12 of HF's
+(the same math; measured ~1e-15). fp32: the logits and every gradient within 1e-6 relative
+(``||ours - hf|| / ||hf||``; the two sides differ only in GEMM summation order and where the probs
+are applied), except a gradient that HF's fp32 model itself gets only to e > 5e-7 of its fp64
+value (GPT-OSS's router bias, ~1.1e-6: a sum with cancellation), which must be within 2e. bf16: the logits within 1e-2 relative of HF's bf16 logits, and every
+gradient no further from the fp32 model's than twice HF bf16's own distance plus 1e-2 (bf16
+rounding, ~4e-3 per op, compounds differently along the two paths; measured: logits <= 1.4e-3
+apart, gradients <= 8e-3).
+"""
+import copy
+
+import pytest
+import torch
+
+from test_hf_models import (FAMILIES, assert_close_grads, assert_fp32_grads_close,
+                            assert_tie_free, inputs, rel_err, run_step, tiny_model)
+
+import moe_core.hf as mh
+from moe_core.hf.backend import moe_core_experts_forward, routing_tensors
+
+FP32_TOL = 1e-6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    mh.register_experts_backend()
+
+
+def _top_k(model) -> int:
+    return model.config.num_experts_per_tok
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_logits_and_grads_equal_eager(family):
+    model = tiny_model(family)
+    ids = inputs()
+    want_logits, want_grads, out = run_step(model, ids, output_router_logits=True)
+    assert_tie_free(out.router_logits, _top_k(model))
+    model.set_experts_implementation("moe_core")
+    got_logits, got_grads, out2 = run_step(model, ids, output_router_logits=True)
+    _, want64, _ = run_step(tiny_model(family, torch.float64), ids)
+    assert rel_err(got_logits, want_logits) <= FP32_TOL
+    assert_fp32_grads_close(got_grads, want_grads, want64, FP32_TOL)
+    # HF's pooled aux loss (router logits unchanged by the experts backend; DeepSeek has none)
+    if getattr(out, "aux_loss", None) is not None:
+        assert torch.allclose(out2.aux_loss, out.aux_loss, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp64_logits_and_grads_equal_eager(family):
+    model = tiny_model(family, torch.float64)
+    ids = inputs()
+    want_logits, want_grads, _ = run_step(model, ids)
+    model.set_experts_implementation("moe_core")
+    got_logits, got_grads, _ = run_step(model, ids)
+    assert rel_err(got_logits, want_logits) <= 1e-12
+    assert_close_grads(got_grads, want_grads, 1e-12)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_within_documented_tolerance(family):
+    ids = inputs()
+    _, ref_grads, _ = run_step(tiny_model(family), ids)
+    model = tiny_model(family, torch.bfloat16)
+    hf_logits, hf_grads, out = run_step(model, ids, output_router_logits=True)
+    assert_tie_free(out.router_logits, _top_k(model))
+    model.set_experts_implementation("moe_core")
+    logits, grads, _ = run_step(model, ids)
+    assert rel_err(logits, hf_logits) <= 1e-2
+    for name, want in ref_grads.items():
+        hf_err = rel_err(hf_grads[name].float(), want)
+        assert rel_err(grads[name].float(), want) <= 2 * hf_err + 1e-2, name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_equals_eager_greedy(family):
+    model = tiny_model(family)
+    ids = inputs(batch=1, seq=5, seed=3)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=4, do_sample=False)
+        model.set_experts_implementation("moe_core")
+        got = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_peft_lora_on_experts_gradients_equal_eager(family):
+    peft = pytest.importorskip("peft")
+    model = tiny_model(family)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[],
+                          target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    model = peft.get_peft_model(model, cfg)
+    with torch.no_grad():  # LoRA B starts at zero: give both factors values, so both get grads
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.2)
+    lora = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert lora and all("lora_" in n for n in lora)
+    ids = inputs()
+    _, want, _ = run_step(model, ids)
+    model.base_model.model.set_experts_implementation("moe_core")
+    _, got, _ = run_step(model, ids)
+    assert sorted(got) == sorted(lora)
+    assert all(got[n].abs().sum() > 0 for n in lora)
+    assert_close_grads(got, want, FP32_TOL)
+    # and a training step runs
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    opt.step()
+
+
+def test_from_pretrained_with_experts_implementation(tmp_path):
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path, experts_implementation="moe_core")
+    assert loaded.config._experts_implementation == "moe_core"
+    ids = inputs()
+    with torch.no_grad():
+        assert rel_err(loaded(ids).logits, model(ids).logits) <= FP32_TOL
+
+
+def _experts_module(family: str):
+    model = tiny_model(family)
+    return next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_expert_parallel_sentinels(family):
+    """Indices >= num_experts (HF's EP sentinel) or negative: no contribution, no gradient."""
+    experts = _experts_module(family)
+    E = experts.num_experts
+    T, k, H = 6, 2, experts.down_proj.shape[-1] if experts.is_transposed else \
+        experts.down_proj.shape[1]
+    torch.manual_seed(5)
+    x = torch.randn(T, H, requires_grad=True)
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    w = torch.rand(T, k, requires_grad=True)
+    foreign = torch.tensor([[1, 0], [0, 0], [0, 1], [1, 1], [0, 0], [1, 0]], dtype=torch.bool)
+    sentinel = torch.where(torch.arange(T)[:, None] % 2 == 0, torch.full_like(idx, E),
+                           torch.full_like(idx, -1))
+    idx_ep = torch.where(foreign, sentinel, idx)
+    experts._is_expert_parallel = True
+    got = moe_core_experts_forward(experts, x, idx_ep, w)
+    got.square().sum().backward()
+    g_x, g_w = x.grad.clone(), w.grad.clone()
+    assert (g_w[foreign] == 0).all()
+    # the same tokens with the foreign slots' weights zeroed, in HF's eager loop
+    x.grad = w.grad = None
+    experts._is_expert_parallel = False
+    experts.config._experts_implementation = "eager"
+    w_local = w.masked_fill(foreign, 0.0)
+    want = experts(x, idx, w_local)
+    want.square().sum().backward()
+    assert rel_err(got.detach(), want.detach()) <= FP32_TOL
+    assert rel_err(g_x, x.grad) <= FP32_TOL
+    assert rel_err(g_w[~foreign], w.grad[~foreign]) <= FP32_TOL
+
+
+def test_routing_tensors_dense_form():
+    idx = torch.tensor([[2, 0], [3, 1], [4, -1]])
+    w = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.9, 0.1]])
+    routing_map, probs = routing_tensors(idx, w, num_experts=4)
+    assert routing_map.tolist() == [[True, False, True, False], [False, True, False, True],
+                                    [False, False, False, False]]
+    assert torch.equal(probs, torch.tensor([[0.4, 0.0, 0.6, 0.0], [0.0, 0.3, 0.0, 0.7],
+                                            [0.0, 0.0, 0.0, 0.0]]))
+
+
+def test_unknown_activation_runs_the_modules_own_code():
+    """An activation glu_probs does not know (HF's python tanh-GELU) takes the torch path."""
+    from transformers.activations import NewGELUActivation
+
+    model = tiny_model("qwen3_moe")
+    for m in model.modules():
+        if type(m).__name__ == "Qwen3MoeExperts":
+            m.act_fn = NewGELUActivation()
+    ids = inputs()
+    want_logits, want_grads, _ = run_step(model, ids)
+    model.set_experts_implementation("moe_core")
+    got_logits, got_grads, _ = run_step(model, ids)
+    assert rel_err(got_logits, want_logits) <= FP32_TOL
+    assert_close_grads(got_grads, want_grads, FP32_TOL)
+
+
+def test_gpt_oss_swiglu_maps_to_glu_probs():
+    from moe_core.hf.backend import gate_spec
+
+    experts = _experts_module("gpt_oss")
+    assert gate_spec(experts) == ("quick_gelu", True, 1.0, float(experts.limit))
+    other = copy.deepcopy(experts)
+    other.alpha = 1.5  # not glu_probs' quick-GELU constant: the module's own torch code runs
+    assert gate_spec(other) is None
