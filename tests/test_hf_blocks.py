@@ -1,0 +1,226 @@
+"""replace_moe_blocks: moe-core's MoELayer in place of HF's sparse-MoE blocks, against HF eager.
+
+Tolerances as in test_hf_backend.py, but fp64 within 2e-7 (HF's routers compute their softmax in
+fp32 even in an fp64 model; measured 2e-8 to 4e-8); fp32 within 1e-6 relative (or twice HF
+fp32's own distance from fp64 for a gradient with cancellation); bf16 logits within 1e-2 of HF
+bf16's and every gradient no further from the fp32 model's than twice HF bf16's distance plus
+1e-2. On top of the backend's differences, the swapped router computes the top-k probs its own way
+(a softmax over the top-k logits rather than a renormalised top-k of the softmax, the same value
+up to rounding) and applies the probs before fc2 (Megatron's order) rather than after.
+"""
+import copy
+
+import pytest
+import torch
+
+from test_hf_models import (SWAP_FAMILIES, assert_close_grads, assert_fp32_grads_close,
+                            assert_tie_free, inputs, rel_err, run_step, tiny_model)
+
+import moe_core
+from moe_core.hf import MoECoreSparseMoeBlock, UnsupportedMoEBlockError, replace_moe_blocks
+
+FP32_TOL = 1e-6
+FP64_TOL = 2e-7
+
+
+def _num_sparse_blocks(model) -> int:
+    return sum(1 for m in model.modules()
+               if hasattr(getattr(m, "experts", None), "_is_expert_parallel")
+               or isinstance(m, MoECoreSparseMoeBlock))
+
+
+def _swapped(model):
+    new = copy.deepcopy(model)
+    n = replace_moe_blocks(new)
+    assert n == _num_sparse_blocks(model) > 0
+    assert all(type(m).__name__ != type(model).__name__ for m in new.modules()
+               if hasattr(getattr(m, "experts", None), "_is_expert_parallel"))
+    return new
+
+
+@pytest.mark.parametrize("family", SWAP_FAMILIES)
+def test_fp32_logits_grads_and_aux_loss_equal_eager(family):
+    model = tiny_model(family)
+    ids = inputs()
+    want_logits, want_grads, out = run_step(model, ids, output_router_logits=True)
+    assert_tie_free(out.router_logits, model.config.num_experts_per_tok)
+    swapped = _swapped(model)
+    got_logits, got_grads, out2 = run_step(swapped, ids, output_router_logits=True)
+    _, want64, _ = run_step(tiny_model(family, torch.float64), ids)
+    assert rel_err(got_logits, want_logits) <= FP32_TOL
+    assert_fp32_grads_close(got_grads, want_grads, want64, FP32_TOL)
+    # HF's output recording sees the swapped routers' logits
+    assert len(out2.router_logits) == len(out.router_logits)
+    for a, b in zip(out2.router_logits, out.router_logits):
+        assert rel_err(a.detach(), b.detach()) <= FP32_TOL
+    if getattr(out, "aux_loss", None) is not None:  # HF's pooled load-balancing loss
+        assert torch.allclose(out2.aux_loss, out.aux_loss, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("family", SWAP_FAMILIES)
+def test_fp64_logits_and_grads_equal_eager(family):
+    model = tiny_model(family, torch.float64)
+    ids = inputs()
+    want_logits, want_grads, _ = run_step(model, ids)
+    got_logits, got_grads, _ = run_step(_swapped(model), ids)
+    # HF's routers take the softmax in fp32 even in an fp64 model (moe-core's stays fp64), so
+    # the two differ by fp32 rounding of the probs, not more
+    assert rel_err(got_logits, want_logits) <= FP64_TOL
+    assert_close_grads(got_grads, want_grads, FP64_TOL)
+
+
+@pytest.mark.parametrize("family", SWAP_FAMILIES)
+def test_bf16_within_documented_tolerance(family):
+    ids = inputs()
+    _, ref_grads, _ = run_step(tiny_model(family), ids)
+    model = tiny_model(family, torch.bfloat16)
+    hf_logits, hf_grads, out = run_step(model, ids, output_router_logits=True)
+    assert_tie_free(out.router_logits, model.config.num_experts_per_tok)
+    logits, grads, _ = run_step(_swapped(model), ids)
+    assert rel_err(logits, hf_logits) <= 1e-2
+    for name, want in ref_grads.items():
+        hf_err = rel_err(hf_grads[name].float(), want)
+        assert rel_err(grads[name].float(), want) <= 2 * hf_err + 1e-2, name
+
+
+@pytest.mark.parametrize("family", SWAP_FAMILIES)
+def test_generate_equals_eager_greedy(family):
+    model = tiny_model(family)
+    ids = inputs(batch=1, seq=5, seed=3)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=4, do_sample=False)
+        got = _swapped(model).generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_peft_lora_on_experts_gradients_equal_eager(family):
+    peft = pytest.importorskip("peft")
+    base = tiny_model(family)
+    swapped = _swapped(base)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[],
+                          target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    grads = []
+    for m in (base, swapped):
+        torch.manual_seed(7)
+        pm = peft.get_peft_model(m, copy.deepcopy(cfg))
+        with torch.no_grad():
+            for name, p in pm.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0.0, 0.2)
+        _, g, _ = run_step(pm, inputs())
+        assert g and all("lora_" in n for n in g) and all(v.abs().sum() > 0 for v in g.values())
+        grads.append(g)
+        opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.1)
+        opt.step()
+    assert_close_grads(grads[1], grads[0], FP32_TOL)
+
+
+@pytest.mark.parametrize("family", SWAP_FAMILIES)
+def test_state_dict_round_trip_both_ways(family):
+    ids = inputs()
+    hf_a = tiny_model(family, seed=0)
+    hf_b = tiny_model(family, seed=1)
+    swapped = _swapped(hf_b)
+    sd_hf, sd_swapped = hf_a.state_dict(), swapped.state_dict()
+    assert list(sd_hf) == list(sd_swapped)
+    assert all(sd_hf[k].shape == sd_swapped[k].shape and sd_hf[k].dtype == sd_swapped[k].dtype
+               for k in sd_hf)
+    # HF -> swapped
+    swapped.load_state_dict(sd_hf, strict=True)
+    with torch.no_grad():
+        assert rel_err(swapped(ids).logits, hf_a(ids).logits) <= FP32_TOL
+    # swapped -> HF (a fresh model with other weights)
+    hf_c = tiny_model(family, seed=2)
+    hf_c.load_state_dict(swapped.state_dict(), strict=True)
+    with torch.no_grad():
+        assert torch.equal(hf_c(ids).logits, hf_a(ids).logits)
+    # the swapped block holds HF's Parameter objects: nothing was copied
+    block = next(m for m in swapped.modules() if isinstance(m, MoECoreSparseMoeBlock))
+    assert block.experts.weight1 is block.experts.gate_up_proj
+    assert isinstance(block, moe_core.MoELayer) and block.router is block.gate
+
+
+def test_router_logits_recorded_when_hooks_were_installed_before_the_swap():
+    model = tiny_model("qwen3_moe")
+    ids = inputs()
+    with torch.no_grad():
+        want = model(ids, output_router_logits=True).router_logits  # installs HF's hooks
+        replace_moe_blocks(model)
+        got = model(ids, output_router_logits=True).router_logits
+    assert len(got) == len(want) == model.config.num_hidden_layers
+    assert all(rel_err(a, b) <= FP32_TOL for a, b in zip(got, want))
+
+
+def test_moe_core_losses_are_reported_and_reach_the_router():
+    model = tiny_model("mixtral").train()
+    ids = inputs()
+    _, want_grads, out = run_step(model, ids, output_router_logits=True)
+    swapped = copy.deepcopy(model)
+    assert replace_moe_blocks(swapped, aux_loss_coeff=0.01, z_loss_coeff=1e-3) == 2
+    _, grads, out2 = run_step(swapped, ids, output_router_logits=True)
+    losses = out2["moe_core_losses"]
+    assert set(losses) == {"load_balancing_loss", "z_loss"}
+    assert all(v.dim() == 0 and torch.isfinite(v) and v > 0 for v in losses.values())
+    assert losses == moe_core.hf.moe_core_losses(swapped)
+    # HF's own aux loss is unchanged; moe-core's losses add router gradients only
+    assert torch.allclose(out2.aux_loss, out.aux_loss, rtol=1e-6, atol=0)
+    router = [n for n in want_grads if n.endswith("gate.weight")]
+    assert all(rel_err(grads[n], want_grads[n]) > 1e-4 for n in router)
+    assert all(rel_err(grads[n], want_grads[n]) <= FP32_TOL for n in want_grads
+               if n not in router and ".layers.1." in n and "mlp" in n)
+
+
+def test_finalize_step_and_cast_after_the_swap():
+    model = tiny_model("deepseek_v3")
+    swapped = _swapped(model)
+    moe_core.finalize_step(swapped)  # finds the blocks as MoELayers; HF's bias is not trained
+    swapped.to(torch.bfloat16)
+    block = next(m for m in swapped.modules() if isinstance(m, MoECoreSparseMoeBlock))
+    assert block.experts.gate_up_proj.dtype == torch.bfloat16
+    assert block.experts.weight1.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.isfinite(swapped(inputs()).logits).all()
+
+
+def test_gpt_oss_raises_naming_the_family_and_the_rule():
+    model = tiny_model("gpt_oss")
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(UnsupportedMoEBlockError, match=r"gpt_oss.*interleaved"):
+        replace_moe_blocks(model)
+    assert [type(m) for m in model.modules()] == before  # nothing replaced
+
+
+def test_mixtral_router_jitter_raises():
+    model = tiny_model("mixtral")
+    for m in model.modules():
+        if hasattr(m, "jitter_noise"):
+            m.jitter_noise = 0.1
+    with pytest.raises(UnsupportedMoEBlockError, match=r"mixtral.*jitter"):
+        replace_moe_blocks(model)
+
+
+def test_deepseek_v3_without_renormalisation_raises():
+    model = tiny_model("deepseek_v3")
+    for m in model.modules():
+        if hasattr(m, "norm_topk_prob"):
+            m.norm_topk_prob = False
+    with pytest.raises(UnsupportedMoEBlockError, match=r"deepseek_v3.*norm_topk_prob"):
+        replace_moe_blocks(model)
+
+
+def test_unknown_block_raises_naming_its_class():
+    from torch import nn
+
+    model = tiny_model("qwen3_moe")
+    block = next(m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock")
+    block.__class__ = type("SomeNewSparseMoeBlock", (nn.Module,), {})
+    with pytest.raises(UnsupportedMoEBlockError, match="SomeNewSparseMoeBlock"):
+        replace_moe_blocks(model)
+
+
+def test_model_without_moe_blocks_is_left_alone():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=4)
+    assert replace_moe_blocks(transformers.LlamaForCausalLM(cfg)) == 0
