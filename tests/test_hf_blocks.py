@@ -141,6 +141,22 @@ def test_state_dict_round_trip_both_ways(family):
     assert isinstance(block, moe_core.MoELayer) and block.router is block.gate
 
 
+def test_deepseek_v2_greedy_routing_equals_eager():
+    model = tiny_model("deepseek_v2")
+    model.config.topk_method = "greedy"
+    for m in model.modules():
+        if hasattr(m, "topk_method"):
+            m.topk_method = "greedy"
+    ids = inputs()
+    want_logits, want_grads, _ = run_step(model, ids)
+    swapped = _swapped(model)
+    assert all(m.gate.config.moe_router_group_topk is None for m in swapped.modules()
+               if isinstance(m, MoECoreSparseMoeBlock))
+    got_logits, got_grads, _ = run_step(swapped, ids)
+    assert rel_err(got_logits, want_logits) <= FP32_TOL
+    assert_close_grads(got_grads, want_grads, FP32_TOL)
+
+
 def test_router_logits_recorded_when_hooks_were_installed_before_the_swap():
     model = tiny_model("qwen3_moe")
     ids = inputs()

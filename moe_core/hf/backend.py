@@ -161,9 +161,12 @@ def moe_core_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
         b2 = module.down_proj_bias
     T, H = hidden_states.shape
     k = top_k_index.shape[-1]
-    routing_map, probs = routing_tensors(top_k_index.reshape(T, k), top_k_weights.reshape(T, k), E)
+    routing_map, probs = routing_tensors(top_k_index.reshape(T, k).long(),
+                                         top_k_weights.reshape(T, k), E)
     # the GEMMs run in the weights' dtype (an autocast region may hand fp32 activations over)
     x = hidden_states if hidden_states.dtype == w1.dtype else hidden_states.to(w1.dtype)
+    x = x.contiguous()
+    w1, w2 = w1.contiguous(), w2.contiguous()  # no-ops for HF's (and PEFT's W + BA) weights
     rows, _, sorted_indices, offsets, _ = ops.permute(x, routing_map, None, num_out_tokens=T * k)
     spec = gate_spec(module)
     post_norm = getattr(module, "has_post_expert_norm", False)
