@@ -199,6 +199,29 @@ def test_finalize_step_and_cast_after_the_swap():
         assert torch.isfinite(swapped(inputs()).logits).all()
 
 
+def test_gradient_checkpointing_on_both_routes():
+    moe_core.hf.register_experts_backend()
+    model = tiny_model("qwen2_moe").train()
+    ids = inputs()
+    want_logits, want_grads, _ = run_step(model, ids)
+    _, want64, _ = run_step(tiny_model("qwen2_moe", torch.float64).train(), ids)
+    backend = copy.deepcopy(model)
+    backend.set_experts_implementation("moe_core")
+    for m in (backend, _swapped(model)):
+        m.gradient_checkpointing_enable()
+        got_logits, got_grads, _ = run_step(m, ids)
+        assert rel_err(got_logits, want_logits) <= FP32_TOL
+        assert_fp32_grads_close(got_grads, want_grads, want64, FP32_TOL)
+
+
+def test_swap_after_peft_wrapping_raises():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model("qwen3_moe"), peft.LoraConfig(
+        target_modules=[], target_parameters=["experts.gate_up_proj"]))
+    with pytest.raises(UnsupportedMoEBlockError, match="swap the blocks first"):
+        replace_moe_blocks(model)
+
+
 def test_gpt_oss_raises_naming_the_family_and_the_rule():
     model = tiny_model("gpt_oss")
     before = [type(m) for m in model.modules()]

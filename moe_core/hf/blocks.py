@@ -295,15 +295,20 @@ _UNSUPPORTED: Dict[str, Tuple[str, str]] = {
 
 
 def _is_sparse_moe_block(module: nn.Module) -> bool:
-    experts = getattr(module, "experts", None)
-    return isinstance(experts, nn.Module) and hasattr(experts, "_is_expert_parallel") and \
-        isinstance(getattr(module, "gate", None), nn.Module)
+    """A block holding an HF experts module (one that HF's experts interface dispatches)."""
+    experts = module._modules.get("experts")
+    return experts is not None and "_is_expert_parallel" in experts.__dict__
 
 
 def _build_block(block: nn.Module, family: str, rules: dict, shared_names: Tuple[str, ...],
                  aux_loss_coeff: float, z_loss_coeff: Optional[float]) -> MoECoreSparseMoeBlock:
     gate, experts = block.gate, block.experts
-    if getattr(experts, "_is_expert_parallel", False):
+    if "_is_expert_parallel" not in experts.__dict__:
+        raise UnsupportedMoEBlockError(
+            f"replace_moe_blocks: the experts of a {family} block are a {type(experts).__name__}, "
+            f"not HF's experts module (a PEFT or other wrapper?): swap the blocks first, then wrap "
+            f"the model")
+    if experts._is_expert_parallel:
         raise _unsupported(family, "the block is sharded by HF's expert parallelism; moe-core's "
                                    "own (MoEConfig.expert_model_parallel_size) is separate")
     W1, W2 = experts.gate_up_proj, experts.down_proj
