@@ -157,6 +157,16 @@ def test_deepseek_v2_greedy_routing_equals_eager():
     assert_close_grads(got_grads, want_grads, FP32_TOL)
 
 
+def test_swapped_model_pickles(tmp_path):
+    model = tiny_model("mixtral")
+    swapped = _swapped(model)
+    torch.save(swapped, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    ids = inputs()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, swapped(ids).logits)
+
+
 def test_router_logits_recorded_when_hooks_were_installed_before_the_swap():
     model = tiny_model("qwen3_moe")
     ids = inputs()

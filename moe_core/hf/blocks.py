@@ -112,10 +112,31 @@ class MoECoreRouter(TopKRouter):
         return logits.reshape(-1, self.config.num_moe_experts), probs, routing_map
 
 
+_ROUTER_PREFIX = "MoECoreRouter__"
+
+
 @functools.lru_cache(maxsize=None)
 def _router_class(hf_router_cls: type) -> type:
-    return type(f"MoECore{hf_router_cls.__name__}", (MoECoreRouter, _StopInit, hf_router_cls),
-                {"__module__": __name__})
+    """The router class for one HF router class: ``MoECoreRouter`` first (its forward and
+    TopKRouter's state), the HF class last (for ``isinstance``, which HF's output recording
+    uses). Its name encodes the HF class's module and name, so pickle finds it again
+    (see ``__getattr__``)."""
+    name = (_ROUTER_PREFIX + hf_router_cls.__module__.replace(".", "__DOT__") + "__CLS__"
+            + hf_router_cls.__name__)
+    cls = type(name, (MoECoreRouter, _StopInit, hf_router_cls), {"__module__": __name__})
+    cls.__qualname__ = name
+    return cls
+
+
+def __getattr__(name: str):
+    # a pickled swapped model names its router class; make it again from that name
+    if name.startswith(_ROUTER_PREFIX):
+        import importlib
+
+        module, _, cls = name[len(_ROUTER_PREFIX):].partition("__CLS__")
+        hf_cls = getattr(importlib.import_module(module.replace("__DOT__", ".")), cls)
+        return _router_class(hf_cls)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---- the experts: GroupedMLP on HF's parameters ----------------------------------------------
@@ -179,7 +200,7 @@ class MoECoreSparseMoeBlock(MoELayer):
 
     @property
     def router(self) -> MoECoreRouter:
-        """MoELayer's name for the router (used by moe_core's finalize_step and metrics)."""
+        """MoELayer's name for the router (what moe_core.finalize_step reads)."""
         return self.gate
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -386,13 +407,16 @@ def _after_swap(model: nn.Module, blocks: List[MoECoreSparseMoeBlock]) -> None:
     """Keep ``output_router_logits`` working and report moe-core's losses on the output."""
     from transformers.utils.output_capturing import install_output_capuring_hook
 
+    hooked = set()
     for sub in model.modules():
         # HF installs its recording hooks once per model; where that already happened, the new
-        # routers get theirs now (elsewhere they get them with the rest, by class)
+        # routers get theirs now (elsewhere they get them with the rest, by class), once each
         if getattr(sub, "_output_capturing_hooks_installed", False):
+            inside = {id(m) for m in sub.modules()}
             for block in blocks:
-                if any(m is block for m in sub.modules()):
+                if id(block) in inside and id(block) not in hooked:
                     install_output_capuring_hook(block.gate, "router_logits", 0)
+                    hooked.add(id(block))
     if any(b.config.moe_z_loss_coeff is not None or any(b.config.aux_loss_coeffs)
            for b in blocks) and not getattr(model, "_moe_core_loss_hook", False):
         model.register_forward_hook(_report_losses)
