@@ -8,20 +8,24 @@ are applied), except a gradient that HF's fp32 model itself gets only to e > 5e-
 value (GPT-OSS's router bias, ~1.1e-6: a sum with cancellation), which must be within 2e. bf16: the logits within 1e-2 relative of HF's bf16 logits, and every
 gradient no further from the fp32 model's than twice HF bf16's own distance plus 1e-2 (bf16
 rounding, ~4e-3 per op, compounds differently along the two paths; measured: logits <= 1.4e-3
-apart, gradients <= 8e-3).
+apart, gradients <= 8e-3). PEFT LoRA factor gradients: within 1e-5 (they contract a whole
+expert stack's gradient to rank r, with cancellation; HF's own batched_mm and eager differ there
+by up to 4.6e-6).
 """
 import copy
 
 import pytest
 import torch
 
-from test_hf_models import (FAMILIES, assert_close_grads, assert_fp32_grads_close,
+from test_hf_models import (one_thread,  # noqa: F401  (autouse fixture)
+                            FAMILIES, assert_close_grads, assert_fp32_grads_close,
                             assert_tie_free, inputs, rel_err, run_step, tiny_model)
 
 import moe_core.hf as mh
 from moe_core.hf.backend import moe_core_experts_forward, routing_tensors
 
 FP32_TOL = 1e-6
+LORA_TOL = 1e-5
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -86,7 +90,7 @@ def test_generate_equals_eager_greedy(family):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_peft_lora_on_experts_gradients_equal_eager(family):
     peft = pytest.importorskip("peft")
     model = tiny_model(family)
@@ -105,7 +109,10 @@ def test_peft_lora_on_experts_gradients_equal_eager(family):
     _, got, _ = run_step(model, ids)
     assert sorted(got) == sorted(lora)
     assert all(got[n].abs().sum() > 0 for n in lora)
-    assert_close_grads(got, want, FP32_TOL)
+    # LoRA factor gradients contract a whole expert stack's gradient to rank r, with
+    # cancellation: HF's own fp32 implementations disagree there by up to 4.6e-6 (batched_mm vs
+    # eager, OLMoE's first layer), hence LORA_TOL
+    assert_close_grads(got, want, LORA_TOL)
     # and a training step runs
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     opt.step()

@@ -1,6 +1,6 @@
 """replace_moe_blocks: moe-core's MoELayer in place of HF's sparse-MoE blocks, against HF eager.
 
-Tolerances as in test_hf_backend.py, but fp64 within 2e-7 (HF's routers compute their softmax in
+Tolerances as in test_hf_backend.py (LoRA factor gradients within 1e-5 too), but fp64 within 2e-7 (HF's routers compute their softmax in
 fp32 even in an fp64 model; measured 2e-8 to 4e-8); fp32 within 1e-6 relative (or twice HF
 fp32's own distance from fp64 for a gradient with cancellation); bf16 logits within 1e-2 of HF
 bf16's and every gradient no further from the fp32 model's than twice HF bf16's distance plus
@@ -13,13 +13,15 @@ import copy
 import pytest
 import torch
 
-from test_hf_models import (SWAP_FAMILIES, assert_close_grads, assert_fp32_grads_close,
+from test_hf_models import (one_thread,  # noqa: F401  (autouse fixture)
+                            SWAP_FAMILIES, assert_close_grads, assert_fp32_grads_close,
                             assert_tie_free, inputs, rel_err, run_step, tiny_model)
 
 import moe_core
 from moe_core.hf import MoECoreSparseMoeBlock, UnsupportedMoEBlockError, replace_moe_blocks
 
 FP32_TOL = 1e-6
+LORA_TOL = 1e-5
 FP64_TOL = 2e-7
 
 
@@ -93,7 +95,7 @@ def test_generate_equals_eager_greedy(family):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", SWAP_FAMILIES)
 def test_peft_lora_on_experts_gradients_equal_eager(family):
     peft = pytest.importorskip("peft")
     base = tiny_model(family)
@@ -113,7 +115,10 @@ def test_peft_lora_on_experts_gradients_equal_eager(family):
         grads.append(g)
         opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.1)
         opt.step()
-    assert_close_grads(grads[1], grads[0], FP32_TOL)
+    # LoRA factor gradients contract a whole expert stack's gradient to rank r, with
+    # cancellation: HF's own fp32 implementations disagree there by up to 4.6e-6 (batched_mm vs
+    # eager, OLMoE's first layer), hence LORA_TOL
+    assert_close_grads(grads[1], grads[0], LORA_TOL)
 
 
 @pytest.mark.parametrize("family", SWAP_FAMILIES)
