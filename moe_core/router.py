@@ -29,6 +29,7 @@ from torch import nn
 from moe_core import ops
 from moe_core.config import MoEConfig
 from moe_core.ops.aux_loss_autoscaler import AuxLossScale, MoEAuxLossAutoScaler
+from moe_core.ops.global_aux_loss import apply_keeping_fp32_buffers
 from moe_core.ops.router_topk import router_topk_fused, z_loss_from_lse
 from moe_core.parallel import group_size
 
@@ -116,16 +117,9 @@ class TopKRouter(nn.Module):
         return s
 
     def _apply(self, fn, recurse: bool = True):
-        # Casting the model to a half dtype must not round the expert bias or its counts
-        # (Megatron re-casts its bias to fp32 for the same reason): follow fn's device only.
-        before = {n: self._buffers[n] for n in ("expert_bias", "local_tokens_per_expert")
-                  if self._buffers.get(n) is not None}
-        super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = self._buffers[name]
-            if new.dtype != torch.float32:
-                self._buffers[name] = old.to(device=new.device)
-        return self
+        # a model cast to a half dtype keeps the expert bias and its counts fp32 (Megatron
+        # re-casts its bias to fp32 for the same reason)
+        return apply_keeping_fp32_buffers(self, super()._apply, fn, recurse)
 
     # ---- state dict: the bound aux-loss scale --------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):

@@ -97,7 +97,7 @@ def test_generate_equals_eager_greedy(family):
 
 @pytest.mark.parametrize("family", SWAP_FAMILIES)
 def test_peft_lora_on_experts_gradients_equal_eager(family):
-    peft = pytest.importorskip("peft")
+    import peft
     base = tiny_model(family)
     swapped = _swapped(base)
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[],
@@ -230,7 +230,7 @@ def test_gradient_checkpointing_on_both_routes():
 
 
 def test_swap_after_peft_wrapping_raises():
-    peft = pytest.importorskip("peft")
+    import peft
     model = peft.get_peft_model(tiny_model("qwen3_moe"), peft.LoraConfig(
         target_modules=[], target_parameters=["experts.gate_up_proj"]))
     with pytest.raises(UnsupportedMoEBlockError, match="swap the blocks first"):
@@ -274,7 +274,7 @@ def test_unknown_block_raises_naming_its_class():
 
 
 def test_model_without_moe_blocks_is_left_alone():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=1, num_attention_heads=4)
     assert replace_moe_blocks(transformers.LlamaForCausalLM(cfg)) == 0

@@ -12,8 +12,7 @@ from typing import Callable, Dict, Tuple
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers  # pinned in requirements-dev.txt: a missing install fails, not skips
 
 VOCAB = 64
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -1107,7 +1107,7 @@ typedef struct gg_fuse {
 } gg_fuse_t;
 
 /* Tile width BN: 128 x 256 tiles measured best on every reference shape (H200; notes in
- * benchmarks/gg_sm90_check.py); 128 x 128 when the output is narrow or 256-wide tiles would
+ * tools/gg_sm90_check.py); 128 x 128 when the output is narrow or 256-wide tiles would
  * leave SMs idle. MOE_GG_SM90_TILE=128|256 forces one (benchmarks). */
 static int gg_choose_bn(int64_t n_out, int64_t tiles_256, int sms) {
     const char *env = getenv("MOE_GG_SM90_TILE");

@@ -32,6 +32,19 @@ from moe_core.ops.switch_aux_loss import (
 )
 
 
+def apply_keeping_fp32_buffers(module: nn.Module, apply, fn, recurse: bool):
+    """``nn.Module._apply`` for a module whose own buffers are fp32 running state (counts,
+    biases): they follow ``fn``'s device but keep fp32 and their values when the model is cast
+    to a half dtype. ``apply`` is the parent class's bound ``_apply``."""
+    before = {n: b for n, b in module._buffers.items() if b is not None}
+    apply(fn, recurse)
+    for name, old in before.items():
+        new = module._buffers[name]
+        if new.dtype != torch.float32:
+            module._buffers[name] = old.to(device=new.device)
+    return module
+
+
 class GlobalAuxLossBuffer(nn.Module):
     """Running per-expert token counts of the current global batch (one per router).
 
@@ -65,15 +78,8 @@ class GlobalAuxLossBuffer(nn.Module):
         self.steps.zero_()
 
     def _apply(self, fn, recurse: bool = True):
-        # Casting the model to a half dtype must not round the counts (integers past 256 are
-        # not exact in bf16): follow fn's device, keep fp32 and the values.
-        before = dict(self._buffers)
-        super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = self._buffers[name]
-            if new is not None and new.dtype != torch.float32:
-                self._buffers[name] = old.to(device=new.device)
-        return self
+        # integer counts past 256 are not exact in bf16
+        return apply_keeping_fp32_buffers(self, super()._apply, fn, recurse)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
