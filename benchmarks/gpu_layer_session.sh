@@ -2,11 +2,12 @@
 # One GPU session for the single-GPU layer: build with CUDA, the GPU tests of the expert path and
 # the router (expert_mlp, glu_probs, fc1 + glu_probs, the gating linear, the layer against
 # Megatron-Core, CUDA graphs), then benchmarks/bench_layer.py (the whole layer fwd + bwd against
-# Megatron's MoELayer and a compiled plain-PyTorch layer) and benchmarks/profile_layer.py (the
+# Megatron's MoELayer and a compiled plain-PyTorch layer), benchmarks/bench_hf.py (a Hugging Face
+# decoder layer: HF's grouped_mm against both moe-core routes) and benchmarks/profile_layer.py (the
 # kernel table and what is saved for backward); the summary and the tables last.
 # Run on any CUDA machine from the repo root: `bash benchmarks/gpu_layer_session.sh`; megatron-core
 # from the environment or from a wheel copied into .whl/ (device_env.sh installs it).
-# Knobs: SKIP_BUILD, SKIP_TESTS, SKIP_BENCH, SESSION_S, LAYER_ARGS (default: --rounds 10),
+# Knobs: SKIP_BUILD, SKIP_TESTS, SKIP_BENCH, SESSION_S, LAYER_ARGS (default: --rounds 10), HF_ARGS,
 # PROFILE_ARGS (default: --top 12).
 set -uo pipefail
 source benchmarks/session_lib.sh
@@ -33,6 +34,14 @@ fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
   run_step bench_layer 200 python3 benchmarks/bench_layer.py ${LAYER_ARGS:---rounds 10}
+  # transformers for bench_hf: the machine's own, or the pinned one from wheels in .whl/hf/
+  # (installed apart, on bench_hf's path only)
+  HF_PATH=${PYTHONPATH:-}
+  if ls .whl/hf/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
+      --no-compile --no-cache-dir --target /tmp/site_hf .whl/hf/*.whl; then
+    HF_PATH=/tmp/site_hf${HF_PATH:+:$HF_PATH}
+  fi
+  run_step bench_hf 120 env PYTHONPATH="$HF_PATH" python3 benchmarks/bench_hf.py ${HF_ARGS:-}
   run_step profile_layer 120 python3 benchmarks/profile_layer.py ${PROFILE_ARGS:---top 12}
 fi
 
@@ -40,4 +49,5 @@ echo
 echo "== session summary ($(( $(date +%s) - T_START )) s)"
 for line in "${SUMMARY[@]}"; do echo "$line"; done
 [ -f "$OUT/profile_layer.log" ] && grep -E "^==|saved for backward|memory:|GPU time|glu|gating|gg_sm90" "$OUT/profile_layer.log" | cut -c1-150
+[ -f "$OUT/bench_hf.log" ] && sed -n '/^| shape/,$p' "$OUT/bench_hf.log"
 [ -f "$OUT/bench_layer.log" ] && sed -n '/^| shape/,$p' "$OUT/bench_layer.log"
