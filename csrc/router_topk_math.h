@@ -121,8 +121,11 @@ MOE_HD static inline double moe_topk_selection(const moe_topk_ctx_t *c, const vo
 
 /*
  * The probs of one token's k picked experts, from their selection values `vals` and ids `idx`
- * (best first). Sequential on purpose: the fp32 sums are order-dependent, and the CPU kernel and
- * the CUDA kernel (one lane) both run this exact code.
+ * (best first). Sequential on purpose: the sums are order-dependent, and the CPU kernel and the
+ * CUDA kernel (one lane) both run this exact code. Each sum of the k picked values is taken in
+ * fp64 and rounded to fp32 once: a left-to-right fp32 sum drifts by up to ~k/2 ulps, while k
+ * non-negative fp32 terms summed in fp64 are off by at most (k - 1)·2^-29 fp32 ulps before that
+ * single rounding, so the fp32 sum is within 0.5 + (k - 1)·2^-29 ulps of the exact one.
  */
 MOE_HD static inline void moe_topk_probs(const moe_topk_ctx_t *c, const void *logits,
                                          int64_t base, const double *vals, const int64_t *idx,
@@ -144,10 +147,10 @@ MOE_HD static inline void moe_topk_probs(const moe_topk_ctx_t *c, const void *lo
         double sum = 0.0;
         for (int64_t j = 0; j < k; ++j) {
             probs[j] = moe_topk_score(c, moe_load(logits, c->dtype, base + idx[j]));
-            sum = moe_cround(c, sum + probs[j]);
+            sum += probs[j];
         }
         if (k > 1) {
-            double d = moe_cround(c, sum + moe_cround(c, 1e-20));
+            double d = moe_cround(c, moe_cround(c, sum) + moe_cround(c, 1e-20));
             for (int64_t j = 0; j < k; ++j) probs[j] = moe_cround(c, probs[j] / d);
         }
     }

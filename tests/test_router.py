@@ -3,6 +3,8 @@
 Inputs are tie-free wherever the comparison involves torch.topk (whose tie-breaking is
 unspecified); our own tie rule is tested separately. Tolerances come from tests/tolerances.py.
 """
+import math
+
 import pytest
 import torch
 
@@ -249,6 +251,37 @@ def test_nan_and_inf_logits(device):
     # softmax over a picked +inf: inf - inf = NaN, as in torch
     p, _ = ops.router_topk(x, 2, score_function="softmax")
     assert p[3].isnan().all()
+
+
+@pytest.mark.parametrize("k", [2, 64, 256])
+@pytest.mark.parametrize("score", ["sigmoid", "sqrtsoftplus"])
+def test_renormalisation_sum_is_rounded_once(score, k, device):
+    """sigmoid / sqrtsoftplus divide the k picked fp32 scores by their sum plus 1e-20; the sum is
+    the correctly rounded fp32 value of the exact sum (fp64 accumulation, one rounding), so the
+    probs equal, bit for bit, the fp32 quotient built from math.fsum: independent of k (a
+    left-to-right fp32 sum drifts by tens of ulps at k = 256). Every path (compact, dense and the
+    fused router) divides by the same denominator."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(24, 256, generator=g)
+    x64 = logits.double()
+    # the fp32 scores, each correctly rounded: the fp64 sqrt of an fp32 value rounds to the
+    # correctly rounded fp32 sqrt (torch's own fp32 sqrt on CPU is not always correctly rounded)
+    s = torch.sigmoid(x64).float() if score == "sigmoid" else \
+        torch.nn.functional.softplus(x64).float().double().sqrt().float()
+    probs, idx = ops.router_topk(logits.to(device), k, score_function=score)
+    _, want_idx = ref.topk_routing(logits, k, score_function=score)
+    assert torch.equal(idx.cpu(), want_idx)
+    picked = s.gather(1, want_idx)
+    total = torch.tensor([math.fsum(r) for r in picked.double().tolist()]).float()
+    denom = total + torch.tensor(1e-20, dtype=torch.float32)
+    want = picked / denom.unsqueeze(1)
+    assert torch.equal(probs.cpu(), want)
+    exact = picked.double() / picked.double().sum(1, keepdim=True)
+    assert_close_ulps(probs, exact, n_ulps=2, dtype=torch.float32, msg="the contract's 2 ulps")
+    dense, _, _ = ops.router_topk_dense(logits.to(device), k, score_function=score)
+    assert torch.equal(dense.cpu().gather(1, want_idx), want)
+    fused, _ = ops.topk_routing_with_score_function(logits.to(device), k, score_function=score)
+    assert torch.equal(fused.cpu().gather(1, want_idx), want)
 
 
 def test_non_contiguous_input_is_accepted():

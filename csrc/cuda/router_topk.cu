@@ -489,8 +489,8 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
                 for (int j = 0; j < k; ++j) sum += win_p[j];
                 *norm = moe_cround(&ctx, 1.0 / moe_cround(&ctx, sum));
             } else {
-                for (int j = 0; j < k; ++j) sum = moe_cround(&ctx, sum + win_p[j]);
-                *norm = moe_cround(&ctx, sum + moe_cround(&ctx, 1e-20));
+                for (int j = 0; j < k; ++j) sum += win_p[j];
+                *norm = moe_cround(&ctx, moe_cround(&ctx, sum) + moe_cround(&ctx, 1e-20));
             }
         }
         __syncwarp();
@@ -981,15 +981,10 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
         }
         __syncwarp();
         if (lane == 0 && !(softmax && pre)) {
-            if (softmax) {
-                double sum = 0.0;
-                for (int j = 0; j < k; ++j) sum += (double)win_p[j];
-                *norm = __frcp_rn((float)sum);
-            } else {
-                float sum = 0.0f;
-                for (int j = 0; j < k; ++j) sum = __fadd_rn(sum, win_p[j]);
-                *norm = __fadd_rn(sum, 1e-20f);
-            }
+            double sum = 0.0;
+            for (int j = 0; j < k; ++j) sum += (double)win_p[j];
+            if (softmax) *norm = __frcp_rn((float)sum);
+            else *norm = __fadd_rn((float)sum, 1e-20f);
         }
         __syncwarp();
         for (int j = lane; j < k; j += 32) {

@@ -10,6 +10,13 @@ Precision contract
   fp32 at the same points). For fp64 logits they agree in routing map and indices, and in probs,
   aux scores and gradients within 2E + 4 ulps (CUDA's exp/log1p differ from glibc's in the last
   bit, and the CUDA row sums are warp trees): tests/test_router_fused_losses.py derives the bound.
+* Renormalisation (sigmoid/sqrtsoftplus with topk > 1, and softmax over the picked logits): the
+  sum of the k picked fp32 scores is accumulated in fp64 in rank order and rounded to fp32 once,
+  so it is within 0.5 + (k - 1)·2^-29 fp32 ulps of their exact sum (under 1 ulp for every k below
+  2^28; a left-to-right fp32 sum drifts by up to ~k/2 ulps). Each renormalised prob, in fp32
+  before the scaling factor and the cast to the logits' dtype, is then within 2 ulps of the exact
+  quotient of those scores, whatever k. fp64 logits: the same loop, all in fp64. The loop is one
+  sequential definition run by the CPU and CUDA kernels alike, so they stay bitwise equal.
 * Selection ranks by descending score (sigmoid/sqrtsoftplus: score + expert_bias, in fp32); equal
   scores go to the lowest expert index, equal group scores to the lowest group index, on CPU and
   CUDA alike (one shared C definition). torch.topk leaves ties unspecified.

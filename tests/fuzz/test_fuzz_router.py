@@ -117,10 +117,6 @@ def check(logits, opts):
     # sqrt(E) estimate of tests/test_router.py becomes the worst case of two summation orders
     # of E positive terms, 2E ulps
     ulps = 4 + 2 * E if dtype == torch.float64 else prob_ulps(dtype, E)
-    if dtype == torch.float32 and opts["score_function"] != "softmax":
-        # known: the renormalising sum of the k picked scores is a left-to-right fp32 sum in the
-        # core, up to ~k/10 ulps off where torch's is ~1 (test_sigmoid_renormalisation_sum_...)
-        ulps = max(ulps, 4 + 2 * opts["topk"])
     floor = torch.finfo(dtype).tiny
     p_ref, i_ref = ref.topk_routing(logits, **opts)
     p, i = ops.router_topk(logits, **opts)
@@ -145,11 +141,6 @@ def test_group_limited_router_topk_vs_reference(case):
     check(*case)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "moe-core bug: for sigmoid / sqrtsoftplus the k picked scores are renormalised by a "
-    "left-to-right fp32 sum (csrc/router_topk_math.h, moe_topk_probs: sum = cround(sum + p)), so "
-    "the error grows with k (16-22 fp32 ulps at k = 256 on these rows) where torch's sum, which "
-    "Megatron's rounding point is, stays within ~1 ulp"))
 @pytest.mark.parametrize("score", ["sigmoid", "sqrtsoftplus"])
 def test_sigmoid_renormalisation_sum_is_as_accurate_as_torch(score):
     """Found by test_router_topk_vs_reference: T=1, E=topk=256, fp32 logits from {-1/8, 0, 1/8}.
