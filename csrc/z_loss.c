@@ -85,9 +85,10 @@ moe_status_t moe_z_loss_bwd(void *grad_logits, const void *grad_loss, const void
     (void)workspace_bytes;
     moe_clear_error();
     MOE_TRY(check_z(logits, num_tokens, num_experts, coeff, logits_dtype));
-    MOE_CHECK(grad_logits != NULL && grad_loss != NULL,
-              "grad_logits and grad_loss must not be NULL");
+    MOE_CHECK(grad_loss != NULL, "grad_loss must not be NULL");
+    /* an empty grad_logits may have no storage: 0 tokens have nothing to write */
     if (num_tokens == 0) return MOE_OK;
+    MOE_CHECK(grad_logits != NULL, "grad_logits must not be NULL");
     const double scale = moe_load(grad_loss, compute_dtype(logits_dtype), 0) * coeff * 2.0 /
                          z_divisor(padding_mask, num_tokens);
     const int64_t E = num_experts;

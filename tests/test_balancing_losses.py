@@ -246,6 +246,24 @@ def test_z_loss_zero_tokens_with_a_mask_is_zero(device):
     assert ops.z_loss_func(logits, 0.1).isnan().item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("masked", [False, True])
+def test_z_loss_backward_of_zero_tokens(masked, dtype, device):
+    """0 tokens: the backward gives an empty [0, E] gradient, as autograd does through Megatron's
+    z_loss_func (loss NaN without a mask, 0 with an empty one); no error from the empty tensors'
+    missing storage."""
+    pad = torch.zeros(0, dtype=torch.bool, device=device) if masked else None
+    x1 = torch.zeros(0, 6, dtype=dtype, device=device, requires_grad=True)
+    x2 = torch.zeros(0, 6, dtype=dtype, device=device, requires_grad=True)
+    ours = ops.z_loss_func(x1, 0.1, padding_mask=pad)
+    ref = mcore.z_loss_func(x2, 0.1, padding_mask=pad)
+    assert torch.equal(ours.isnan(), ref.isnan()) and ours.isnan().item() != masked
+    ours.backward()
+    ref.backward()
+    assert x1.grad.dtype == x2.grad.dtype == dtype
+    assert x1.grad.shape == x2.grad.shape == (0, 6)
+
+
 def test_z_loss_bf16_is_more_accurate_than_megatron(device):
     logits = (torch.randn(64, 16) * 4).to(torch.bfloat16).to(device)
     truth = torch.logsumexp(logits.double(), -1).square().mean() * 0.01

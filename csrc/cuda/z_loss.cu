@@ -155,9 +155,10 @@ extern "C" moe_status_t moe_cuda_z_loss_bwd(void *grad_logits, const void *grad_
                                             size_t workspace_bytes, void *stream) {
     moe_clear_error();
     MOE_TRY(check_z(logits, num_tokens, num_experts, coeff, logits_dtype));
-    MOE_CHECK(grad_logits != NULL && grad_loss != NULL,
-              "grad_logits and grad_loss must not be NULL");
+    MOE_CHECK(grad_loss != NULL, "grad_loss must not be NULL");
+    /* an empty grad_logits may have no storage: 0 tokens have nothing to write */
     if (num_tokens == 0) return MOE_OK;
+    MOE_CHECK(grad_logits != NULL, "grad_logits must not be NULL");
     cudaStream_t s = (cudaStream_t)stream;
     double *divisor = NULL;
     if (padding_mask) {

@@ -157,6 +157,19 @@ static void test_z_loss(void) {
         CHECK(fabs(grad[i] - fd) < 1e-7, "z grad %d: %g vs fd %g", i, grad[i], fd);
     }
     free(w);
+    /* 0 tokens: empty tensors may have NULL storage; nothing to write, with or without a mask */
+    CHECK(moe_z_loss_bwd(NULL, &g, NULL, NULL, 0, E, 0.1, MOE_DTYPE_FP32, NULL, 0, NULL) == MOE_OK,
+          "%s", moe_last_error());
+    CHECK(moe_z_loss_bwd(NULL, &g, NULL, pad, 0, E, 0.1, MOE_DTYPE_FP64, NULL, 0, NULL) == MOE_OK,
+          "%s", moe_last_error());
+    CHECK(moe_z_loss_bwd(NULL, &g, logits, pad, T, E, 0.1, MOE_DTYPE_FP64, NULL, 0, NULL) ==
+                  MOE_ERR_INVALID_ARGUMENT &&
+              strstr(moe_last_error(), "grad_logits must not be NULL"),
+          "%s", moe_last_error());
+    CHECK(moe_z_loss_bwd(grad, NULL, logits, pad, 0, E, 0.1, MOE_DTYPE_FP64, NULL, 0, NULL) ==
+                  MOE_ERR_INVALID_ARGUMENT &&
+              strstr(moe_last_error(), "grad_loss must not be NULL"),
+          "%s", moe_last_error());
 }
 
 static void test_counts_and_expert_bias(void) {
