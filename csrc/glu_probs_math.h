@@ -192,11 +192,15 @@ MOE_HD static inline float moe_gp_act_bwd_f(int act, moe_dtype_t dt, float dy, f
         const float right_d = MOE_GP_MULF(MOE_GP_MULF(left, tanh_d), inner_d);
         return moe_gp_rnd(dt, MOE_GP_MULF(dy, MOE_GP_ADDF(left_d, right_d)));
     }
-    case MOE_ACT_RELU: /* threshold_backward(dy, relu(x), 0) */
-        return x > 0.0f ? dy : 0.0f;
-    case MOE_ACT_SQUARED_RELU: { /* PowBackward: dy * (2 * r), then ReluBackward */
+    /* ReluBackward is threshold_backward(dy, relu(x), 0) = (r <= 0 ? 0 : dy): a NaN input
+     * passes the gradient (relu) or the NaN of PowBackward's dy * 2r (squared_relu) */
+    case MOE_ACT_RELU:
+        return x <= 0.0f ? 0.0f : dy;
+    case MOE_ACT_SQUARED_RELU: { /* PowBackward: dy * (2 * r), 2 * r a dtype tensor (fp16: inf
+                                   * from r >= 32768 on), then ReluBackward */
         const float r = x > 0.0f || x != x ? x : 0.0f;
-        return r > 0.0f ? moe_gp_rnd(dt, MOE_GP_MULF(dy, MOE_GP_MULF(2.0f, r))) : 0.0f;
+        return r <= 0.0f ? 0.0f
+                         : moe_gp_rnd(dt, MOE_GP_MULF(dy, moe_gp_rnd(dt, MOE_GP_MULF(2.0f, r))));
     }
     case MOE_ACT_QUICK_GELU: { /* x * sg with sg = sigmoid(t), t = 1.702 x */
         const float t = moe_gp_rnd(dt, MOE_GP_MULF(x, (float)1.702));
@@ -271,11 +275,11 @@ MOE_HD static inline double moe_gp_act_bwd_d(int act, double dy, double x) {
         const double right_d = MOE_GP_MULD(MOE_GP_MULD(left, tanh_d), inner_d);
         return MOE_GP_MULD(dy, MOE_GP_ADDD(left_d, right_d));
     }
-    case MOE_ACT_RELU:
-        return x > 0.0 ? dy : 0.0;
+    case MOE_ACT_RELU: /* threshold_backward: NaN passes, as in the float version */
+        return x <= 0.0 ? 0.0 : dy;
     case MOE_ACT_SQUARED_RELU: {
         const double r = x > 0.0 || x != x ? x : 0.0;
-        return r > 0.0 ? MOE_GP_MULD(dy, MOE_GP_MULD(2.0, r)) : 0.0;
+        return r <= 0.0 ? 0.0 : MOE_GP_MULD(dy, MOE_GP_MULD(2.0, r));
     }
     case MOE_ACT_QUICK_GELU: {
         const double t = MOE_GP_MULD(x, 1.702);

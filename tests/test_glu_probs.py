@@ -242,6 +242,37 @@ def test_backward_vs_autograd(dtype, act, gated, offset, clamp):
         assert ((gp.double() - ref_gp.double()).abs() <= tol_torch).all(), f"vs autograd {act}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["relu", "squared_relu"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_relu_backward_at_special_inputs_equals_autograd(gated, act, dtype, device):
+    """NaN, ±inf, ±0 and fp16's largest values through relu / squared_relu, against autograd of
+    the composite. ReluBackward is threshold_backward: (relu(x) <= 0 ? 0 : grad), so a NaN input
+    passes the gradient (relu: grad; squared_relu: PowBackward's grad * 2r = NaN); PowBackward's
+    2r is a dtype tensor, so in fp16 it is inf from r = 32768 on."""
+    vals = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.5, -1.5, 32768.0, 40000.0]
+    dys = [2.0, 0.0, -0.75, float("nan")]
+    x, dy = (t.reshape(-1, 1) for t in torch.meshgrid(
+        torch.tensor(vals, dtype=torch.float64), torch.tensor(dys, dtype=torch.float64),
+        indexing="ij"))
+    a = (torch.cat([x, torch.full_like(x, 0.5)], 1) if gated else x).to(dtype)
+    dy = dy.to(dtype)
+    for pdt in (None, torch.float32, torch.float64):
+        probs = None if pdt is None else torch.full((a.shape[0],), 0.75, dtype=pdt)
+        ref_ga, ref_gp = autograd_grads(a, probs, dy, act, gated, 0.0, None)
+        ga, gp = OPS.glu_probs_bwd(dy.to(device), a.to(device),
+                                   None if probs is None else probs.to(device), act, gated, 0.0,
+                                   None)
+        assert_equal(ga.cpu(), ref_ga, f"grad_a {act} probs {pdt}")
+        if probs is not None:  # one term per row: the sum is the rounded product itself
+            assert_equal(gp.cpu(), ref_gp, f"grad_probs {act} probs {pdt}")
+        rows = x.reshape(-1).to(dtype).isnan() & dy.reshape(-1).isfinite() & (dy.reshape(-1) != 0)
+        if act == "relu":
+            assert ga[:, 0].cpu()[rows].ne(0).all(), "a NaN relu input passes the gradient"
+        else:
+            assert ga[:, 0].cpu()[rows].isnan().all(), "a NaN squared_relu input gets NaN"
+
+
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("gated", [True, False])
 def test_autograd_registration(act, gated):

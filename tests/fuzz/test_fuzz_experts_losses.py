@@ -198,10 +198,6 @@ def test_z_loss_vs_formula(case, coeff):
                                  msg="grad logits")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "moe-core bug: glu_probs' backward gives a NaN relu / squared_relu input a zero gradient; "
-    "autograd's threshold_backward (x <= 0 ? 0 : grad) passes the gradient there (relu: grad, "
-    "squared_relu: NaN), and the contract says grad_a follows autograd's graph bit for bit"))
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("act", ["relu", "squared_relu"])
 def test_relu_backward_at_nan_follows_autograd(act, gated):
