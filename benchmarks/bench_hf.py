@@ -5,11 +5,13 @@ implementation (``grouped_mm``), the moe-core experts backend (``experts_impleme
     python benchmarks/bench_hf.py                      # on a GPU: both shapes, bf16
     python benchmarks/bench_hf.py --shape qwen3_30b_a3b --tokens 8192 --rounds 20
     python benchmarks/bench_hf.py --smoke              # tiny shapes on the CPU (a quick check)
+    python benchmarks/bench_hf.py --batch 4 --part block  # 4 sequences; the MoE block alone
 
 Each shape is one decoder layer built from the family's config class (random weights, the
 model's dtype; the routers' weights are redrawn so that routing spreads over the experts as a
 trained router's would, not all-ties at HF's zero init): attention, norms and the sparse-MoE
-block. Every variant runs the same layer weights on the same input and upstream gradient. Timing:
+block, timed whole (``layer``) and the sparse-MoE block alone (``block``: what the two routes
+replace; the layer's attention is the same for all and dilutes their difference). Every variant runs the same layer weights on the same input and upstream gradient. Timing:
 CUDA events around fwd + bwd, after warm-up, rounds interleaved over the variants (so clock and
 thermal drift hit all alike); the median over rounds is reported, with the speedup over HF's
 default. On the CPU (``--smoke``) wall-clock time replaces the events. The markdown table is
@@ -64,32 +66,41 @@ def shape_config(name: str, smoke: bool):
 
 
 class LayerRunner:
-    """One decoder layer of the model built from ``cfg`` with rotary embeddings precomputed:
-    ``fwd_bwd()`` runs ``layer(x)`` and its backward with a fixed upstream gradient."""
+    """One decoder layer of the model built from ``cfg`` (``part="layer"``: attention, norms and
+    the sparse-MoE block, rotary embeddings precomputed) or its sparse-MoE block alone
+    (``part="block"``): ``fwd_bwd()`` runs it on ``x [batch, tokens / batch, H]`` and its
+    backward with a fixed upstream gradient."""
 
-    def __init__(self, model, tokens: int, device: torch.device, dtype: torch.dtype, seed: int):
-        self.layer = model.model.layers[0]
+    def __init__(self, model, tokens: int, batch: int, part: str, device: torch.device,
+                 dtype: torch.dtype, seed: int):
+        layer = model.model.layers[0]
+        self.part = part
+        self.module = layer if part == "layer" else layer.mlp
         g = torch.Generator(device="cpu").manual_seed(seed)
         H = model.config.hidden_size
-        self.x = (torch.randn(1, tokens, H, generator=g) * 0.5).to(device, dtype)
+        shape = (batch, tokens // batch, H)
+        self.x = (torch.randn(shape, generator=g) * 0.5).to(device, dtype)
         self.x.requires_grad_(True)
-        self.dy = (torch.randn(1, tokens, H, generator=g) * 1e-2).to(device, dtype)
-        pos = torch.arange(tokens, device=device)[None]
+        self.dy = (torch.randn(shape, generator=g) * 1e-2).to(device, dtype)
+        pos = torch.arange(shape[1], device=device)[None].expand(batch, -1)
         with torch.no_grad():
             self.pos_emb = model.model.rotary_emb(self.x, pos)
         self.pos = pos
 
     def fwd_bwd(self) -> None:
         self.x.grad = None
-        for p in self.layer.parameters():
+        for p in self.module.parameters():
             p.grad = None
-        y = self.layer(self.x, position_ids=self.pos, position_embeddings=self.pos_emb)
+        if self.part == "layer":
+            y = self.module(self.x, position_ids=self.pos, position_embeddings=self.pos_emb)
+        else:
+            y = self.module(self.x)
         y = y[0] if isinstance(y, tuple) else y
         y.backward(self.dy)
 
 
-def build_variants(shape: str, tokens: int, device: torch.device, dtype: torch.dtype,
-                   smoke: bool, seed: int = 0) -> Dict[str, LayerRunner]:
+def build_variants(shape: str, tokens: int, batch: int, part: str, device: torch.device,
+                   dtype: torch.dtype, smoke: bool, seed: int = 0) -> Dict[str, LayerRunner]:
     import transformers
 
     cfg = shape_config(shape, smoke)
@@ -109,7 +120,7 @@ def build_variants(shape: str, tokens: int, device: torch.device, dtype: torch.d
             model.set_experts_implementation("moe_core")
         elif variant == "moe-core block":
             assert mh.replace_moe_blocks(model) == 1
-        runners[variant] = LayerRunner(model, tokens, device, dtype, seed + 1)
+        runners[variant] = LayerRunner(model, tokens, batch, part, device, dtype, seed + 1)
     return runners
 
 
@@ -156,6 +167,10 @@ def main() -> None:
                     help="repeatable; default: both")
     ap.add_argument("--tokens", type=int, default=None,
                     help="tokens per step (default: 8192 on a GPU, 64 with --smoke)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences the tokens are split into (attention is per sequence)")
+    ap.add_argument("--part", choices=("layer", "block", "both"), default="both",
+                    help="the decoder layer, its sparse-MoE block alone, or both (default)")
     ap.add_argument("--rounds", type=int, default=None, help="default: 20 (3 with --smoke)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
@@ -172,28 +187,33 @@ def main() -> None:
     rounds = args.rounds or (3 if args.smoke else 20)
     mh.register_experts_backend()
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{dev_name}, {dtype}, {tokens} tokens, median of {rounds} interleaved rounds")
+    if tokens % args.batch:
+        ap.error(f"--tokens {tokens} is not a multiple of --batch {args.batch}")
+    parts = ("layer", "block") if args.part == "both" else (args.part,)
+    print(f"{dev_name}, {dtype}, {tokens} tokens in {args.batch} sequence(s), median of {rounds} "
+          "interleaved rounds")
 
-    rows: List[Tuple[str, str, float, float, float]] = []
+    rows: List[Tuple[str, str, str, float, float, float]] = []
     for shape in shapes:
-        runners = build_variants(shape, tokens, device, dtype, args.smoke)
-        agree = check_agreement(runners)
-        times = time_variants(runners, rounds, args.warmup, device)
-        base_ms = statistics.median(times["hf grouped_mm"])
-        for v in VARIANTS:
-            ms = statistics.median(times[v])
-            spread = (max(times[v]) - min(times[v])) / ms if ms > 0 else 0.0
-            rows.append((shape, v, ms, base_ms / ms, agree[v]))
-            print(f"{shape:14s} {v:18s} {ms:9.3f} ms  (spread {spread:.0%}), "
-                  f"input grad vs HF {agree[v]:.2e}")
-        del runners
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        for part in parts:
+            runners = build_variants(shape, tokens, args.batch, part, device, dtype, args.smoke)
+            agree = check_agreement(runners)
+            times = time_variants(runners, rounds, args.warmup, device)
+            base_ms = statistics.median(times["hf grouped_mm"])
+            for v in VARIANTS:
+                ms = statistics.median(times[v])
+                spread = (max(times[v]) - min(times[v])) / ms if ms > 0 else 0.0
+                rows.append((shape, part, v, ms, base_ms / ms, agree[v]))
+                print(f"{shape:14s} {part:6s} {v:18s} {ms:9.3f} ms  (spread {spread:.0%}), "
+                      f"input grad vs HF {agree[v]:.2e}", flush=True)
+            del runners
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
-    print("\n| shape | variant | fwd + bwd | speedup vs HF grouped_mm | input grad vs HF |")
-    print("|---|---|---|---|---|")
-    for shape, v, ms, speedup, err in rows:
-        print(f"| {shape} | {v} | {ms:.3f} ms | {speedup:.2f}x | {err:.1e} |")
+    print("\n| shape | part | variant | fwd + bwd | speedup vs HF grouped_mm | input grad vs HF |")
+    print("|---|---|---|---|---|---|")
+    for shape, part, v, ms, speedup, err in rows:
+        print(f"| {shape} | {part} | {v} | {ms:.3f} ms | {speedup:.2f}x | {err:.1e} |")
 
 
 if __name__ == "__main__":
