@@ -34,16 +34,7 @@ fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
   run_step bench_layer 200 python3 benchmarks/bench_layer.py ${LAYER_ARGS:---rounds 10}
-  # transformers for bench_hf: the machine's own, or the pinned one from wheels in .whl/hf/
-  # (installed apart, on bench_hf's path only)
-  HF_PATH=${PYTHONPATH:-}
-  # (each package by name, so pip picks the wheel of this Python version where there are several)
-  HF_PKGS=$(ls .whl/hf/*.whl 2>/dev/null | xargs -rn1 basename | cut -d- -f1 | sort -u)
-  if [ -n "$HF_PKGS" ] && python3 -m pip install -q --no-index --no-deps --no-compile \
-      --no-cache-dir --find-links .whl/hf --target /tmp/site_hf $HF_PKGS; then
-    HF_PATH=/tmp/site_hf${HF_PATH:+:$HF_PATH}
-  fi
-  run_step bench_hf 120 env PYTHONPATH="$HF_PATH" python3 benchmarks/bench_hf.py ${HF_ARGS:-}
+  run_step bench_hf 120 python3 benchmarks/bench_hf.py ${HF_ARGS:-}
   run_step profile_layer 120 python3 benchmarks/profile_layer.py ${PROFILE_ARGS:---top 12}
 fi
 
