@@ -144,8 +144,11 @@ moe_status_t moe_router_gating_linear_bwd(void *grad_inp, void *grad_weight, voi
  *                   p = s[picked] / (Σ s[picked] + 1e-20) when topk > 1, else s[picked]
  *   then p *= scaling_factor (when it is not 0) and p is written in the logits' dtype.
  * Group-limited selection (num_groups > 0): experts form num_groups contiguous groups; a group's
- * score is the sum of its top (topk / group_topk) selection scores; the group_topk best groups are
+ * score is the sum of its top (topk / group_topk) selection scores, or of its top
+ * group_score_topk when that is set (1: the group's max); the group_topk best groups are
  * kept and the top-k is taken among their experts only.
+ * Beyond Megatron: with softmax-pre, expert_bias may be added to the softmax probs for the
+ * selection only (the probs stay the unbiased ones); `norm` drops or forces the renormalisation.
  *
  * Precision: score math in fp32 for fp32/fp16/bf16 logits (as Megatron) and in fp64 for fp64
  * logits (Megatron downcasts those to fp32; keeping fp64 is a documented, deliberate difference).
@@ -156,7 +159,19 @@ moe_status_t moe_router_gating_linear_bwd(void *grad_inp, void *grad_weight, voi
  * are NaN: bad values propagate rather than being hidden.
  * ------------------------------------------------------------------------------------------- */
 
-/** Options of router_topk (a struct: more than a handful of scalars). */
+/**
+ * How the k picked probs are normalised (the rules beyond Megatron's come from Hugging Face
+ * families: DeepSeek-V3 with norm_topk_prob=False, Qwen / Ernie-4.5 renormalising softmax-pre).
+ */
+typedef enum moe_topk_norm {
+    MOE_TOPK_NORM_DEFAULT = 0, /**< Megatron's: sigmoid / sqrtsoftplus renormalised when topk > 1,
+                                    softmax-pre not, softmax-post a softmax over the k */
+    MOE_TOPK_NORM_NONE = 1,    /**< the picked scores as they are (not with softmax-post) */
+    MOE_TOPK_NORM_SUM = 2      /**< p / (Σ p + 1e-20) for every topk (not with softmax-post) */
+} moe_topk_norm_t;
+
+/** Options of router_topk (a struct: more than a handful of scalars). Zero-initialised trailing
+ * fields give Megatron's rules. */
 typedef struct moe_router_topk_params {
     int64_t topk;                        /**< experts per token, 1 <= topk <= num_experts */
     int64_t num_groups;                  /**< 0 (no groups) or a divisor of num_experts */
@@ -164,6 +179,10 @@ typedef struct moe_router_topk_params {
     int use_pre_softmax;                 /**< softmax only: score before top-k, no renormalising */
     moe_score_function_t score_function; /**< softmax, sigmoid or sqrtsoftplus */
     double scaling_factor;               /**< multiplies the probs; 0 means off (as Megatron) */
+    moe_topk_norm_t norm;                /**< normalisation of the picked probs */
+    int64_t group_score_topk;            /**< a group's score sums its top this-many selection
+                                              scores, 1..experts per group (1: the group's max);
+                                              0: topk / group_topk (Megatron's) */
 } moe_router_topk_params_t;
 
 /** Checks the params against num_experts; MOE_OK or MOE_ERR_INVALID_ARGUMENT with a message. */
@@ -182,7 +201,7 @@ size_t moe_router_topk_workspace_size(int64_t num_tokens, int64_t num_experts,
  * \param[out] topk_probs    [num_tokens, topk], `logits_dtype`
  * \param[out] topk_indices  [num_tokens, topk], int64 expert ids, sorted as described above
  * \param[in]  logits        [num_tokens, num_experts], `logits_dtype` (fp32, fp64, fp16, bf16)
- * \param[in]  expert_bias   [num_experts], fp32, or NULL; sigmoid/sqrtsoftplus only
+ * \param[in]  expert_bias   [num_experts], fp32, or NULL; sigmoid/sqrtsoftplus/softmax-pre
  * \param[in]  num_tokens    >= 0
  * \param[in]  num_experts   >= 1
  * \param[in]  logits_dtype  element type of logits and topk_probs

@@ -31,7 +31,7 @@ size_t moe_router_topk_workspace_size(int64_t num_tokens, int64_t num_experts,
                                       const moe_router_topk_params_t *params) {
     (void)num_tokens;
     int64_t groups = params && params->num_groups > 0 ? params->num_groups : 0;
-    int64_t topk = params ? params->topk : num_experts;
+    int64_t topk = params ? moe_topk_scratch_k(params) : num_experts;
     const int64_t words = thread_words(topk, groups);
     int64_t all;
     if (words < 0 || moe_checked_mul_i64(words, moe_max_threads(), &all) ||
@@ -53,10 +53,24 @@ moe_status_t moe_router_topk_check(const moe_router_topk_params_t *p, int64_t nu
                   p->score_function == MOE_SCORE_SQRTSOFTPLUS,
               "score_function must be softmax (0), sigmoid (1) or sqrtsoftplus (2), got %d",
               (int)p->score_function);
-    MOE_CHECK(!(has_expert_bias && p->score_function == MOE_SCORE_SOFTMAX),
-              "expert_bias is only supported with score_function sigmoid or sqrtsoftplus, "
-              "not softmax (the bias would be added to probabilities that must sum to one)");
-    if (p->num_groups == 0 && p->group_topk == 0) return MOE_OK;
+    const int post = p->score_function == MOE_SCORE_SOFTMAX && !p->use_pre_softmax;
+    MOE_CHECK(!(has_expert_bias && post),
+              "expert_bias with score_function softmax needs use_pre_softmax (the bias is added "
+              "to the softmax probs for the selection only)");
+    MOE_CHECK(p->norm == MOE_TOPK_NORM_DEFAULT || p->norm == MOE_TOPK_NORM_NONE ||
+                  p->norm == MOE_TOPK_NORM_SUM,
+              "norm must be default (0), none (1) or sum (2), got %d", (int)p->norm);
+    MOE_CHECK(!(post && p->norm != MOE_TOPK_NORM_DEFAULT),
+              "norm=%d: softmax without use_pre_softmax is a softmax over the k picked logits, "
+              "normalised by construction; only the default norm (0) applies",
+              (int)p->norm);
+    MOE_CHECK(p->group_score_topk >= 0, "group_score_topk must be >= 0 (0: topk / group_topk), "
+              "got %lld", (long long)p->group_score_topk);
+    if (p->num_groups == 0 && p->group_topk == 0) {
+        MOE_CHECK(p->group_score_topk == 0, "group_score_topk=%lld needs group-limited routing "
+                  "(num_groups and group_topk)", (long long)p->group_score_topk);
+        return MOE_OK;
+    }
     MOE_CHECK(p->num_groups >= 1, "num_groups must be >= 1 when group_topk is set, got %lld",
               (long long)p->num_groups);
     MOE_CHECK(num_experts % p->num_groups == 0,
@@ -71,6 +85,12 @@ moe_status_t moe_router_topk_check(const moe_router_topk_params_t *p, int64_t nu
               "per group = %lld)",
               (long long)p->topk, (long long)p->group_topk, (long long)per_group,
               (long long)(p->group_topk * per_group));
+    if (p->group_score_topk > 0) {
+        MOE_CHECK(p->group_score_topk <= per_group,
+                  "group_score_topk=%lld exceeds the %lld experts of a group",
+                  (long long)p->group_score_topk, (long long)per_group);
+        return MOE_OK;
+    }
     MOE_CHECK(p->topk >= p->group_topk,
               "group_topk=%lld must be <= topk=%lld: a group's score is the sum of its top "
               "topk // group_topk experts, which would be empty",
@@ -85,9 +105,10 @@ static moe_status_t check_common(int64_t num_tokens, int64_t num_experts, moe_dt
     MOE_TRY(moe_router_topk_check(p, num_experts, has_bias));
     /* [T, E] logits and probs; [T, topk] with topk <= E fits whenever this does */
     MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
-    MOE_CHECK(thread_words(p->topk, p->num_groups) >= 0,
-              "topk=%lld, num_groups=%lld: the per-thread scratch overflows int64",
-              (long long)p->topk, (long long)p->num_groups);
+    MOE_CHECK(thread_words(moe_topk_scratch_k(p), p->num_groups) >= 0,
+              "topk=%lld, num_groups=%lld, group_score_topk=%lld: the per-thread scratch "
+              "overflows int64",
+              (long long)p->topk, (long long)p->num_groups, (long long)p->group_score_topk);
     return MOE_OK;
 }
 
@@ -104,7 +125,7 @@ static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *prob
     if (num_tokens == 0) return MOE_OK;
     MOE_CHECK(topk_indices && logits && (topk_probs || probs || routing_map),
               "topk_indices, logits and an output for the probs must not be NULL");
-    const int64_t words = thread_words(params->topk, params->num_groups);
+    const int64_t words = thread_words(moe_topk_scratch_k(params), params->num_groups);
     const int64_t nthreads = (int64_t)(workspace_bytes / ((size_t)words * sizeof(double)));
     MOE_CHECK(workspace != NULL && nthreads >= 1,
               "workspace too small: %zu bytes, need at least %zu (moe_router_topk_workspace_size)",
@@ -122,7 +143,8 @@ static moe_status_t topk_fwd(void *topk_probs, int64_t *topk_indices, void *prob
         double *scratch = (double *)workspace + (int64_t)moe_thread_id() * words;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_tokens; ++t) {
-            double *p = scratch + moe_topk_scratch_words(k, params->num_groups);
+            double *p = scratch + moe_topk_scratch_words(moe_topk_scratch_k(params),
+                                                         params->num_groups);
             const int64_t *idx = topk_indices + t * k;
             moe_topk_row_fwd(&ctx, logits, t, expert_bias, scratch, topk_indices + t * k, p);
             if (topk_probs)
@@ -222,7 +244,7 @@ static moe_status_t topk_bwd(void *grad_logits, const void *grad_probs, const vo
     if (num_tokens == 0) return MOE_OK;
     MOE_CHECK(grad_logits && grad_probs && logits && topk_indices,
               "grad_logits, grad_probs, logits and topk_indices must not be NULL");
-    const int64_t words = thread_words(params->topk, params->num_groups);
+    const int64_t words = thread_words(moe_topk_scratch_k(params), params->num_groups);
     const int64_t nthreads = (int64_t)(workspace_bytes / ((size_t)words * sizeof(double)));
     MOE_CHECK(workspace != NULL && nthreads >= 1,
               "workspace too small: %zu bytes, need at least %zu (moe_router_topk_workspace_size)",

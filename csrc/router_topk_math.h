@@ -7,6 +7,11 @@
  * function. A row needs O(topk + num_groups) scratch words and no [num_experts] buffer: scores are
  * recomputed on the fly (softmax-pre keeps only the row max and 1/sum), and the top-k is kept in a
  * sorted insertion list while the experts stream by.
+ *
+ * The rules beyond Megatron's (group score by the top n of a group for any n, the probs kept
+ * unnormalised or always renormalised, a selection-only bias with softmax-pre) are flags of the
+ * same functions, resolved once into the context, so every kernel that shares this code gets
+ * them with the same rounding points.
  */
 #ifndef MOE_CORE_ROUTER_TOPK_MATH_H_
 #define MOE_CORE_ROUTER_TOPK_MATH_H_
@@ -16,14 +21,20 @@
 typedef struct moe_topk_ctx {
     int64_t num_experts, topk, num_groups, group_topk, per_group, group_n;
     int score_function, pre_softmax, fp64, has_scaling;
+    int renorm; /* the picked probs are divided by (their sum + 1e-20) (not softmax-post) */
     int grad_dense; /* backward: grad_probs is the dense [T, E] gradient, not [T, topk] */
     moe_dtype_t dtype;
     double scaling_factor; /* rounded to the compute precision */
 } moe_topk_ctx_t;
 
-/* Scratch words (8 bytes each) one row needs. */
+/* Scratch words (8 bytes each) one row needs; topk here is moe_topk_scratch_k's. */
 MOE_HD static inline int64_t moe_topk_scratch_words(int64_t topk, int64_t num_groups) {
     return 3 * topk + 3 * (num_groups > 0 ? num_groups : 0) + 1;
+}
+
+/* The list length the row scratch is sized for: topk, or a longer group-score list. */
+MOE_HD static inline int64_t moe_topk_scratch_k(const moe_router_topk_params_t *p) {
+    return p->group_score_topk > p->topk ? p->group_score_topk : p->topk;
 }
 
 /* Rounds to the precision Megatron's intermediate tensors have: fp32, or fp64 for fp64 logits. */
@@ -39,9 +50,16 @@ MOE_HD static inline moe_topk_ctx_t moe_topk_ctx_make(const moe_router_topk_para
     c.num_groups = p->group_topk > 0 ? p->num_groups : 0;
     c.group_topk = p->group_topk;
     c.per_group = c.num_groups > 0 ? num_experts / c.num_groups : num_experts;
-    c.group_n = c.num_groups > 0 ? p->topk / p->group_topk : 0;
+    c.group_n = c.num_groups == 0 ? 0 : p->group_score_topk > 0 ? p->group_score_topk
+                                                                : p->topk / p->group_topk;
     c.score_function = (int)p->score_function;
     c.pre_softmax = p->use_pre_softmax != 0;
+    /* softmax-post is a softmax over the k, normalised by construction; softmax-pre is
+     * renormalised only on request; sigmoid / sqrtsoftplus by default when topk > 1 */
+    if (c.score_function == MOE_SCORE_SOFTMAX && !c.pre_softmax) c.renorm = 0;
+    else if (p->norm == MOE_TOPK_NORM_SUM) c.renorm = 1;
+    else if (p->norm == MOE_TOPK_NORM_NONE) c.renorm = 0;
+    else c.renorm = c.score_function != MOE_SCORE_SOFTMAX && p->topk > 1;
     c.fp64 = dtype == MOE_DTYPE_FP64;
     c.dtype = dtype;
     c.has_scaling = p->scaling_factor != 0.0;
@@ -108,24 +126,51 @@ MOE_HD static inline double moe_topk_softmax_at(const moe_topk_ctx_t *c, double 
     return moe_cround(c, moe_cround(c, exp(moe_cround(c, x - m))) * inv);
 }
 
-/* The value expert e is ranked by. */
+/* The value expert e is ranked by: its score plus the selection bias, if any (softmax: only
+ * softmax-pre takes a bias, moe_router_topk_check). */
 MOE_HD static inline double moe_topk_selection(const moe_topk_ctx_t *c, const void *logits,
                                                int64_t base, int64_t e, const float *bias,
                                                double m, double inv) {
     double x = moe_load(logits, c->dtype, base + e);
-    if (c->score_function == MOE_SCORE_SOFTMAX)
-        return c->pre_softmax ? moe_topk_softmax_at(c, x, m, inv) : x;
-    double s = moe_topk_score(c, x);
+    double s;
+    if (c->score_function == MOE_SCORE_SOFTMAX) {
+        if (!c->pre_softmax) return x;
+        s = moe_topk_softmax_at(c, x, m, inv);
+    } else {
+        s = moe_topk_score(c, x);
+    }
     return bias ? moe_cround(c, s + (double)bias[e]) : s;
+}
+
+/* p[j] / (Σ p + 1e-20) over the k probs (the sigmoid renormalisation of Megatron, and the
+ * renormalisation asked for by ctx->renorm). The sum of the k values is taken in fp64 and
+ * rounded to the compute precision once: a left-to-right fp32 sum drifts by up to ~k/2 ulps,
+ * while k non-negative fp32 terms summed in fp64 are off by at most (k - 1)·2^-29 fp32 ulps
+ * before that single rounding, so the fp32 sum is within 0.5 + (k - 1)·2^-29 ulps of the exact
+ * one. Sequential, as the CUDA kernels' copies of this sum. */
+MOE_HD static inline void moe_topk_renorm(const moe_topk_ctx_t *c, double *probs) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < c->topk; ++j) sum += probs[j];
+    double d = moe_cround(c, moe_cround(c, sum) + moe_cround(c, 1e-20));
+    for (int64_t j = 0; j < c->topk; ++j) probs[j] = moe_cround(c, probs[j] / d);
+}
+
+/*
+ * Softmax-pre with a selection bias: the winners' values become their unbiased softmax values
+ * (what moe_topk_probs reads for softmax-pre). Other rules read the logits again or have no bias.
+ */
+MOE_HD static inline void moe_topk_unbias(const moe_topk_ctx_t *c, const void *logits,
+                                          int64_t base, const float *bias, double m, double inv,
+                                          const int64_t *idx, double *vals) {
+    if (!bias || c->score_function != MOE_SCORE_SOFTMAX || !c->pre_softmax) return;
+    for (int64_t j = 0; j < c->topk; ++j)
+        vals[j] = moe_topk_softmax_at(c, moe_load(logits, c->dtype, base + idx[j]), m, inv);
 }
 
 /*
  * The probs of one token's k picked experts, from their selection values `vals` and ids `idx`
  * (best first). Sequential on purpose: the sums are order-dependent, and the CPU kernel and the
- * CUDA kernel (one lane) both run this exact code. Each sum of the k picked values is taken in
- * fp64 and rounded to fp32 once: a left-to-right fp32 sum drifts by up to ~k/2 ulps, while k
- * non-negative fp32 terms summed in fp64 are off by at most (k - 1)·2^-29 fp32 ulps before that
- * single rounding, so the fp32 sum is within 0.5 + (k - 1)·2^-29 ulps of the exact one.
+ * CUDA kernel (one lane) both run this exact code; the renormalising sum is moe_topk_renorm's.
  */
 MOE_HD static inline void moe_topk_probs(const moe_topk_ctx_t *c, const void *logits,
                                          int64_t base, const double *vals, const int64_t *idx,
@@ -133,6 +178,7 @@ MOE_HD static inline void moe_topk_probs(const moe_topk_ctx_t *c, const void *lo
     const int64_t k = c->topk;
     const int softmax = c->score_function == MOE_SCORE_SOFTMAX;
     if (softmax && c->pre_softmax) {
+        /* the softmax values (unbiased: moe_topk_unbias) */
         for (int64_t j = 0; j < k; ++j) probs[j] = vals[j];
     } else if (softmax) {
         /* softmax over the k picked logits; vals[0] is their max (sorted, NaN first) */
@@ -144,23 +190,18 @@ MOE_HD static inline void moe_topk_probs(const moe_topk_ctx_t *c, const void *lo
         double pinv = moe_cround(c, 1.0 / moe_cround(c, sum));
         for (int64_t j = 0; j < k; ++j) probs[j] = moe_cround(c, probs[j] * pinv);
     } else {
-        double sum = 0.0;
-        for (int64_t j = 0; j < k; ++j) {
+        for (int64_t j = 0; j < k; ++j)
             probs[j] = moe_topk_score(c, moe_load(logits, c->dtype, base + idx[j]));
-            sum += probs[j];
-        }
-        if (k > 1) {
-            double d = moe_cround(c, moe_cround(c, sum) + moe_cround(c, 1e-20));
-            for (int64_t j = 0; j < k; ++j) probs[j] = moe_cround(c, probs[j] / d);
-        }
     }
+    if (c->renorm) moe_topk_renorm(c, probs);
     if (c->has_scaling)
         for (int64_t j = 0; j < k; ++j) probs[j] = moe_cround(c, probs[j] * c->scaling_factor);
 }
 
 /*
  * One token: writes its topk expert ids (best first) and their probs (in compute precision;
- * the caller stores them in the logits dtype). scratch: moe_topk_scratch_words(topk, groups).
+ * the caller stores them in the logits dtype).
+ * scratch: moe_topk_scratch_words(moe_topk_scratch_k(params), groups).
  */
 MOE_HD static inline void moe_topk_row_fwd(const moe_topk_ctx_t *c, const void *logits, int64_t t,
                                            const float *bias, double *scratch, int64_t *idx,
@@ -178,9 +219,10 @@ MOE_HD static inline void moe_topk_row_fwd(const moe_topk_ctx_t *c, const void *
                             e);
     } else {
         const int64_t G = c->num_groups, n = c->group_n, gk = c->group_topk, P = c->per_group;
+        const int64_t kn = n > k ? n : k; /* the lists' room: moe_topk_scratch_k */
         double *nvals = scratch + k;
-        int64_t *nidx = (int64_t *)(nvals + k);
-        double *gvals = (double *)(nidx + k);
+        int64_t *nidx = (int64_t *)(nvals + kn);
+        double *gvals = (double *)(nidx + kn);
         int64_t *gidx = (int64_t *)(gvals + G);
         int64_t glen = 0;
         for (int64_t g = 0; g < G; ++g) {
@@ -205,6 +247,7 @@ MOE_HD static inline void moe_topk_row_fwd(const moe_topk_ctx_t *c, const void *
         }
     }
 
+    moe_topk_unbias(c, logits, base, bias, m, inv, idx, vals);
     moe_topk_probs(c, logits, base, vals, idx, probs);
 }
 
@@ -232,11 +275,17 @@ MOE_HD static inline void moe_topk_bwd_selected(const moe_topk_ctx_t *ctx, const
     *dot_out = 0.0;
     (void)E;
     if (c->score_function == MOE_SCORE_SOFTMAX && c->pre_softmax) {
-        double dot = 0.0;
+        double dot = 0.0, sum = 0.0;
         for (int64_t j = 0; j < k; ++j) {
             v[j] = moe_topk_softmax_at(c, moe_load(logits, c->dtype, base + idx[j]), m, inv);
-            dot += g[j] * v[j];
+            sum += v[j];
         }
+        if (c->renorm) { /* through p = v / (Σ v + 1e-20) first: g <- dL/dv */
+            double d = sum + 1e-20, gd = 0.0;
+            for (int64_t j = 0; j < k; ++j) gd -= g[j] * v[j] / (d * d);
+            for (int64_t j = 0; j < k; ++j) g[j] = g[j] / d + gd;
+        }
+        for (int64_t j = 0; j < k; ++j) dot += g[j] * v[j];
         for (int64_t j = 0; j < k; ++j) gsel[j] = v[j] * (g[j] - dot);
         *dot_out = dot;
         return;
@@ -260,7 +309,7 @@ MOE_HD static inline void moe_topk_bwd_selected(const moe_topk_ctx_t *ctx, const
         v[j] = moe_topk_score(c, moe_load(logits, c->dtype, base + idx[j]));
         sum += v[j];
     }
-    if (k > 1) {
+    if (c->renorm) {
         double d = sum + 1e-20, gd = 0.0;
         for (int64_t j = 0; j < k; ++j) gd -= g[j] * v[j] / (d * d);
         for (int64_t j = 0; j < k; ++j) g[j] = g[j] / d + gd;

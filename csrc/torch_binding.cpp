@@ -128,10 +128,15 @@ moe_score_function_t to_score_function(c10::string_view name) {
   return MOE_SCORE_SOFTMAX;
 }
 
+// routing_mode packs the rules beyond Megatron's (moe_core/ops/router_topk.py, routing_mode):
+// bits 0-1 the moe_topk_norm_t, bits 2.. the group_score_topk (0: topk / group_topk).
 moe_router_topk_params_t make_topk_params(int64_t topk, bool use_pre_softmax, int64_t num_groups,
                                           int64_t group_topk, double scaling_factor,
-                                          c10::string_view score_function) {
+                                          c10::string_view score_function, int64_t routing_mode) {
+  MOE_CHECK_VALUE(routing_mode >= 0, "routing_mode must be >= 0, got ", routing_mode);
   moe_router_topk_params_t p;
+  p.norm = (moe_topk_norm_t)(routing_mode & 3);
+  p.group_score_topk = routing_mode >> 2;
   p.topk = topk;
   p.num_groups = num_groups;
   p.group_topk = group_topk;
@@ -268,7 +273,8 @@ struct TopkInputs {
 TopkInputs topk_inputs(const at::Tensor &logits_, int64_t topk, bool use_pre_softmax,
                        int64_t num_groups, int64_t group_topk, double scaling_factor,
                        c10::string_view score_function,
-                       const c10::optional<at::Tensor> &expert_bias_, const char *op) {
+                       const c10::optional<at::Tensor> &expert_bias_, int64_t routing_mode,
+                       const char *op) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   TopkInputs in;
@@ -284,7 +290,7 @@ TopkInputs topk_inputs(const at::Tensor &logits_, int64_t topk, bool use_pre_sof
     check_same_device(in.bias, in.logits, "expert_bias", "logits");
   }
   in.p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                          score_function);
+                          score_function, routing_mode);
   check_status(moe_router_topk_check(&in.p, in.E, in.bias.defined()), op);
   return in;
 }
@@ -293,9 +299,11 @@ std::tuple<at::Tensor, at::Tensor> router_topk(const at::Tensor &logits_, int64_
                                                bool use_pre_softmax, int64_t num_groups,
                                                int64_t group_topk, double scaling_factor,
                                                c10::string_view score_function,
-                                               const c10::optional<at::Tensor> &expert_bias_) {
+                                               const c10::optional<at::Tensor> &expert_bias_,
+                                               int64_t routing_mode) {
   TopkInputs in = topk_inputs(logits_, topk, use_pre_softmax, num_groups, group_topk,
-                              scaling_factor, score_function, expert_bias_, "router_topk");
+                              scaling_factor, score_function, expert_bias_, routing_mode,
+                              "router_topk");
   const at::Tensor &logits = in.logits;
   MOE_DEVICE_GUARD(logits);
   at::Tensor probs = at::empty({in.T, topk}, logits.options());
@@ -314,7 +322,7 @@ std::tuple<at::Tensor, at::Tensor> router_topk(const at::Tensor &logits_, int64_
 at::Tensor topk_bwd(const at::Tensor &grad_probs_, const at::Tensor &logits_,
                     const at::Tensor &topk_indices_, int64_t topk, bool use_pre_softmax,
                     int64_t num_groups, int64_t group_topk, double scaling_factor,
-                    c10::string_view score_function, bool dense) {
+                    c10::string_view score_function, int64_t routing_mode, bool dense) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
@@ -334,7 +342,7 @@ at::Tensor topk_bwd(const at::Tensor &grad_probs_, const at::Tensor &logits_,
   at::Tensor logits = logits_.contiguous(), indices = topk_indices_.contiguous();
   at::Tensor grad_probs = grad_probs_.to(logits.scalar_type()).contiguous();
   moe_router_topk_params_t p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk,
-                                                scaling_factor, score_function);
+                                                scaling_factor, score_function, routing_mode);
   MOE_DEVICE_GUARD(logits);
   at::Tensor grad_logits = at::empty_like(logits);
   at::Tensor ws = topk_workspace(logits, p);
@@ -353,17 +361,18 @@ at::Tensor topk_bwd(const at::Tensor &grad_probs_, const at::Tensor &logits_,
 at::Tensor router_topk_bwd(const at::Tensor &grad_probs, const at::Tensor &logits,
                            const at::Tensor &topk_indices, int64_t topk, bool use_pre_softmax,
                            int64_t num_groups, int64_t group_topk, double scaling_factor,
-                           c10::string_view score_function) {
+                           c10::string_view score_function, int64_t routing_mode) {
   return topk_bwd(grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups,
-                  group_topk, scaling_factor, score_function, false);
+                  group_topk, scaling_factor, score_function, routing_mode, false);
 }
 
 at::Tensor router_topk_dense_bwd(const at::Tensor &grad_probs, const at::Tensor &logits,
                                  const at::Tensor &topk_indices, int64_t topk,
                                  bool use_pre_softmax, int64_t num_groups, int64_t group_topk,
-                                 double scaling_factor, c10::string_view score_function) {
+                                 double scaling_factor, c10::string_view score_function,
+                                 int64_t routing_mode) {
   return topk_bwd(grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups,
-                  group_topk, scaling_factor, score_function, true);
+                  group_topk, scaling_factor, score_function, routing_mode, true);
 }
 
 // ---- router_topk_fused (issue 6: the aux-loss scores and the z-loss lse in the router's pass) --
@@ -416,9 +425,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 router_topk_fused(const at::Tensor &logits, int64_t topk, bool use_pre_softmax,
                   int64_t num_groups, int64_t group_topk, double scaling_factor,
                   c10::string_view score_function, const c10::optional<at::Tensor> &expert_bias,
-                  const c10::optional<at::Tensor> &padding_mask, bool with_aux, bool with_lse) {
+                  const c10::optional<at::Tensor> &padding_mask, bool with_aux, bool with_lse,
+                  int64_t routing_mode) {
   const TopkInputs in = topk_inputs(logits, topk, use_pre_softmax, num_groups, group_topk,
-                                    scaling_factor, score_function, expert_bias,
+                                    scaling_factor, score_function, expert_bias, routing_mode,
                                     "router_topk_fused");
   return fused_router(in, topk, padding_mask, with_aux, with_lse, "router_topk_fused");
 }
@@ -427,9 +437,10 @@ router_topk_fused(const at::Tensor &logits, int64_t topk, bool use_pre_softmax,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> router_topk_dense(
     const at::Tensor &logits, int64_t topk, bool use_pre_softmax, int64_t num_groups,
     int64_t group_topk, double scaling_factor, c10::string_view score_function,
-    const c10::optional<at::Tensor> &expert_bias) {
+    const c10::optional<at::Tensor> &expert_bias, int64_t routing_mode) {
   const TopkInputs in = topk_inputs(logits, topk, use_pre_softmax, num_groups, group_topk,
-                                    scaling_factor, score_function, expert_bias, "router_topk");
+                                    scaling_factor, score_function, expert_bias, routing_mode,
+                                    "router_topk");
   auto out = fused_router(in, topk, c10::nullopt, false, false, "router_topk_dense");
   return {std::get<0>(out), std::get<1>(out), std::get<2>(out)};
 }
@@ -1487,20 +1498,20 @@ TORCH_LIBRARY(moe_core, m) {
   m.def("router_gating_linear_bwd(Tensor grad_logits, Tensor inp, Tensor weight) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("router_topk(Tensor logits, int topk, bool use_pre_softmax, int num_groups, "
-        "int group_topk, float scaling_factor, str score_function, Tensor? expert_bias) "
-        "-> (Tensor, Tensor)");
+        "int group_topk, float scaling_factor, str score_function, Tensor? expert_bias, "
+        "int routing_mode=0) -> (Tensor, Tensor)");
   m.def("router_topk_bwd(Tensor grad_probs, Tensor logits, Tensor topk_indices, int topk, "
         "bool use_pre_softmax, int num_groups, int group_topk, float scaling_factor, "
-        "str score_function) -> Tensor");
+        "str score_function, int routing_mode=0) -> Tensor");
   m.def("router_topk_dense(Tensor logits, int topk, bool use_pre_softmax, int num_groups, "
-        "int group_topk, float scaling_factor, str score_function, Tensor? expert_bias) "
-        "-> (Tensor, Tensor, Tensor)");
+        "int group_topk, float scaling_factor, str score_function, Tensor? expert_bias, "
+        "int routing_mode=0) -> (Tensor, Tensor, Tensor)");
   m.def("router_topk_dense_bwd(Tensor grad_probs, Tensor logits, Tensor topk_indices, int topk, "
         "bool use_pre_softmax, int num_groups, int group_topk, float scaling_factor, "
-        "str score_function) -> Tensor");
+        "str score_function, int routing_mode=0) -> Tensor");
   m.def("router_topk_fused(Tensor logits, int topk, bool use_pre_softmax, int num_groups, "
         "int group_topk, float scaling_factor, str score_function, Tensor? expert_bias, "
-        "Tensor? padding_mask, bool with_aux, bool with_lse) "
+        "Tensor? padding_mask, bool with_aux, bool with_lse, int routing_mode=0) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("router_lse_bwd(Tensor grad_lse, Tensor logits, Tensor lse, Tensor? padding_mask) "
         "-> Tensor");

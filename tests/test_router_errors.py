@@ -89,9 +89,57 @@ def test_expert_bias_wrong_dtype():
         routing(score_function="sigmoid", expert_bias=torch.zeros(8, dtype=torch.bfloat16))
 
 
-def test_expert_bias_with_softmax():
-    with pytest.raises(ValueError, match="expert_bias is only supported with score_function sigmoid or sqrtsoftplus"):
+def test_expert_bias_with_post_softmax():
+    with pytest.raises(ValueError, match="expert_bias with score_function softmax needs use_pre_softmax"):
         routing(expert_bias=torch.zeros(8))
+
+
+# ---- the rules beyond Megatron's: normalize, group_score_topk, routing_mode ----
+
+def test_normalize_not_bool():
+    with pytest.raises(ValueError, match="normalize must be None, True or False, got 1"):
+        routing(score_function="sigmoid", normalize=1)
+
+
+def test_normalize_with_post_softmax():
+    with pytest.raises(ValueError, match=r"norm=2: softmax without use_pre_softmax is a softmax over "
+                                         r"the k picked logits"):
+        routing(normalize=True)
+
+
+def test_normalize_false_with_post_softmax():
+    with pytest.raises(ValueError, match=r"norm=1: softmax without use_pre_softmax"):
+        routing(normalize=False)
+
+
+def test_group_score_topk_negative():
+    with pytest.raises(ValueError, match="group_score_topk must be None or an int >= 1, got -1"):
+        routing(topk=4, num_groups=4, group_topk=2, group_score_topk=-1)
+
+
+def test_group_score_topk_not_int():
+    with pytest.raises(ValueError, match="group_score_topk must be None or an int >= 1, got 1.5"):
+        routing(topk=4, num_groups=4, group_topk=2, group_score_topk=1.5)
+
+
+def test_group_score_topk_above_group_size():
+    with pytest.raises(ValueError, match="group_score_topk=3 exceeds the 2 experts of a group"):
+        routing(topk=4, num_groups=4, group_topk=2, group_score_topk=3)
+
+
+def test_group_score_topk_without_groups():
+    with pytest.raises(ValueError, match="group_score_topk=2 needs group-limited routing"):
+        routing(topk=4, group_score_topk=2)
+
+
+def test_routing_mode_negative():
+    with pytest.raises(ValueError, match="routing_mode must be >= 0, got -4"):
+        torch.ops.moe_core.router_topk(X, 2, False, 0, 0, 0.0, "sigmoid", None, -4)
+
+
+def test_routing_mode_unknown_norm():
+    with pytest.raises(ValueError, match=r"norm must be default \(0\), none \(1\) or sum \(2\), got 3"):
+        torch.ops.moe_core.router_topk(X, 2, False, 0, 0, 0.0, "sigmoid", None, 3)
 
 
 def test_unknown_score_function():

@@ -24,7 +24,7 @@
 #include "exp_poly_math.h"
 
 static int64_t row_words(const moe_router_topk_params_t *p) {
-    return moe_topk_scratch_words(p->topk, p->num_groups) + p->topk;
+    return moe_topk_scratch_words(moe_topk_scratch_k(p), p->num_groups) + p->topk;
 }
 
 #define MOE_FULL_MASK 0xffffffffu
@@ -169,7 +169,10 @@ moe_router_topk_fwd_warp_kernel(void *topk_probs, int64_t *topk_indices, const v
         if (lane == 0) win_v[r] = bv, win_i[r] = bi;
     }
     __syncwarp();
-    if (lane == 0) moe_topk_probs(&ctx, logits, base, win_v, win_i, win_p);
+    if (lane == 0) {
+        moe_topk_unbias(&ctx, logits, base, expert_bias, m, inv, win_i, win_v);
+        moe_topk_probs(&ctx, logits, base, win_v, win_i, win_p);
+    }
     __syncwarp();
     for (int64_t j = lane; j < k; j += 32) {
         moe_store(topk_probs, ctx.dtype, t * k + j, win_p[j]);
@@ -367,11 +370,10 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
             float s, sel;
             if (softmax) {
                 s = pre ? (float)moe_topk_softmax_at(&ctx, x[i], m, inv) : x[i];
-                sel = s;
             } else {
                 s = (float)moe_topk_score(&ctx, x[i]);
-                sel = expert_bias ? __fadd_rn(s, bias[i]) : s;
             }
+            sel = expert_bias ? __fadd_rn(s, bias[i]) : s; /* softmax: pre only (checked) */
             src[i] = (float)s;
             key[i] = e < E ? make_key(sel, e) : 0u;
         }
@@ -483,12 +485,12 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
                 win_p[j] = moe_cround(&ctx, exp(moe_cround(&ctx, win_p[j] - top)));
         }
         __syncwarp();
-        if (lane == 0 && !(softmax && pre)) {
+        if (lane == 0 && ((softmax && !pre) || ctx.renorm)) {
             double sum = 0.0;
-            if (softmax) {
+            if (softmax && !pre) {
                 for (int j = 0; j < k; ++j) sum += win_p[j];
                 *norm = moe_cround(&ctx, 1.0 / moe_cround(&ctx, sum));
-            } else {
+            } else { /* moe_topk_renorm's sum */
                 for (int j = 0; j < k; ++j) sum += win_p[j];
                 *norm = moe_cround(&ctx, moe_cround(&ctx, sum) + moe_cround(&ctx, 1e-20));
             }
@@ -497,7 +499,7 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
         for (int j = lane; j < k; j += 32) {
             double p = win_p[j];
             if (softmax && !pre) p = moe_cround(&ctx, p * *norm);
-            else if (!softmax && k > 1) p = moe_cround(&ctx, p / *norm);
+            else if (ctx.renorm) p = moe_cround(&ctx, p / *norm);
             if (ctx.has_scaling) p = moe_cround(&ctx, p * ctx.scaling_factor);
             win_p[j] = p;
             topk_indices[t * k + j] = win_i[j];
@@ -531,7 +533,7 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
                 for (int i = 0; i < VPL; ++i) av[i] = (float)moe_cround(&ctx, (double)src[i] / d);
             }
             uint32_t hit = 0; /* bit i: expert lane + 32 i is in the aux top-k */
-            if (aux && softmax && pre && G == 0) { /* the routing ranked these very keys */
+            if (aux && softmax && pre && G == 0 && !expert_bias) { /* the routing's own keys */
 #pragma unroll
                 for (int i = 0; i < VPL; ++i) hit |= (uint32_t)(rank[i] >= 0) << i;
             } else if (aux) {
@@ -898,8 +900,9 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
         float sel[VPL];
 #pragma unroll
         for (int i = 0; i < VPL; ++i) sel[i] = src[i];
-        /* the bias is re-read per token (an L1 hit): fewer registers */
-        if (!softmax && expert_bias && e0 < E) {
+        /* the bias is re-read per token (an L1 hit): fewer registers; softmax takes one only
+         * with pre (checked), where src is the softmax value */
+        if (expert_bias && e0 < E) {
             if (vec & MOE_LANES_VEC_BIAS) {
 #pragma unroll
                 for (int i = 0; i < VPL; i += 4) {
@@ -980,17 +983,17 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
             for (int j = lane; j < k; j += 32) win_p[j] = moe_expf_fd(__fsub_rn(win_p[j], top));
         }
         __syncwarp();
-        if (lane == 0 && !(softmax && pre)) {
+        if (lane == 0 && ((softmax && !pre) || ctx.renorm)) {
             double sum = 0.0;
             for (int j = 0; j < k; ++j) sum += (double)win_p[j];
-            if (softmax) *norm = __frcp_rn((float)sum);
-            else *norm = __fadd_rn((float)sum, 1e-20f);
+            if (softmax && !pre) *norm = __frcp_rn((float)sum);
+            else *norm = __fadd_rn((float)sum, 1e-20f); /* moe_topk_renorm's sum */
         }
         __syncwarp();
         for (int j = lane; j < k; j += 32) {
             float p = win_p[j];
             if (softmax && !pre) p = __fmul_rn(p, *norm);
-            else if (!softmax && k > 1) p = __fdiv_rn(p, *norm);
+            else if (ctx.renorm) p = __fdiv_rn(p, *norm);
             if (ctx.has_scaling) p = __fmul_rn(p, sf);
             win_p[j] = p;
             topk_indices[t * k + j] = win_i[j];
@@ -1030,7 +1033,7 @@ moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *
 #pragma unroll
                 for (int i = 0; i < VPL; ++i) av[i] = 0.0f;
             }
-            if (aux && softmax && pre && seg == 0) {
+            if (aux && softmax && pre && seg == 0 && !expert_bias) { /* the routing's own keys */
                 hit = picked;
             } else if (aux) {
 #pragma unroll
@@ -1210,8 +1213,8 @@ __global__ void moe_router_lse_bwd_kernel(void *grad_logits, const double *grad_
 extern "C" size_t moe_cuda_router_topk_workspace_size(int64_t num_tokens, int64_t num_experts,
                                                       const moe_router_topk_params_t *params) {
     if (!params || num_tokens <= 0 || warp_vpl(num_experts, params->num_groups) > 0) return 0;
-    /* row_words = 4·topk + 3·num_groups + 1, per token, checked */
-    const int64_t k = params->topk > 0 ? params->topk : 0;
+    /* row_words <= 4·topk + 3·num_groups + 1 (topk: moe_topk_scratch_k), per token, checked */
+    const int64_t k = moe_topk_scratch_k(params) > 0 ? moe_topk_scratch_k(params) : 0;
     const int64_t g = params->num_groups > 0 ? params->num_groups : 0;
     int64_t a, b, words;
     if (moe_checked_mul_i64(k, 4, &a) || moe_checked_mul_i64(g, 3, &b) ||

@@ -27,6 +27,20 @@ Precision contract
   unspecified under no_grad; the set is the same).
 * Backward: the exact derivative of the probs w.r.t. the logits through the score function, the
   renormalisation and the scaling factor; the selection is piecewise constant. Deterministic.
+
+Rules beyond Megatron's (Hugging Face families), as keyword arguments of every router op
+----------------------------------------------------------------------------------------
+* ``normalize``: None is Megatron's rule (sigmoid / sqrtsoftplus renormalised when topk > 1,
+  softmax-pre not). False keeps the picked scores as they are (DeepSeek-V3 with
+  ``norm_topk_prob=False``); True divides them by ``sum + 1e-20`` for every topk, with
+  sigmoid / sqrtsoftplus or softmax-pre (Qwen-MoE / Ernie-4.5: softmax, top-k, renormalise).
+  Softmax-post (a softmax over the k picked logits) takes only None.
+* ``group_score_topk``: a group's score is the sum of its top ``group_score_topk`` selection
+  scores (1: its max, DeepSeek-V2's ``group_limited_greedy``; 2: DeepSeek-V3 / GLM-4.5 in HF,
+  whatever topk is); None is Megatron's ``topk // group_topk``.
+* ``expert_bias`` with softmax-pre: added to the softmax probs for the selection only; the probs
+  are the unbiased softmax values (Ernie-4.5's ``e_score_correction_bias``).
+The three travel to the kernels as one int, :func:`routing_mode`.
 """
 from typing import Optional, Tuple
 
@@ -43,6 +57,24 @@ _FUSED = torch.ops.moe_core.router_topk_fused
 _LSE_BWD = torch.ops.moe_core.router_lse_bwd
 _AUX_BWD = torch.ops.moe_core.aux_loss_scores_bwd
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+# the kernels' moe_topk_norm_t (csrc/moe_core.h) for each value of `normalize`
+_NORM_CODES = {None: 0, False: 1, True: 2}
+
+
+def routing_mode(normalize: Optional[bool] = None, group_score_topk: Optional[int] = None) -> int:
+    """The ops' ``routing_mode`` argument: bits 0-1 the normalisation (0 Megatron's, 1 none,
+    2 always renormalised), bits 2.. the group score's expert count (0: ``topk // group_topk``).
+
+    Raises:
+        ValueError: ``normalize`` not None / bool, or ``group_score_topk`` not None or an int
+            >= 0 (0 means None).
+    """
+    if normalize is not None and not isinstance(normalize, bool):
+        raise ValueError(f"normalize must be None, True or False, got {normalize!r}")
+    n = group_score_topk
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        raise ValueError(f"group_score_topk must be None or an int >= 1, got {n!r}")
+    return _NORM_CODES[normalize] | (int(n or 0) << 2)
 
 
 def _options(topk: int, use_pre_softmax: bool, num_groups: Optional[int],
@@ -68,6 +100,8 @@ def router_topk(
     scaling_factor: Optional[float] = None,
     score_function: str = "softmax",
     expert_bias: Optional[torch.Tensor] = None,
+    normalize: Optional[bool] = None,
+    group_score_topk: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Compact routing: the top-k experts of each token and their probs.
 
@@ -80,13 +114,17 @@ def router_topk(
         scaling_factor: multiplies the probs; None or 0 means off (Megatron's truthiness test).
         score_function: "softmax", "sigmoid" or "sqrtsoftplus".
         expert_bias: ``[num_experts]`` fp32, added to the scores for selection only
-            (sigmoid/sqrtsoftplus).
+            (sigmoid/sqrtsoftplus, or softmax with ``use_pre_softmax``).
+        normalize: None (Megatron's rule), False (the picked scores as they are) or True
+            (renormalised for every topk); see the module docstring.
+        group_score_topk: experts summed for a group's score (1: the group's max); None:
+            ``topk // group_topk``.
 
     Returns:
         ``(probs [num_tokens, topk] in logits.dtype, indices [num_tokens, topk] int64)``, best first.
     """
     opts = _options(topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function)
-    return _OP(logits, *opts, expert_bias)
+    return _OP(logits, *opts, expert_bias, routing_mode(normalize, group_score_topk))
 
 
 def topk_routing_with_score_function(
@@ -100,11 +138,14 @@ def topk_routing_with_score_function(
     expert_bias: Optional[torch.Tensor] = None,
     fused: bool = False,
     dense_output: bool = False,
+    normalize: Optional[bool] = None,
+    group_score_topk: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Megatron's ``topk_routing_with_score_function`` (same arguments, same results).
 
     Args: as :func:`router_topk`; ``fused`` is accepted for signature compatibility and ignored
-        (this op is always the fused kernel).
+        (this op is always the fused kernel); ``normalize`` and ``group_score_topk`` are
+        moe-core's (Megatron has neither).
 
     Returns:
         ``dense_output=False`` (Megatron's default): ``(routing_probs [num_tokens, num_experts] in
@@ -118,11 +159,11 @@ def topk_routing_with_score_function(
     if dense_output:
         return router_topk(
             logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
-            expert_bias,
+            expert_bias, normalize, group_score_topk,
         )
     probs, routing_map, _indices = router_topk_dense(
         logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
-        expert_bias,
+        expert_bias, normalize, group_score_topk,
     )
     return probs, routing_map
 
@@ -136,6 +177,8 @@ def router_topk_dense(
     scaling_factor: Optional[float] = None,
     score_function: str = "softmax",
     expert_bias: Optional[torch.Tensor] = None,
+    normalize: Optional[bool] = None,
+    group_score_topk: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused router in Megatron's dense layout: one kernel from logits to the outputs.
 
@@ -150,7 +193,7 @@ def router_topk_dense(
         bool, indices [num_tokens, topk] int64 best first)``; only ``probs`` is differentiable.
     """
     opts = _options(topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function)
-    return _DENSE(logits, *opts, expert_bias)
+    return _DENSE(logits, *opts, expert_bias, routing_mode(normalize, group_score_topk))
 
 
 def router_topk_fused(
@@ -165,6 +208,8 @@ def router_topk_fused(
     padding_mask: Optional[torch.Tensor] = None,
     with_aux: bool = False,
     with_lse: bool = False,
+    normalize: Optional[bool] = None,
+    group_score_topk: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
            Optional[torch.Tensor], Optional[torch.Tensor]]:
     """:func:`router_topk_dense` plus what the load-balancing losses need, from the same pass.
@@ -183,6 +228,8 @@ def router_topk_fused(
             itself ignores it): padded rows get zero aux scores, an empty aux map and lse 0.
         with_aux: return the aux scores and map.
         with_lse: return the logsumexp.
+        normalize, group_score_topk: as :func:`router_topk` (the routing only: the aux scores
+            are Megatron's whatever they are).
 
     Returns:
         ``(probs [T, E] logits.dtype, routing_map [T, E] bool, indices [T, topk] int64,
@@ -199,7 +246,8 @@ def router_topk_fused(
 
     mask = flat_padding_mask(padding_mask, logits.shape[0])
     probs, routing_map, indices, aux_scores, aux_map, lse = _FUSED(
-        logits, *opts, expert_bias, mask, bool(with_aux), bool(with_lse))
+        logits, *opts, expert_bias, mask, bool(with_aux), bool(with_lse),
+        routing_mode(normalize, group_score_topk))
     return (probs, routing_map, indices, aux_scores if with_aux else None,
             aux_map if with_aux else None, lse if with_lse else None)
 
@@ -268,30 +316,36 @@ def group_limited_topk(
     return scores.gather(1, indices), indices
 
 
+def _mode(inputs: tuple, at: int) -> int:
+    """routing_mode from an op's inputs (absent: its schema default, 0)."""
+    return inputs[at] if len(inputs) > at else 0
+
+
 @register_fake("moe_core::router_topk")
 def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
-      expert_bias):
+      expert_bias, routing_mode=0):
     shape = (logits.shape[0], topk)
     return logits.new_empty(shape), logits.new_empty(shape, dtype=torch.long)
 
 
 @register_fake("moe_core::router_topk_bwd")
 def _(grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups, group_topk,
-      scaling_factor, score_function):
+      scaling_factor, score_function, routing_mode=0):
     return torch.empty_like(logits)
 
 
 def _setup_context(ctx, inputs, output):
-    logits, topk, pre, num_groups, group_topk, scaling, score_function, _bias = inputs
+    logits, topk, pre, num_groups, group_topk, scaling, score_function, _bias = inputs[:8]
     _probs, indices = output
-    ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function)
+    ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function, _mode(inputs, 8))
+    ctx.num_inputs = len(inputs)
     ctx.save_for_backward(logits, indices)
 
 
 def _backward(ctx, grad_probs, _grad_indices):
     logits, indices = ctx.saved_tensors
     grad_logits = _BWD(grad_probs.contiguous(), logits, indices, *ctx.options)
-    return grad_logits, None, None, None, None, None, None, None
+    return (grad_logits,) + (None,) * (ctx.num_inputs - 1)
 
 
 register_autograd("moe_core::router_topk", _backward, setup_context=_setup_context)
@@ -299,7 +353,7 @@ register_autograd("moe_core::router_topk", _backward, setup_context=_setup_conte
 
 @register_fake("moe_core::router_topk_dense")
 def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
-      expert_bias):
+      expert_bias, routing_mode=0):
     T, E = logits.shape
     return (logits.new_empty((T, E)), logits.new_empty((T, E), dtype=torch.bool),
             logits.new_empty((T, topk), dtype=torch.long))
@@ -307,21 +361,22 @@ def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, sco
 
 @register_fake("moe_core::router_topk_dense_bwd")
 def _(grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups, group_topk,
-      scaling_factor, score_function):
+      scaling_factor, score_function, routing_mode=0):
     return torch.empty_like(logits)
 
 
 def _dense_setup_context(ctx, inputs, output):
-    logits, topk, pre, num_groups, group_topk, scaling, score_function, _bias = inputs
+    logits, topk, pre, num_groups, group_topk, scaling, score_function, _bias = inputs[:8]
     _probs, _map, indices = output
-    ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function)
+    ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function, _mode(inputs, 8))
+    ctx.num_inputs = len(inputs)
     ctx.save_for_backward(logits, indices)
 
 
 def _dense_backward(ctx, grad_probs, _grad_map, _grad_indices):
     logits, indices = ctx.saved_tensors
     grad_logits = _DENSE_BWD(grad_probs.contiguous(), logits, indices, *ctx.options)
-    return grad_logits, None, None, None, None, None, None, None
+    return (grad_logits,) + (None,) * (ctx.num_inputs - 1)
 
 
 register_autograd("moe_core::router_topk_dense", _dense_backward,
@@ -330,7 +385,7 @@ register_autograd("moe_core::router_topk_dense", _dense_backward,
 
 @register_fake("moe_core::router_topk_fused")
 def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
-      expert_bias, padding_mask, with_aux, with_lse):
+      expert_bias, padding_mask, with_aux, with_lse, routing_mode=0):
     T, E = logits.shape
     st = torch.float64 if logits.dtype == torch.float64 else torch.float32
     ta = T if with_aux else 0
@@ -347,9 +402,10 @@ def _(grad_lse, logits, lse, padding_mask):
 
 def _fused_setup_context(ctx, inputs, output):
     (logits, topk, pre, num_groups, group_topk, scaling, score_function, _bias, padding_mask,
-     with_aux, with_lse) = inputs
+     with_aux, with_lse) = inputs[:11]
     _probs, _map, indices, _aux, _aux_map, lse = output
-    ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function)
+    ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function, _mode(inputs, 11))
+    ctx.num_inputs = len(inputs)
     ctx.with_aux, ctx.with_lse = with_aux, with_lse
     ctx.save_for_backward(logits, indices, lse, padding_mask)
 
@@ -362,12 +418,12 @@ def _fused_backward(ctx, grad_probs, _grad_map, _grad_indices, grad_aux, _grad_a
     if grad_probs is not None:
         grad = _DENSE_BWD(grad_probs.contiguous(), logits, indices, *ctx.options)
     if ctx.with_aux and grad_aux is not None:
-        g = _AUX_BWD(grad_aux.contiguous(), logits, ctx.options[-1], padding_mask)
+        g = _AUX_BWD(grad_aux.contiguous(), logits, ctx.options[5], padding_mask)
         grad = g if grad is None else grad + g
     if ctx.with_lse and grad_lse is not None:
         g = _LSE_BWD(grad_lse.contiguous(), logits, lse, padding_mask)
         grad = g if grad is None else grad + g
-    return grad, None, None, None, None, None, None, None, None, None, None
+    return (grad,) + (None,) * (ctx.num_inputs - 1)
 
 
 register_autograd("moe_core::router_topk_fused", _fused_backward,

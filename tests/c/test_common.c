@@ -33,7 +33,7 @@ static void test_half_rounding(void) {
 static void test_status_and_errors(void) {
     CHECK(strcmp(moe_status_string(MOE_ERR_INVALID_ARGUMENT), "MOE_ERR_INVALID_ARGUMENT") == 0, "name");
     CHECK(moe_dtype_size(MOE_DTYPE_BF16) == 2 && moe_dtype_size(MOE_DTYPE_INT64) == 8, "sizes");
-    moe_router_topk_params_t p = {9, 0, 0, 0, MOE_SCORE_SOFTMAX, 0.0};
+    moe_router_topk_params_t p = {9, 0, 0, 0, MOE_SCORE_SOFTMAX, 0.0, MOE_TOPK_NORM_DEFAULT, 0};
     moe_status_t st = moe_router_topk_check(&p, 8, 0);
     CHECK(st == MOE_ERR_INVALID_ARGUMENT, "topk > E rejected");
     CHECK(strstr(moe_last_error(), "topk=9") != NULL, "message names the value: %s", moe_last_error());

@@ -38,7 +38,7 @@ static void test_workspace_sizes_overflow(void) {
               strstr(moe_last_error(), "num_rows=4611686018427387903") != NULL,
           "message: %s", moe_last_error());
     CHECK(moe_unpermute_workspace_size(4, 8) == 13 * sizeof(int64_t), "small size unchanged");
-    moe_router_topk_params_t p = {huge, 0, 0, 0, MOE_SCORE_SOFTMAX, 0.0};
+    moe_router_topk_params_t p = {huge, 0, 0, 0, MOE_SCORE_SOFTMAX, 0.0, MOE_TOPK_NORM_DEFAULT, 0};
     CHECK(moe_router_topk_workspace_size(8, huge, &p) == MOE_SIZE_OVERFLOW, "router_topk");
     CHECK(strstr(moe_last_error(), "topk=4611686018427387903") != NULL, "%s", moe_last_error());
     CHECK(moe_aux_loss_scores_workspace_size(8, huge, huge) == MOE_SIZE_OVERFLOW, "aux scores");

@@ -7,7 +7,8 @@
 
 static moe_router_topk_params_t params(int64_t topk, int sf, int pre, int64_t groups, int64_t gk,
                                        double scale) {
-    moe_router_topk_params_t p = {topk, groups, gk, pre, (moe_score_function_t)sf, scale};
+    moe_router_topk_params_t p = {topk, groups, gk, pre, (moe_score_function_t)sf, scale,
+                                  MOE_TOPK_NORM_DEFAULT, 0};
     return p;
 }
 
