@@ -4,6 +4,27 @@ A Megatron user can build one from an existing config (``MoEConfig.from_megatron
 write the same keyword arguments. ``__post_init__`` rejects, with a message naming the field and
 its value, every combination Megatron rejects, plus the features moe-core does not implement yet
 (so nothing is silently ignored). Defaults that differ from Megatron's: none.
+
+Fields Megatron lacks (routing rules of Hugging Face MoE families; their defaults are Megatron's
+behaviour):
+
+* ``moe_router_norm_topk_prob``: None keeps Megatron's normalisation (sigmoid / sqrtsoftplus
+  probs renormalised over the top-k when topk > 1, softmax-pre probs not). False: the picked
+  sigmoid / sqrtsoftplus scores as they are (DeepSeek-V3 ``norm_topk_prob=False``). True: the
+  picked probs divided by their sum (+ 1e-20) for every topk, with sigmoid / sqrtsoftplus or with
+  ``moe_router_pre_softmax`` (Qwen-MoE / Mixtral / Ernie-4.5: softmax, top-k, renormalise).
+  Not with post-softmax routing (a softmax over the k, normalised by construction).
+* ``moe_router_group_score_topk``: with group-limited routing, a group's score is the sum of its
+  top this-many selection scores: 1 is its max (DeepSeek-V2 ``group_limited_greedy``), 2 the
+  top-2 sum of DeepSeek-V3 / GLM-4.5 for any topk. None: Megatron's ``topk // group_topk``.
+* ``moe_router_enable_expert_bias`` also works with softmax when ``moe_router_pre_softmax`` is
+  set: the bias is added to the softmax probs for the choice only (Ernie-4.5's
+  ``e_score_correction_bias``); Megatron allows it with sigmoid / sqrtsoftplus only.
+* ``moe_input_jitter_mode``: "router" (Megatron's): ``moe_input_jitter_eps`` multiplies the
+  router's input, in every forward, by ``Uniform(1 - eps, 1 + eps).rsample``. "layer" (Mixtral's
+  ``router_jitter_noise``): it multiplies the layer's input (router, experts and shared experts
+  see the same jittered tokens), in training mode only, by a ``uniform_(1 - eps, 1 + eps)`` draw
+  in the input's dtype.
 """
 import dataclasses
 import math
@@ -70,6 +91,11 @@ class MoEConfig:
     moe_apply_probs_on_input: bool = False
     moe_latent_size: Optional[int] = None
 
+    # ---- moe-core's routing rules beyond Megatron's (see the module docstring) ----
+    moe_router_norm_topk_prob: Optional[bool] = None
+    moe_router_group_score_topk: Optional[int] = None
+    moe_input_jitter_mode: str = "router"
+
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
             raise ValueError(f"{field}={getattr(self, field)!r}: {why}")
@@ -112,9 +138,24 @@ class MoEConfig:
                 and "sinkhorn" not in types:
             bad("moe_router_topk", "top-1 softmax routing needs moe_router_pre_softmax=True "
                 "(a softmax over one expert is always 1, so the router would get no gradient)")
-        if self.moe_router_enable_expert_bias and self.moe_router_score_function == "softmax":
+        softmax_post = self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax
+        if self.moe_router_enable_expert_bias and softmax_post:
             bad("moe_router_enable_expert_bias", "expert bias needs moe_router_score_function "
-                "'sigmoid' or 'sqrtsoftplus'")
+                "'sigmoid' or 'sqrtsoftplus', or softmax with moe_router_pre_softmax=True")
+        norm = self.moe_router_norm_topk_prob
+        if norm is not None and not isinstance(norm, bool):
+            bad("moe_router_norm_topk_prob", "must be None, True or False")
+        if norm is not None and softmax_post:
+            bad("moe_router_norm_topk_prob", "post-softmax routing (moe_router_score_function="
+                "'softmax', moe_router_pre_softmax=False) is a softmax over the k picked logits, "
+                "normalised by construction; leave it None")
+        if norm is not None and "sinkhorn" in types:
+            bad("moe_router_norm_topk_prob", "sinkhorn routing has its own probs; leave it None")
+        if norm is True and k == 1:
+            bad("moe_router_norm_topk_prob", "top-1 renormalised probs are always 1.0 (the router "
+                "would get no gradient)")
+        if self.moe_input_jitter_mode not in ("router", "layer"):
+            bad("moe_input_jitter_mode", "must be 'router' (Megatron's) or 'layer' (Mixtral's)")
         if self.moe_router_topk_limited_devices:
             if self.moe_router_group_topk:
                 bad("moe_router_topk_limited_devices", "is deprecated and replaced by "
@@ -129,9 +170,19 @@ class MoEConfig:
                 bad("moe_router_num_groups", f"must divide num_moe_experts={E}")
             if not 1 <= gk <= G:
                 bad("moe_router_group_topk", f"must be in [1, moe_router_num_groups={G}]")
-            if gk > k or gk * (E // G) < k:
+            n = self.moe_router_group_score_topk
+            if n is not None and not 1 <= n <= E // G:
+                bad("moe_router_group_score_topk", f"must be in [1, {E // G}] (the experts of a "
+                    f"group), or None")
+            if n is None and gk > k:
+                bad("moe_router_group_topk", f"must be <= moe_router_topk={k}: a group's score "
+                    f"sums its top topk // group_topk experts (or set moe_router_group_score_topk)")
+            if gk * (E // G) < k:
                 bad("moe_router_group_topk", f"must keep enough experts for moe_router_topk={k} "
-                    f"(group_topk <= topk <= group_topk x {E // G} experts per group)")
+                    f"(group_topk x {E // G} experts per group >= topk)")
+        elif self.moe_router_group_score_topk is not None:
+            bad("moe_router_group_score_topk", "needs group-limited routing "
+                "(moe_router_num_groups and moe_router_group_topk)")
         cf = self.moe_expert_capacity_factor
         if cf is not None and cf < 0:
             self.moe_expert_capacity_factor = cf = None
@@ -195,7 +246,8 @@ class MoEConfig:
              "tensor_model_parallel_size", "expert_model_parallel_size")
     _OPTIONAL_INTS = ("ffn_hidden_size", "moe_ffn_hidden_size", "expert_tensor_parallel_size",
                       "moe_shared_expert_intermediate_size", "moe_router_topk_limited_devices",
-                      "moe_router_num_groups", "moe_router_group_topk", "moe_latent_size")
+                      "moe_router_num_groups", "moe_router_group_topk", "moe_latent_size",
+                      "moe_router_group_score_topk")
     _FLOATS = ("glu_linear_offset", "init_method_std", "moe_router_bias_update_rate")
     _OPTIONAL_FLOATS = ("activation_func_clamp_value", "moe_router_topk_scaling_factor",
                         "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_expert_capacity_factor")

@@ -2,6 +2,8 @@
 
 forward(hidden [S, B, H] or [T, H], padding_mask=None) returns a tensor of the input's shape:
 
+    hidden = hidden * U(1 - eps, 1 + eps)                   (moe_input_jitter_mode="layer",
+                                                             training only: Mixtral's jitter)
     shared = shared_experts(hidden)                         (if configured; before routing)
     probs, routing_map = router(hidden, padding_mask)       [T, E] each
     x = fc1_latent_proj(hidden)                             (latent MoE only, H -> L)
@@ -216,6 +218,7 @@ class MoELayer(nn.Module):
                              f"[T, {self.config.hidden_size}], got {tuple(hidden_states.shape)}")
         if padding_mask is not None:
             padding_mask = self._padding_mask(padding_mask, hidden_states)
+        hidden_states = self.router.apply_layer_jitter(hidden_states)
         overlap = self.dispatcher is not None and self.config.moe_shared_expert_overlap
         shared = None
         if self.shared_experts is not None and not overlap:

@@ -4,7 +4,9 @@ forward(hidden [S, B, H] or [T, H], padding_mask) -> (probs [T, E], routing_map 
 input jitter -> gating linear (router dtype) -> top-k routing (or Sinkhorn) -> capacity dropping
 -> z-loss and aux losses attached to the probs -> expert-bias counting. The same formulas and
 switches as Megatron's TopKRouter (megatron-moe-spec §2), at a world size of 1 (tensor, context
-and data parallel groups of one). One fused op reads the logits once for the routing, the
+and data parallel groups of one), plus the routing rules of moe_core.config's fields Megatron
+lacks (``moe_router_norm_topk_prob``, ``moe_router_group_score_topk``, a softmax-pre expert
+bias, the layer-wide input jitter of ``moe_input_jitter_mode="layer"``). One fused op reads the logits once for the routing, the
 aux-loss scores and the z-loss's logsumexp (Megatron makes three passes; Sinkhorn routing keeps
 them separate); the losses and gradients are the separate ops' (tests/test_router_fused_losses.py).
 
@@ -110,6 +112,10 @@ class TopKRouter(nn.Module):
              f"topk={self.topk}, score_function={cfg.moe_router_score_function}")
         if cfg.moe_router_num_groups:
             s += f", groups={cfg.moe_router_num_groups} (top {cfg.moe_router_group_topk})"
+            if cfg.moe_router_group_score_topk:
+                s += f", group_score_topk={cfg.moe_router_group_score_topk}"
+        if cfg.moe_router_norm_topk_prob is not None:
+            s += f", norm_topk_prob={cfg.moe_router_norm_topk_prob}"
         if self.expert_bias is not None:
             s += ", expert_bias"
         if cfg.moe_router_dtype:
@@ -160,13 +166,33 @@ class TopKRouter(nn.Module):
         return ops.router_gating_linear(inp, self.weight, self.bias, self.router_dtype(inp))
 
     def apply_input_jitter(self, inp: torch.Tensor) -> torch.Tensor:
+        """Megatron's router-input jitter (``moe_input_jitter_mode="router"``): ``inp`` times
+        ``Uniform(1 - eps, 1 + eps).rsample`` in every forward; the input unchanged in "layer"
+        mode (the layer jittered it already: :meth:`apply_layer_jitter`)."""
         eps = self.config.moe_input_jitter_eps
-        if eps is None:
+        if eps is None or self.config.moe_input_jitter_mode != "router":
             return inp
         # fills, not host-to-device copies (CUDA-graph capture)
         low = torch.full((), 1.0 - eps, dtype=inp.dtype, device=inp.device)
         high = torch.full((), 1.0 + eps, dtype=inp.dtype, device=inp.device)
         return inp * torch.distributions.uniform.Uniform(low, high).rsample(inp.shape)
+
+    def apply_layer_jitter(self, inp: torch.Tensor) -> torch.Tensor:
+        """Mixtral's jitter (``moe_input_jitter_mode="layer"``), applied by the layer to its input
+        before routing, so the router and the experts see the same jittered tokens: in training
+        mode, ``inp`` times ``uniform_(1 - eps, 1 + eps)`` drawn in ``inp``'s dtype and shape
+        (HF's draw, same generator use); else the input unchanged.
+
+        Args:
+            inp: the layer's input, any shape, float.
+
+        Returns:
+            A tensor of ``inp``'s shape and dtype (``inp`` itself when there is no jitter).
+        """
+        eps = self.config.moe_input_jitter_eps
+        if eps is None or self.config.moe_input_jitter_mode != "layer" or not self.training:
+            return inp
+        return inp * torch.empty_like(inp).uniform_(1.0 - eps, 1.0 + eps)
 
     def _attach(self, activation: torch.Tensor, loss: torch.Tensor, name: str, coeff: float,
                 num_valid: Optional[torch.Tensor]) -> torch.Tensor:
@@ -228,6 +254,8 @@ class TopKRouter(nn.Module):
                 padding_mask=mask,
                 with_aux=want_aux,
                 with_lse=want_z,
+                normalize=cfg.moe_router_norm_topk_prob,
+                group_score_topk=cfg.moe_router_group_score_topk,
             )
             if want_z:
                 z_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32

@@ -332,6 +332,32 @@ BAD_CONFIGS = {
     "dispatcher": (dict(moe_token_dispatcher_type="mpi"), "moe_token_dispatcher_type='mpi'"),
     "fp8_padding": (dict(moe_router_padding_for_quantization=True), "moe_router_padding_for_quantization=True"),
     "num_layers": (dict(num_layers=0), "num_layers=0"),
+    # the routing rules beyond Megatron's
+    "norm_topk_prob_not_bool": (dict(moe_router_norm_topk_prob=1),
+                                "moe_router_norm_topk_prob=1: must be None, True or False"),
+    "norm_topk_prob_post_softmax": (dict(moe_router_norm_topk_prob=True),
+                                    "moe_router_norm_topk_prob=True: post-softmax routing"),
+    "norm_topk_prob_sinkhorn": (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0,
+                                     moe_router_score_function="sigmoid", moe_router_norm_topk_prob=False),
+                                "moe_router_norm_topk_prob=False: sinkhorn routing"),
+    "norm_topk_prob_top1": (dict(moe_router_topk=1, moe_router_score_function="sigmoid",
+                                 moe_router_norm_topk_prob=True),
+                            "moe_router_norm_topk_prob=True: top-1 renormalised probs"),
+    "group_score_without_groups": (dict(moe_router_group_score_topk=2),
+                                   "moe_router_group_score_topk=2: needs group-limited routing"),
+    "group_score_zero": (dict(moe_router_num_groups=4, moe_router_group_topk=2, moe_router_group_score_topk=0),
+                         r"moe_router_group_score_topk=0: must be in \[1, 2\]"),
+    "group_score_above_group": (dict(moe_router_num_groups=4, moe_router_group_topk=2,
+                                     moe_router_group_score_topk=3),
+                                r"moe_router_group_score_topk=3: must be in \[1, 2\]"),
+    "group_score_float": (dict(moe_router_num_groups=4, moe_router_group_topk=2, moe_router_group_score_topk=1.0),
+                          "moe_router_group_score_topk=1.0: must be an int or None"),
+    "group_topk_above_topk": (dict(moe_router_num_groups=4, moe_router_group_topk=3),
+                              "moe_router_group_topk=3: must be <= moe_router_topk=2"),
+    "kept_groups_too_small": (dict(moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=1,
+                                   moe_router_group_score_topk=1),
+                              "moe_router_group_topk=1: must keep enough experts"),
+    "jitter_mode": (dict(moe_input_jitter_mode="experts"), "moe_input_jitter_mode='experts'"),
 }
 
 
@@ -344,3 +370,61 @@ def test_bad_config(case):
 
 def test_negative_capacity_factor_means_dropless():
     assert config(moe_expert_capacity_factor=-1.0).moe_expert_capacity_factor is None
+
+
+# ---- the routing rules beyond Megatron's, through the router and the layer -------------------
+def _dense(p: torch.Tensor, i: torch.Tensor, E: int):
+    return torch.zeros(p.shape[0], E, dtype=p.dtype).scatter(1, i, p)
+
+
+def test_router_passes_norm_topk_prob_and_group_score_topk_down():
+    cfg = config(num_moe_experts=16, moe_router_topk=3, moe_router_score_function="sigmoid",
+                 moe_router_norm_topk_prob=False, moe_router_num_groups=4, moe_router_group_topk=2,
+                 moe_router_group_score_topk=1, moe_aux_loss_coeff=0.0)
+    layer = MoELayer(cfg)
+    x = torch.randn(10, H)
+    probs, routing_map = layer.router(x)
+    logits = ops.router_gating_linear(x, layer.router.weight, None, torch.float32)
+    p, i = ops.router_topk(logits, 3, score_function="sigmoid", num_groups=4, group_topk=2,
+                           group_score_topk=1, normalize=False)
+    assert torch.equal(probs, _dense(p, i, 16))
+    assert torch.equal(routing_map, _dense(p, i, 16) != 0)
+    # raw sigmoid scores: a token's probs do not sum to one
+    assert not torch.allclose(probs.sum(-1), torch.ones(10))
+    assert "group_score_topk=1" in repr(layer.router) and "norm_topk_prob=False" in repr(layer.router)
+
+
+def test_softmax_pre_expert_bias_steers_the_choice_and_is_updated():
+    cfg = config(moe_router_pre_softmax=True, moe_router_enable_expert_bias=True,
+                 moe_router_bias_update_rate=0.5, moe_aux_loss_coeff=0.0,
+                 moe_router_load_balancing_type="none")
+    layer = MoELayer(cfg).train()
+    x = torch.randn(12, H)
+    with torch.no_grad():
+        layer.router.expert_bias.copy_(torch.tensor([0, 0, 0, 0, 0, 0, 0, 2.0]))
+    probs, routing_map = layer.router(x)
+    assert bool(routing_map[:, 7].all())  # a softmax prob + 2 beats every unbiased one
+    logits = ops.router_gating_linear(x, layer.router.weight, None, torch.float32)
+    s = torch.softmax(logits, dim=-1)
+    # the probs are the unbiased softmax values
+    torch.testing.assert_close(probs[routing_map], s[routing_map], rtol=4 * 2.0**-23, atol=0)
+    counts = routing_map.sum(0).float()
+    before = layer.router.expert_bias.clone()
+    finalize_step(layer)  # bias += rate * sign(mean count - count): expert 7 took every token
+    assert torch.equal(layer.router.expert_bias, before + 0.5 * torch.sign(counts.mean() - counts))
+    assert layer.router.expert_bias[7] == 1.5
+
+
+def test_layer_jitter_mode_jitters_router_and_experts_in_training_only():
+    layer = MoELayer(config(moe_input_jitter_eps=0.1, moe_input_jitter_mode="layer")).train()
+    plain = MoELayer(config()).train()
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(8, 2, H)
+    torch.manual_seed(5)
+    noise = torch.empty_like(x).uniform_(0.9, 1.1)
+    torch.manual_seed(5)
+    out = layer(x)
+    assert torch.equal(out, plain(x * noise))  # the same jittered input for router and experts
+    layer.eval()
+    plain.eval()
+    assert torch.equal(layer(x), plain(x))  # no jitter in evaluation (Megatron's mode has one)
