@@ -4,9 +4,11 @@ Tolerances as in test_hf_backend.py (LoRA factor gradients within 1e-5 too), but
 fp32 even in an fp64 model; measured 2e-8 to 4e-8); fp32 within 1e-6 relative (or twice HF
 fp32's own distance from fp64 for a gradient with cancellation); bf16 logits within 1e-2 of HF
 bf16's and every gradient no further from the fp32 model's than twice HF bf16's distance plus
-1e-2. On top of the backend's differences, the swapped router computes the top-k probs its own way
-(a softmax over the top-k logits rather than a renormalised top-k of the softmax, the same value
-up to rounding) and applies the probs before fc2 (Megatron's order) rather than after.
+1e-2. On top of the backend's differences, the swapped router sums the softmax and its
+renormalisation in its own order, and the experts apply the probs before fc2 (Megatron's order)
+rather than after. Each family's routing rule is its HF rule op for op; the rule variants
+(DeepSeek-V2 group_limited_greedy and V3 at any top_k, V3 without norm_topk_prob, Mixtral's
+jitter) are tested on their own.
 """
 import copy
 
@@ -16,6 +18,9 @@ import torch
 from test_hf_models import (one_thread,  # noqa: F401  (autouse fixture)
                             SWAP_FAMILIES, assert_close_grads, assert_fp32_grads_close,
                             assert_tie_free, inputs, rel_err, run_step, tiny_model)
+
+import torch.nn.functional as F
+from test_router_hf_rules import hf_deepseek_v2, hf_deepseek_v3
 
 import moe_core
 from moe_core.hf import MoECoreSparseMoeBlock, UnsupportedMoEBlockError, replace_moe_blocks
@@ -143,7 +148,8 @@ def test_state_dict_round_trip_both_ways(family):
     # the swapped block holds HF's Parameter objects: nothing was copied
     block = next(m for m in swapped.modules() if isinstance(m, MoECoreSparseMoeBlock))
     assert block.experts.weight1 is block.experts.gate_up_proj
-    assert isinstance(block, moe_core.MoELayer) and block.router is block.gate
+    hf_name = "router" if family == "gpt_oss" else "gate"
+    assert isinstance(block, moe_core.MoELayer) and block.router is block._modules[hf_name]
 
 
 def test_deepseek_v2_greedy_routing_equals_eager():
@@ -237,29 +243,141 @@ def test_swap_after_peft_wrapping_raises():
         replace_moe_blocks(model)
 
 
-def test_gpt_oss_raises_naming_the_family_and_the_rule():
-    model = tiny_model("gpt_oss")
+def test_known_unsupported_block_raises_naming_the_family_and_the_rule():
+    from torch import nn
+
+    model = tiny_model("qwen3_moe")
+    block = next(m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock")
+    block.__class__ = type("Llama4TextMoe", (nn.Module,), {})
     before = [type(m) for m in model.modules()]
-    with pytest.raises(UnsupportedMoEBlockError, match=r"gpt_oss.*interleaved"):
+    with pytest.raises(UnsupportedMoEBlockError, match=r"llama4.*every expert on every token"):
         replace_moe_blocks(model)
     assert [type(m) for m in model.modules()] == before  # nothing replaced
 
 
-def test_mixtral_router_jitter_raises():
-    model = tiny_model("mixtral")
+# ---- the routing-rule variants, each against HF eager ----------------------------------------
+def _rule_of(swapped, field):
+    return {getattr(m.router.config, field) for m in swapped.modules()
+            if isinstance(m, MoECoreSparseMoeBlock)}
+
+
+def _exact_fp64_routers(model):
+    """HF's DeepSeek routers cast to fp32 even in an fp64 model, so that model's router
+    gradients carry fp32 rounding (1e-6 relative without renormalisation, where nothing
+    cancels it): for an fp64 truth, its routers run the same math in fp64 (references in
+    test_router_hf_rules.py)."""
     for m in model.modules():
-        if hasattr(m, "jitter_noise"):
-            m.jitter_noise = 0.1
-    with pytest.raises(UnsupportedMoEBlockError, match=r"mixtral.*jitter"):
+        kind = type(m).__name__
+        if kind == "DeepseekV2TopkRouter":
+            def forward(h, m=m):
+                logits = F.linear(h.reshape(-1, m.hidden_dim), m.weight)
+                return (logits, *hf_deepseek_v2(logits, m.top_k, m.topk_method, m.num_group,
+                                                 m.topk_group, m.routed_scaling_factor))
+            m.forward = forward
+        elif kind == "DeepseekV3TopkRouter":
+            def forward(h, m=m):
+                logits = F.linear(h.reshape(-1, m.hidden_dim), m.weight)
+                return (logits, *hf_deepseek_v3(logits, m.top_k, m.e_score_correction_bias,
+                                                 m.num_group, m.topk_group, m.norm_topk_prob,
+                                                 m.routed_scaling_factor))
+            m.forward = forward
+    return model
+
+
+def _assert_swap_equals_eager(family, train=False, seed=0, **overrides):
+    """The tiny ``family`` model with ``overrides``: fp32 logits and every gradient of the swapped
+    model within FP32_TOL of HF eager's (twice HF fp32's own distance from an fp64 truth where a
+    gradient cancels); generator seeded with ``seed`` before each run (the jitter draws).
+    Returns the swapped model."""
+    ids = inputs()
+    model = tiny_model(family, **overrides).train(train)
+    with torch.no_grad():
+        assert_tie_free(model(ids, output_router_logits=True).router_logits,
+                        model.config.num_experts_per_tok)
+    swapped = _swapped(model)
+    truth = _exact_fp64_routers(tiny_model(family, torch.float64, **overrides).train(train))
+    runs = []
+    for m in (model, swapped, truth):
+        torch.manual_seed(seed)
+        runs.append(run_step(m, ids))
+    (want_logits, want_grads, _), (got_logits, got_grads, _), (_, want64, _) = runs
+    assert rel_err(got_logits, want_logits) <= FP32_TOL
+    assert_fp32_grads_close(got_grads, want_grads, want64, FP32_TOL)
+    return swapped
+
+
+@pytest.mark.parametrize("k,topk_group", [(2, 2), (3, 2), (4, 2), (1, 3)])
+def test_deepseek_v2_group_limited_greedy_any_top_k_equals_eager(k, topk_group):
+    # groups of 2, scored by their best expert: Megatron's sum of the top k // topk_group is a
+    # different rule as soon as that is not 1
+    swapped = _assert_swap_equals_eager("deepseek_v2", num_experts_per_tok=k, topk_group=topk_group)
+    assert _rule_of(swapped, "moe_router_group_score_topk") == {1}
+    assert _rule_of(swapped, "moe_router_group_topk") == {topk_group}
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("k", [1, 3, 4, 6])
+def test_deepseek_v3_any_top_k_with_and_without_norm_topk_prob_equals_eager(k, norm):
+    # 16 experts in 4 groups of 4, 2 kept (8 experts); groups scored by their top-2 sum
+    if k == 1 and norm:
+        pytest.skip("top-1 renormalised: every prob is 1.0 (tested to raise)")
+    swapped = _assert_swap_equals_eager("deepseek_v3", num_experts_per_tok=k, n_routed_experts=16,
+                                        norm_topk_prob=norm)
+    assert _rule_of(swapped, "moe_router_group_score_topk") == {2}
+    assert _rule_of(swapped, "moe_router_norm_topk_prob") == {norm}
+
+
+def test_deepseek_v3_top1_with_norm_topk_prob_raises():
+    model = tiny_model("deepseek_v3", num_experts_per_tok=1)
+    with pytest.raises(UnsupportedMoEBlockError, match=r"deepseek_v3.*top-1.*norm_topk_prob"):
         replace_moe_blocks(model)
 
 
-def test_deepseek_v3_without_renormalisation_raises():
-    model = tiny_model("deepseek_v3")
-    for m in model.modules():
-        if hasattr(m, "norm_topk_prob"):
-            m.norm_topk_prob = False
-    with pytest.raises(UnsupportedMoEBlockError, match=r"deepseek_v3.*norm_topk_prob"):
+def test_deepseek_kept_groups_smaller_than_top_k_raises():
+    model = tiny_model("deepseek_v3", num_experts_per_tok=6)  # 2 groups of 2 kept: 4 experts
+    with pytest.raises(UnsupportedMoEBlockError, match=r"deepseek_v3.*kept groups hold 4 of 8"):
+        replace_moe_blocks(model)
+
+
+def test_mixtral_router_jitter_equals_eager_in_training():
+    swapped = _assert_swap_equals_eager("mixtral", train=True, seed=11, router_jitter_noise=0.2)
+    assert _rule_of(swapped, "moe_input_jitter_mode") == {"layer"}
+    assert _rule_of(swapped, "moe_input_jitter_eps") == {0.2}
+    # the jitter is drawn (another seed gives other logits), and only in training
+    ids = inputs()
+    torch.manual_seed(12)
+    other, _, _ = run_step(swapped, ids)
+    torch.manual_seed(11)
+    same, _, _ = run_step(swapped, ids)
+    assert rel_err(other, same) > 1e-4
+    with torch.no_grad():
+        plain = tiny_model("mixtral")(ids).logits
+        assert torch.equal(swapped.eval()(ids).logits, _swapped(tiny_model("mixtral"))(ids).logits)
+        assert rel_err(swapped(ids).logits, plain) <= FP32_TOL
+
+
+def test_gpt_oss_returns_hf_router_scores():
+    model = tiny_model("gpt_oss")
+    hf_block = next(m for m in model.modules() if type(m).__name__ == "GptOssMLP")
+    x = torch.randn(2, 5, model.config.hidden_size)
+    with torch.no_grad():
+        want_out, want_scores = hf_block(x)
+    replace_moe_blocks(model)
+    block = model.model.layers[0].mlp
+    assert isinstance(block, MoECoreSparseMoeBlock) and "router" in block._modules
+    assert "gate" not in block._modules
+    with torch.no_grad():
+        got_out, got_scores = block(x)
+    assert got_scores.shape == want_scores.shape == (10, model.config.num_experts_per_tok)
+    assert rel_err(got_scores, want_scores) <= FP32_TOL
+    assert rel_err(got_out, want_out) <= FP32_TOL
+    assert block.router.bias is hf_block.router.bias
+    assert block.experts.down_proj_bias is hf_block.experts.down_proj_bias
+
+
+def test_gpt_oss_top1_raises():
+    model = tiny_model("gpt_oss", num_experts_per_tok=1)
+    with pytest.raises(UnsupportedMoEBlockError, match=r"gpt_oss.*top-1"):
         replace_moe_blocks(model)
 
 

@@ -70,15 +70,20 @@ def one_thread():
 
 
 FAMILIES = list(_configs())
-# the families whose whole block moe-core swaps (gpt_oss: see test_hf_blocks' error test)
-SWAP_FAMILIES = [f for f in FAMILIES if f != "gpt_oss"]
+# the families whose whole block moe-core swaps (replace_moe_blocks): all of them
+SWAP_FAMILIES = list(FAMILIES)
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0,
-               experts_implementation: str = "eager"):
-    """A tiny random ``*ForCausalLM`` of ``family`` in ``dtype`` (eval mode: no dropout)."""
+               experts_implementation: str = "eager", **overrides):
+    """A tiny random ``*ForCausalLM`` of ``family`` in ``dtype`` (eval mode: no dropout);
+    ``overrides`` replace fields of the family's tiny config (e.g. ``num_experts_per_tok``)."""
     make_config, cls = _configs()[family]
     cfg = make_config()
+    for name, value in overrides.items():
+        if not hasattr(cfg, name):
+            raise AttributeError(f"{type(cfg).__name__} has no field {name!r}")
+        setattr(cfg, name, value)
     cfg._experts_implementation = experts_implementation
     torch.manual_seed(seed)
     model = cls(cfg)

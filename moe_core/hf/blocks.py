@@ -6,33 +6,44 @@ unpermute) that runs on the HF block's own parameters, registered under HF's nam
 
     gate.weight                [E, H]       the router (MoE-core's TopKRouter; its class is also a
                                             subclass of the family's router class, so HF's output
-                                            recording of ``router_logits`` sees it)
+                                            recording of ``router_logits`` sees it); GPT-OSS names
+                                            it ``router`` and adds ``router.bias`` [E]
     gate.e_score_correction_bias [E]        DeepSeek-V3's expert bias (a buffer, as in HF)
     experts.gate_up_proj       [E, 2F, H]   gate rows first: GroupedMLP's ``weight1`` as is
-    experts.down_proj          [E, H, F]    GroupedMLP's ``weight2``
+                                            (GPT-OSS: [E, H, 2F], gate and up columns interleaved,
+                                            with ``gate_up_proj_bias`` [E, 2F])
+    experts.down_proj          [E, H, F]    GroupedMLP's ``weight2`` (GPT-OSS: [E, F, H], with
+                                            ``down_proj_bias`` [E, H])
     shared_expert.*, shared_expert_gate.*   Qwen2-MoE's shared expert and its sigmoid gate
     shared_experts.*                        DeepSeek's shared experts
 
 The Parameter objects are HF's (nothing is copied), so ``state_dict()`` has the HF block's keys
 and shapes and loads both ways, and PEFT's ``target_parameters`` LoRA (a parametrization of
 ``experts.gate_up_proj`` / ``experts.down_proj``) is read at every forward. The block returns what
-the HF block returns (a tensor of the input's shape) and the router returns HF's
-``(router_logits, probs, routing_map)``, so ``output_router_logits=True`` records the same
-logits and HF's ``load_balancing_loss_func`` gives the same aux loss.
+the HF block returns (a tensor of the input's shape; GPT-OSS: with the router scores) and the
+router returns HF's ``(router_logits, probs, routing_map)``, so ``output_router_logits=True``
+records the same logits and HF's ``load_balancing_loss_func`` gives the same aux loss.
 
-Routing rules per family, each exactly one of Megatron's (moe-core's) rules:
+Routing rules per family, each one of moe-core's rules (MoEConfig), op for op HF's:
 
 ==============  ==================================================================================
-Mixtral         softmax over the top-k logits (= top-k of softmax, renormalised)
+Mixtral         softmax over all experts, top-k, renormalised (``moe_router_pre_softmax`` +
+                ``moe_router_norm_topk_prob=True``); ``router_jitter_noise`` is
+                ``moe_input_jitter_eps`` with ``moe_input_jitter_mode="layer"`` (router and
+                experts see the same jittered input, in training only, HF's draw)
 Qwen2-MoE,      ``norm_topk_prob``: as Mixtral; else softmax over all experts, then top-k
 Qwen3-MoE,      (``moe_router_pre_softmax``); Qwen2-MoE adds ``sigmoid(x·g) * shared(x)``
 OLMoE
 DeepSeek-V2     ``topk_method="greedy"``: pre-softmax top-k times ``routed_scaling_factor``;
-                ``"group_limited_greedy"`` when ``top_k // topk_group == 1`` (a group's score is
-                its best expert: Megatron's sum of the top ``top_k // topk_group``); fp32 logits
+                ``"group_limited_greedy"``: groups scored by their best expert
+                (``moe_router_group_score_topk=1``, any top_k); fp32 logits
 DeepSeek-V3     sigmoid scores plus ``e_score_correction_bias`` for the choice, groups scored by
-                their top-2 sum (``top_k // topk_group == 2``, or no group limit), probs
-                renormalised (``norm_topk_prob``) then times ``routed_scaling_factor``; fp32
+                their top-2 sum (``moe_router_group_score_topk=2``, any top_k), probs divided by
+                their sum + 1e-20 or not (``norm_topk_prob`` -> ``moe_router_norm_topk_prob``)
+                then times ``routed_scaling_factor``; fp32
+GPT-OSS         top-k of the logits of the router linear with its bias (``add_bias_linear``),
+                softmax over the k (post-softmax); the experts run on HF's transposed,
+                interleaved weights with their biases and the clamped SwiGLU
 ==============  ==================================================================================
 
 Anything else raises :class:`UnsupportedMoEBlockError` naming the family and the rule moe-core
@@ -50,7 +61,7 @@ from torch import nn
 from moe_core import ops
 from moe_core.config import MoEConfig
 from moe_core.experts import GroupedMLP
-from moe_core.hf.backend import activation_of
+from moe_core.hf.backend import _deinterleave, activation_of, gate_spec
 from moe_core.layer import MoELayer
 from moe_core.router import TopKRouter
 
@@ -154,6 +165,7 @@ class HFGroupedMLP(GroupedMLP):
         self.config = config
         self.ep_size, self.ep_rank = 1, 0
         self.num_local_experts = config.num_moe_experts
+        self.input_size, self.ffn_size = config.hidden_size, config.moe_ffn_hidden_size
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
         self.register_parameter("bias1", None)
@@ -173,6 +185,70 @@ class HFGroupedMLP(GroupedMLP):
         raise RuntimeError("HFGroupedMLP holds an HF model's weights: initialise them in HF")
 
 
+class HFTransposedGroupedMLP(HFGroupedMLP):
+    """GPT-OSS's experts module as MoELayer's experts: its own Parameters, under HF's names.
+
+    Parameters: ``gate_up_proj`` ``[E, H, 2F]`` (gate and up columns interleaved),
+    ``gate_up_proj_bias`` ``[E, 2F]``, ``down_proj`` ``[E, F, H]``, ``down_proj_bias`` ``[E, H]``.
+    The grouped GEMMs read the ``[E, in, out]`` weights as they are (``trans_w=False``); the fc1
+    output, not the weights, is de-interleaved (activation-sized). Then GroupedMLP's order:
+    ``h = act(gate) * (up + 1)`` (gate clamped to ``max=limit``, up to ``[-limit, limit]``,
+    ``act(g) = g * sigmoid(alpha g)``) times the probs: ``ops.glu_probs``' clamped quick-GELU
+    when ``alpha`` is 1.702, else torch ops; then ``y = h @ W2 + b2 * p``.
+    """
+
+    # HF's flag on its experts module: PEFT's parameter LoRA reads it for the [E, in, out] layout
+    is_transposed = True
+
+    def __init__(self, config: MoEConfig, module: nn.Module, spec: Optional[tuple]):
+        nn.Module.__init__(self)
+        self.config = config
+        self.ep_size, self.ep_rank = 1, 0
+        self.num_local_experts = config.num_moe_experts
+        self.input_size, self.ffn_size = config.hidden_size, config.moe_ffn_hidden_size
+        self.gate_up_proj = module.gate_up_proj
+        self.gate_up_proj_bias = module.gate_up_proj_bias
+        self.down_proj = module.down_proj
+        self.down_proj_bias = module.down_proj_bias
+        self._spec = spec
+        self.alpha, self.limit = float(module.alpha), float(module.limit)
+        for p in (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias):
+            p.expert_parallel_size = 1
+
+    @property
+    def weight1(self) -> torch.Tensor:
+        return self.gate_up_proj
+
+    @property
+    def weight2(self) -> torch.Tensor:
+        return self.down_proj
+
+    @property
+    def bias1(self) -> torch.Tensor:
+        return self.gate_up_proj_bias
+
+    @property
+    def bias2(self) -> torch.Tensor:
+        return self.down_proj_bias
+
+    def forward(self, x: torch.Tensor, expert_offsets: torch.Tensor, probs: torch.Tensor,
+                tokens: Optional[torch.Tensor] = None,
+                sorted_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As :meth:`GroupedMLP.forward` (``tokens`` / ``sorted_indices`` unused)."""
+        row_expert = self._row_expert(expert_offsets, x.shape[0])
+        a = ops.grouped_gemm(x, self.gate_up_proj.contiguous(), expert_offsets, trans_w=False)
+        a = a + self.gate_up_proj_bias[row_expert]
+        if self._spec is not None:
+            h = ops.glu_probs(_deinterleave(a), probs, *self._spec)
+        else:  # another alpha: the same formula in torch ops
+            gate = a[:, 0::2].clamp(max=self.limit)
+            up = a[:, 1::2].clamp(min=-self.limit, max=self.limit)
+            h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+            h = (h * probs.unsqueeze(-1)).to(h.dtype)
+        y = ops.grouped_gemm(h, self.down_proj.contiguous(), expert_offsets, trans_w=False)
+        return y + (self.down_proj_bias[row_expert] * probs.unsqueeze(-1)).to(y.dtype)
+
+
 # ---- the block --------------------------------------------------------------------------------
 class MoECoreSparseMoeBlock(MoELayer):
     """A MoELayer standing in for an HF sparse-MoE block (see the module docstring).
@@ -183,13 +259,15 @@ class MoECoreSparseMoeBlock(MoELayer):
     """
 
     def __init__(self, config: MoEConfig, gate: MoECoreRouter, experts: HFGroupedMLP,
-                 family: str, shared: Optional[Dict[str, nn.Module]] = None):
+                 family: str, shared: Optional[Dict[str, nn.Module]] = None,
+                 gate_name: str = "gate"):
         # MoELayer's own router and experts are built on the meta device (no memory, no init
         # work) and replaced by the ones holding HF's parameters
         with torch.device("meta"):
             super().__init__(config)
         del self.router
-        self.gate = gate
+        self._gate_name = gate_name  # HF's name of the router: "gate", GPT-OSS's "router"
+        self._modules[gate_name] = gate
         self.experts = experts
         self.family = family
         self.shared_kind = None
@@ -200,13 +278,16 @@ class MoECoreSparseMoeBlock(MoELayer):
 
     @property
     def router(self) -> MoECoreRouter:
-        """MoELayer's name for the router (what moe_core.finalize_step reads)."""
-        return self.gate
+        """MoELayer's name for the router (what moe_core.finalize_step reads), whatever HF's
+        name of it is."""
+        return self._modules[self._gate_name]
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor):
+        """``[B, S, H] -> [B, S, H]``; GPT-OSS: ``(out, router_scores [B·S, k])`` as HF's."""
+        hidden_states = self.router.apply_layer_jitter(hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        _, probs, routing_map = self.gate(x)
+        logits, probs, routing_map = self.router(x)
         rows, row_probs, sorted_indices, offsets, _ = ops.permute(
             x, routing_map, probs, num_out_tokens=self.num_permuted_rows(x.shape[0]))
         y = self.experts(rows, offsets, row_probs, x, sorted_indices)
@@ -215,6 +296,9 @@ class MoECoreSparseMoeBlock(MoELayer):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.shared_kind == "plain":  # DeepSeek: shared experts added as they are
             out = out + self.shared_experts(x)
+        if self.family == "gpt_oss":  # HF's MLP also returns the scores, in its top-k order
+            order = logits.topk(self.config.moe_router_topk, dim=-1).indices
+            return out.reshape(shape), probs.gather(1, order)
         return out.reshape(shape)
 
     def extra_repr(self) -> str:
@@ -227,6 +311,12 @@ def _unsupported(family: str, why: str) -> UnsupportedMoEBlockError:
         f"replace_moe_blocks: {family} cannot be swapped exactly: {why}. Use the experts backend "
         f"(moe_core.hf.register_experts_backend(); experts_implementation='moe_core'), which keeps "
         f"HF's router, for this family.")
+
+
+def _sigmoid_gate(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    """GPT-OSS's gate activation ``x * sigmoid(alpha x)`` (MoEConfig's description of the
+    experts; HFTransposedGroupedMLP computes it with ops.glu_probs or HF's own code)."""
+    return x * torch.sigmoid(alpha * x)
 
 
 def _activation(family: str, experts: nn.Module) -> Callable:
@@ -242,21 +332,35 @@ def _softmax_rules(family: str, block: nn.Module, normalize: bool) -> dict:
     if k == 1 and normalize:
         raise _unsupported(family, "top-1 routing with renormalised probs gives every token the "
                                    "prob 1.0 (no router gradient); moe-core rejects that config")
-    return dict(moe_router_score_function="softmax", moe_router_pre_softmax=not normalize)
+    # HF: softmax over all experts in fp32, top-k, divided by the sum when normalising (the
+    # + 1e-20 of moe-core's renormalisation leaves an fp32 sum >= 1/E unchanged)
+    return dict(moe_router_score_function="softmax", moe_router_pre_softmax=True,
+                moe_router_norm_topk_prob=True if normalize else None)
 
 
 def _mixtral_rules(block: nn.Module) -> dict:
-    if getattr(block, "jitter_noise", 0.0):
-        raise _unsupported("mixtral", f"router_jitter_noise={block.jitter_noise} jitters the "
-                                      "experts' input too, while moe-core's input jitter "
-                                      "(moe_input_jitter_eps) jitters the router's input only")
-    return _softmax_rules("mixtral", block, normalize=True)
+    rules = _softmax_rules("mixtral", block, normalize=True)
+    eps = float(getattr(block, "jitter_noise", 0.0) or 0.0)
+    if eps:
+        if not 0.0 < eps < 1.0:
+            raise _unsupported("mixtral", f"router_jitter_noise={eps} is outside (0, 1)")
+        rules.update(moe_input_jitter_eps=eps, moe_input_jitter_mode="layer")
+    return rules
 
 
 def _qwen_olmoe_rules(family: str) -> Callable[[nn.Module], dict]:
     def rules(block: nn.Module) -> dict:
         return _softmax_rules(family, block, normalize=bool(block.gate.norm_topk_prob))
     return rules
+
+
+def _kept_groups(family: str, E: int, k: int, G: int, gk: int) -> None:
+    """HF masks the experts of the dropped groups (to 0 or -inf) and still takes k: with fewer
+    than k experts in the kept groups it would route to masked ones, which moe-core refuses."""
+    if E % G != 0 or gk * (E // G) < k:
+        raise _unsupported(family, f"n_group={G}, topk_group={gk}: the kept groups hold "
+                                   f"{gk * (E // G) if E % G == 0 else '?'} of {E} experts, "
+                                   f"fewer than num_experts_per_tok={k}")
 
 
 def _deepseek_v2_rules(block: nn.Module) -> dict:
@@ -267,32 +371,47 @@ def _deepseek_v2_rules(block: nn.Module) -> dict:
     if gate.topk_method == "greedy":
         return rules
     if gate.topk_method == "group_limited_greedy":
-        if gate.top_k // gate.topk_group != 1:
-            raise _unsupported("deepseek_v2", f"group_limited_greedy scores a group by its best "
-                               f"expert; moe-core sums the top top_k // topk_group = "
-                               f"{gate.top_k // gate.topk_group} experts of each group")
-        return dict(rules, moe_router_num_groups=int(gate.num_group),
-                    moe_router_group_topk=int(gate.topk_group))
+        G, gk = int(gate.num_group), int(gate.topk_group)
+        _kept_groups("deepseek_v2", int(gate.num_experts), int(gate.top_k), G, gk)
+        if gk >= G:  # every group kept: greedy
+            return rules
+        # a group's score is its best expert
+        return dict(rules, moe_router_num_groups=G, moe_router_group_topk=gk,
+                    moe_router_group_score_topk=1)
     raise _unsupported("deepseek_v2", f"topk_method={gate.topk_method!r} has no moe-core rule")
 
 
 def _deepseek_v3_rules(block: nn.Module) -> dict:
     gate = block.gate
-    if gate.top_k > 1 and not gate.norm_topk_prob:
-        raise _unsupported("deepseek_v3", "norm_topk_prob=False: moe-core (as Megatron) always "
-                                          "renormalises sigmoid top-k probs")
+    k = int(gate.top_k)
+    if k == 1 and gate.norm_topk_prob:
+        raise _unsupported("deepseek_v3", "top-1 routing with norm_topk_prob gives every token "
+                                          "the prob 1.0 (no router gradient); moe-core rejects "
+                                          "that config")
+    # HF divides by (sum + 1e-20) for every top_k when norm_topk_prob (Megatron only for k > 1)
     rules = dict(moe_router_score_function="sigmoid", moe_router_dtype="fp32",
-                 moe_router_topk_scaling_factor=float(gate.routed_scaling_factor))
+                 moe_router_topk_scaling_factor=float(gate.routed_scaling_factor),
+                 moe_router_norm_topk_prob=bool(gate.norm_topk_prob))
     G, gk = int(gate.num_group), int(gate.topk_group)
     if G > 1 and gk < G:
-        if gate.top_k // gk != 2:
-            raise _unsupported("deepseek_v3", f"groups are scored by their top-2 sum; moe-core "
-                               f"sums the top top_k // topk_group = {gate.top_k // gk}")
-        rules.update(moe_router_num_groups=G, moe_router_group_topk=gk)
+        _kept_groups("deepseek_v3", int(gate.num_experts), k, G, gk)
+        # groups scored by the sum of their top two, whatever top_k is
+        rules.update(moe_router_num_groups=G, moe_router_group_topk=gk,
+                     moe_router_group_score_topk=2)
     return rules
 
 
-# block class name -> (family, routing rules, expert-count attribute of the router, shared modules)
+def _gpt_oss_rules(block: nn.Module) -> dict:
+    # the top-k of the biased logits, then a softmax over the k (post-softmax, Megatron's
+    # default); the router linear's bias comes with add_bias_linear (the experts' biases too)
+    if block.router.top_k == 1:
+        raise _unsupported("gpt_oss", "top-1 routing gives every token the prob 1.0 (a softmax "
+                                      "over one logit: no router gradient); moe-core rejects "
+                                      "that config")
+    return dict(moe_router_score_function="softmax", moe_router_pre_softmax=False)
+
+
+# block class name -> (family, routing rules, shared modules)
 _FAMILIES: Dict[str, Tuple[str, Callable[[nn.Module], dict], Tuple[str, ...]]] = {
     "MixtralSparseMoeBlock": ("mixtral", _mixtral_rules, ()),
     "Qwen2MoeSparseMoeBlock": ("qwen2_moe", _qwen_olmoe_rules("qwen2_moe"),
@@ -301,14 +420,14 @@ _FAMILIES: Dict[str, Tuple[str, Callable[[nn.Module], dict], Tuple[str, ...]]] =
     "OlmoeSparseMoeBlock": ("olmoe", _qwen_olmoe_rules("olmoe"), ()),
     "DeepseekV2Moe": ("deepseek_v2", _deepseek_v2_rules, ("shared_experts",)),
     "DeepseekV3MoE": ("deepseek_v3", _deepseek_v3_rules, ("shared_experts",)),
+    "GptOssMLP": ("gpt_oss", _gpt_oss_rules, ()),
 }
+
+# the families whose router is not called "gate"
+_GATE_NAMES = {"gpt_oss": "router"}
 
 # blocks known not to fit, with the rule moe-core lacks
 _UNSUPPORTED: Dict[str, Tuple[str, str]] = {
-    "GptOssMLP": ("gpt_oss", "its experts are stored transposed ([E, H, 2F]) with gate and up "
-                  "columns interleaved and biases, while MoELayer's GroupedMLP takes [E, 2F, H] "
-                  "gate-first weights; its router's bias would also need add_bias_linear on the "
-                  "experts' layout"),
     "Llama4TextMoe": ("llama4", "it runs every expert on every token with the input scaled by "
                       "sigmoid(top-1 logit) and stores gate_up_proj as [E, H, 2F]; MoELayer's "
                       "GroupedMLP takes [E, 2F, H]"),
@@ -323,7 +442,8 @@ def _is_sparse_moe_block(module: nn.Module) -> bool:
 
 def _build_block(block: nn.Module, family: str, rules: dict, shared_names: Tuple[str, ...],
                  aux_loss_coeff: float, z_loss_coeff: Optional[float]) -> MoECoreSparseMoeBlock:
-    gate, experts = block.gate, block.experts
+    gate_name = _GATE_NAMES.get(family, "gate")
+    gate, experts = getattr(block, gate_name), block.experts
     if "_is_expert_parallel" not in experts.__dict__:
         raise UnsupportedMoEBlockError(
             f"replace_moe_blocks: the experts of a {family} block are a {type(experts).__name__}, "
@@ -333,24 +453,39 @@ def _build_block(block: nn.Module, family: str, rules: dict, shared_names: Tuple
         raise _unsupported(family, "the block is sharded by HF's expert parallelism; moe-core's "
                                    "own (MoEConfig.expert_model_parallel_size) is separate")
     W1, W2 = experts.gate_up_proj, experts.down_proj
-    E, F1, H = W1.shape
-    if getattr(gate, "bias", None) is not None:
-        raise _unsupported(family, "its router has a bias; moe-core's router bias comes with "
-                                   "add_bias_linear, which also adds expert biases")
+    transposed = getattr(experts, "is_transposed", False)
+    if transposed:  # GPT-OSS: [E, H, 2F] interleaved, with biases
+        E, H, F1 = W1.shape
+    else:
+        E, F1, H = W1.shape
+    router_bias = getattr(gate, "bias", None)
+    biased = router_bias is not None or getattr(experts, "has_bias", False)
+    if biased and not (transposed and router_bias is not None and experts.has_bias):
+        raise _unsupported(family, "its router or its experts have a bias without the other; "
+                                   "moe-core's biases come with add_bias_linear, on both")
+    spec = None
+    if transposed:
+        spec = gate_spec(experts)
+        glu = dict(activation_func=functools.partial(_sigmoid_gate, alpha=float(experts.alpha)),
+                   glu_linear_offset=1.0, activation_func_clamp_value=float(experts.limit))
+    else:
+        glu = dict(activation_func=_activation(family, experts))
     cfg = MoEConfig(
         hidden_size=H, num_moe_experts=E, moe_ffn_hidden_size=F1 // 2,
-        moe_router_topk=int(gate.top_k), add_bias_linear=False, gated_linear_unit=True,
-        activation_func=_activation(family, experts), params_dtype=W1.dtype,
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=float(aux_loss_coeff),
-        moe_z_loss_coeff=z_loss_coeff, **rules)
+        moe_router_topk=int(gate.top_k), add_bias_linear=biased, gated_linear_unit=True,
+        params_dtype=W1.dtype, moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=float(aux_loss_coeff), moe_z_loss_coeff=z_loss_coeff, **glu, **rules)
     with torch.device(gate.weight.device):
         router = _router_class(type(gate))(cfg)
     router.weight = gate.weight  # HF's Parameter object (and its dtype: fp32 for DeepSeek)
+    if router_bias is not None:
+        router.bias = router_bias
     bias = gate._buffers.get("e_score_correction_bias")
     if bias is not None:
         router.register_buffer("e_score_correction_bias", bias)
     shared = {n: getattr(block, n) for n in shared_names}
-    new = MoECoreSparseMoeBlock(cfg, router, HFGroupedMLP(cfg, W1, W2), family, shared)
+    mlp = HFTransposedGroupedMLP(cfg, experts, spec) if transposed else HFGroupedMLP(cfg, W1, W2)
+    new = MoECoreSparseMoeBlock(cfg, router, mlp, family, shared, gate_name)
     # the HF block's child order, so that state_dict() lists the keys in HF's order
     order = [n for n, _ in block.named_children() if n in new._modules]
     new._modules = type(new._modules)((n, new._modules[n]) for n in
@@ -415,7 +550,7 @@ def _after_swap(model: nn.Module, blocks: List[MoECoreSparseMoeBlock]) -> None:
             inside = {id(m) for m in sub.modules()}
             for block in blocks:
                 if id(block) in inside and id(block) not in hooked:
-                    install_output_capuring_hook(block.gate, "router_logits", 0)
+                    install_output_capuring_hook(block.router, "router_logits", 0)
                     hooked.add(id(block))
     if any(b.config.moe_z_loss_coeff is not None or any(b.config.aux_loss_coeffs)
            for b in blocks) and not getattr(model, "_moe_core_loss_hook", False):
@@ -434,7 +569,7 @@ def moe_core_losses(model: nn.Module) -> Dict[str, torch.Tensor]:
     out: Dict[str, torch.Tensor] = {}
     for m in model.modules():
         if isinstance(m, MoECoreSparseMoeBlock):
-            for name, value in m.gate.last_losses.items():
+            for name, value in m.router.last_losses.items():
                 out[name] = out[name] + value.float() if name in out else value.float()
     return out
 
