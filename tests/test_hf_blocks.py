@@ -274,7 +274,7 @@ def _exact_fp64_routers(model):
                 return (logits, *hf_deepseek_v2(logits, m.top_k, m.topk_method, m.num_group,
                                                  m.topk_group, m.routed_scaling_factor))
             m.forward = forward
-        elif kind == "DeepseekV3TopkRouter":
+        elif kind in ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter"):
             def forward(h, m=m):
                 logits = F.linear(h.reshape(-1, m.hidden_dim), m.weight)
                 return (logits, *hf_deepseek_v3(logits, m.top_k, m.e_score_correction_bias,
@@ -315,13 +315,15 @@ def test_deepseek_v2_group_limited_greedy_any_top_k_equals_eager(k, topk_group):
     assert _rule_of(swapped, "moe_router_group_topk") == {topk_group}
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("k", [1, 3, 4, 6])
-def test_deepseek_v3_any_top_k_with_and_without_norm_topk_prob_equals_eager(k, norm):
+def test_deepseek_v3_any_top_k_with_and_without_norm_topk_prob_equals_eager(k, norm, family):
     # 16 experts in 4 groups of 4, 2 kept (8 experts); groups scored by their top-2 sum
+    # (GLM-4.5's router is DeepSeek-V3's)
     if k == 1 and norm:
         pytest.skip("top-1 renormalised: every prob is 1.0 (tested to raise)")
-    swapped = _assert_swap_equals_eager("deepseek_v3", num_experts_per_tok=k, n_routed_experts=16,
+    swapped = _assert_swap_equals_eager(family, num_experts_per_tok=k, n_routed_experts=16,
                                         norm_topk_prob=norm)
     assert _rule_of(swapped, "moe_router_group_score_topk") == {2}
     assert _rule_of(swapped, "moe_router_norm_topk_prob") == {norm}

@@ -37,8 +37,8 @@ OLMoE
 DeepSeek-V2     ``topk_method="greedy"``: pre-softmax top-k times ``routed_scaling_factor``;
                 ``"group_limited_greedy"``: groups scored by their best expert
                 (``moe_router_group_score_topk=1``, any top_k); fp32 logits
-DeepSeek-V3     sigmoid scores plus ``e_score_correction_bias`` for the choice, groups scored by
-                their top-2 sum (``moe_router_group_score_topk=2``, any top_k), probs divided by
+DeepSeek-V3,     sigmoid scores plus ``e_score_correction_bias`` for the choice, groups scored by
+GLM-4.5         their top-2 sum (``moe_router_group_score_topk=2``, any top_k), probs divided by
                 their sum + 1e-20 or not (``norm_topk_prob`` -> ``moe_router_norm_topk_prob``)
                 then times ``routed_scaling_factor``; fp32
 GPT-OSS         top-k of the logits of the router linear with its bias (``add_bias_linear``),
@@ -381,20 +381,20 @@ def _deepseek_v2_rules(block: nn.Module) -> dict:
     raise _unsupported("deepseek_v2", f"topk_method={gate.topk_method!r} has no moe-core rule")
 
 
-def _deepseek_v3_rules(block: nn.Module) -> dict:
+def _deepseek_v3_rules(block: nn.Module, family: str = "deepseek_v3") -> dict:
+    """DeepSeek-V3's router, also GLM-4.5's (Glm4MoeTopkRouter: the same math)."""
     gate = block.gate
     k = int(gate.top_k)
     if k == 1 and gate.norm_topk_prob:
-        raise _unsupported("deepseek_v3", "top-1 routing with norm_topk_prob gives every token "
-                                          "the prob 1.0 (no router gradient); moe-core rejects "
-                                          "that config")
+        raise _unsupported(family, "top-1 routing with norm_topk_prob gives every token the prob "
+                                   "1.0 (no router gradient); moe-core rejects that config")
     # HF divides by (sum + 1e-20) for every top_k when norm_topk_prob (Megatron only for k > 1)
     rules = dict(moe_router_score_function="sigmoid", moe_router_dtype="fp32",
                  moe_router_topk_scaling_factor=float(gate.routed_scaling_factor),
                  moe_router_norm_topk_prob=bool(gate.norm_topk_prob))
     G, gk = int(gate.num_group), int(gate.topk_group)
     if G > 1 and gk < G:
-        _kept_groups("deepseek_v3", int(gate.num_experts), k, G, gk)
+        _kept_groups(family, int(gate.num_experts), k, G, gk)
         # groups scored by the sum of their top two, whatever top_k is
         rules.update(moe_router_num_groups=G, moe_router_group_topk=gk,
                      moe_router_group_score_topk=2)
@@ -420,6 +420,8 @@ _FAMILIES: Dict[str, Tuple[str, Callable[[nn.Module], dict], Tuple[str, ...]]] =
     "OlmoeSparseMoeBlock": ("olmoe", _qwen_olmoe_rules("olmoe"), ()),
     "DeepseekV2Moe": ("deepseek_v2", _deepseek_v2_rules, ("shared_experts",)),
     "DeepseekV3MoE": ("deepseek_v3", _deepseek_v3_rules, ("shared_experts",)),
+    "Glm4MoeMoE": ("glm4_moe", functools.partial(_deepseek_v3_rules, family="glm4_moe"),
+                   ("shared_experts",)),
     "GptOssMLP": ("gpt_oss", _gpt_oss_rules, ()),
 }
 
