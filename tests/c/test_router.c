@@ -159,6 +159,102 @@ static void test_backward_finite_differences(void) {
     }
 }
 
+/* The rules beyond Megatron's: a params struct with norm / group_score_topk set. */
+static moe_router_topk_params_t params_x(int64_t topk, int sf, int pre, int64_t groups, int64_t gk,
+                                         moe_topk_norm_t norm, int64_t group_score_topk) {
+    moe_router_topk_params_t p = params(topk, sf, pre, groups, gk, 0.0);
+    p.norm = norm;
+    p.group_score_topk = group_score_topk;
+    return p;
+}
+
+static void test_invalid_rule_params(void) {
+    struct { moe_router_topk_params_t p; int bias; const char *needle; } cases[] = {
+        {params_x(2, 1, 0, 0, 0, (moe_topk_norm_t)3, 0), 0, "norm must be default (0), none (1) or sum (2), got 3"},
+        {params_x(2, 0, 0, 0, 0, MOE_TOPK_NORM_SUM, 0), 0, "norm=2: softmax without use_pre_softmax"},
+        {params_x(2, 0, 0, 0, 0, MOE_TOPK_NORM_NONE, 0), 0, "norm=1: softmax without use_pre_softmax"},
+        {params_x(2, 1, 0, 0, 0, MOE_TOPK_NORM_DEFAULT, 2), 0, "group_score_topk=2 needs group-limited"},
+        {params_x(2, 1, 0, 4, 2, MOE_TOPK_NORM_DEFAULT, 3), 0, "group_score_topk=3 exceeds the 2 experts"},
+        {params_x(2, 1, 0, 4, 2, MOE_TOPK_NORM_DEFAULT, -1), 0, "group_score_topk must be >= 0"},
+        {params_x(2, 0, 0, 0, 0, MOE_TOPK_NORM_DEFAULT, 0), 1, "needs use_pre_softmax"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+        moe_status_t st = moe_router_topk_check(&cases[i].p, 8, cases[i].bias);
+        CHECK(st == MOE_ERR_INVALID_ARGUMENT && strstr(moe_last_error(), cases[i].needle),
+              "case %zu: status %d, message '%s'", i, (int)st, moe_last_error());
+    }
+    /* accepted: softmax-pre with a bias; a group score beyond topk (the scratch grows for it) */
+    moe_router_topk_params_t ok = params_x(2, 0, 1, 0, 0, MOE_TOPK_NORM_SUM, 0);
+    CHECK(moe_router_topk_check(&ok, 8, 1) == MOE_OK, "%s", moe_last_error());
+    ok = params_x(1, 1, 0, 2, 1, MOE_TOPK_NORM_NONE, 4);
+    CHECK(moe_router_topk_check(&ok, 8, 0) == MOE_OK, "%s", moe_last_error());
+}
+
+static void test_group_score_rules(void) {
+    /* the example of test_group_limited: a group's max picks groups 2 and 0 (0.95, 0.9), the
+     * Megatron sum of the top 2 picks groups 1 and 3 */
+    double logits[8] = {0.9, 0.1, 0.8, 0.7, 0.95, 0.0, 0.6, 0.5}, probs[4];
+    int64_t idx[4];
+    moe_router_topk_params_t p = params_x(4, MOE_SCORE_SOFTMAX, 0, 4, 2, MOE_TOPK_NORM_DEFAULT, 1);
+    CHECK(run_fwd(probs, idx, logits, NULL, 1, 8, &p) == MOE_OK, "%s", moe_last_error());
+    CHECK(idx[0] == 4 && idx[1] == 0 && idx[2] == 1 && idx[3] == 5, "max: %lld %lld %lld %lld",
+          (long long)idx[0], (long long)idx[1], (long long)idx[2], (long long)idx[3]);
+    /* top-1 routing, 2 groups of 4 scored by their top-4 sum (a list longer than topk: the row
+     * scratch grows for it): 1.57 (g0) < 2.05 (g1) keeps group 1 and its expert 4, where the
+     * Megatron rule (top 1 // 1 = the max: 0.97 > 0.95) would keep group 0 */
+    moe_router_topk_params_t q = params_x(1, MOE_SCORE_SOFTMAX, 0, 2, 1, MOE_TOPK_NORM_DEFAULT, 4);
+    double l2[8] = {0.97, 0.1, 0.2, 0.3, 0.95, 0.0, 0.6, 0.5};
+    CHECK(run_fwd(probs, idx, l2, NULL, 1, 8, &q) == MOE_OK, "%s", moe_last_error());
+    CHECK(idx[0] == 4, "top-4 sums keep group 1: %lld", (long long)idx[0]);
+    q.group_score_topk = 0;
+    CHECK(run_fwd(probs, idx, l2, NULL, 1, 8, &q) == MOE_OK, "%s", moe_last_error());
+    CHECK(idx[0] == 0, "the group max keeps group 0: %lld", (long long)idx[0]);
+}
+
+/* The backward of the new rules equals central finite differences of Σ w·probs in fp64. */
+static void test_rule_backward_finite_differences(void) {
+    unsigned long long s = 11;
+    enum { T = 4, E = 12, K = 3 };
+    double logits[T * E], w[T * K], probs[T * K], grad[T * E];
+    int64_t idx[T * K], idx2[T * K];
+    float bias[E];
+    for (int i = 0; i < T * E; ++i) logits[i] = ctest_rand_normal(&s);
+    for (int i = 0; i < T * K; ++i) w[i] = ctest_rand_normal(&s);
+    for (int e = 0; e < E; ++e) bias[e] = (float)(0.02 * ctest_rand_normal(&s));
+    struct { int sf, pre; moe_topk_norm_t norm; int k; int bias; } cases[] = {
+        {MOE_SCORE_SIGMOID, 0, MOE_TOPK_NORM_NONE, K, 1},
+        {MOE_SCORE_SQRTSOFTPLUS, 0, MOE_TOPK_NORM_NONE, K, 0},
+        {MOE_SCORE_SIGMOID, 0, MOE_TOPK_NORM_SUM, 1, 0},
+        {MOE_SCORE_SOFTMAX, 1, MOE_TOPK_NORM_SUM, K, 1},
+        {MOE_SCORE_SOFTMAX, 1, MOE_TOPK_NORM_DEFAULT, K, 1},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; ++c) {
+        const int k = cases[c].k;
+        const float *b = cases[c].bias ? bias : NULL;
+        moe_router_topk_params_t p = params_x(k, cases[c].sf, cases[c].pre, 4, 2, cases[c].norm,
+                                              1);
+        p.scaling_factor = 1.5;
+        CHECK(run_fwd(probs, idx, logits, b, T, E, &p) == MOE_OK, "%s", moe_last_error());
+        size_t ws = moe_router_topk_workspace_size(T, E, &p);
+        void *wk = malloc(ws);
+        CHECK(moe_router_topk_bwd(grad, w, logits, idx, T, E, MOE_DTYPE_FP64, &p, wk, ws, NULL) ==
+                  MOE_OK, "%s", moe_last_error());
+        free(wk);
+        for (int i = 0; i < T * E; ++i) {
+            double h = 1e-6, save = logits[i], fp = 0, fm = 0;
+            logits[i] = save + h;
+            run_fwd(probs, idx2, logits, b, T, E, &p);
+            for (int j = 0; j < T * k; ++j) fp += w[j] * probs[j];
+            logits[i] = save - h;
+            run_fwd(probs, idx2, logits, b, T, E, &p);
+            for (int j = 0; j < T * k; ++j) fm += w[j] * probs[j];
+            logits[i] = save;
+            double fd = (fp - fm) / (2 * h);
+            CHECK(fabs(fd - grad[i]) < 1e-6, "case %zu i %d: fd %g vs %g", c, i, fd, grad[i]);
+        }
+    }
+}
+
 static void test_gating_linear(void) {
     unsigned long long s = 3;
     enum { T = 7, H = 70, E = 5 };
@@ -224,6 +320,9 @@ void ctest_register_router(void) {
     ctest_add("group_limited", test_group_limited);
     ctest_add("invalid_params", test_invalid_params);
     ctest_add("backward_finite_differences", test_backward_finite_differences);
+    ctest_add("invalid_rule_params", test_invalid_rule_params);
+    ctest_add("group_score_rules", test_group_score_rules);
+    ctest_add("rule_backward_finite_differences", test_rule_backward_finite_differences);
     ctest_add("gating_linear", test_gating_linear);
     ctest_add("topk_to_dense_round_trip", test_topk_to_dense_round_trip);
 }
