@@ -428,3 +428,22 @@ def test_layer_jitter_mode_jitters_router_and_experts_in_training_only():
     layer.eval()
     plain.eval()
     assert torch.equal(layer(x), plain(x))  # no jitter in evaluation (Megatron's mode has one)
+
+
+def test_fp32_router_with_bf16_experts_and_the_new_rules():
+    # moe_router_dtype="fp32": the logits and probs are fp32 from bf16 activations and weights
+    # (Megatron's field), the experts stay bf16
+    cfg = config(num_moe_experts=16, moe_router_topk=3, moe_router_score_function="sigmoid",
+                 moe_router_norm_topk_prob=False, moe_router_num_groups=4, moe_router_group_topk=2,
+                 moe_router_group_score_topk=2, params_dtype=torch.bfloat16, moe_aux_loss_coeff=0.0)
+    layer = MoELayer(cfg)
+    x = torch.randn(10, H).to(torch.bfloat16)
+    probs, routing_map = layer.router(x)
+    assert probs.dtype == torch.float32 and layer.experts.weight1.dtype == torch.bfloat16
+    logits = x.float() @ layer.router.weight.float().t()
+    p, i = ops.router_topk(logits, 3, score_function="sigmoid", num_groups=4, group_topk=2,
+                           group_score_topk=2, normalize=False)
+    assert torch.equal(routing_map, _dense(p, i, 16) != 0)
+    torch.testing.assert_close(probs, _dense(p, i, 16), rtol=2 * 2.0**-23, atol=0)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
