@@ -88,6 +88,7 @@ $(BUILD)/test_core: $(C_TESTS) $(BUILD)/libmoe_core.a tests/c/ctest.h
 
 ctest: $(BUILD)/test_core
 	$(CC) -std=c11 -Wall -Wextra -Werror -fsyntax-only -x c csrc/moe_core.h
+	$(CC) -std=c11 -Wall -Wextra -Werror -fsyntax-only -x c csrc/tuning.h
 	$(BUILD)/test_core
 
 pytest: build

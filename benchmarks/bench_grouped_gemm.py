@@ -28,11 +28,10 @@ small, tools/gg_split_tail_ab.py (host work hidden behind a sleep kernel) is the
 """
 import argparse
 import contextlib
-import os
 
 import torch
 
-import moe_core  # noqa: F401  (registers the ops)
+import moe_core  # registers the ops
 from shapes import REFERENCE, SHAPES  # this folder
 from timing import dense_ceiling, time_round_robin  # this folder: the variants timed in turns
 
@@ -68,17 +67,11 @@ def expert_offsets(rows_per_expert):
 
 @contextlib.contextmanager
 def env_set(assignment):
-    """VAR=VALUE set for the duration (the op reads its MOE_GG_* options at each call)."""
+    """The tuning switch VAR=VALUE set for the duration, the core reading it again on entry and
+    on exit (it reads its switches once: csrc/tuning.h)."""
     var, _, val = assignment.partition("=")
-    old = os.environ.get(var)
-    os.environ[var] = val
-    try:
+    with moe_core.tuning.environment(**{var: val}):
         yield
-    finally:
-        if old is None:
-            del os.environ[var]
-        else:
-            os.environ[var] = old
 
 
 def with_env(assignment, fn):
@@ -165,11 +158,8 @@ def bench_problem(name, rows_per_expert, K, N, reps, ceiling, results, variant=N
 @contextlib.contextmanager
 def glu_epilogue():
     """MOE_GG_GLU_EPILOGUE=1 for the duration: the op then takes the sm90 fused epilogue."""
-    os.environ["MOE_GG_GLU_EPILOGUE"] = "1"
-    try:
+    with moe_core.tuning.environment(MOE_GG_GLU_EPILOGUE="1"):
         yield
-    finally:
-        del os.environ["MOE_GG_GLU_EPILOGUE"]
 
 
 def bench_fused_fc1(name, rows_per_expert, H, ffn, reps, ceiling, results):

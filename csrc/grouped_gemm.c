@@ -21,6 +21,7 @@
 
 #include "common.h"
 #include "glu_probs_math.h"
+#include "tuning.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define MOE_GG_X86 1
@@ -363,17 +364,17 @@ __attribute__((target("avx512f,avx512bf16"))) static void kernel_bf16_avx512(
 }
 #endif
 
-/* By the CPU's features. MOE_CORE_GEMM_KERNEL=generic forces the portable fp32 kernel and
- * =avx512 the fp32 AVX-512 one for every dtype, so tests cover each path on one machine. */
+/* By the CPU's features, unless the cpu_gemm_kernel switch (tuning.h) forces the portable fp32
+ * kernel, or the fp32 AVX-512 one for every dtype, so tests cover each path on one machine. */
 static gg_kernels_t pick_kernels(void) {
-    const char *force = getenv("MOE_CORE_GEMM_KERNEL");
+    const int force = moe_tuning_get().cpu_gemm_kernel;
     gg_kernels_t k = {kernel_generic, NULL};
-    if (force && strcmp(force, "generic") == 0) return k;
+    if (force == MOE_TUNING_GEMM_GENERIC) return k;
 #ifdef MOE_GG_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) k.f32 = kernel_avx512;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16") &&
-        !(force && strcmp(force, "avx512") == 0))
+        force != MOE_TUNING_GEMM_AVX512)
         k.bf16 = kernel_bf16_avx512;
 #endif
     return k;

@@ -7,6 +7,7 @@ import torch  # noqa: F401  (loads libc10 and friends, which _C links against)
 
 from moe_core import _C  # noqa: F401,E402  (loads the library; registers torch.ops.moe_core.*)
 from moe_core import ops  # noqa: E402
+from moe_core import tuning  # noqa: E402
 from moe_core.config import MoEConfig  # noqa: E402
 from moe_core.layer import (  # noqa: E402
     MoELayer,
@@ -18,7 +19,7 @@ from moe_core.layer import (  # noqa: E402
 )
 
 __all__ = ["ops", "has_cuda", "layer_runs_on_cuda", "MoEConfig", "MoELayer", "load_megatron_state_dict",
-           "update_expert_bias", "reset_global_aux_loss", "finalize_step", "moe_layers"]
+           "update_expert_bias", "reset_global_aux_loss", "finalize_step", "moe_layers", "tuning"]
 __version__ = "0.1.0"
 
 

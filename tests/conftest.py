@@ -46,11 +46,30 @@ def _seed():
     yield
 
 
+@pytest.fixture
+def tuning_env():
+    """Sets one of the core's tuning switches for a test: ``tuning_env("MOE_GG_SM90_TILE", "128")``
+    (``None`` unsets it). The core reads its switches once (csrc/tuning.h), so every change is
+    followed by a reload; afterwards the environment and the core's values are as before."""
+    with pytest.MonkeyPatch.context() as mp:
+
+        def set_switch(name, value):
+            assert name in moe_core.tuning.SWITCHES.values(), f"{name} is no tuning switch"
+            if value is None:
+                mp.delenv(name, raising=False)
+            else:
+                mp.setenv(name, value)
+            moe_core.tuning.reload()
+
+        yield set_switch
+    moe_core.tuning.reload()
+
+
 @pytest.fixture(params=["lanes", "strided"])
-def router_kernel(request, monkeypatch):
+def router_kernel(request, tuning_env):
     """The fused fp32 router's kernel on CUDA: the lanes kernel (rows of up to 256 experts,
     topk <= 127, groups of whole power-of-two runs of lanes), or the strided kernel (which serves
-    the other rows), forced by MOE_CORE_ROUTER_LANES=0 (read at every call)."""
+    the other rows), forced by MOE_CORE_ROUTER_LANES=0."""
     if request.param == "strided":
-        monkeypatch.setenv("MOE_CORE_ROUTER_LANES", "0")
+        tuning_env("MOE_CORE_ROUTER_LANES", "0")
     return request.param

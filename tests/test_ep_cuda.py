@@ -186,9 +186,9 @@ CASES_A = [("softmax_top2", "dropless", "alltoall"), ("softmax_top2", "dropping"
 
 @pytest.mark.parametrize("exchange", ["collectives", "skipped"])
 @pytest.mark.parametrize("case,mode,dispatcher", CASES_A, ids=["-".join(c) for c in CASES_A])
-def test_ep_path_of_one_equals_plain_layer_bitwise(group, monkeypatch, case, mode, dispatcher,
+def test_ep_path_of_one_equals_plain_layer_bitwise(group, tuning_env, case, mode, dispatcher,
                                                    exchange):
-    monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", "0")
+    tuning_env("MOE_GG_SM90_SPLIT_TAIL", "0")
     plain, ep = plain_and_ep(config_kwargs(case, mode, dispatcher), group,
                              exchange=exchange == "collectives")
     assert ep.dispatcher is not None and plain.dispatcher is None

@@ -114,9 +114,9 @@ def test_out_dtype(poison, device, dtype, out_dtype):
         assert ((ours.double() - t).abs() <= bound).all()
 
 
-def test_generic_kernel_matches_contract(poison, monkeypatch):
+def test_generic_kernel_matches_contract(poison, tuning_env):
     """The portable kernel (used where the CPU has no AVX-512) under the same accuracy rule."""
-    monkeypatch.setenv("MOE_CORE_GEMM_KERNEL", "generic")
+    tuning_env("MOE_CORE_GEMM_KERNEL", "generic")
     x, weight, dy, off = make_inputs([0, 70, 1, 150], 130, 40, False, torch.bfloat16)
     truth = reference(x, weight, dy, off, False, torch.float64)
     same = reference(x, weight, dy, off, False, torch.bfloat16)

@@ -233,17 +233,17 @@ def test_raster_remainder_groups(trans_w):
 @pytest.mark.parametrize("tile", ["128", "256"])
 @pytest.mark.parametrize("trans_w", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_wgrad_both_stage_depths(monkeypatch, dtype, trans_w, tile):
+def test_wgrad_both_stage_depths(tuning_env, dtype, trans_w, tile):
     """Hopper's wgrad loads the reduction (the expert's rows) in stages of 32 rows when experts
     average <= 256 rows, else 64 (MOE_GG_SM90_WGRAD_BK forces either). Counts with tails of
     every kind against both depths: within the fp64 rule, and the same values from both (the same
     k16 steps in the same order; the extra steps of zeroed tail rows add nothing)."""
-    monkeypatch.setenv("MOE_GG_SM90_TILE", tile)
+    tuning_env("MOE_GG_SM90_TILE", tile)
     counts = [0, 1, 31, 33, 64, 95, 600, 257, 0, 129]
     x, w, dy, off = make_inputs(counts, 136, 264, trans_w, dtype)
     dws = {}
     for bk in ("32", "64"):
-        monkeypatch.setenv("MOE_GG_SM90_WGRAD_BK", bk)
+        tuning_env("MOE_GG_SM90_WGRAD_BK", bk)
         with poisoned():
             dws[bk] = ops.grouped_gemm_wgrad(x, dy, off, trans_w)
         assert not dws[bk].isnan().any(), f"bk={bk}: unwritten (NaN-poisoned) elements"
@@ -261,22 +261,22 @@ def test_wgrad_both_stage_depths(monkeypatch, dtype, trans_w, tile):
 @pytest.mark.parametrize("tile", ["128", "256"])
 @pytest.mark.parametrize("bk", ["32", "64"])
 @pytest.mark.parametrize("trans_w", [False, True])
-def test_wgrad_expert_maps(monkeypatch, trans_w, bk, tile):
+def test_wgrad_expert_maps(tuning_env, trans_w, bk, tile):
     """Hopper's wgrad loads each expert's rows through tensor maps of its own, built on the device
     from expert_offsets, so the copy engine zero-fills the reduction's last block past the
     expert's end; MOE_GG_SM90_EXPERT_MAPS=0 loads through whole-buffer maps and zeroes those rows
     in shared memory. NaN sits right past experts' ends (the rows past the last offset, and the
     first row of expert 6, whose own dW is then NaN): every other expert's dW is finite and
     within the fp64 rule, and the two ways give the same bits."""
-    monkeypatch.setenv("MOE_GG_SM90_TILE", tile)
-    monkeypatch.setenv("MOE_GG_SM90_WGRAD_BK", bk)
+    tuning_env("MOE_GG_SM90_TILE", tile)
+    tuning_env("MOE_GG_SM90_WGRAD_BK", bk)
     counts = [0, 1, 31, 33, 64, 95, 600, 257, 0, 129]
     x, w, dy, off = make_inputs(counts, 136, 264, trans_w, torch.bfloat16)
     kept, first6 = sum(counts), sum(counts[:6])
     x[kept:], dy[kept:], x[first6] = float("nan"), float("nan"), float("nan")
     dws = {}
     for maps in ("1", "0"):
-        monkeypatch.setenv("MOE_GG_SM90_EXPERT_MAPS", maps)
+        tuning_env("MOE_GG_SM90_EXPERT_MAPS", maps)
         with poisoned():
             dws[maps] = ops.grouped_gemm_wgrad(x, dy, off, trans_w)
     torch.testing.assert_close(dws["1"], dws["0"], rtol=0, atol=0, equal_nan=True)
@@ -351,16 +351,16 @@ SK_WAVES = {  # name: M tiles of 128 rows, as a function of G (n tiles: 2 of 256
 @pytest.mark.parametrize("waves", list(SK_WAVES))
 @pytest.mark.parametrize("trans_w", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_split_tail(monkeypatch, dtype, trans_w, waves):
+def test_split_tail(tuning_env, dtype, trans_w, waves):
     """fwd and dgrad with the last wave split: within the fp64 rule, rows past the last offset
     zero, bitwise equal over repeated calls (the order the segments finish in varies), and
     different bits from the unsplit kernel somewhere (the split did happen)."""
-    monkeypatch.setenv("MOE_GG_SM90_TILE", "256")
+    tuning_env("MOE_GG_SM90_TILE", "256")
     counts = tail_counts(SK_WAVES[waves](sms()))
     x, w, dy, off = make_inputs(counts, 512, 512, trans_w, dtype)
-    monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", "0")
+    tuning_env("MOE_GG_SM90_SPLIT_TAIL", "0")
     plain = run_ours(x, w, dy, off, trans_w)[:2]  # fwd, dgrad (wgrad is never split)
-    monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", "1")
+    tuning_env("MOE_GG_SM90_SPLIT_TAIL", "1")
     split = run_ours(x, w, dy, off, trans_w)[:2]
     truth = reference(x.cpu(), w.cpu(), dy.cpu(), off.cpu(), trans_w, torch.float64)
     same = reference(x, w, dy, off, trans_w, dtype)
@@ -376,19 +376,19 @@ def test_split_tail(monkeypatch, dtype, trans_w, waves):
 
 
 @pytest.mark.skipif(not is_hopper(), reason="the split last wave is the sm_90a kernel's")
-def test_split_tail_default_threshold(monkeypatch):
+def test_split_tail_default_threshold(tuning_env):
     """Unset, the last wave is split for reductions of 64 k blocks or more, in segments of 16 or
     more: fwd over K = 4096 (64 k blocks) splits its last wave of 2 tiles into 4 segments of 16
     (=1: 16 segments of 4); dgrad over N = 512 (8 k blocks) is not split."""
-    monkeypatch.setenv("MOE_GG_SM90_TILE", "256")
+    tuning_env("MOE_GG_SM90_TILE", "256")
     counts = tail_counts(SK_WAVES["one_wave_and_2"](sms()))
     x, w, dy, off = make_inputs(counts, 4096, 512, True, torch.bfloat16)
     runs = {}
     for sk in ("0", "1", None):
         if sk is None:
-            monkeypatch.delenv("MOE_GG_SM90_SPLIT_TAIL", raising=False)
+            tuning_env("MOE_GG_SM90_SPLIT_TAIL", None)
         else:
-            monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", sk)
+            tuning_env("MOE_GG_SM90_SPLIT_TAIL", sk)
         runs[sk] = run_ours(x, w, dy, off, True)
     assert not torch.equal(runs[None][0], runs["0"][0]), "fwd, 64 k blocks: not split by default"
     assert not torch.equal(runs[None][0], runs["1"][0]), "fwd: 16 segments by default"
@@ -397,11 +397,11 @@ def test_split_tail_default_threshold(monkeypatch):
 
 @pytest.mark.skipif(not is_hopper(), reason="the split last wave is the sm_90a kernel's")
 @pytest.mark.parametrize("trans_w", [False, True])
-def test_split_tail_cuda_graph(monkeypatch, trans_w):
+def test_split_tail_cuda_graph(tuning_env, trans_w):
     """The split wave's counters are zeroed on the stream each call: a captured forward and
     backward replayed with other counts (other splits) equals eager, bit for bit."""
-    monkeypatch.setenv("MOE_GG_SM90_TILE", "256")
-    monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", "1")
+    tuning_env("MOE_GG_SM90_TILE", "256")
+    tuning_env("MOE_GG_SM90_SPLIT_TAIL", "1")
     shapes = [tail_counts(f(sms())) for f in SK_WAVES.values()]
     R = max(sum(c) for c in shapes) + TAIL
 
@@ -475,11 +475,11 @@ GLU_SIZES = {"tails": (136, 200), "narrow": (64, 24), "unaligned_f": (72, 44)}
 
 
 @pytest.fixture(autouse=True)
-def sm90_glu_epilogue(request, monkeypatch):
+def sm90_glu_epilogue(request, tuning_env):
     """The sm90 fused epilogue is opt-in (MOE_GG_GLU_EPILOGUE=1; the op's default is the two
     kernels, which their own tests cover): the glu tests here exercise it."""
     if "glu" in request.node.name and "default_dispatch" not in request.node.name:
-        monkeypatch.setenv("MOE_GG_GLU_EPILOGUE", "1")
+        tuning_env("MOE_GG_GLU_EPILOGUE", "1")
 
 
 def glu_inputs(counts, H, F_, gated, dtype, trans_w=True, tail=TAIL, probs_dtype=torch.float32):
@@ -547,10 +547,10 @@ def test_glu_wide_dtypes_compose(dtype):
 @pytest.mark.parametrize("tile", ["128", "256"])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_glu_fused_both_tile_widths(monkeypatch, dtype, gated, tile):
+def test_glu_fused_both_tile_widths(tuning_env, dtype, gated, tile):
     """MOE_GG_SM90_TILE forces each tile width (the plain GEMM honours it too, so both sides
     use the same wgmma shape); reference-like sizes, many tiles, uneven counts."""
-    monkeypatch.setenv("MOE_GG_SM90_TILE", tile)
+    tuning_env("MOE_GG_SM90_TILE", tile)
     counts = [1100, 0, 37, 513, 2000, 1, 640, 250]
     x, w, off, probs = glu_inputs(counts, 512, 392, gated, dtype)
     with poisoned():
@@ -648,12 +648,12 @@ def test_glu_backward_equals_composition(gated, trans_w):
 
 @pytest.mark.skipif(not is_hopper(), reason="the split last wave is the sm_90a kernel's")
 @pytest.mark.parametrize("gated", [True, False])
-def test_glu_fused_declines_split_tail(monkeypatch, gated):
+def test_glu_fused_declines_split_tail(tuning_env, gated):
     """Where the plain GEMM may split its last wave (whose tiles cover other columns than the
     fused kernel's gate / linear pairs), the fused epilogue declines and the two kernels compose:
     a and h are the composition's bits, with a split (1.5 waves of tiles)."""
-    monkeypatch.setenv("MOE_GG_SM90_TILE", "256")
-    monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", "1")
+    tuning_env("MOE_GG_SM90_TILE", "256")
+    tuning_env("MOE_GG_SM90_SPLIT_TAIL", "1")
     g = sms()
     counts = tail_counts(SK_WAVES["one_and_a_half"](g))
     x, w, off, probs = glu_inputs(counts, 512, 256 if gated else 512, gated, torch.bfloat16)
@@ -662,7 +662,7 @@ def test_glu_fused_declines_split_tail(monkeypatch, gated):
         h_ref, a_ref = glu_composed(x, w, off, probs, "silu", gated, 0.0, None)
     assert_bits(a, a_ref, "a")
     assert_bits(h, h_ref, "h")
-    monkeypatch.setenv("MOE_GG_SM90_SPLIT_TAIL", "0")
+    tuning_env("MOE_GG_SM90_SPLIT_TAIL", "0")
     assert not torch.equal(ops.grouped_gemm(x, w, off, True), a), "the wave was not split"
 
 

@@ -90,11 +90,11 @@ def test_permute_cuda_unaligned_pointer_fallback():
 
 
 @pytest.fixture(params=["slots", "csr"])
-def gather_map(request, monkeypatch):
+def gather_map(request, tuning_env):
     """The map of the forward gathers (and of unpermute_bwd without probs): the slots table, or
-    the CSR of the backwards with probs when MOE_CORE_UNPERMUTE_SLOTS=0 (read at every call)."""
+    the CSR of the backwards with probs when MOE_CORE_UNPERMUTE_SLOTS=0."""
     if request.param == "csr":
-        monkeypatch.setenv("MOE_CORE_UNPERMUTE_SLOTS", "0")
+        tuning_env("MOE_CORE_UNPERMUTE_SLOTS", "0")
     return request.param
 
 

@@ -6,7 +6,7 @@ Megatron's weight layout: ours by default (A), ours under VAR=VALUE (B), and tor
 
 Two timings:
   turns (default)  each call is preceded by a sleep kernel so the host's launch work is hidden
-                   (the op reads its MOE_GG_* options at every call), the three run in turns,
+                   (setting the option and the core's reload of it too), the three run in turns,
                    median of ROUNDS. What one call costs on a card that is not yet power-capped.
   --sustained      each of the three back to back for about 0.8 s, twice in turns, with the SM
                    clock and board power sampled meanwhile (nvidia-smi, the last two thirds of
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-import moe_core  # noqa: F401  (registers the ops)
+import moe_core  # registers the ops
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))  # shapes, timing, bench_grouped_gemm
@@ -38,10 +38,14 @@ PRODS = ("fwd", "dgrad", "wgrad")
 
 
 class Env:
-    """Sets VAR to VALUE (on) or to what it was before (off)."""
+    """Sets the tuning switch VAR to VALUE (on) or to what it was before (off), and has the core
+    read it again (it reads its switches once: csrc/tuning.h)."""
 
     def __init__(self, assignment: str):
         self.var, _, self.val = assignment.partition("=")
+        if self.var not in moe_core.tuning.SWITCHES.values():
+            raise SystemExit(f"{self.var} is not a tuning switch: "
+                             f"{', '.join(moe_core.tuning.SWITCHES.values())}")
         self.old = os.environ.get(self.var)
 
     def set(self, on: bool):
@@ -50,6 +54,7 @@ class Env:
             os.environ.pop(self.var, None)
         else:
             os.environ[self.var] = val
+        moe_core.tuning.reload()
 
 
 def smi_sample():

@@ -118,18 +118,20 @@ class Params(ctypes.Structure):
 
 
 def build(out: str, src: str | None = None) -> None:
-    """Compiles the sm_90a library (common.c as C, the .cu with nvcc): the tree's
+    """Compiles the sm_90a library (common.c and tuning.c as C, the .cu with nvcc): the tree's
     grouped_gemm_sm90.cu, or src (a copy of another version, anywhere: its includes resolve
     against csrc/cuda)."""
     nvcc = os.environ.get("NVCC", "nvcc")
-    obj = out + ".common.o"
-    subprocess.check_call(["gcc", "-std=c11", "-O2", "-fPIC", "-c",
-                           os.path.join(ROOT, "csrc/common.c"), "-o", obj])
+    objs = []
+    for name in ("common", "tuning"):
+        objs.append(f"{out}.{name}.o")
+        subprocess.check_call(["gcc", "-std=c11", "-O2", "-fPIC", "-c",
+                               os.path.join(ROOT, f"csrc/{name}.c"), "-o", objs[-1]])
     subprocess.check_call([nvcc, "-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-O3",
                            "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
                            "-I" + os.path.join(ROOT, "csrc"),
                            "-I" + os.path.join(ROOT, "csrc/cuda"),
-                           src or os.path.join(ROOT, "csrc/cuda/grouped_gemm_sm90.cu"), obj,
+                           src or os.path.join(ROOT, "csrc/cuda/grouped_gemm_sm90.cu"), *objs,
                            "-o", out]
                           # a hung mbarrier wait traps instead (serialises wgmma: checks only)
                           + (["-DGG_SM90_WATCHDOG"] if os.environ.get("GG_WATCHDOG") else []))
@@ -159,6 +161,16 @@ class GG:
                                                   ctypes.c_size_t, ctypes.c_void_p]
         lib.moe_last_error.restype = ctypes.c_char_p
         lib.moe_cuda_gg_sm90_compiled.restype = ctypes.c_int
+        lib.moe_tuning_reload.restype = None
+
+    def setenv(self, name: str, value: str | None) -> None:
+        """Sets (None: unsets) a tuning switch, MOE_GG_SM90_*, and has the library read it: the
+        core reads its switches once (csrc/tuning.h)."""
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+        self.lib.moe_tuning_reload()
 
     def call(self, op: str, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              offs: torch.Tensor, e: int, k: int, n: int, trans_w: int) -> int:
@@ -287,15 +299,15 @@ def correctness(gg: GG) -> int:
                 # wgrad's stage depth (32 or 64 expert rows) forced both ways; fwd / dgrad
                 # ignore it, so the second pass checks their reruns too
                 for bk in WGRAD_BKS:
-                    os.environ["MOE_GG_SM90_TILE"] = bn
-                    os.environ["MOE_GG_SM90_WGRAD_BK"] = bk
+                    gg.setenv("MOE_GG_SM90_TILE", bn)
+                    gg.setenv("MOE_GG_SM90_WGRAD_BK", bk)
                     f = check_case(gg, counts, extra, k, n, dtype, odt, gen)
                     for line in f[:6]:  # as found: a trap later in the run loses nothing
                         print(f"FAIL [tile={bn} bk={bk}] {line}", flush=True)
                     fails += [f"[tile={bn} bk={bk}] " + s for s in f]
                     n_run += 6
-    os.environ.pop("MOE_GG_SM90_TILE", None)
-    os.environ.pop("MOE_GG_SM90_WGRAD_BK", None)
+    gg.setenv("MOE_GG_SM90_TILE", None)
+    gg.setenv("MOE_GG_SM90_WGRAD_BK", None)
     # a problem the kernels do not take must be refused without touching the output
     x = torch.randn(16, 12, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2, 8, 12, device="cuda", dtype=torch.bfloat16)
@@ -343,10 +355,7 @@ def bench(gg: GG, only: list[str] | None) -> list[str]:
 
             def ours(op: str, out, a, b, tile: str | None = None):
                 def fn() -> None:
-                    if tile:
-                        os.environ["MOE_GG_SM90_TILE"] = tile
-                    else:
-                        os.environ.pop("MOE_GG_SM90_TILE", None)
+                    gg.setenv("MOE_GG_SM90_TILE", tile)
                     gg.run(op, out, a, b, offs64, e, k, n, 1)
                 return fn
 
@@ -365,7 +374,7 @@ def bench(gg: GG, only: list[str] | None) -> list[str]:
                 "t_wgrad": lambda: torch._grouped_mm(dy.t(), x, offs=offs32),
             }
             res = time_round_robin(fns)
-            os.environ.pop("MOE_GG_SM90_TILE", None)
+            gg.setenv("MOE_GG_SM90_TILE", None)
             # sanity: ours vs torch on this shape
             gg.run("fwd", y, x, w, offs64, e, k, n, 1)
             yt = torch._grouped_mm(x, wt, offs=offs32)

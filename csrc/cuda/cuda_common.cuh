@@ -11,6 +11,7 @@
 #include <stdlib.h>
 
 #include "../common.h"
+#include "../tuning.h"
 
 #define MOE_CHECK_LAUNCH(name)                                                          \
     do {                                                                                \
@@ -35,8 +36,8 @@ static inline unsigned moe_blocks_for(int64_t n, int64_t threads) {
  * moe_pdl_trigger() first, so the next one is launched as early as possible; that is safe because
  * the next one still waits for the whole grid. The first kernel of an op is launched normally,
  * which orders the chain after the op's inputs; the launch gaps between the rest disappear.
- * Without the attribute (before sm_90, or with MOE_CORE_PDL=0 in the environment) the two
- * instructions do nothing and the launches are ordinary. */
+ * Without the attribute (before sm_90, or with the pdl switch off: MOE_CORE_PDL=0, tuning.h)
+ * the two instructions do nothing and the launches are ordinary. */
 __device__ __forceinline__ void moe_pdl_wait(void) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -50,15 +51,11 @@ __device__ __forceinline__ void moe_pdl_trigger(void) {
 }
 
 /* Whether the current device takes programmatic launches (compute capability >= 9), asked once
- * per device: a host-side attribute query, nothing on the stream. */
+ * per device: a host-side attribute query, nothing on the stream. The pdl switch (tuning.h)
+ * turns them off everywhere. */
 static inline int moe_pdl_enabled(void) {
     static int by_device[64]; /* 0: not asked yet, 1: no, 2: yes (racing writers agree) */
-    static int env = -1;
-    if (env < 0) {
-        const char *v = getenv("MOE_CORE_PDL");
-        env = !(v != NULL && v[0] == '0');
-    }
-    if (!env) return 0;
+    if (!moe_tuning_get().pdl) return 0;
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
         cudaGetLastError(); /* a failed query is not the next launch's error */

@@ -676,14 +676,10 @@ extern "C" moe_status_t moe_cuda_grouped_gemm_wgrad(void *grad_weight, const voi
 /* fc1 fused with glu_probs. The two existing kernels run back to back on the stream, so every
  * device has the op and every path gives the composition's bits. On Hopper the sm90 kernel can
  * instead compute h in its epilogue from the tile it has just rounded (one pass over a instead
- * of a write and a re-read), but only when MOE_GG_GLU_EPILOGUE=1: measured on the H200
- * (2026-12-02) it is 0.64-0.83x the two kernels, because the activation's fp64 element math
- * then runs inside the GEMM's epilogue, where nothing overlaps it, instead of in a pass spread
- * over every SM. */
-static int glu_epilogue_wanted(void) {
-    const char *env = getenv("MOE_GG_GLU_EPILOGUE");
-    return env != NULL && env[0] == '1';
-}
+ * of a write and a re-read), but only with the gg_glu_epilogue switch on (tuning.h): measured
+ * on the H200 (2026-12-02) it is 0.64-0.83x the two kernels, because the activation's fp64
+ * element math then runs inside the GEMM's epilogue, where nothing overlaps it, instead of in a
+ * pass spread over every SM. */
 
 extern "C" moe_status_t moe_cuda_grouped_gemm_glu_probs_fwd(
     void *h, void *a, const void *x, const void *weight, const int64_t *expert_offsets,
@@ -695,7 +691,7 @@ extern "C" moe_status_t moe_cuda_grouped_gemm_glu_probs_fwd(
     MOE_TRY(check_common(expert_offsets, params, workspace, workspace_bytes));
     if (params->num_rows == 0) return MOE_OK;
     MOE_CHECK(params->in_features == 0 || (x && weight), "x and weight must not be NULL");
-    if (glu_epilogue_wanted())
+    if (moe_tuning_get().gg_glu_epilogue)
         GG_TRY_SM90(moe_cuda_gg_sm90_glu_probs_fwd, h, a, x, weight, expert_offsets, probs,
                     probs_dtype, params, glu, workspace, workspace_bytes, stream);
     MOE_TRY(moe_cuda_grouped_gemm_fwd(a, x, weight, expert_offsets, params, workspace,

@@ -1034,21 +1034,21 @@ extern "C" int moe_cuda_gg_sm90_compiled(void) {
 }
 
 /* The split last wave (gg_sched_make): reductions of at least GG_SK_MIN_ITERS k blocks (shorter
- * tiles make a short last wave), segments of at least GG_SK_MIN_SEG. MOE_GG_SM90_SPLIT_TAIL=0
- * turns it off, =1 on at every length with segments down to one k block (tests, benchmarks). */
+ * tiles make a short last wave), segments of at least GG_SK_MIN_SEG. The gg_split_tail switch
+ * (tuning.h) turns it off, or on at every length with segments down to one k block (tests). */
 #define GG_SK_MIN_ITERS 64
 #define GG_SK_MIN_SEG 16
-static void gg_sk_options(int *min_iters, int *min_seg) {
-    const char *env = getenv("MOE_GG_SM90_SPLIT_TAIL");
+static void gg_sk_options(int split_tail, int *min_iters, int *min_seg) {
     *min_iters = GG_SK_MIN_ITERS, *min_seg = GG_SK_MIN_SEG;
-    if (env && env[0] == '0' && env[1] == 0) *min_iters = -1;
-    if (env && env[0] == '1' && env[1] == 0) *min_iters = 1, *min_seg = 1;
+    if (split_tail == MOE_TUNING_SPLIT_NEVER) *min_iters = -1;
+    if (split_tail == MOE_TUNING_SPLIT_ALWAYS) *min_iters = 1, *min_seg = 1;
 }
 
-/* 1 when a fwd/dgrad over `red` reduction elements may split its last wave (into >= 2 segments) */
-static int gg_sk_may_split(int64_t red) {
+/* 1 when a fwd/dgrad over `red` reduction elements may split its last wave (into >= 2 segments)
+ * under the split_tail setting */
+static int gg_sk_may_split(int split_tail, int64_t red) {
     int min_iters, min_seg;
-    gg_sk_options(&min_iters, &min_seg);
+    gg_sk_options(split_tail, &min_iters, &min_seg);
     const int64_t iters = (red + GG_BK - 1) / GG_BK;
     return min_iters >= 0 && iters >= min_iters && iters / min_seg >= 2;
 }
@@ -1061,12 +1061,8 @@ static size_t gg_sk_bytes(int64_t G, int bn) {
 }
 
 /* wgrad's expert maps (gg_sm90_expert_maps_kernel): two per expert, 128-byte aligned inside the
- * workspace. MOE_GG_SM90_EXPERT_MAPS=0 turns them off (tests, benchmarks). */
+ * workspace. The gg_expert_maps switch (tuning.h) turns them off (tests, benchmarks). */
 static size_t gg_xmap_bytes(int64_t E) { return (size_t)E * 2 * sizeof(CUtensorMap) + 128; }
-static int gg_xmap_on(void) {
-    const char *env = getenv("MOE_GG_SM90_EXPERT_MAPS");
-    return !(env && env[0] == '0' && env[1] == 0);
-}
 
 extern "C" size_t moe_cuda_gg_sm90_workspace_size(const moe_grouped_gemm_params_t *p) {
     if (!p || (p->dtype != MOE_DTYPE_BF16 && p->dtype != MOE_DTYPE_FP16)) return 0;
@@ -1079,9 +1075,13 @@ extern "C" size_t moe_cuda_gg_sm90_workspace_size(const moe_grouped_gemm_params_
         return 0;
     }
     if (major != 9) return 0;
-    /* fwd reduces over K, dgrad over N; wgrad takes the expert maps */
+    /* fwd reduces over K, dgrad over N; wgrad takes the expert maps. The split wave's room is
+     * there whenever some setting of the switch could split (MOE_TUNING_SPLIT_ALWAYS, the widest),
+     * so the size does not depend on the environment. */
     const size_t x = gg_xmap_bytes(p->num_experts);
-    if (!gg_sk_may_split(p->in_features) && !gg_sk_may_split(p->out_features)) return x;
+    if (!gg_sk_may_split(MOE_TUNING_SPLIT_ALWAYS, p->in_features) &&
+        !gg_sk_may_split(MOE_TUNING_SPLIT_ALWAYS, p->out_features))
+        return x;
     const size_t sk = gg_sk_bytes(sms, 256);
     return sk > x ? sk : x;
 }
@@ -1108,21 +1108,19 @@ typedef struct gg_fuse {
 
 /* Tile width BN: 128 x 256 tiles measured best on every reference shape (H200; notes in
  * tools/gg_sm90_check.py); 128 x 128 when the output is narrow or 256-wide tiles would
- * leave SMs idle. MOE_GG_SM90_TILE=128|256 forces one (benchmarks). */
-static int gg_choose_bn(int64_t n_out, int64_t tiles_256, int sms) {
-    const char *env = getenv("MOE_GG_SM90_TILE");
-    if (env && (atoi(env) == 128 || atoi(env) == 256)) return atoi(env);
+ * leave SMs idle. The gg_tile switch (tuning.h) forces one (tests, benchmarks). */
+static int gg_choose_bn(int forced, int64_t n_out, int64_t tiles_256, int sms) {
+    if (forced == 128 || forced == 256) return forced;
     if (n_out <= 128) return 128;
     if (tiles_256 < sms) return 128;
     return 256;
 }
 
 /* wgrad's reduction per stage: 32 rows when the experts average at most GG_SHORT_ROWS rows (the
- * mean, num_rows / E, is known on the host; the offsets are not read), else 64.
- * MOE_GG_SM90_WGRAD_BK=32|64 forces one (tests, benchmarks). */
-static int gg_wgrad_bk(int64_t rows, int64_t E) {
-    const char *env = getenv("MOE_GG_SM90_WGRAD_BK");
-    if (env && (atoi(env) == GG_BK_SHORT || atoi(env) == GG_BK)) return atoi(env);
+ * mean, num_rows / E, is known on the host; the offsets are not read), else 64. The gg_wgrad_bk
+ * switch (tuning.h) forces one (tests, benchmarks). */
+static int gg_wgrad_bk(int forced, int64_t rows, int64_t E) {
+    if (forced == GG_BK_SHORT || forced == GG_BK) return forced;
     return rows <= GG_SHORT_ROWS * E ? GG_BK_SHORT : GG_BK;
 }
 
@@ -1132,6 +1130,7 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
                                 void *stream) {
     moe_clear_error();
     if (!p) return MOE_ERR_UNSUPPORTED;
+    const moe_tuning_t tune = moe_tuning_get();
     const moe_dtype_t dt = p->dtype, odt = p->out_dtype;
     if (dt != MOE_DTYPE_BF16 && dt != MOE_DTYPE_FP16) return MOE_ERR_UNSUPPORTED;
     if (odt != MOE_DTYPE_BF16 && odt != MOE_DTYPE_FP16 && odt != MOE_DTYPE_FP32)
@@ -1156,7 +1155,7 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         if (op != GG_FWD || !tw || odt != dt || !fuse->glu || !fuse->h) return MOE_ERR_UNSUPPORTED;
         /* a is the plain GEMM's bits: where that may split its last wave, whose tiles cover other
          * columns than the fused kernel's ([gate | linear] pairs), the two kernels compose */
-        if (gg_sk_may_split(K)) return MOE_ERR_UNSUPPORTED;
+        if (gg_sk_may_split(tune.gg_split_tail, K)) return MOE_ERR_UNSUPPORTED;
         fuse_mode = fuse->glu->gated_linear_unit ? GG_FUSE_GLU : GG_FUSE_ACT;
         ffn = fuse_mode == GG_FUSE_GLU ? N / 2 : N;
         if (fuse_mode == GG_FUSE_GLU && N % 2) return MOE_ERR_UNSUPPORTED;
@@ -1201,7 +1200,7 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
     else
         tiles_256 = (rows / GG_BM + E) * n_tiles_256; /* upper bound */
     /* the fused op picks the tile the plain fc1 GEMM would: same wgmma shape, same bits of a */
-    const int bn = gg_choose_bn(n_out, tiles_256, sms);
+    const int bn = gg_choose_bn(tune.gg_tile, n_out, tiles_256, sms);
     /* GLU: a tile covers BN/2 gate columns and their BN/2 linear partners */
     const int64_t n_tiles =
         fuse_mode == GG_FUSE_GLU ? (ffn + bn / 2 - 1) / (bn / 2) : (n_out + bn - 1) / bn;
@@ -1210,7 +1209,7 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         op == GG_WGRAD ? E * m_tiles_static * n_tiles : (rows / GG_BM + E) * n_tiles;
     if (tiles_bound >= ((int64_t)1 << 31) - 65536) return MOE_ERR_UNSUPPORTED;
 
-    const int bk = op == GG_WGRAD ? gg_wgrad_bk(rows, E) : GG_BK;
+    const int bk = op == GG_WGRAD ? gg_wgrad_bk(tune.gg_wgrad_bk, rows, E) : GG_BK;
     CUtensorMap map_a, map_b;
     int ok;
     if (op == GG_WGRAD) {
@@ -1273,7 +1272,7 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
     }
     /* the split last wave (fwd/dgrad): a CTA per SM, since with fewer tiles than SMs the idle
      * ones take segments too */
-    const int sk_ok = op != GG_WGRAD && gg_sk_may_split(red) && workspace &&
+    const int sk_ok = op != GG_WGRAD && gg_sk_may_split(tune.gg_split_tail, red) && workspace &&
                       workspace_bytes >= gg_sk_bytes(sms, bn);
     const int grid = sk_ok ? sms : (int)(tiles_bound < sms ? tiles_bound : sms);
     cudaStream_t s = (cudaStream_t)stream;
@@ -1281,7 +1280,7 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
     args.sk_part = NULL;
     args.ex_maps = NULL;
     if (op == GG_WGRAD && grid > 0 && workspace && workspace_bytes >= gg_xmap_bytes(E) &&
-        gg_xmap_on()) {
+        tune.gg_expert_maps) {
         CUtensorMap *maps = (CUtensorMap *)(((uintptr_t)workspace + 127) & ~(uintptr_t)127);
         gg_sm90_expert_maps_kernel<<<(unsigned)((E + 127) / 128), 128, 0, s>>>(
             maps, map_a, map_b, offsets, (int)E, rows, (const uint8_t *)a_ptr, a_cols * 2,
@@ -1290,7 +1289,7 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         args.ex_maps = maps;
     }
     int sk_min_iters;
-    gg_sk_options(&sk_min_iters, &args.sk_min_seg);
+    gg_sk_options(tune.gg_split_tail, &sk_min_iters, &args.sk_min_seg);
     if (sk_ok) {
         args.sk_sync = (int *)workspace;
         args.sk_part = (float *)((char *)workspace + gg_sk_sync_bytes(grid));

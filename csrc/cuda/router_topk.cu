@@ -1102,11 +1102,11 @@ static moe_topk_fwd_lanes_fn fwd_lanes_kernel(int vpl, int score_function) {
 /* Lanes per group for the lanes kernel (0 without groups), or -1 where it does not apply: rows
  * of up to 32 experts (one per lane: both layouts are the same and k rounds cost less than the
  * threshold), rows wider than 256 (VPL = 16 spills), topk above 127, or groups that are not
- * whole power-of-two runs of lanes. MOE_CORE_ROUTER_LANES=0 (read at every call) keeps the
- * strided kernel, for A/B timing. */
+ * whole power-of-two runs of lanes. The router_lanes switch (tuning.h) off keeps the strided
+ * kernel, so the tests can run it on every width. */
 static int lanes_seg(const moe_topk_ctx_t *c, int vpl) {
-    const char *env = getenv("MOE_CORE_ROUTER_LANES");
-    if ((env && env[0] == '0') || vpl < 2 || vpl > 8 || c->topk > 127) return -1; /* int8 ranks */
+    if (!moe_tuning_get().router_lanes || vpl < 2 || vpl > 8 || c->topk > 127)
+        return -1; /* topk > 127: the lanes kernel's ranks are int8 */
     if (c->num_groups == 0) return 0;
     if (c->per_group % vpl != 0) return -1;
     const int64_t s = c->per_group / vpl;

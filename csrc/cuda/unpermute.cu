@@ -230,12 +230,11 @@ __global__ void moe_token_slots_kernel(int64_t *count, int64_t *slot, int64_t *o
 }
 
 /* Whether the forward gathers (and unpermute_bwd without probs) take the slots: always, unless
- * MOE_CORE_UNPERMUTE_SLOTS=0 is in the environment (read per call), which keeps them on the CSR,
- * the backwards' map, for A/B timing; the tests run both. T = 0 has nothing to gather. */
+ * the unpermute_slots switch (tuning.h) is off, which keeps them on the CSR, the backwards' map,
+ * so the tests can run both. T = 0 has nothing to gather. */
 static int use_slots(int64_t T) {
-    const char *v = getenv("MOE_CORE_UNPERMUTE_SLOTS");
     /* (the copy kernel's grid is T + MOE_OVF_BLOCKS blocks: T just below 2^31 keeps the CSR) */
-    return T > 0 && T <= 0x7fffffffLL - 1024 && !(v != NULL && v[0] == '0');
+    return T > 0 && T <= 0x7fffffffLL - 1024 && moe_tuning_get().unpermute_slots;
 }
 
 static moe_status_t build_token_slots(token_slots_t *m, void *workspace, size_t workspace_bytes,

@@ -5,6 +5,16 @@
 
 #include "common.h"
 #include "ctest.h"
+#include "tuning.h"
+
+/* MOE_CORE_GEMM_KERNEL set to `value` (NULL: unset), read again by the core */
+static void set_gemm_kernel(const char *value) {
+    if (value)
+        setenv("MOE_CORE_GEMM_KERNEL", value, 1);
+    else
+        unsetenv("MOE_CORE_GEMM_KERNEL");
+    moe_tuning_reload();
+}
 
 static moe_grouped_gemm_params_t gg_params(int64_t rows, int64_t E, int64_t K, int64_t N, int trans,
                                            moe_dtype_t dt, moe_dtype_t out_dt) {
@@ -132,10 +142,29 @@ static void test_grouped_gemm_one_expert_holds_all(void) {
 
 static void test_grouped_gemm_generic_kernel(void) {
     static const int64_t counts[3] = {5, 0, 140};
-    setenv("MOE_CORE_GEMM_KERNEL", "generic", 1);
+    set_gemm_kernel("generic");
+    CHECK(moe_tuning_get().cpu_gemm_kernel == MOE_TUNING_GEMM_GENERIC, "switch not read");
     check_case(counts, 3, 130, 40, 0, MOE_DTYPE_FP32, MOE_DTYPE_FP32, 31);
     check_case(counts, 3, 40, 130, 1, MOE_DTYPE_FP16, MOE_DTYPE_FP16, 32);
-    unsetenv("MOE_CORE_GEMM_KERNEL");
+    set_gemm_kernel(NULL);
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    /* the switch takes effect: where the default is the AVX-512 FMA kernel, the portable loop's
+     * separate multiply and add round differently somewhere over 140 x 40 sums of 130 terms */
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f")) return;
+    const int64_t off[4] = {0, 5, 5, 145}, R = 145, K = 130, N = 40;
+    unsigned long long s = 33;
+    void *x = rand_buf(&s, MOE_DTYPE_FP32, R * K), *w = rand_buf(&s, MOE_DTYPE_FP32, 3 * K * N);
+    float *y[2] = {malloc(sizeof(float) * R * N), malloc(sizeof(float) * R * N)};
+    moe_grouped_gemm_params_t p = gg_params(R, 3, K, N, 0, MOE_DTYPE_FP32, MOE_DTYPE_FP32);
+    for (int v = 0; v < 2; ++v) {
+        set_gemm_kernel(v ? "generic" : NULL);
+        CHECK(gg_call(0, y[v], x, w, off, &p) == MOE_OK, "%s", moe_last_error());
+    }
+    set_gemm_kernel(NULL);
+    CHECK(memcmp(y[0], y[1], sizeof(float) * R * N) != 0, "generic gave the FMA kernel's bits");
+    free(x), free(w), free(y[0]), free(y[1]);
+#endif
 }
 
 /* bf16 through AVX512_BF16's pair dot product equals the fp32 FMA kernel bit for bit (same
@@ -154,13 +183,13 @@ static void test_grouped_gemm_bf16_pairs_match_fma(void) {
         moe_grouped_gemm_params_t p = gg_params(R, E, K, N, trans, MOE_DTYPE_BF16, MOE_DTYPE_FP32);
         float *out[2][3];
         for (int v = 0; v < 2; ++v) {
-            if (v) setenv("MOE_CORE_GEMM_KERNEL", "avx512", 1);
+            if (v) set_gemm_kernel("avx512");
             out[v][0] = malloc(sizeof(float) * R * N), out[v][1] = malloc(sizeof(float) * R * K);
             out[v][2] = malloc(sizeof(float) * E * K * N);
             CHECK(gg_call(0, out[v][0], x, w, off, &p) == MOE_OK, "%s", moe_last_error());
             CHECK(gg_call(1, out[v][1], dy, w, off, &p) == MOE_OK, "%s", moe_last_error());
             CHECK(gg_call(2, out[v][2], x, dy, off, &p) == MOE_OK, "%s", moe_last_error());
-            if (v) unsetenv("MOE_CORE_GEMM_KERNEL");
+            if (v) set_gemm_kernel(NULL);
         }
         CHECK(memcmp(out[0][0], out[1][0], sizeof(float) * R * N) == 0, "fwd trans %d", trans);
         CHECK(memcmp(out[0][1], out[1][1], sizeof(float) * R * K) == 0, "dgrad trans %d", trans);
@@ -256,9 +285,9 @@ static void test_grouped_gemm_conversions_exact(void) {
         moe_dtype_t dt = b ? MOE_DTYPE_BF16 : MOE_DTYPE_FP16;
         moe_grouped_gemm_params_t p = gg_params(R, 1, 1, 1, 0, dt, MOE_DTYPE_FP32);
         /* the widening path (the AVX512_BF16 path flushes bf16 subnormals, as documented) */
-        setenv("MOE_CORE_GEMM_KERNEL", "avx512", 1);
+        set_gemm_kernel("avx512");
         CHECK(gg_call(0, y, h, &one16[b], off, &p) == MOE_OK, "%s", moe_last_error());
-        unsetenv("MOE_CORE_GEMM_KERNEL");
+        set_gemm_kernel(NULL);
         int bad = 0;
         for (int64_t i = 0; i < R && bad < 3; ++i) {
             float want = b ? moe_bf16_to_float(h[i]) : moe_fp16_to_float(h[i]);

@@ -21,6 +21,7 @@ void ctest_register_balancing(void);
 void ctest_register_grouped_gemm(void);
 void ctest_register_exp_poly(void);
 void ctest_register_overflow(void);
+void ctest_register_tuning(void);
 
 int main(void) {
     ctest_register_common();
@@ -30,6 +31,7 @@ int main(void) {
     ctest_register_grouped_gemm();
     ctest_register_exp_poly();
     ctest_register_overflow();
+    ctest_register_tuning();
     int passed = 0, failed = 0;
     for (int i = 0; i < num_cases; ++i) {
         int before = ctest_failures;
