@@ -1,7 +1,7 @@
 """Expert-parallel MoE layer: ours vs Megatron-Core's MoELayer (alltoall dispatcher), same run.
 
 Launched with torchrun (EP = world size, one process a GPU) or as plain python (a world of one).
-Per mode (dropless; drop-and-pad at capacity factor 1.0) and reference shape (shared/DESIGN.md,
+Per mode (dropless; drop-and-pad at capacity factor 1.0) and reference shape (docs/design.md,
 tokens per rank), on every rank:
 
 * the whole layer, forward + backward and forward alone: ours at EP = N (``MoELayer(config,
@@ -24,7 +24,7 @@ tokens per rank), on every rank:
   over its time. At EP = 1 ours runs with its collectives forced, Megatron's all-to-all is a
   no-op there.
 
-Method (shared/DESIGN.md, METHOD.md): random inputs (a different seed per rank, two input sets
+Method (docs/design.md): random inputs (a different seed per rank, two input sets
 rotated), the variants timed in interleaved rounds (one call of each per round: ours, Megatron,
 ours, ...) after a warm-up, each call bracketed by CUDA events and waited for before the next,
 median over the rounds, then the maximum of the ranks' medians. Gradients are freed after every

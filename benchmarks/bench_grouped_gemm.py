@@ -1,11 +1,11 @@
 """Grouped expert GEMM on one GPU: ours vs torch._grouped_mm vs a per-expert torch.mm loop.
 
-For fc1 ([H -> 2*ffn], SwiGLU) and fc2 ([ffn -> H]) of the three reference layers of DESIGN.md,
+For fc1 ([H -> 2*ffn], SwiGLU) and fc2 ([ffn -> H]) of the three reference layers of docs/design.md,
 with rows = tokens * topk spread over the experts by a random top-k routing, in bf16 with the
 Megatron weight layout ([E, N, K], trans_w=True): forward, dgrad and wgrad. The dense bf16 matmul
 ceiling (torch.mm, 8192^3) is measured in the same run.
 
-Method (METHOD.md): CUDA events around each call, warm-up first, median of REPS, the variants of
+Method (docs/design.md): CUDA events around each call, warm-up first, median of REPS, the variants of
 a product timed in turns (one call of each per round: the clock drifts under load); random data,
 never zeros; every output checked against torch._grouped_mm (or the loop) by relative Frobenius
 error before it is timed. Printed per shape and product: ms, TFLOP/s, speed ratio vs grouped_mm

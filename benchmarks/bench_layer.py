@@ -1,7 +1,7 @@
 """The whole MoE layer on one device, forward + backward: ours (eager and compiled) vs
 Megatron-Core's MoELayer vs a plain-PyTorch layer under torch.compile, same weights and inputs.
 
-Per reference shape (shared/DESIGN.md: mixtral, qwen3_30b_a3b, dsv3_like; bf16 parameters and
+Per reference shape (docs/design.md: mixtral, qwen3_30b_a3b, dsv3_like; bf16 parameters and
 activations, fp32 router, dropless; dsv3_like: sigmoid scores, 8 groups, group_topk 4, expert bias,
 scaling 2.5, one shared expert of 2048, seq_aux_loss; the others: softmax, aux_loss), variants:
 

@@ -1,6 +1,6 @@
 """Op benchmark: each moe-core CUDA op vs megatron-core's own function, same GPU, same run.
 
-For the reference shapes of shared/DESIGN.md (plus dsv3 at T=16384), times every op of the
+For the reference shapes of docs/design.md (plus dsv3 at T=16384), times every op of the
 routing and token-layout path with CUDA events (warm-up, median of many, inputs rotated through
 copies larger than L2 so no run reads a warm cache), after measuring the device-to-device copy
 bandwidth. Per op and shape it prints: our time, Megatron-Core's, the speed-up, the bytes the op

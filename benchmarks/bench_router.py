@@ -1,6 +1,6 @@
 """Router benchmark: moe-core's routing vs megatron-core's unfused routing, same device, same run.
 
-For each reference shape (DESIGN.md), times the forward and forward+backward of
+For each reference shape (docs/design.md), times the forward and forward+backward of
 topk_routing_with_score_function (dense [T, E] output, as Megatron's router uses it), reports the
 time, the bytes it must move at least (read the fp32 logits, write the [T, E] probs and map), the
 achieved bandwidth against the device-to-device copy bandwidth measured first, and the speed-up

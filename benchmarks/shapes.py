@@ -1,6 +1,6 @@
 """The shapes every benchmark and tool runs at, defined once.
 
-The reference layers (shared/DESIGN.md): bf16 parameters and activations, fp32 router, SwiGLU
+The reference layers (docs/design.md): bf16 parameters and activations, fp32 router, SwiGLU
 experts. ``Shape.router`` holds the extra MoE config fields (Megatron's TransformerConfig names)
 that set each layer's routing; :func:`routing_options` turns them into the keyword arguments of
 ``topk_routing_with_score_function`` (ours and Megatron-Core's), as the op benchmarks call it.

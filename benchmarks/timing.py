@@ -16,7 +16,7 @@
     copy_bandwidth(dev, iters)              device-to-device copy bytes/s
     dense_ceiling(dev, reps, ...)           TFLOP/s of a square bf16 torch.mm
 
-Method (shared/DESIGN.md, METHOD.md): warm-up first; variants that are compared run in turns
+Method (docs/design.md): warm-up first; variants that are compared run in turns
 (the clock drifts under load, so timing one after another favours whichever ran first); every
 timed call is waited for before the next; medians.
 """

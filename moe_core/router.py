@@ -3,12 +3,12 @@
 forward(hidden [S, B, H] or [T, H], padding_mask) -> (probs [T, E], routing_map [T, E] bool):
 input jitter -> gating linear (router dtype) -> top-k routing (or Sinkhorn) -> capacity dropping
 -> z-loss and aux losses attached to the probs -> expert-bias counting. The same formulas and
-switches as Megatron's TopKRouter (megatron-moe-spec §2), at a world size of 1 (tensor, context
+switches as Megatron's TopKRouter (docs/design.md), at a world size of 1 (tensor, context
 and data parallel groups of one), plus the routing rules of moe_core.config's fields Megatron
 lacks (``moe_router_norm_topk_prob``, ``moe_router_group_score_topk``, a softmax-pre expert
-bias, the layer-wide input jitter of ``moe_input_jitter_mode="layer"``). One fused op reads the logits once for the routing, the
-aux-loss scores and the z-loss's logsumexp (Megatron makes three passes; Sinkhorn routing keeps
-them separate); the losses and gradients are the separate ops' (tests/test_router_fused_losses.py).
+bias, the layer-wide input jitter of ``moe_input_jitter_mode="layer"``). One fused op reads the
+logits once for the routing, the aux-loss scores and the z-loss's logsumexp (Megatron makes three
+passes; Sinkhorn routing keeps them separate); the losses and gradients are the separate ops' (tests/test_router_fused_losses.py).
 
 Aux-loss gradients reach the parameters through MoEAuxLossAutoScaler (no extra backward). The
 scale they are multiplied by is ``self.aux_loss_scale`` when set (an AuxLossScale holder, e.g.

@@ -1,10 +1,10 @@
 """Build megatron-core's real MoELayer on the CPU at world size 1, for layer-level parity tests.
 
-What it takes (megatron-moe-spec §3): a gloo process group of one and
-``initialize_model_parallel(1, 1)``; ``Router.gating`` patched so it does not move the weights to
-CUDA; buffers that Megatron creates with ``device=torch.cuda.current_device()`` (expert bias,
-global aux loss) created on the CPU instead; the torch.compile'd ``_apply_expert_bias`` run
-eagerly. Nothing else of Megatron is changed: routing, dispatch (allgather), experts
+What it takes (docs/design.md, "Running Megatron-Core as the oracle"): a gloo process group of
+one and ``initialize_model_parallel(1, 1)``; ``Router.gating`` patched so it does not move the
+weights to CUDA; buffers that Megatron creates with ``device=torch.cuda.current_device()``
+(expert bias, global aux loss) created on the CPU instead; the torch.compile'd
+``_apply_expert_bias`` run eagerly. Nothing else of Megatron is changed: routing, dispatch (allgather), experts
 (SequentialMLP, the local spec) and combine are its own code.
 """
 import contextlib

@@ -13,8 +13,8 @@ single GPU we can then check, bit for bit:
   the collectives run (NCCL, ``dispatcher.exchange = True``) and skipped (the dispatcher's
   default at one rank). At one rank every exchange is the identity and each expert sees the
   same rows with the same offsets, so the grouped GEMMs run the same schedule (the Hopper split
-  of a partial last wave is switched off all the same, MOE_GG_SM90_SPLIT_TAIL=0, as
-  ep-spec.md's bitwise tests do);
+  of a partial last wave is switched off all the same, MOE_GG_SM90_SPLIT_TAIL=0, as the
+  bitwise EP tests do: docs/design.md, "Expert parallelism");
 * (b) drop-and-pad all-to-all under ``torch.compile(fullgraph=True)``, forward and backward,
   equals eager (aot_eager and inductor);
 * (c) drop-and-pad all-to-all, forward and backward, captured in one CUDA graph (NCCL

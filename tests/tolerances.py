@@ -1,6 +1,6 @@
 """Float tolerances derived from the dtype, not tuned per test.
 
-Two rules, as DESIGN.md says:
+Two rules (docs/design.md, "Tolerances"):
 * ``assert_close_ulps``: |ours - ref| <= n_ulps * eps(dtype) * max(|ref|, floor) elementwise, where
   n_ulps is the number of roundings the op does that its reference may do differently.
 * ``assert_error_at_most``: our error against an fp64 truth is at most ``factor`` x the error of
