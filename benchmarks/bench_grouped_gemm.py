@@ -11,11 +11,10 @@ never zeros; every output checked against torch._grouped_mm (or the loop) by rel
 error before it is timed. Printed per shape and product: ms, TFLOP/s, speed ratio vs grouped_mm
 and vs the loop (> 1: ours is faster), % of the dense ceiling; a short table last.
 
-Extra row set, per layer: fc1 with SwiGLU and the router probs, forward only —
-ours fused (grouped_gemm_glu_probs with MOE_GG_GLU_EPILOGUE=1: the activation in the sm90 GEMM's
-epilogue; the op's default is the two kernels) vs ours unfused
-(grouped_gemm, then glu_probs) vs torch (torch._grouped_mm, then F.silu(g) * l * p in torch ops).
-The fused output must equal the unfused one bit for bit (asserted before timing).
+Extra row set, per layer: fc1 with SwiGLU and the router probs, forward only — ours (the one op
+grouped_gemm_glu_probs: the grouped GEMM, then the glu_probs kernel) vs torch (torch._grouped_mm,
+then F.silu(g) * l * p in torch ops). The op's output must equal grouped_gemm then glu_probs
+called apart, bit for bit (asserted before timing).
 
     python3 benchmarks/bench_grouped_gemm.py [--layers mixtral,qwen3_30b_a3b] [--reps 15]
                                              [--fused only|no] [--variant VAR=VALUE]
@@ -155,15 +154,8 @@ def bench_problem(name, rows_per_expert, K, N, reps, ceiling, results, variant=N
     torch.cuda.empty_cache()
 
 
-@contextlib.contextmanager
-def glu_epilogue():
-    """MOE_GG_GLU_EPILOGUE=1 for the duration: the op then takes the sm90 fused epilogue."""
-    with moe_core.tuning.environment(MOE_GG_GLU_EPILOGUE="1"):
-        yield
-
-
 def bench_fused_fc1(name, rows_per_expert, H, ffn, reps, ceiling, results):
-    """fc1 + SwiGLU + probs: fused vs grouped GEMM + glu_probs vs torch._grouped_mm + torch."""
+    """fc1 + SwiGLU + probs: the op vs torch._grouped_mm + torch ops."""
     E, R = len(rows_per_expert), sum(rows_per_expert)
     dev, dt = "cuda", torch.bfloat16
     off64, offs32 = expert_offsets(rows_per_expert)
@@ -172,50 +164,40 @@ def bench_fused_fc1(name, rows_per_expert, H, ffn, reps, ceiling, results):
     probs = torch.rand(R, device=dev)
     flops = 2.0 * R * H * 2 * ffn
 
-    def fused():  # run under glu_epilogue(): the sm90 epilogue is opt-in
+    def ours():
         return OPS.grouped_gemm_glu_probs(x, w1, off64, probs, "silu", True, 0.0, None, True)
-
-    def unfused():
-        a = OPS.grouped_gemm(x, w1, off64, True, None)
-        return OPS.glu_probs(a, probs, "silu", True, 0.0, None), a
 
     def torch_path():
         a = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs32)
         g, lin = a.chunk(2, dim=-1)
         return (torch.nn.functional.silu(g) * lin * probs.unsqueeze(-1)).to(dt), a
 
-    with glu_epilogue():
-        h_f, a_f = fused()
-    h_u, a_u = unfused()
-    assert torch.equal(a_f, a_u) and torch.equal(h_f, h_u), f"{name}: fused != unfused bits"
-    del a_f, a_u, h_u
+    h_o, a_o = ours()
+    a_u = OPS.grouped_gemm(x, w1, off64, True, None)
+    h_u = OPS.glu_probs(a_u, probs, "silu", True, 0.0, None)
+    assert torch.equal(a_o, a_u) and torch.equal(h_o, h_u), f"{name}: op != the two ops' bits"
+    del a_o, a_u, h_u
 
-    def fused_opted_in():
-        with glu_epilogue():
-            return fused()
-
-    fns = {"fused": fused_opted_in, "unfused": unfused, "torch": torch_path}
+    fns = {"ours": ours, "torch": torch_path}
     try:
         h_t, _ = torch_path()
-        terr = rel_err(h_f, h_t)
+        terr = rel_err(h_o, h_t)
         del h_t
     except (RuntimeError, NotImplementedError) as exc:
         terr = float("nan")
         del fns["torch"]
         print(f"  torch._grouped_mm fc1+act: {str(exc).splitlines()[0][:100]}")
-    del h_f
+    del h_o
     t = time_round_robin(fns, rounds=reps)
-    t_fused, t_unfused, t_torch = t["fused"], t["unfused"], t.get("torch", float("nan"))
-    tf = flops / t_fused / 1e9
-    row = dict(shape=name, ms=t_fused, tflops=tf, unfused_ms=t_unfused, torch_ms=t_torch,
-               vs_unfused=t_unfused / t_fused, vs_torch=t_torch / t_fused,
+    t_ours, t_torch = t["ours"], t.get("torch", float("nan"))
+    tf = flops / t_ours / 1e9
+    row = dict(shape=name, ms=t_ours, tflops=tf, torch_ms=t_torch, vs_torch=t_torch / t_ours,
                pct=100 * tf / ceiling, terr=terr)
     results.append(row)
-    print(f"  fc1+act fused {t_fused:8.3f} ms {tf:6.1f} TFLOP/s | gemm+glu_probs {t_unfused:8.3f}"
-          f" ms (x{row['vs_unfused']:.2f}) | grouped_mm+torch {t_torch:8.3f} ms "
-          f"(x{row['vs_torch']:.2f}) | {row['pct']:5.1f}% of dense | rel err vs torch {terr:.1e}",
-          flush=True)
-    assert not terr > 2e-2, f"{name}: fused relative error {terr:.3e} vs torch"
+    print(f"  fc1+act ours {t_ours:8.3f} ms {tf:6.1f} TFLOP/s | grouped_mm+torch {t_torch:8.3f} "
+          f"ms (x{row['vs_torch']:.2f}) | {row['pct']:5.1f}% of dense | rel err vs torch "
+          f"{terr:.1e}", flush=True)
+    assert not terr > 2e-2, f"{name}: relative error {terr:.3e} vs torch"
     del x, w1, probs
     torch.cuda.empty_cache()
 
@@ -258,11 +240,11 @@ def main():
               f"{r['vs_gmm']:7.2f} {r['vs_loop']:7.2f} {r['pct']:6.1f}" +
               (f" {r['vs_var']:7.3f}" if args.variant else ""))
     if fused_rows:
-        print(f"\n{'shape':22s} {'fused ms':>8s} {'TFLOP/s':>8s} {'unfused':>8s} {'vs unf':>7s} "
-              f"{'torch':>8s} {'vs torch':>8s} {'%dense':>6s}")
+        print(f"\n{'shape':22s} {'ms':>8s} {'TFLOP/s':>8s} {'torch':>8s} {'vs torch':>8s} "
+              f"{'%dense':>6s}")
     for r in fused_rows:
-        print(f"{r['shape']:22s} {r['ms']:8.3f} {r['tflops']:8.1f} {r['unfused_ms']:8.3f} "
-              f"{r['vs_unfused']:7.2f} {r['torch_ms']:8.3f} {r['vs_torch']:8.2f} {r['pct']:6.1f}")
+        print(f"{r['shape']:22s} {r['ms']:8.3f} {r['tflops']:8.1f} {r['torch_ms']:8.3f} "
+              f"{r['vs_torch']:8.2f} {r['pct']:6.1f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 /*
  * glu_probs_math.h: the per-element math of glu_probs (gated activation × router probs), shared
- * verbatim by the C kernel (csrc/glu_probs.c), the CUDA kernel (csrc/cuda/glu_probs.cu) and the
- * Hopper grouped GEMM's fused fc1 epilogue (csrc/cuda/grouped_gemm_sm90.cu).
+ * verbatim by the C kernel (csrc/glu_probs.c) and the CUDA kernel (csrc/cuda/glu_probs.cu).
  *
  * What it computes is Megatron's unfused expert activation, as PyTorch's eager CPU kernels do it:
  *
@@ -470,8 +469,7 @@ MOE_HD static inline double moe_gp_grad_probs_round(const moe_gp_ctx_t *c, doubl
     return (double)moe_gp_rnd(c->probs_dtype, moe_gp_rnd(c->prod_dtype, (float)sum));
 }
 
-/* ---- 16-byte vectors (CUDA): the element loop of glu_probs.cu's forward kernel and of the
- * grouped GEMM's fused epilogue (grouped_gemm_sm90.cu), so both run the same conversions ------- */
+/* ---- 16-byte vectors (CUDA): the element loop of glu_probs.cu's forward kernel --------------- */
 #ifdef __CUDACC__
 union moe_gp_vec {
     uint4 u;
@@ -566,7 +564,7 @@ static inline moe_status_t moe_gp_check_args(const void *out, const void *a, int
     return moe_check_mul(num_rows, "num_rows", width, p->gated_linear_unit ? "2 * ffn" : "ffn");
 }
 
-/* Argument checks of grouped_gemm_glu_probs (fc1 with glu_probs in its epilogue), shared by the
+/* Argument checks of grouped_gemm_glu_probs (fc1, then glu_probs on its output), shared by the
  * CPU and CUDA entry points (host code): the GEMM's params, then glu_probs' checks of a = fc1's
  * output [num_rows, out_features]. *ffn receives F (out_features / 2 with GLU). */
 static inline moe_status_t moe_gp_fused_check_args(const void *h, const void *a, const void *probs,

@@ -16,8 +16,8 @@
 static once_flag tuning_once = ONCE_FLAG_INIT;
 
 static struct {
-    atomic_int cpu_gemm_kernel, pdl, router_lanes, unpermute_slots, gg_glu_epilogue,
-        gg_split_tail, gg_expert_maps, gg_tile, gg_wgrad_bk;
+    atomic_int cpu_gemm_kernel, pdl, router_lanes, unpermute_slots, gg_split_tail,
+        gg_expert_maps, gg_tile, gg_wgrad_bk;
 } tuning;
 
 /* 1 when the variable is set and its value starts with `c` */
@@ -52,7 +52,6 @@ static void tuning_read(void) {
     atomic_store_explicit(&tuning.router_lanes, !starts_with("MOE_CORE_ROUTER_LANES", '0'), r);
     atomic_store_explicit(&tuning.unpermute_slots, !starts_with("MOE_CORE_UNPERMUTE_SLOTS", '0'),
                           r);
-    atomic_store_explicit(&tuning.gg_glu_epilogue, starts_with("MOE_GG_GLU_EPILOGUE", '1'), r);
     atomic_store_explicit(&tuning.gg_split_tail, split, r);
     atomic_store_explicit(&tuning.gg_expert_maps, !equals("MOE_GG_SM90_EXPERT_MAPS", "0"), r);
     atomic_store_explicit(&tuning.gg_tile, one_of("MOE_GG_SM90_TILE", 128, 256), r);
@@ -67,7 +66,6 @@ moe_tuning_t moe_tuning_get(void) {
     t.pdl = atomic_load_explicit(&tuning.pdl, r);
     t.router_lanes = atomic_load_explicit(&tuning.router_lanes, r);
     t.unpermute_slots = atomic_load_explicit(&tuning.unpermute_slots, r);
-    t.gg_glu_epilogue = atomic_load_explicit(&tuning.gg_glu_epilogue, r);
     t.gg_split_tail = atomic_load_explicit(&tuning.gg_split_tail, r);
     t.gg_expert_maps = atomic_load_explicit(&tuning.gg_expert_maps, r);
     t.gg_tile = atomic_load_explicit(&tuning.gg_tile, r);

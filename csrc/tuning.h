@@ -62,11 +62,6 @@ typedef struct moe_tuning {
      * build. 0 (a value starting with 0): the CSR that the backwards with probs use (five short
      * kernels to build); the tests run both. Same bits. */
     int unpermute_slots;
-    /** MOE_GG_GLU_EPILOGUE: grouped_gemm_glu_probs on Hopper (csrc/cuda/grouped_gemm.cu). 0
-     * (default): the grouped GEMM, then glu_probs. 1 (a value starting with 1): the activation
-     * and probs computed in the sm90 GEMM's epilogue, one pass over fc1's output fewer; slower,
-     * because the epilogue's fp64 element math then holds up the tensor cores. Same bits. */
-    int gg_glu_epilogue;
     /** MOE_GG_SM90_SPLIT_TAIL: the split of a partial last wave of output tiles along the
      * reduction in the sm90 fwd / dgrad (csrc/cuda/grouped_gemm_sm90.cu, gg_sched_make).
      * MOE_TUNING_SPLIT_AUTO (default): split when the last wave holds at most half the SMs'
@@ -83,8 +78,7 @@ typedef struct moe_tuning {
     int gg_expert_maps;
     /** MOE_GG_SM90_TILE: the sm90 output tile width (gg_choose_bn). 0 (default): 128 x 256,
      * or 128 x 128 when the output is at most 128 wide or 256-wide tiles would leave SMs idle.
-     * 128 or 256 forces one (the plain GEMM and the fused fc1 alike). Each width has its own
-     * bits. */
+     * 128 or 256 forces one. Each width has its own bits. */
     int gg_tile;
     /** MOE_GG_SM90_WGRAD_BK: the expert rows per pipeline stage in the sm90 wgrad (gg_wgrad_bk).
      * 0 (default): 32 when the experts average at most 256 rows (twice the stages in flight for

@@ -10,8 +10,7 @@ Numerics follow Megatron's expert MLP (SequentialMLP / TEGroupedMLP, unfused pat
                                                  (the two lines above are one ops.glu_probs pass
                                                  when the activation is one it knows; without
                                                  bias1, fc1 and that pass are one op,
-                                                 ops.grouped_gemm_glu_probs, same bits; its
-                                                 Hopper epilogue fusion is opt-in)
+                                                 ops.grouped_gemm_glu_probs, same bits)
     y = h @ W2_eᵀ (+ b2_e * p)                   grouped GEMM
 
 Without biases, with an activation ops.glu_probs knows and the probs applied after the activation

@@ -464,22 +464,13 @@ def test_cuda_graph_forward_backward(trans_w):
 # ---- fc1 fused with glu_probs: grouped_gemm_glu_probs ------------------------------------
 # The contract is the composition's bits (grouped_gemm, then glu_probs, on the same GPU), so the
 # fused op is compared with torch.equal-strictness; the composition itself is held to the fp64
-# truth by the tests above and by test_glu_probs.py. On Hopper, bf16/fp16 with trans_w and
-# F % 8 == 0 runs the sm90 kernel's fused epilogue; everything else composes the two kernels.
+# truth by the tests above and by test_glu_probs.py. On every GPU the op runs the two kernels.
 
 GLU_ACTS = ["silu", "gelu", "gelu_tanh", "relu", "squared_relu", "quick_gelu"]
 GLU_CASES = [(True, 0.0, None), (True, -0.5, None), (True, 0.3, 2.01), (False, 0.0, None)]
-# (H, F): F % 8 == 0 with tails past both tile widths' halves (64, 128) and F below one half,
-# and an F that is no multiple of 8 (the composed path on every GPU)
+# (H, F): F % 8 == 0 (glu_probs' 16-byte vectors), a narrow F, and an F that is no multiple of 8
+# (glu_probs' element-wise path)
 GLU_SIZES = {"tails": (136, 200), "narrow": (64, 24), "unaligned_f": (72, 44)}
-
-
-@pytest.fixture(autouse=True)
-def sm90_glu_epilogue(request, tuning_env):
-    """The sm90 fused epilogue is opt-in (MOE_GG_GLU_EPILOGUE=1; the op's default is the two
-    kernels, which their own tests cover): the glu tests here exercise it."""
-    if "glu" in request.node.name and "default_dispatch" not in request.node.name:
-        tuning_env("MOE_GG_GLU_EPILOGUE", "1")
 
 
 def glu_inputs(counts, H, F_, gated, dtype, trans_w=True, tail=TAIL, probs_dtype=torch.float32):
@@ -509,12 +500,11 @@ def assert_bits(ours, ref, msg):
 
 
 @pytest.mark.parametrize("size", list(GLU_SIZES))
-@pytest.mark.parametrize("case", list(COUNTS))
 @pytest.mark.parametrize("gated,offset,clamp", GLU_CASES)
 @pytest.mark.parametrize("act", GLU_ACTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_glu_fused_equals_composition(dtype, act, gated, offset, clamp, case, size):
-    counts = make_counts(case)
+def test_glu_fused_equals_composition(dtype, act, gated, offset, clamp, size):
+    counts = make_counts("uneven")
     H, F_ = GLU_SIZES[size]
     for trans_w, pdt in ((True, torch.float32), (True, None), (True, torch.float64),
                          (False, torch.float32)):
@@ -523,7 +513,7 @@ def test_glu_fused_equals_composition(dtype, act, gated, offset, clamp, case, si
             h, a = ops.grouped_gemm_glu_probs(x, w, off, probs, act, gated, offset, clamp,
                                               trans_w)
             h_ref, a_ref = glu_composed(x, w, off, probs, act, gated, offset, clamp, trans_w)
-        msg = f"{act} {case} {size} trans_w={trans_w} probs={pdt}"
+        msg = f"{act} {size} trans_w={trans_w} probs={pdt}"
         assert_bits(a, a_ref, "a " + msg)
         assert_bits(h, h_ref, "h " + msg)
         assert not a.isnan().any(), "a: unwritten (NaN-poisoned) elements " + msg
@@ -544,41 +534,9 @@ def test_glu_wide_dtypes_compose(dtype):
     assert_bits(h, h_ref, "h")
 
 
-@pytest.mark.parametrize("tile", ["128", "256"])
-@pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_glu_fused_both_tile_widths(tuning_env, dtype, gated, tile):
-    """MOE_GG_SM90_TILE forces each tile width (the plain GEMM honours it too, so both sides
-    use the same wgmma shape); reference-like sizes, many tiles, uneven counts."""
-    tuning_env("MOE_GG_SM90_TILE", tile)
-    counts = [1100, 0, 37, 513, 2000, 1, 640, 250]
-    x, w, off, probs = glu_inputs(counts, 512, 392, gated, dtype)
-    with poisoned():
-        h, a = ops.grouped_gemm_glu_probs(x, w, off, probs, "silu", gated, 0.0, None)
-        h_ref, a_ref = glu_composed(x, w, off, probs, "silu", gated, 0.0, None)
-    assert_bits(a, a_ref, "a")
-    assert_bits(h, h_ref, "h")
-
-
-@pytest.mark.skipif(not is_hopper(), reason="the fused epilogue is the sm_90a kernel's")
-@pytest.mark.parametrize("gated", [True, False])
-def test_glu_sm90_fused_kernel_is_taken(gated):
-    """On Hopper the op is one GEMM kernel (plus the tail kernels), not GEMM + glu_probs."""
-    x, w, off, probs = glu_inputs([40, 0, 300, 7], 128, 256, gated, torch.bfloat16)
-    ops.grouped_gemm_glu_probs(x, w, off, probs, "silu", gated)  # warm-up (tensor maps, attrs)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        ops.grouped_gemm_glu_probs(x, w, off, probs, "silu", gated)
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events()]  # the kernels' names among the CPU-side ops
-    assert any("gg_sm90_kernel" in n for n in names), names
-    assert any("gg_sm90_glu_tail_kernel" in n for n in names), names
-    assert not any("glu_probs_fwd_kernel" in n for n in names), names
-
-
 @pytest.mark.parametrize("gated", [True, False])
 def test_glu_default_dispatch_is_the_two_kernels(gated):
-    """Without MOE_GG_GLU_EPILOGUE the op runs grouped GEMM then glu_probs (measured faster on
-    the H200), with the same bits as the fused epilogue."""
+    """The op runs the grouped GEMM then the glu_probs kernel, with the bits of the two ops."""
     x, w, off, probs = glu_inputs([40, 0, 300, 7], 128, 256, gated, torch.bfloat16)
     ops.grouped_gemm_glu_probs(x, w, off, probs, "silu", gated)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -586,7 +544,6 @@ def test_glu_default_dispatch_is_the_two_kernels(gated):
         torch.cuda.synchronize()
     names = [e.name for e in prof.events()]
     assert any("glu_probs_fwd_kernel" in n for n in names), names
-    assert not any("gg_sm90_glu_tail_kernel" in n for n in names), names
     h_ref, a_ref = glu_composed(x, w, off, probs, "silu", gated, 0.0, None)
     assert_bits(a, a_ref, "a")
     assert_bits(h, h_ref, "h")
@@ -644,26 +601,6 @@ def test_glu_backward_equals_composition(gated, trans_w):
     ref = grads(lambda a, b, p: glu_composed(a, b, off, p, "silu", gated, 0.5, None, trans_w))
     for name, o, r in zip(("dx", "dW", "dprobs"), ours, ref):
         assert_bits(o, r, name)
-
-
-@pytest.mark.skipif(not is_hopper(), reason="the split last wave is the sm_90a kernel's")
-@pytest.mark.parametrize("gated", [True, False])
-def test_glu_fused_declines_split_tail(tuning_env, gated):
-    """Where the plain GEMM may split its last wave (whose tiles cover other columns than the
-    fused kernel's gate / linear pairs), the fused epilogue declines and the two kernels compose:
-    a and h are the composition's bits, with a split (1.5 waves of tiles)."""
-    tuning_env("MOE_GG_SM90_TILE", "256")
-    tuning_env("MOE_GG_SM90_SPLIT_TAIL", "1")
-    g = sms()
-    counts = tail_counts(SK_WAVES["one_and_a_half"](g))
-    x, w, off, probs = glu_inputs(counts, 512, 256 if gated else 512, gated, torch.bfloat16)
-    with poisoned():
-        h, a = ops.grouped_gemm_glu_probs(x, w, off, probs, "silu", gated, 0.0, None)
-        h_ref, a_ref = glu_composed(x, w, off, probs, "silu", gated, 0.0, None)
-    assert_bits(a, a_ref, "a")
-    assert_bits(h, h_ref, "h")
-    tuning_env("MOE_GG_SM90_SPLIT_TAIL", "0")
-    assert not torch.equal(ops.grouped_gemm(x, w, off, True), a), "the wave was not split"
 
 
 def test_glu_deterministic():

@@ -1,5 +1,5 @@
 """grouped_gemm_glu_probs: fc1 with the gated activation and the router-probs
-multiply fused into its epilogue. CPU tests (the CUDA ones are in test_grouped_gemm_cuda.py,
+multiply, as one op. CPU tests (the CUDA ones are in test_grouped_gemm_cuda.py,
 named *glu*).
 
 Two references:

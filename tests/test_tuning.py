@@ -21,7 +21,6 @@ READS = [
     ("MOE_CORE_PDL", "1", "pdl", 1),
     ("MOE_CORE_ROUTER_LANES", "0", "router_lanes", 0),
     ("MOE_CORE_UNPERMUTE_SLOTS", "0", "unpermute_slots", 0),
-    ("MOE_GG_GLU_EPILOGUE", "1", "gg_glu_epilogue", 1),
     ("MOE_GG_SM90_SPLIT_TAIL", "0", "gg_split_tail", 0),
     ("MOE_GG_SM90_SPLIT_TAIL", "1", "gg_split_tail", 2),
     ("MOE_GG_SM90_SPLIT_TAIL", "2", "gg_split_tail", 1),

@@ -17,7 +17,7 @@
 #include "../glu_probs_math.h"
 
 /* moe_gp_vec, moe_gp_vget/vset and moe_gp_vec_fwd (16-byte vectors of one dtype) live in
- * glu_probs_math.h: the grouped GEMM's fused epilogue runs the same element loop.
+ * glu_probs_math.h, beside the element math they vectorise.
  *
  * Template arguments of both kernels: DT the dtype; VEC: 16-byte accesses (F a multiple of the
  * vector length, aligned pointers), else one element at a time; FLT: moe_gp_float_math holds, so

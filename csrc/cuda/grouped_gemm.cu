@@ -22,8 +22,8 @@
  * fastest, so the CTAs in flight share one weight column tile and one band of rows (kept in L2)
  * instead of streaming the whole expert's weight once per row tile.
  *
- * Also here: the dispatcher of fc1 fused with glu_probs (moe_cuda_grouped_gemm_glu_probs_fwd),
- * the sm90 fused epilogue where it applies, else the two kernels composed.
+ * Also here: fc1 fused with glu_probs (moe_cuda_grouped_gemm_glu_probs_fwd), the grouped GEMM and
+ * the glu_probs kernel composed on the stream.
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -673,14 +673,10 @@ extern "C" moe_status_t moe_cuda_grouped_gemm_wgrad(void *grad_weight, const voi
                         (cudaStream_t)stream);
 }
 
-/* fc1 fused with glu_probs. The two existing kernels run back to back on the stream, so every
- * device has the op and every path gives the composition's bits. On Hopper the sm90 kernel can
- * instead compute h in its epilogue from the tile it has just rounded (one pass over a instead
- * of a write and a re-read), but only with the gg_glu_epilogue switch on (tuning.h): measured
- * on the H200 (2026-12-02) it is 0.64-0.83x the two kernels, because the activation's fp64
- * element math then runs inside the GEMM's epilogue, where nothing overlaps it, instead of in a
- * pass spread over every SM. */
-
+/* fc1 fused with glu_probs: the two kernels back to back on the stream, so every device has the
+ * op and it gives the composition's bits. (Computing h in the Hopper GEMM's epilogue instead
+ * saves a write and a re-read of a, but runs slower: the activation's fp64 element math then
+ * holds up the tensor cores, where the glu_probs pass spreads it over every SM.) */
 extern "C" moe_status_t moe_cuda_grouped_gemm_glu_probs_fwd(
     void *h, void *a, const void *x, const void *weight, const int64_t *expert_offsets,
     const void *probs, moe_dtype_t probs_dtype, const moe_grouped_gemm_params_t *params,
@@ -691,9 +687,6 @@ extern "C" moe_status_t moe_cuda_grouped_gemm_glu_probs_fwd(
     MOE_TRY(check_common(expert_offsets, params, workspace, workspace_bytes));
     if (params->num_rows == 0) return MOE_OK;
     MOE_CHECK(params->in_features == 0 || (x && weight), "x and weight must not be NULL");
-    if (moe_tuning_get().gg_glu_epilogue)
-        GG_TRY_SM90(moe_cuda_gg_sm90_glu_probs_fwd, h, a, x, weight, expert_offsets, probs,
-                    probs_dtype, params, glu, workspace, workspace_bytes, stream);
     MOE_TRY(moe_cuda_grouped_gemm_fwd(a, x, weight, expert_offsets, params, workspace,
                                       workspace_bytes, stream));
     return moe_cuda_glu_probs_fwd(h, a, probs, params->num_rows, ffn, params->dtype, probs_dtype,

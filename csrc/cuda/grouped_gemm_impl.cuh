@@ -41,18 +41,6 @@ moe_status_t moe_cuda_gg_sm90_wgrad(void *grad_weight, const void *x, const void
                                     const moe_grouped_gemm_params_t *params, void *workspace,
                                     size_t workspace_bytes, void *stream);
 
-/* fc1 with glu_probs in the epilogue (moe_cuda_grouped_gemm_glu_probs_fwd's arguments, checked):
- * writes a and h, rows past expert_offsets[E] included. Takes trans_w = 1, bf16/fp16 with
- * out_dtype = dtype, F % 8 == 0, and a reduction too short for the plain GEMM to split its last
- * wave (a must be that GEMM's bits); anything else is MOE_ERR_UNSUPPORTED, nothing launched, and
- * the dispatcher composes the grouped GEMM and glu_probs kernels instead. */
-moe_status_t moe_cuda_gg_sm90_glu_probs_fwd(void *h, void *a, const void *x, const void *weight,
-                                            const int64_t *expert_offsets, const void *probs,
-                                            moe_dtype_t probs_dtype,
-                                            const moe_grouped_gemm_params_t *params,
-                                            const moe_glu_probs_params_t *glu, void *workspace,
-                                            size_t workspace_bytes, void *stream);
-
 #ifdef __cplusplus
 }
 #endif

@@ -22,7 +22,7 @@
  * m64nBNk16 wgmma (fp32 accumulators in registers, one wgmma group kept in flight). The
  * consumers' wgmma descriptors derive from warp-uniform values only (the warpgroup index and
  * the tile count are broadcast by a shuffle, a stage adds its offset to a base descriptor), so
- * wgrad and the fused fc1 keep them in uniform registers; built per thread and moved over (R2UR)
+ * wgrad keeps them in uniform registers; built per thread and moved over (R2UR)
  * before every wgmma, they had cost wgrad 5-18% (H200). The plain fwd / dgrad kernels still
  * rebuild them per thread in their k loop (ptxas's choice, with the same uniform inputs; cause
  * not found); they run at 0.98-1.00x of cuBLAS on dense 8192-row shapes all the same. A 16-bit
@@ -42,12 +42,6 @@
  * the fp32 partials in k order (gg_sk_fixup), handed over through the workspace with integer
  * atomics: the same order on every run, so still reproducible.
  *
- * fc1 fused with glu_probs (FUSE != GG_FUSE_NONE, fwd with Megatron's [E, 2F, H] weight): the
- * same mainloop, with the B tile built from the gate rows and their linear partners (two copy-
- * engine boxes per stage), and an epilogue that stores fc1's output a and h = act(gate) *
- * (linear + offset) * p computed from a's rounded bits by glu_probs' own element functions
- * (glu_probs_math.h), so a and h are the unfused composition's bits (gg_store_fused).
- *
  * Everything sm_90a-specific is compiled only under __CUDA_ARCH_FEAT_SM90_ALL; in other device
  * passes (sm_80, plain sm_90) the kernels are empty, and the host learns which case it is from
  * cudaFuncGetAttributes (the real kernel has static shared memory, the empty one none).
@@ -60,7 +54,6 @@
 
 #include "cuda_common.cuh"
 #include "grouped_gemm_impl.cuh"
-#include "../glu_probs_math.h"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define GG_SM90A 1
@@ -84,30 +77,21 @@
 #define GG_GROUP_M 16   /* M tiles per raster group inside an expert */
 #define GG_BOX_BYTES (64 * 128) /* one 64-row x 128-byte TMA box */
 
-/* Stages of the smem ring: 192 KB of operands for either tile width; the plain products (TMA
- * epilogue, WG = 1) have one stage less (144 / 160 KB), the room their output staging takes
- * (GG_W_BYTES); the fused fc1 keeps four / six beside its small staging (GG_C_BYTES). */
-#define GG_STAGES(BN, WG) ((WG) ? ((BN) == 256 ? 3 : 5) : ((BN) == 256 ? 4 : 6))
+/* Stages of the smem ring: 3 at BN 256 (144 KB of operands), 5 at BN 128 (160 KB), which leaves
+ * room in the SM's shared memory for the output staging (GG_W_BYTES per consumer warpgroup) and
+ * the static schedule. */
+#define GG_STAGES(BN) ((BN) == 256 ? 3 : 5)
 /* stages of BK reduction elements fill the same ring (GG_BK / BK times as many) */
-#define GG_STAGES_BK(BN, WG, BK) (GG_STAGES(BN, WG) * (GG_BK / (BK)))
+#define GG_STAGES_BK(BN, BK) (GG_STAGES(BN) * (GG_BK / (BK)))
 #define GG_STAGE_BYTES_BK(BN, BK) ((GG_BM + (BN)) * (BK) * 2)
 #define GG_STAGE_BYTES(BN) GG_STAGE_BYTES_BK(BN, GG_BK)
-/* epilogue staging: per consumer warpgroup 64 rows x 64 16-bit columns, rows padded to 144 B so
- * the fragment writes (8 rows x 4 column pairs per warp) hit 32 distinct banks */
+/* the staged epilogue's pitch (gg_store_block_staged): 64 rows x 64 16-bit columns, rows padded
+ * to 144 B so the fragment writes (8 rows x 4 column pairs per warp) hit 32 distinct banks */
 #define GG_C_PITCH 144
-#define GG_C_BYTES (64 * GG_C_PITCH)
 /* the TMA epilogue's staging: per consumer warpgroup its whole 64 x BN block of 16-bit values,
  * as BN / 64 boxes of 64 rows x 128 bytes in the copy engine's 128-byte swizzle */
 #define GG_W_BYTES(BN) (64 * (BN) * 2)
-#define GG_SMEM_BYTES(BN, WG)                                                                  \
-    (GG_STAGES(BN, WG) * GG_STAGE_BYTES(BN) + 2 * ((WG) ? GG_W_BYTES(BN) : GG_C_BYTES) + 1024)
-
-/* Epilogue of the forward: the plain GEMM, or fc1 fused with glu_probs (h and a both written).
- * GG_FUSE_GLU: the B tile is [gate rows | linear rows] (see gg_sm90_kernel); GG_FUSE_ACT: no GLU,
- * h = act(a) * p column for column. */
-#define GG_FUSE_NONE 0
-#define GG_FUSE_GLU 1
-#define GG_FUSE_ACT 2
+#define GG_SMEM_BYTES(BN) (GG_STAGES(BN) * GG_STAGE_BYTES(BN) + 2 * GG_W_BYTES(BN) + 1024)
 
 /* Sizes the kernel needs besides the tensor maps (passed by value). */
 typedef struct gg_args {
@@ -133,11 +117,6 @@ typedef struct gg_args {
      * columns, over the expert's rows alone (gg_sm90_expert_maps_kernel); NULL: the whole-buffer
      * maps, with the reduction's tail rows zeroed in shared memory */
     const CUtensorMap *ex_maps;
-    /* fused fc1 only (FUSE != GG_FUSE_NONE; out is then a [num_rows, ld_out]) */
-    void *h;                       /* [num_rows, ffn], the operand dtype */
-    const void *probs;             /* [num_rows] in glu.probs_dtype, or NULL (glu.has_probs = 0) */
-    int ffn;                       /* F: columns of h; a has 2F (GLU) or F */
-    moe_gp_ctx_t glu;              /* glu_probs' options, as moe_gp_ctx_make builds them */
 } gg_args_t;
 
 #if GG_SM90A
@@ -472,7 +451,8 @@ __device__ __forceinline__ void gg_store_block(OutT *base, int64_t ld, int row_l
 /* 16-bit outputs: the block goes through shared memory 64 columns at a time, so that global
  * stores are 16 bytes per thread and whole 128-byte lines per 8 threads (direct fragment stores
  * are 4 bytes, 8 rows per instruction: several times the L2 transactions, and they dominated the
- * tile time when K is short). cbuf: this warpgroup's GG_C_BYTES; bar: its named barrier. */
+ * tile time when K is short). cbuf: this warpgroup's staging, at least 64 x GG_C_PITCH bytes;
+ * bar: its named barrier. */
 template <int BN, typename OutT>
 __device__ __forceinline__ void gg_store_block_staged(OutT *base, int64_t ld, int row_lim,
                                                       int col_lim, const float (&d)[BN / 2],
@@ -550,120 +530,31 @@ __device__ __forceinline__ void gg_store_block_tma(const CUtensorMap *map_c, int
         asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
 }
-
-/* The 16-bit element type of the F16 template flag (no STL in the kernels). */
-template <bool F16>
-struct gg_half {
-    typedef __nv_bfloat16 type;
-};
-template <>
-struct gg_half<true> {
-    typedef __half type;
-};
-
-/* The fused fc1 epilogue: one consumer's 64 x BN accumulator block becomes a (fc1's output,
- * rounded by gg_store2 exactly as the plain GEMM rounds it) and h = glu_probs(a), both stored.
- * Like gg_store_block_staged it goes through shared memory 64 tile columns per pass, but with GLU
- * those 64 are 32 gate columns (fragment blocks 4q..4q+3) written beside their 32 linear partners
- * (blocks BN/16 + 4q..: tile column c pairs with c + BN/2), so after the barrier one thread reads
- * 8 gate values and the 8 linear values of the same row and columns as two 16-byte vectors. It
- * stores both to a and computes h from those very bits with moe_gp_vec_fwd, the element loop of
- * glu_probs.cu's forward: the composition's a, then its h, bit for bit. Without GLU (GG_FUSE_ACT)
- * a pass is 64 columns of a and the same 64 of h.
- * row0: global row of the block's row 0; col0: first column of h (= of a's gate half) in the
- * tile; rows >= row_lim and columns >= ffn are not stored (ffn is a multiple of 8). */
-template <int BN, int FUSE, bool F16>
-__device__ __forceinline__ void gg_store_fused(const gg_args_t &args, int64_t row0, int row_lim,
-                                               int col0, const float (&d)[BN / 2], uint8_t *cbuf,
-                                               int bar) {
-    typedef typename gg_half<F16>::type OutT;
-    constexpr int DT = F16 ? MOE_DTYPE_FP16 : MOE_DTYPE_BF16;
-    constexpr bool GLU = FUSE == GG_FUSE_GLU;
-    constexpr int GROUPS = GLU ? 4 : 8; /* 8-column groups of h per row and pass */
-    constexpr int PASS_COLS = 8 * GROUPS;
-    moe_gp_ctx_t c = args.glu;
-    c.dtype = (moe_dtype_t)DT; /* a compile-time constant from here on */
-    const int64_t ffn = args.ffn, ld_a = args.ld_out;
-    OutT *a_out = (OutT *)args.out, *h_out = (OutT *)args.h;
-    const int tw = threadIdx.x & 127, w = tw / 32, l = tw & 31;
-    const int r0 = 16 * w + l / 4, c0 = 2 * (l & 3);
-    /* The pass loop is not unrolled, so the activation's code exists once (unrolled, ptxas spent
-     * minutes on the eight fused kernels); the fragment writes, which need compile-time register
-     * indices, are unrolled and selected by the pass number. */
-#pragma unroll 1
-    for (int q = 0; q < BN / 64; ++q) {
-#pragma unroll
-        for (int qq = 0; qq < BN / 64; ++qq) {
-            if (qq != q) continue;
-#pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-                /* smem column 8jj + c0 <- fragment block j */
-                const int j =
-                    GLU ? (jj < 4 ? 4 * qq + jj : BN / 16 + 4 * qq + jj - 4) : 8 * qq + jj;
-                const int cc = 8 * jj + c0;
-                OutT lo2[2], hi2[2];
-                gg_store2(lo2, d[4 * j], d[4 * j + 1]);
-                gg_store2(hi2, d[4 * j + 2], d[4 * j + 3]);
-                *(uint32_t *)(cbuf + r0 * GG_C_PITCH + cc * 2) = *(const uint32_t *)lo2;
-                *(uint32_t *)(cbuf + (r0 + 8) * GG_C_PITCH + cc * 2) = *(const uint32_t *)hi2;
-            }
-        }
-        asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
-#pragma unroll 1
-        for (int i = 0; i < 64 * GROUPS / 128; ++i) {
-            const int idx = tw + 128 * i, row = idx / GROUPS, g = idx % GROUPS;
-            const int64_t col = col0 + PASS_COLS * q + 8 * g;
-            if (row < row_lim && col < ffn) {
-                const int64_t r = row0 + row;
-                const uint4 gv = *(const uint4 *)(cbuf + row * GG_C_PITCH + g * 16);
-                const uint4 lv = GLU ? *(const uint4 *)(cbuf + row * GG_C_PITCH + 64 + g * 16)
-                                     : make_uint4(0, 0, 0, 0);
-                *(uint4 *)(a_out + r * ld_a + col) = gv;
-                if (GLU) *(uint4 *)(a_out + r * ld_a + ffn + col) = lv;
-                const double p = c.has_probs ? moe_load(args.probs, c.probs_dtype, r) : 1.0;
-                *(uint4 *)(h_out + r * ffn + col) =
-                    moe_gp_float_math(&c) ? moe_gp_vec_fwd<DT, true>(&c, gv, lv, p)
-                                          : moe_gp_vec_fwd<DT, false>(&c, gv, lv, p);
-            }
-        }
-        asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
-    }
-}
 #endif /* GG_SM90A */
 
 /*
  * The persistent grouped GEMM. Template: BN (tile columns), F16 (fp16 operands, else bf16),
  * B_MN (B tile is MN-major: loaded as 64-wide column chunks), WGRAD (reduction over the expert's
- * rows: A and B both MN-major, output [E, m_static, n_out]), FUSE (fwd with a K-major weight
- * only: the fc1 + glu_probs epilogue, gg_store_fused).
+ * rows: A and B both MN-major, output [E, m_static, n_out]), BK (reduction elements per stage:
+ * GG_BK, or GG_BK_SHORT in wgrad).
  *   fwd/dgrad: map_a = activation [num_rows, R] (box 64 x 128), map_b = weight [E, *, *] 3-D.
  *   wgrad:     map_a = activation giving the output rows [num_rows, m_static] (box 64 x 64),
  *              map_b = activation giving the output columns, as 3-D [1, num_rows, n_out].
- *   GG_FUSE_GLU: map_b's box is BN/2 weight rows, and N tile n_blk loads two of them per stage:
- *              gate rows [n0h, n0h + BN/2) into B rows [0, BN/2) and linear rows [F + n0h, ...)
- *              into B rows [BN/2, BN), n0h = n_blk * BN/2. So tile column c < BN/2 is a's gate
- *              column n0h + c and tile column c + BN/2 its linear partner F + n0h + c, and the
- *              wgmma fragment of each thread holds both (blocks j and j + BN/16, same rows, same
- *              in-block columns). Weight rows past F in the gate box are loaded and never stored;
- *              rows past 2F are zero-filled by the copy engine.
  */
-template <int BN, bool F16, bool B_MN, bool WGRAD, int FUSE = GG_FUSE_NONE, int BK = GG_BK>
+template <int BN, bool F16, bool B_MN, bool WGRAD, int BK = GG_BK>
 __global__ void __launch_bounds__(GG_THREADS, 1)
     gg_sm90_kernel(const __grid_constant__ CUtensorMap map_a,
                    const __grid_constant__ CUtensorMap map_b,
                    const __grid_constant__ CUtensorMap map_c, const gg_args_t args) {
-    static_assert(FUSE == GG_FUSE_NONE || (!B_MN && !WGRAD), "fused epilogue: fwd, K-major B");
     static_assert(BK == GG_BK || (WGRAD && BK == GG_BK_SHORT), "short stages: wgrad only");
 #if GG_SM90A
-    /* every plain product stores its 16-bit blocks through the copy engine (gg_store_block_tma) */
-    constexpr bool TMA_EPI = FUSE == GG_FUSE_NONE;
-    constexpr int STAGES = GG_STAGES_BK(BN, TMA_EPI, BK);
+    constexpr int STAGES = GG_STAGES_BK(BN, BK);
     constexpr int A_BYTES = GG_BM * BK * 2;
     constexpr int STAGE_BYTES = GG_STAGE_BYTES_BK(BN, BK);
     /* one MN-major box: BK reduction rows x 128 bytes (64 columns) */
     constexpr int MN_BOX = BK * 128;
     /* the host sizes shared memory without knowing BK (GG_SMEM_BYTES) */
-    static_assert(STAGES * STAGE_BYTES == GG_STAGES(BN, TMA_EPI) * GG_STAGE_BYTES(BN),
+    static_assert(STAGES * STAGE_BYTES == GG_STAGES(BN) * GG_STAGE_BYTES(BN),
                   "every stage depth fills the same ring");
     constexpr int TA = WGRAD ? 1 : 0, TB = B_MN ? 1 : 0;
     __shared__ __align__(8) uint64_t full_bar[STAGES], empty_bar[STAGES];
@@ -712,9 +603,9 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
             if (lane == 0) s_cum[0] = 0;
         }
         __syncthreads();
-        /* broadcast: read from shared memory, total is not known to be warp-uniform, and
-         * nor then is the schedule that derives from it; the fused fc1's consumers then built
-         * their wgmma descriptors per thread (R2UR before every wgmma) */
+        /* broadcast: read from shared memory, total is not known to be warp-uniform, and nor
+         * then is the schedule that derives from it, so the consumers would build their wgmma
+         * descriptors per thread (and move them to uniform registers before every wgmma) */
         total = __shfl_sync(0xffffffffu, s_cum[E], 0);
     }
 
@@ -766,11 +657,6 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                             for (int i = 0; i < BN / 64; ++i)
                                 gg_tma_3d(sb + i * GG_BOX_BYTES, &map_b, fb, n0 + 64 * i,
                                           kb * GG_BK, tl.e);
-                        } else if constexpr (FUSE == GG_FUSE_GLU) {
-                            const int n0h = tl.n_blk * (BN / 2);
-                            gg_tma_3d(sb, &map_b, fb, kb * GG_BK, n0h, tl.e);
-                            gg_tma_3d(sb + (BN / 2) * 128, &map_b, fb, kb * GG_BK,
-                                      args.ffn + n0h, tl.e);
                         } else {
                             gg_tma_3d(sb, &map_b, fb, kb * GG_BK, n0, tl.e);
                         }
@@ -795,7 +681,7 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
         int stage = 0, prev_stage = 0;
         uint32_t phase = 0;
         float acc[BN / 2];
-        uint8_t *cbuf = smem + STAGES * STAGE_BYTES + wg * (TMA_EPI ? GG_W_BYTES(BN) : GG_C_BYTES);
+        uint8_t *cbuf = smem + STAGES * STAGE_BYTES + wg * GG_W_BYTES(BN);
         gg_sched_t sc = gg_sched_make<WGRAD>(args, total);
         int t, kb0, kb1, seg;
         while (gg_sched_next(sc, &t, &kb0, &kb1, &seg)) {
@@ -867,14 +753,8 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                     !gg_sk_fixup<BN>(args, seg, sc.segs, wg, acc, &s_sk_flag[wg], 2 + wg))
                     continue;
             }
-            if constexpr (FUSE != GG_FUSE_NONE) {
-                const int col0 = FUSE == GG_FUSE_GLU ? tl.n_blk * (BN / 2) : n0;
-                gg_store_fused<BN, FUSE, F16>(args, tl.row0 + m0, row_lim, col0, acc, cbuf,
-                                              2 + wg);
-                continue;
-            }
             /* epilogue: one rounding to out_dtype, masked stores */
-            if (TMA_EPI && args.out_dtype != MOE_DTYPE_FP32 && (WGRAD || row_lim == 64)) {
+            if (args.out_dtype != MOE_DTYPE_FP32 && (WGRAD || row_lim == 64)) {
                 /* wgrad: dW as [E, m_static, n_out]; fwd / dgrad: the output as [1, rows, n_out] */
                 const int crow = WGRAD ? m0 : (int)(tl.row0 + m0), ce = WGRAD ? tl.e : 0;
                 if (args.out_dtype == MOE_DTYPE_BF16)
@@ -883,7 +763,7 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                     gg_store_block_tma<BN, __half>(&map_c, n0, crow, ce, acc, cbuf, 2 + wg);
                 continue;
             }
-            if (TMA_EPI && args.out_dtype != MOE_DTYPE_FP32) {
+            if (args.out_dtype != MOE_DTYPE_FP32) {
                 /* a block cut by the expert's end: the staged stores, once the copy engine has
                  * read the previous block out of the buffer they reuse */
                 if ((threadIdx.x & 127) == 0)
@@ -900,8 +780,7 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                 gg_store_block<BN>((float *)args.out + off, ld, row_lim, col_lim, acc);
         }
         /* the last TMA stores must be done before the CTA's shared memory goes away */
-        if (TMA_EPI && (threadIdx.x & 127) == 0)
-            asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+        if ((threadIdx.x & 127) == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     }
 #endif /* GG_SM90A */
 }
@@ -952,25 +831,6 @@ __global__ void gg_sm90_zero_tail_kernel(uint4 *out, const int64_t *offsets, int
     for (int64_t i = end * row_chunks + (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
          i < num_rows * row_chunks; i += (int64_t)gridDim.x * blockDim.x)
         out[i] = make_uint4(0, 0, 0, 0);
-}
-
-/* Rows [offsets[E], num_rows) of the fused forward's h: a is zero there (gg_sm90_zero_tail_kernel),
- * so h is glu_probs of a zero row, which is what the unfused composition computes there (0, or
- * -0 / NaN from the offset's sign and the row's prob). */
-template <int DT>
-__global__ void gg_sm90_glu_tail_kernel(void *h, const void *probs, const int64_t *offsets,
-                                        int num_experts, int64_t num_rows, int64_t ffn,
-                                        moe_gp_ctx_t ctx) {
-    moe_gp_ctx_t c = ctx;
-    c.dtype = (moe_dtype_t)DT;
-    int64_t end = offsets[num_experts];
-    if (end < 0) end = 0;
-    for (int64_t i = end * ffn + (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-         i < num_rows * ffn; i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t r = i / ffn;
-        const double p = c.has_probs ? moe_load(probs, c.probs_dtype, r) : 1.0;
-        moe_store(h, c.dtype, i, moe_gp_elem_fwd(&c, 0.0, 0.0, p));
-    }
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -1089,22 +949,12 @@ extern "C" size_t moe_cuda_gg_sm90_workspace_size(const moe_grouped_gemm_params_
 typedef enum { GG_FWD = 0, GG_DGRAD = 1, GG_WGRAD = 2 } gg_op_t;
 
 template <int BN, bool F16>
-static gg_kernel_t gg_pick(int b_mn, int wgrad, int fuse, int bk) {
-    if (fuse == GG_FUSE_GLU) return gg_sm90_kernel<BN, F16, false, false, GG_FUSE_GLU>;
-    if (fuse == GG_FUSE_ACT) return gg_sm90_kernel<BN, F16, false, false, GG_FUSE_ACT>;
+static gg_kernel_t gg_pick(int b_mn, int wgrad, int bk) {
     if (wgrad)
-        return bk == GG_BK_SHORT ? gg_sm90_kernel<BN, F16, true, true, GG_FUSE_NONE, GG_BK_SHORT>
+        return bk == GG_BK_SHORT ? gg_sm90_kernel<BN, F16, true, true, GG_BK_SHORT>
                                  : gg_sm90_kernel<BN, F16, true, true>;
     return b_mn ? gg_sm90_kernel<BN, F16, true, false> : gg_sm90_kernel<BN, F16, false, false>;
 }
-
-/* The fused forward's extra operands (NULL for the plain products). */
-typedef struct gg_fuse {
-    void *h;
-    const void *probs;
-    moe_dtype_t probs_dtype;
-    const moe_glu_probs_params_t *glu;
-} gg_fuse_t;
 
 /* Tile width BN: 128 x 256 tiles measured best on every reference shape (H200; notes in
  * tools/gg_sm90_check.py); 128 x 128 when the output is narrow or 256-wide tiles would
@@ -1126,8 +976,7 @@ static int gg_wgrad_bk(int forced, int64_t rows, int64_t E) {
 
 static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const void *other,
                                 const int64_t *offsets, const moe_grouped_gemm_params_t *p,
-                                const gg_fuse_t *fuse, void *workspace, size_t workspace_bytes,
-                                void *stream) {
+                                void *workspace, size_t workspace_bytes, void *stream) {
     moe_clear_error();
     if (!p) return MOE_ERR_UNSUPPORTED;
     const moe_tuning_t tune = moe_tuning_get();
@@ -1147,20 +996,6 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
     if (((uintptr_t)out | (uintptr_t)act_a | (uintptr_t)other) & 15) return MOE_ERR_UNSUPPORTED;
     if (!offsets) return MOE_ERR_UNSUPPORTED;
     if (!moe_cuda_gg_sm90_compiled()) return MOE_ERR_UNSUPPORTED;
-    /* The fused epilogue: fwd, K-major weight (Megatron's fc1 layout), a in the operand dtype,
-     * h columns in whole 16-byte vectors (F % 8 == 0, 16-byte aligned h and probs' element 0) */
-    int fuse_mode = GG_FUSE_NONE;
-    int64_t ffn = 0;
-    if (fuse) {
-        if (op != GG_FWD || !tw || odt != dt || !fuse->glu || !fuse->h) return MOE_ERR_UNSUPPORTED;
-        /* a is the plain GEMM's bits: where that may split its last wave, whose tiles cover other
-         * columns than the fused kernel's ([gate | linear] pairs), the two kernels compose */
-        if (gg_sk_may_split(tune.gg_split_tail, K)) return MOE_ERR_UNSUPPORTED;
-        fuse_mode = fuse->glu->gated_linear_unit ? GG_FUSE_GLU : GG_FUSE_ACT;
-        ffn = fuse_mode == GG_FUSE_GLU ? N / 2 : N;
-        if (fuse_mode == GG_FUSE_GLU && N % 2) return MOE_ERR_UNSUPPORTED;
-        if (ffn % 8 || ((uintptr_t)fuse->h & 15)) return MOE_ERR_UNSUPPORTED;
-    }
 
     int dev = 0, sms = 0;
     if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -1199,11 +1034,8 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         tiles_256 = E * ((m_static + GG_BM - 1) / GG_BM) * n_tiles_256;
     else
         tiles_256 = (rows / GG_BM + E) * n_tiles_256; /* upper bound */
-    /* the fused op picks the tile the plain fc1 GEMM would: same wgmma shape, same bits of a */
     const int bn = gg_choose_bn(tune.gg_tile, n_out, tiles_256, sms);
-    /* GLU: a tile covers BN/2 gate columns and their BN/2 linear partners */
-    const int64_t n_tiles =
-        fuse_mode == GG_FUSE_GLU ? (ffn + bn / 2 - 1) / (bn / 2) : (n_out + bn - 1) / bn;
+    const int64_t n_tiles = (n_out + bn - 1) / bn;
     const int64_t m_tiles_static = (m_static + GG_BM - 1) / GG_BM;
     const int64_t tiles_bound =
         op == GG_WGRAD ? E * m_tiles_static * n_tiles : (rows / GG_BM + E) * n_tiles;
@@ -1220,15 +1052,14 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         ok = gg_make_map(&map_a, a_ptr, dt, 2, (uint64_t)a_cols, (uint64_t)rows, 1, GG_BM);
         /* weight as [E, R, C]: tw=1 [E, N, K], tw=0 [E, K, N] */
         const uint64_t wc = tw ? K : N, wr = tw ? N : K;
-        const uint32_t box_b = b_mn ? 64 : (fuse_mode == GG_FUSE_GLU ? bn / 2 : bn);
+        const uint32_t box_b = b_mn ? 64 : bn;
         ok = ok && gg_make_map(&map_b, b_ptr, dt, 3, wc, wr, (uint64_t)E, box_b);
     }
-    /* A 16-bit output of a plain product: the epilogue's TMA stores write through map_c, dW as
-     * [E, m_static, n_out] in wgrad (the copy engine clips each box at the expert's m_static
-     * rows), y / dx as [1, rows, n_out] in fwd/dgrad; for fp32 outputs and the fused fc1 map_c is
-     * not read */
+    /* A 16-bit output: the epilogue's TMA stores write through map_c, dW as [E, m_static, n_out]
+     * in wgrad (the copy engine clips each box at the expert's m_static rows), y / dx as
+     * [1, rows, n_out] in fwd/dgrad; for fp32 outputs map_c is not read */
     CUtensorMap map_c = map_a;
-    if (ok && !fuse && odt != MOE_DTYPE_FP32) {
+    if (ok && odt != MOE_DTYPE_FP32) {
         const int wg = op == GG_WGRAD;
         ok = gg_make_map(&map_c, out, odt, 3, (uint64_t)n_out, (uint64_t)(wg ? m_static : rows),
                          (uint64_t)(wg ? E : 1), 64);
@@ -1247,24 +1078,15 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
     args.m_tiles_static = (int)m_tiles_static;
     args.ld_out = n_out;
     args.num_rows = rows;
-    args.h = fuse ? fuse->h : NULL;
-    args.probs = fuse ? fuse->probs : NULL;
-    args.ffn = (int)ffn;
-    if (fuse)
-        args.glu = moe_gp_ctx_make(fuse->glu, dt, fuse->probs != NULL, fuse->probs_dtype);
-    else
-        memset(&args.glu, 0, sizeof args.glu);
 
     const int wgrad = op == GG_WGRAD, f16 = dt == MOE_DTYPE_FP16;
     gg_kernel_t k;
     if (bn == 256)
-        k = f16 ? gg_pick<256, true>(b_mn, wgrad, fuse_mode, bk)
-                : gg_pick<256, false>(b_mn, wgrad, fuse_mode, bk);
+        k = f16 ? gg_pick<256, true>(b_mn, wgrad, bk) : gg_pick<256, false>(b_mn, wgrad, bk);
     else
-        k = f16 ? gg_pick<128, true>(b_mn, wgrad, fuse_mode, bk)
-                : gg_pick<128, false>(b_mn, wgrad, fuse_mode, bk);
+        k = f16 ? gg_pick<128, true>(b_mn, wgrad, bk) : gg_pick<128, false>(b_mn, wgrad, bk);
     if (!gg_kernel_real((const void *)k)) return MOE_ERR_UNSUPPORTED;
-    const int smem = GG_SMEM_BYTES(bn, !fuse);
+    const int smem = GG_SMEM_BYTES(bn);
     if (cudaFuncSetAttribute((const void *)k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -1311,17 +1133,6 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
                                                                   rows, row_chunks);
         MOE_CHECK_LAUNCH("gg_sm90_zero_tail_kernel");
     }
-    if (fuse) {
-        int64_t blocks = (rows * ffn + 255) / 256;
-        if (blocks > 2 * (int64_t)sms) blocks = 2 * (int64_t)sms;
-        if (f16)
-            gg_sm90_glu_tail_kernel<MOE_DTYPE_FP16><<<(unsigned)blocks, 256, 0, s>>>(
-                fuse->h, fuse->probs, offsets, (int)E, rows, ffn, args.glu);
-        else
-            gg_sm90_glu_tail_kernel<MOE_DTYPE_BF16><<<(unsigned)blocks, 256, 0, s>>>(
-                fuse->h, fuse->probs, offsets, (int)E, rows, ffn, args.glu);
-        MOE_CHECK_LAUNCH("gg_sm90_glu_tail_kernel");
-    }
     return MOE_OK;
 }
 
@@ -1330,8 +1141,8 @@ extern "C" moe_status_t moe_cuda_gg_sm90_fwd(void *y, const void *x, const void 
                                              const moe_grouped_gemm_params_t *params,
                                              void *workspace, size_t workspace_bytes,
                                              void *stream) {
-    return gg_sm90_run(GG_FWD, y, x, weight, expert_offsets, params, NULL, workspace,
-                       workspace_bytes, stream);
+    return gg_sm90_run(GG_FWD, y, x, weight, expert_offsets, params, workspace, workspace_bytes,
+                       stream);
 }
 
 extern "C" moe_status_t moe_cuda_gg_sm90_dgrad(void *grad_x, const void *grad_y,
@@ -1339,7 +1150,7 @@ extern "C" moe_status_t moe_cuda_gg_sm90_dgrad(void *grad_x, const void *grad_y,
                                                const moe_grouped_gemm_params_t *params,
                                                void *workspace, size_t workspace_bytes,
                                                void *stream) {
-    return gg_sm90_run(GG_DGRAD, grad_x, grad_y, weight, expert_offsets, params, NULL, workspace,
+    return gg_sm90_run(GG_DGRAD, grad_x, grad_y, weight, expert_offsets, params, workspace,
                        workspace_bytes, stream);
 }
 
@@ -1348,19 +1159,6 @@ extern "C" moe_status_t moe_cuda_gg_sm90_wgrad(void *grad_weight, const void *x,
                                                const moe_grouped_gemm_params_t *params,
                                                void *workspace, size_t workspace_bytes,
                                                void *stream) {
-    return gg_sm90_run(GG_WGRAD, grad_weight, x, grad_y, expert_offsets, params, NULL, workspace,
-                       workspace_bytes, stream);
-}
-
-extern "C" moe_status_t moe_cuda_gg_sm90_glu_probs_fwd(void *h, void *a, const void *x,
-                                                       const void *weight,
-                                                       const int64_t *expert_offsets,
-                                                       const void *probs, moe_dtype_t probs_dtype,
-                                                       const moe_grouped_gemm_params_t *params,
-                                                       const moe_glu_probs_params_t *glu,
-                                                       void *workspace, size_t workspace_bytes,
-                                                       void *stream) {
-    const gg_fuse_t fuse = {h, probs, probs_dtype, glu};
-    return gg_sm90_run(GG_FWD, a, x, weight, expert_offsets, params, &fuse, workspace,
+    return gg_sm90_run(GG_WGRAD, grad_weight, x, grad_y, expert_offsets, params, workspace,
                        workspace_bytes, stream);
 }

@@ -1,6 +1,5 @@
 """grouped_gemm_glu_probs: the experts' fc1 with the gated activation and the router-probs
-multiply, as one op (optionally fused into the Hopper GEMM's epilogue), returning ``h`` and fc1's
-output ``a``.
+multiply, as one op, returning ``h`` and fc1's output ``a``.
 
 It is ``grouped_gemm`` followed by ``glu_probs``, as one op::
 
@@ -18,24 +17,10 @@ Precision contract
   ``ops.glu_probs``) on the same device, so every statement of those two ops' contracts holds
   unchanged: fp32 accumulation and one rounding of ``a`` to ``x.dtype``; ``h`` from those rounded
   values with every intermediate rounded where torch's eager sequence rounds it.
-  How each path gets there:
-
-  - CPU: the op *is* the composition (the two C functions called in turn).
-  - CUDA, by default: the grouped GEMM kernel then the glu_probs kernel on the stream, i.e. the
-    composition. Measured on the H200 (2026-12-02) this is faster than the fused epilogue below
-    (which reaches 0.64-0.83x of it: the activation's fp64 element math runs inside the GEMM's
-    epilogue, where nothing overlaps it).
-  - CUDA, Hopper (sm_90a), with ``MOE_GG_GLU_EPILOGUE=1`` in the environment, bf16/fp16,
-    ``trans_w=True``, F a multiple of 8: one kernel. The wgmma
-    tile holds gate columns and their linear partners side by side (two copy-engine boxes of the
-    weight per stage); the epilogue rounds the accumulators to the dtype exactly as the plain
-    GEMM's epilogue does (same tile width, same wgmma shape, same reduction order, so the same
-    ``a``), stores them, and computes ``h`` from those stored bits with the same device functions
-    as the ``glu_probs`` kernel (``csrc/glu_probs_math.h``). The CUDA tests assert equality with
-    the composition, not a tolerance.
-  - CUDA with the variable set but a case that kernel does not take (other GPUs, fp32/fp64,
-    ``trans_w=False``, F not a multiple of 8, or H of 64+ blocks of 64, where the plain GEMM may
-    split its last wave of tiles along H and ``a`` must keep its bits): the composition.
+  It is the composition on every device: on the CPU the two C functions called in turn, on CUDA
+  the grouped GEMM kernel then the glu_probs kernel on the stream. (Computing ``h`` inside the
+  Hopper GEMM's epilogue would save a write and a re-read of ``a``, but runs slower: the
+  activation's fp64 element math then holds up the tensor cores.)
 * Rows past ``expert_offsets[-1]`` (a buffer sized by a static bound): ``a`` is 0 there and ``h``
   is glu_probs of a zero row (0 for every activation, up to the sign that a negative
   ``linear_offset`` gives and NaN for a non-finite prob), as composed.

@@ -7,9 +7,9 @@
 #include "tuning.h"
 
 static const char *const names[] = {
-    "MOE_CORE_GEMM_KERNEL",   "MOE_CORE_PDL",           "MOE_CORE_ROUTER_LANES",
-    "MOE_CORE_UNPERMUTE_SLOTS", "MOE_GG_GLU_EPILOGUE",  "MOE_GG_SM90_SPLIT_TAIL",
-    "MOE_GG_SM90_EXPERT_MAPS", "MOE_GG_SM90_TILE",      "MOE_GG_SM90_WGRAD_BK"};
+    "MOE_CORE_GEMM_KERNEL",     "MOE_CORE_PDL",           "MOE_CORE_ROUTER_LANES",
+    "MOE_CORE_UNPERMUTE_SLOTS", "MOE_GG_SM90_SPLIT_TAIL", "MOE_GG_SM90_EXPERT_MAPS",
+    "MOE_GG_SM90_TILE",         "MOE_GG_SM90_WGRAD_BK"};
 #define NUM_NAMES (sizeof names / sizeof names[0])
 
 static void unset_all(void) {
@@ -18,9 +18,8 @@ static void unset_all(void) {
 
 static int is_default(moe_tuning_t t) {
     return t.cpu_gemm_kernel == MOE_TUNING_GEMM_AUTO && t.pdl == 1 && t.router_lanes == 1 &&
-           t.unpermute_slots == 1 && t.gg_glu_epilogue == 0 &&
-           t.gg_split_tail == MOE_TUNING_SPLIT_AUTO && t.gg_expert_maps == 1 && t.gg_tile == 0 &&
-           t.gg_wgrad_bk == 0;
+           t.unpermute_slots == 1 && t.gg_split_tail == MOE_TUNING_SPLIT_AUTO &&
+           t.gg_expert_maps == 1 && t.gg_tile == 0 && t.gg_wgrad_bk == 0;
 }
 
 static void test_tuning_defaults(void) {
@@ -36,7 +35,6 @@ static void test_tuning_every_switch(void) {
     setenv("MOE_CORE_PDL", "0", 1);
     setenv("MOE_CORE_ROUTER_LANES", "0", 1);
     setenv("MOE_CORE_UNPERMUTE_SLOTS", "0", 1);
-    setenv("MOE_GG_GLU_EPILOGUE", "1", 1);
     setenv("MOE_GG_SM90_SPLIT_TAIL", "0", 1);
     setenv("MOE_GG_SM90_EXPERT_MAPS", "0", 1);
     setenv("MOE_GG_SM90_TILE", "128", 1);
@@ -45,7 +43,6 @@ static void test_tuning_every_switch(void) {
     moe_tuning_t t = moe_tuning_get();
     CHECK(t.cpu_gemm_kernel == MOE_TUNING_GEMM_GENERIC, "gemm kernel %d", t.cpu_gemm_kernel);
     CHECK(t.pdl == 0 && t.router_lanes == 0 && t.unpermute_slots == 0, "pdl / lanes / slots");
-    CHECK(t.gg_glu_epilogue == 1, "glu epilogue %d", t.gg_glu_epilogue);
     CHECK(t.gg_split_tail == MOE_TUNING_SPLIT_NEVER, "split tail %d", t.gg_split_tail);
     CHECK(t.gg_expert_maps == 0 && t.gg_tile == 128 && t.gg_wgrad_bk == 32, "maps / tile / bk");
     setenv("MOE_CORE_GEMM_KERNEL", "avx512", 1);
@@ -68,7 +65,6 @@ static void test_tuning_other_values_mean_default(void) {
     setenv("MOE_CORE_PDL", "1", 1);
     setenv("MOE_CORE_ROUTER_LANES", "yes", 1);
     setenv("MOE_CORE_UNPERMUTE_SLOTS", "", 1);
-    setenv("MOE_GG_GLU_EPILOGUE", "0", 1);
     setenv("MOE_GG_SM90_SPLIT_TAIL", "01", 1);
     setenv("MOE_GG_SM90_EXPERT_MAPS", "00", 1);
     setenv("MOE_GG_SM90_TILE", "64", 1);
