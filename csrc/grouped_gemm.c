@@ -29,10 +29,9 @@
 #endif
 
 /* Micro-tile MR × NR (16 zmm accumulators on AVX-512). One B micro-panel (KC × NR fp32 = 16 KiB)
- * stays in L1; the packed A and B blocks (128 KiB each) and the fp32 C tile (256 KiB) share L2
- * (1 MiB per core here). Large MC/NC matter more than cache tightness: every (MC × NC) tile
- * repacks its A and B blocks, so bigger tiles convert fewer elements per multiply-add (measured:
- * 256/256/128 beat 128/128/128 by ~15% on one core of an AVX-512 AMD EPYC). */
+ * stays in L1; the packed A and B blocks (128 KiB each) and the fp32 C tile (256 KiB) share a
+ * 1 MiB L2. Large MC/NC matter more than cache tightness: every (MC × NC) tile repacks its A and
+ * B blocks, so bigger tiles convert fewer elements per multiply-add. */
 #define MR 8
 #define NR 32
 #define MC 256
@@ -71,9 +70,10 @@ typedef struct {
 static inline float ld_fp32(float v) { return v; }
 static inline float ld_bf16(uint16_t v) { return moe_bf16_to_float(v); }
 /* Exact fp16 → fp32 without branches (moe_fp16_to_float branches on the exponent, which keeps
- * the packing loop scalar and made fp16 40% slower than bf16): rebias the exponent; for inf/NaN
- * rebias once more; for zeros/subnormals make a normal number 2^-14 too large and subtract
- * 2^-14 (exact: the result is a normal fp32). Masks, not branches, so the loop vectorises. */
+ * the packing loop scalar, so fp16 would pack far slower than bf16): rebias the exponent; for
+ * inf/NaN rebias once more; for zeros/subnormals make a normal number 2^-14 too large and
+ * subtract 2^-14 (exact: the result is a normal fp32). Masks, not branches, so the loop
+ * vectorises. */
 static inline float ld_fp16(uint16_t v) {
     const uint32_t shifted_exp = 0x7c00u << 13;
     uint32_t o = (uint32_t)(v & 0x7fffu) << 13;
@@ -580,8 +580,8 @@ static moe_status_t run(const gg_call_t *call, void *workspace, size_t workspace
 
     /* Tiles, enumerated (expert, row tile, column tile), are handed out dynamically: results do
      * not depend on which thread computes a tile (each tile is one thread's fixed-order work),
-     * and on a shared machine a static split waits for the thread whose core is busy (measured
-     * 2-3.5x slower than one thread while another process held the second core). */
+     * and on a shared machine a static split waits for the thread whose core is busy, which can
+     * make a team slower than one thread. */
     int64_t num_tiles = 0;
     for (int64_t e = 0; e < E; ++e) num_tiles += tiles_of(expert_problem(call, e));
 #pragma omp parallel num_threads((int)nthreads)

@@ -22,14 +22,15 @@
  * m64nBNk16 wgmma (fp32 accumulators in registers, one wgmma group kept in flight). The
  * consumers' wgmma descriptors derive from warp-uniform values only (the warpgroup index and
  * the tile count are broadcast by a shuffle, a stage adds its offset to a base descriptor), so
- * wgrad keeps them in uniform registers; built per thread and moved over (R2UR)
- * before every wgmma, they had cost wgrad 5-18% (H200). The plain fwd / dgrad kernels still
- * rebuild them per thread in their k loop (ptxas's choice, with the same uniform inputs; cause
- * not found); they run at 0.98-1.00x of cuBLAS on dense 8192-row shapes all the same. A 16-bit
- * output block is handed to the copy engine (gg_store_block_tma: TMA stores from a swizzled
- * staging buffer) so that its writes to global memory overlap the next tile's MMAs: the two
- * consumer warpgroups share one tile, so a store they wait for leaves the tensor cores idle
- * (4-11% of wgrad, whose tiles are short; 0.5-7% of fwd/dgrad). fwd/dgrad blocks cut by the
+ * wgrad keeps them in uniform registers: built per thread, each would be moved to a uniform
+ * register (R2UR) in front of every wgmma, which wgrad's short tiles pay for most. The plain
+ * fwd / dgrad kernels still rebuild them per thread in their k loop (ptxas's choice, with the
+ * same uniform inputs) and are at parity with cuBLAS on dense shapes all the same
+ * (docs/perf-history.md). A 16-bit output block is handed to
+ * the copy engine (gg_store_block_tma: TMA stores from a swizzled staging buffer) so that its
+ * writes to global memory overlap the next tile's MMAs: the two consumer warpgroups share one
+ * tile, so a store they wait for leaves the tensor cores idle, the more so the shorter the
+ * tile's reduction (wgrad's are short). fwd/dgrad blocks cut by the
  * expert's end (the copy engine would write the next expert's rows) and fp32 outputs are stored
  * by the threads with row/column masks (16-bit ones staged through shared memory for 16-byte
  * coalesced stores); rows past offsets[E] are zeroed by a small second kernel.
@@ -67,9 +68,8 @@
  * stage stays held until the wgmma group after the one reading it is issued, so about two stages
  * are never being loaded: halving them doubles the bytes the copy engine has in flight, which
  * pays where each tile's reduction is short (the ring refills at every tile) and costs where it is
- * long (twice the barrier and wgmma-group overhead per flop). H200, round-robin against 64-row
- * stages, bf16: +2 to +5% at 128 and 256 rows per expert (dsv3-, qwen3- and mixtral-like layers),
- * -4 to -10% at 512 and more, so the cut is at 256 (gg_wgrad_bk). */
+ * long (twice the barrier and wgmma-group overhead per flop). The A/B over rows per expert
+ * (docs/perf-history.md) puts the cut at 256 (gg_wgrad_bk). */
 #define GG_BK_SHORT 32
 #define GG_SHORT_ROWS 256
 #define GG_THREADS 384  /* producer warpgroup + 2 consumer warpgroups */
@@ -262,9 +262,9 @@ typedef struct gg_tile {
 
 /* Raster order inside an expert: groups of GG_GROUP_M M tiles, M fastest inside a group; a
  * remainder of fewer than GG_GROUP_M / 2 M tiles joins the last whole group. Alone, a remainder
- * of one M tile (an expert of 2049-2176 rows, as mixtral's are) reads every weight column block
- * for that one tile, so its ~num_n concurrent tiles stream all their weight bytes from HBM
- * instead of sharing them through L2 (H200, mixtral fc1 fwd: 1.2% faster folded). */
+ * of one M tile (an expert of 2049-2176 rows) reads every weight column block for that one
+ * tile, so its ~num_n concurrent tiles stream all their weight bytes from HBM instead of sharing
+ * them through L2. */
 __device__ __forceinline__ void gg_tile_mn(int local, int num_m, int num_n, int *m, int *n) {
     const int full = num_m / GG_GROUP_M, rem = num_m - full * GG_GROUP_M;
     const int whole = (full > 0 && rem < GG_GROUP_M / 2) ? full - 1 : full;
@@ -326,8 +326,8 @@ typedef struct gg_sched {
  * 1 / segs of a tile's time instead of a whole one (mixtral's fc2 fwd and fc1 dgrad: 16 tiles of
  * 224 / 448 k blocks in a 17th wave). Segment j of every split tile covers the same k blocks and
  * they all start together, so the CTAs sharing a weight block still read it at the same time
- * (through L2); a stream-K split into unaligned ranges measured 0.96-1.00x, as its CTAs read
- * every k block at a different time (H200, 2026-12-04). gg_sk_fixup sums the segments. */
+ * (through L2); a stream-K split into unaligned ranges lost that sharing, as its CTAs read
+ * every k block at a different time, and gained nothing. gg_sk_fixup sums the segments. */
 #define GG_SK_MAX_SEGS 16
 template <bool WGRAD>
 __device__ __forceinline__ gg_sched_t gg_sched_make(const gg_args_t &a, int total) {
@@ -701,10 +701,10 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                 const int64_t lim = tl.row_end - tl.row0 - m0;
                 row_lim = lim > 64 ? 64 : (int)lim;
             }
-            /* A half tile wholly past the expert's end still issues its wgmma: skipping it ran
-             * fwd/dgrad 25-35% SLOWER on dsv3 (E=256, ~256 rows per expert; H200), most likely
-             * because the CTAs sharing a weight tile then run at different speeds and drift
-             * apart, so the weight, streamed from DRAM there, is no longer shared through L2. */
+            /* A half tile wholly past the expert's end still issues its wgmma: skipping it lets
+             * the CTAs that share a weight tile run at different speeds and drift apart, so
+             * where experts are short (and such half tiles common) the weight, streamed from
+             * DRAM, is no longer shared through L2, which costs more than the MMAs saved. */
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
             for (int kb = kb0; kb < k_end; ++kb) {
@@ -790,7 +790,7 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
  * the expert's first row and cut to its row count, so the copy engine zero-fills the reduction's
  * tail block past the expert's end. That replaced zeroing it in shared memory, whose generic-
  * proxy writes, proxy fence and barrier between the consumer warpgroups sat between two k blocks
- * of every tile: the maps run the reference layers' wgrad 2-6% faster (H200, 2026-12-04).
+ * of every tile.
  * Offsets are clamped as the GEMM clamps them; an empty expert gets one row (a map's dimensions
  * are at least 1), which its tiles never load.
  * maps: [2E] CUtensorMap, 128-byte aligned; pitch_a / pitch_b: the row strides in bytes. */
@@ -956,9 +956,10 @@ static gg_kernel_t gg_pick(int b_mn, int wgrad, int bk) {
     return b_mn ? gg_sm90_kernel<BN, F16, true, false> : gg_sm90_kernel<BN, F16, false, false>;
 }
 
-/* Tile width BN: 128 x 256 tiles measured best on every reference shape (H200; notes in
- * tools/gg_sm90_check.py); 128 x 128 when the output is narrow or 256-wide tiles would
- * leave SMs idle. The gg_tile switch (tuning.h) forces one (tests, benchmarks). */
+/* Tile width BN: 128 x 256 tiles, since m64n256 wgmmas move the fewest operand bytes per flop
+ * through shared memory (narrower tiles pay that back and more; docs/perf-history.md,
+ * tools/gg_sm90_check.py); 128 x 128 when the output is narrow or 256-wide tiles would leave SMs
+ * idle. The gg_tile switch (tuning.h) forces one (tests, benchmarks). */
 static int gg_choose_bn(int forced, int64_t n_out, int64_t tiles_256, int sms) {
     if (forced == 128 || forced == 256) return forced;
     if (n_out <= 128) return 128;

@@ -15,7 +15,7 @@
  * With E <= MOE_PERM_PLAN_E the plan moves into the scatter: each block's first warp scans the E
  * block sizes into shared memory (a few shuffles, the counts loaded while the block's other
  * threads load their ballots), which spares the chunk scan its ticket and last block, the serial
- * tail of the chain (5% of mixtral's permute).
+ * tail of the chain, which weighs most where the data pass is short (few experts).
  *
  * The one clever idea is the data pass: one thread group per TOKEN computes the token's rows
  * from the ballots, reads the token's row once, 16 bytes per access, and stores each vector to
@@ -477,10 +477,10 @@ template <int W>
 static moe_status_t launch_data(perm_scatter_args_t a, size_t row_bytes, cudaStream_t stream) {
     a.nvec = (int64_t)(row_bytes / W);
     /* a quarter of the row's vectors per thread group: every thread then has four 16-byte loads
-     * in flight (narrow rows, like qwen3's 4 KB, otherwise had one per thread); but at least a
-     * thread per expert (up to 256), so the planning scatter ranks one expert per thread (qwen3,
-     * E = 128 over 256 vectors: 128 threads, not 64, 1% faster); more tokens per block only while
-     * their row lists fit 48 KB of shared memory */
+     * in flight (a thread per vector would leave narrow rows, 4 KB say, one load per thread); but
+     * at least a thread per expert (up to 256), so the planning scatter ranks one expert per
+     * thread in one pass; more tokens per block only while their row lists fit 48 KB of shared
+     * memory */
     int X = moe_pow2_clamp((a.nvec + 3) / 4, 32, 256);
     const int x_experts = moe_pow2_clamp(a.E, 32, 256);
     if (X < x_experts) X = x_experts;

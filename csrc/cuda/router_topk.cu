@@ -290,10 +290,11 @@ __device__ __forceinline__ double key_value(uint64_t key) {
  * its logit, sigmoid / sqrtsoftplus: its unbiased score) stay in registers; a winner's lane parks
  * the source in shared memory at the winner's rank, the k probs are then finished in parallel
  * across lanes, and only the order-dependent sums run on one lane (the CPU's rounding points).
- * The extras (issue 6), when asked for, come from the same registers: the row max is shared by
- * the softmax statistics and the lse (one more fp64 warp sum for Σ exp(x − m)); the aux scores
- * are the softmax values (or the scores over one more warp sum) and their map is k more key
- * rounds, skipped for softmax-pre without groups, whose routing keys are the aux keys.
+ * The extras (aux scores and map, lse), when asked for, come from the same registers: the row
+ * max is shared by the softmax statistics and the lse (one more fp64 warp sum for Σ exp(x − m));
+ * the aux scores are the softmax values (or the scores over one more warp sum) and their map is
+ * k more key rounds, skipped for softmax-pre without groups, whose routing keys are the aux
+ * keys.
  * Shared memory: 2k + 1 words per warp. */
 template <int VPL>
 __global__ void __launch_bounds__(32 * MOE_ROUTER32_WARPS)
@@ -563,11 +564,11 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
 }
 
 /* ---- the lanes kernel: a lane holds VPL neighbouring experts ---------------------------------
- * The same routing and extras as the fused fp32 kernel above, for rows of 33-256 experts, at
- * about half its instructions. Lane l holds experts
- * l·VPL .. l·VPL + VPL − 1, so a group of P experts is a segment of P / VPL lanes: a group's
- * top-n is a lane-local scan plus log2(P / VPL) shuffles, where the strided layout above needs
- * one warp reduction per (group, round). The fp64 sigmoid and exp, the largest share of a
+ * The same routing and extras as the fused fp32 kernel above, for rows of 33-256 experts, in
+ * far fewer instructions per token. Lane l holds experts l·VPL .. l·VPL + VPL − 1, so a group
+ * of P experts is a segment of P / VPL lanes: a group's top-n is a lane-local scan plus
+ * log2(P / VPL) shuffles, where the strided layout above needs one warp reduction per (group,
+ * round). The fp64 sigmoid and exp, the largest share of a
  * row's instructions, are the polynomial below instead of the library's (same fp32 result: see
  * moe_exp_fd), evaluated four experts at a time. One instantiation per score function, so a row
  * carries no per-expert switch. A row is read with 16-byte loads and the dense outputs written
@@ -577,8 +578,8 @@ moe_router_topk_fwd_warp32_kernel(void *topk_probs, int64_t *topk_indices, void 
  * rounded to fp32 agrees with glibc's exp on every fp32 input as (float)exp(d), d <= 0, and as
  * (float)(1 / (1 + exp(-x))) (exhaustive host check, tests/c/test_exp_poly.c). The caller clamps
  * a: past ±708 the fp32 results no longer change. The coefficients live in constant memory: a
- * batch loads each into a uniform register once; as literals each DFMA cost two uniform moves
- * (12% of the lanes kernel's instructions in ncu, 2026-12-03). */
+ * batch loads each into a uniform register once, where as 64-bit literals each DFMA would need
+ * two uniform moves of its own. */
 __constant__ double moe_exp_coef[15] = MOE_EXP_POLY_COEFS;
 
 /* N exponentials side by side: each coefficient is loaded once per batch instead of once per
@@ -800,10 +801,9 @@ __device__ __forceinline__ void lanes_store_bits(uint8_t *dst, int valid, uint32
  * One warp per token, grid-stride; seg = P / VPL lanes per group (a power of two), 0 without
  * groups. Shared memory: lanes_warp_bytes per warp. Keys are the 32-bit monotone bits of the
  * fp32 selection value (0: absent or excluded), ties to the lower expert. */
-/* 4 blocks of 8 warps per SM (64 registers, a few spilled at VPL = 8): 16.0x Megatron at
- * T = 16384 against 14.9x at 3 blocks (72 registers), same run, 2026-12-03. Then 1557 -> 1239
- * warp instructions per token (ncu; one instantiation per score function, batched exp, fp32
- * clamps, divisions out of the token loop, vector bias loads): 22x, same day. */
+/* 4 blocks of 8 warps per SM (64 registers, a few spilled at VPL = 8): the kernel is bound by
+ * instruction latency, so the occupancy of a fourth block is worth more than the registers a
+ * third block would leave it (docs/perf-history.md has the A/B). */
 template <int VPL, int SF>
 __global__ void __launch_bounds__(32 * MOE_ROUTER32_WARPS, 4)
 moe_router_topk_fwd_lanes_kernel(void *topk_probs, int64_t *topk_indices, void *probs,

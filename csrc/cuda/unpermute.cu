@@ -14,13 +14,13 @@
  * token's next free slot of a [T, MOE_SLOTS] table (a counter per token; rows past the slots go
  * to an overflow list), and the gather's first warp per token reads the count and the slots with
  * one load and ranks them across its lanes. That chain is memset → slots → gather; the CSR's is
- * memset → count → scan → fill → sort → gather (at mixtral's shape on an H200 its build kernels
- * take 9.7 µs, the slots kernel 2.0 µs; the combine went from 0.067 to 0.061 ms). A token with
- * more rows than slots (drop-and-pad's filler tokens, topk > 16) collects the rest from the
- * overflow list with the whole block and ranks them in shared memory; one with more than
- * MOE_SLOT_CAP rows scans sorted_indices. The backwards with probs keep the CSR (start, rows,
- * rexp, dots): their grad_probs sums need each (token, expert) entry in order. The kernels after
- * the first are one programmatic-launch chain (cuda_common.cuh), so their launch gaps vanish.
+ * memset → count → scan → fill → sort → gather, three more short kernels whose latency the
+ * gather waits for. A token with more rows than slots (drop-and-pad's filler tokens, topk > 16)
+ * collects the rest from the overflow list with the whole block and ranks them in shared
+ * memory; one with more than MOE_SLOT_CAP rows scans sorted_indices. The backwards with probs
+ * keep the CSR (start, rows, rexp, dots): their grad_probs sums need each (token, expert) entry
+ * in order. The kernels after the first are one programmatic-launch chain (cuda_common.cuh), so
+ * their launch gaps vanish.
  *
  * Data kernels read and write 16 bytes per access when the row size and the pointers allow it,
  * and issue the loads of up to four rows before adding them, so a token's rows are in flight
@@ -322,8 +322,8 @@ __device__ __forceinline__ void gather_token(moe_pack<ET, VE> *__restrict__ dst,
                                              int64_t X, int64_t nvec) {
     typedef moe_pack<ET, VE> P;
     /* Two vectors per thread (v and v + X) × two rows per step: four 16-byte loads in flight
-     * whatever the row count (mixtral's 2 rows had 2 with one vector × four rows), in about the
-     * same registers. Each element's sum keeps its ascending row order. */
+     * whatever the row count (one vector × four rows would leave a token of two rows two), in
+     * about the same registers. Each element's sum keeps its ascending row order. */
     for (int64_t v0 = x; v0 < nvec; v0 += 2 * X) {
         const bool second = v0 + X < nvec;
         C acc[2][VE];

@@ -20,7 +20,7 @@ from moe_core.ops.token_dropping import apply_router_token_dropping, get_capacit
 from moe_core.ops.permute import permute
 from moe_core.ops.unpermute import unpermute
 from moe_core.ops.sort_chunks_by_idxs import sort_chunks_by_idxs
-# load balancing (issue 4)
+# load balancing
 from moe_core.ops.aux_loss_autoscaler import AuxLossScale, MoEAuxLossAutoScaler
 from moe_core.ops.aux_loss_scores import compute_routing_scores_for_aux_loss
 from moe_core.ops.expert_bias import accumulate_tokens_per_expert, get_updated_expert_bias
@@ -36,7 +36,7 @@ from moe_core.ops.switch_aux_loss import (
 from moe_core.ops.tokens_per_expert import tokens_per_expert
 from moe_core.ops.z_loss import z_loss_func
 from moe_core.ops.grouped_gemm import grouped_gemm, grouped_gemm_dgrad, grouped_gemm_wgrad
-# the activation epilogue (issue 7, item 3)
+# the experts: activation x probs, fc1 fused with it, the whole MLP
 from moe_core.ops.glu_probs import activation_name, glu_probs
 from moe_core.ops.grouped_gemm_glu_probs import grouped_gemm_glu_probs
 from moe_core.ops.expert_mlp import expert_mlp
@@ -53,7 +53,7 @@ __all__ = [
     "permute",
     "unpermute",
     "sort_chunks_by_idxs",
-    # load balancing (issue 4)
+    # load balancing
     "compute_routing_scores_for_aux_loss",
     "switch_load_balancing_loss_func",
     "get_tokens_per_expert_and_token_count",
