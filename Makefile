@@ -66,7 +66,7 @@ $(VENV)/.stamp: requirements-dev.txt
 
 venv: $(VENV)/.stamp
 
-$(BUILD)/.ext_stamp: $(VENV)/.stamp setup.py $(wildcard csrc/*.c csrc/*.h csrc/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
+$(BUILD)/.ext_stamp: $(VENV)/.stamp setup.py $(wildcard csrc/*.c csrc/*.h csrc/torch/* csrc/cuda/*.cu csrc/cuda/*.cuh)
 	@mkdir -p $(BUILD)
 	$(PY) -m pip install --no-build-isolation -e . -v > $(BUILD)/pip-build.log 2>&1 || \
 	    { tail -n 60 $(BUILD)/pip-build.log; exit 1; }
@@ -116,7 +116,7 @@ ctest-sanitize: $(SAN)/test_core
 
 # moe_core._C with the sanitizers, CPU only, built outside the tree (the in-place .so stays as
 # it is); build/sanitize/lib/moe_core/ links the package's Python files beside it.
-$(SAN)/.ext_stamp: $(VENV)/.stamp setup.py $(wildcard csrc/*.c csrc/*.h csrc/*.cpp)
+$(SAN)/.ext_stamp: $(VENV)/.stamp setup.py $(wildcard csrc/*.c csrc/*.h csrc/torch/*)
 	@mkdir -p $(SAN)/lib/moe_core
 	MOE_CORE_CUDA=0 MOE_CORE_SANITIZE=1 $(PY) setup.py -q build_ext -b $(SAN)/lib \
 	    -t $(SAN)/tmp > $(SAN)/build.log 2>&1 || { tail -n 60 $(SAN)/build.log; exit 1; }

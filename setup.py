@@ -106,7 +106,7 @@ def make_extension():
     cuda = want_cuda()
     if cuda and SANITIZE:
         raise RuntimeError("MOE_CORE_SANITIZE=1 builds the CPU kernels only: set MOE_CORE_CUDA=0")
-    sources = ["csrc/torch_binding.cpp"]
+    sources = sorted(glob.glob(os.path.join("csrc", "torch", "*.cpp")))
     cxx = ["-fopenmp"] + OPT
     define = []
     link = ["-fopenmp"] + (SANITIZE_FLAGS if SANITIZE else [])

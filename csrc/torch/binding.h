@@ -1,0 +1,220 @@
+// binding.h: what the torch binding's files share. The binding registers the moe_core ops with
+// the PyTorch dispatcher (library.cpp) and, for each call, validates the tensors with messages
+// that name the argument, allocates the outputs and the workspace, and calls the C core on the
+// current stream (router.cpp, layout.cpp, balancing.cpp, experts.cpp). Nothing else lives here:
+// no math, no policy. These are the only files that include torch.
+//
+// The one idea: error messages are assembled with plain string appends and snprintf, never
+// through an ostream (c10::str). On a machine whose torch was built with another libstdc++ than
+// this extension, a numeric ostream insertion instantiated here crashed inside the locale
+// machinery. So every check builds its text with moe_cat() and throws c10's typed error directly.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+
+#ifdef MOE_CORE_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+#include "moe_core.h"
+
+namespace moe_torch {
+
+// ---- messages -----------------------------------------------------------------------------------
+
+void put(std::string &s, const char *v);
+void put(std::string &s, const std::string &v);
+void put(std::string &s, int v);
+void put(std::string &s, long v);
+void put(std::string &s, long long v);
+void put(std::string &s, unsigned long v);
+void put(std::string &s, unsigned long long v);
+void put(std::string &s, double v);
+void put(std::string &s, at::IntArrayRef v);
+void put(std::string &s, at::ScalarType v);
+void put(std::string &s, const at::Device &d);
+
+template <typename... Args>
+std::string moe_cat(const Args &...args) {
+  std::string s;
+  (put(s, args), ...);
+  return s;
+}
+
+#define MOE_LOC \
+  c10::SourceLocation { __func__, __FILE__, static_cast<uint32_t>(__LINE__) }
+#define MOE_CHECK_VALUE(cond, ...) \
+  do { if (!(cond)) throw c10::ValueError(MOE_LOC, moe_cat(__VA_ARGS__)); } while (0)
+#define MOE_CHECK_TYPE(cond, ...) \
+  do { if (!(cond)) throw c10::TypeError(MOE_LOC, moe_cat(__VA_ARGS__)); } while (0)
+#define MOE_CHECK_RUNTIME(cond, ...) \
+  do { if (!(cond)) throw c10::Error(MOE_LOC, moe_cat(__VA_ARGS__)); } while (0)
+
+// ---- validation of tensors ----------------------------------------------------------------------
+
+moe_dtype_t to_moe_dtype(at::ScalarType st, const char *name);
+void check_float(const at::Tensor &t, const char *name);
+void check_dtype(const at::Tensor &t, at::ScalarType st, const char *name);
+void check_dim(const at::Tensor &t, int64_t dim, const char *name);
+void check_size(const at::Tensor &t, int64_t dim, int64_t size, const char *name,
+                const char *what);
+void check_same_device(const at::Tensor &t, const at::Tensor &ref, const char *name,
+                       const char *ref_name);
+// A [num_tokens, num_experts] bool map.
+void check_routing_map(const at::Tensor &routing_map, const char *name);
+
+// A padding mask (True = padding) as the C core's [num_tokens] uint8 buffer, or nullptr; `keep`
+// holds the contiguous copy alive for the call.
+const uint8_t *padding_mask_ptr(const c10::optional<at::Tensor> &mask_, at::Tensor &keep,
+                                int64_t num_tokens, const at::Tensor &ref, const char *ref_name);
+
+// Raises the C core's message: ValueError for a bad argument, RuntimeError otherwise.
+void check_status(moe_status_t status, const char *op);
+
+moe_score_function_t to_score_function(c10::string_view name);
+
+// ---- device, stream, workspace ------------------------------------------------------------------
+
+bool on_cuda(const at::Tensor &t);
+void *stream_of(const at::Tensor &t);
+
+#ifdef MOE_CORE_WITH_CUDA
+#define MOE_DEVICE_GUARD(t) c10::cuda::OptionalCUDAGuard moe_guard_(on_cuda(t) ? \
+    c10::optional<c10::Device>((t).device()) : c10::nullopt)
+#define MOE_CALL(t, fn, ...) (on_cuda(t) ? moe_cuda_##fn(__VA_ARGS__) : moe_##fn(__VA_ARGS__))
+#else
+#define MOE_DEVICE_GUARD(t) (void)0
+#define MOE_CALL(t, fn, ...) moe_##fn(__VA_ARGS__)
+#endif
+
+// Workspace bytes: the CPU expression, or the CUDA one for a CUDA tensor (CUDA builds only).
+#ifdef MOE_CORE_WITH_CUDA
+#define MOE_WS_BYTES(t, cpu_bytes, cuda_bytes) (on_cuda(t) ? (size_t)(cuda_bytes) : (size_t)(cpu_bytes))
+#else
+#define MOE_WS_BYTES(t, cpu_bytes, cuda_bytes) ((size_t)(cpu_bytes))
+#endif
+
+// A CUDA workspace size where the build has CUDA (a CPU-only build never calls it).
+#ifdef MOE_CORE_WITH_CUDA
+#define MOE_CUDA_SIZE(expr) (expr)
+#else
+#define MOE_CUDA_SIZE(expr) ((size_t)0)
+#endif
+
+// Every workspace is allocated here, so a size function's overflow sentinel is always caught:
+// MOE_SIZE_OVERFLOW becomes a ValueError with the size function's message (which names the
+// function, the argument and its value) instead of a request for SIZE_MAX bytes.
+at::Tensor workspace_for(const at::Tensor &like, size_t bytes);
+
+// ---- the ops, by area (schemas in library.cpp) --------------------------------------------------
+
+using c10::optional;
+using c10::string_view;
+using at::Tensor;
+using Tensor2 = std::tuple<Tensor, Tensor>;
+using Tensor3 = std::tuple<Tensor, Tensor, Tensor>;
+using Tensor5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+using Tensor6 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+// router.cpp: the gating linear, the top-k router (compact, dense, fused with the loss extras)
+Tensor router_gating_linear(const Tensor &inp, const Tensor &weight, const optional<Tensor> &bias,
+                            at::ScalarType router_dtype);
+Tensor3 router_gating_linear_bwd(const Tensor &grad_logits, const Tensor &inp,
+                                 const Tensor &weight);
+Tensor2 router_topk(const Tensor &logits, int64_t topk, bool use_pre_softmax, int64_t num_groups,
+                    int64_t group_topk, double scaling_factor, string_view score_function,
+                    const optional<Tensor> &expert_bias, int64_t routing_mode);
+Tensor router_topk_bwd(const Tensor &grad_probs, const Tensor &logits, const Tensor &topk_indices,
+                       int64_t topk, bool use_pre_softmax, int64_t num_groups, int64_t group_topk,
+                       double scaling_factor, string_view score_function, int64_t routing_mode);
+Tensor3 router_topk_dense(const Tensor &logits, int64_t topk, bool use_pre_softmax,
+                          int64_t num_groups, int64_t group_topk, double scaling_factor,
+                          string_view score_function, const optional<Tensor> &expert_bias,
+                          int64_t routing_mode);
+Tensor router_topk_dense_bwd(const Tensor &grad_probs, const Tensor &logits,
+                             const Tensor &topk_indices, int64_t topk, bool use_pre_softmax,
+                             int64_t num_groups, int64_t group_topk, double scaling_factor,
+                             string_view score_function, int64_t routing_mode);
+Tensor6 router_topk_fused(const Tensor &logits, int64_t topk, bool use_pre_softmax,
+                          int64_t num_groups, int64_t group_topk, double scaling_factor,
+                          string_view score_function, const optional<Tensor> &expert_bias,
+                          const optional<Tensor> &padding_mask, bool with_aux, bool with_lse,
+                          int64_t routing_mode);
+Tensor router_lse_bwd(const Tensor &grad_lse, const Tensor &logits, const Tensor &lse,
+                      const optional<Tensor> &padding_mask);
+
+// layout.cpp: dense routing, capacity, permute / unpermute, chunk sorting, token counts
+Tensor2 topk_to_dense(const Tensor &topk_probs, const Tensor &topk_indices, int64_t num_experts);
+Tensor topk_to_dense_bwd(const Tensor &grad_probs, const Tensor &topk_indices);
+Tensor2 token_dropping(const Tensor &routing_probs, const Tensor &routing_map, int64_t capacity,
+                       string_view drop_policy, bool pad_to_capacity);
+Tensor token_dropping_bwd(const Tensor &grad_final_probs, const Tensor &final_map);
+Tensor5 permute(const Tensor &tokens, const Tensor &routing_map, const optional<Tensor> &probs,
+                int64_t num_out_tokens, bool drop_and_pad, int64_t align_size);
+Tensor2 permute_bwd(const Tensor &grad_permuted_tokens,
+                    const optional<Tensor> &grad_permuted_probs, const Tensor &sorted_indices,
+                    const Tensor &expert_offsets, int64_t num_tokens);
+Tensor unpermute(const Tensor &permuted_tokens, const Tensor &sorted_indices, int64_t num_tokens,
+                 const optional<Tensor> &probs, const optional<Tensor> &expert_offsets);
+Tensor2 unpermute_bwd(const Tensor &grad_output, const Tensor &sorted_indices,
+                      const optional<Tensor> &probs, const optional<Tensor> &expert_offsets,
+                      const optional<Tensor> &permuted_tokens);
+Tensor sort_chunks_by_idxs(const Tensor &input, const Tensor &split_sizes,
+                           const Tensor &sorted_idxs);
+Tensor sort_chunks_by_idxs_bwd(const Tensor &grad_output, const Tensor &split_sizes,
+                               const Tensor &sorted_idxs);
+Tensor tokens_per_expert(const Tensor &routing_map, const optional<Tensor> &padding_mask);
+
+// balancing.cpp: the aux losses and their scores, the z-loss, the expert bias, Sinkhorn, metrics
+Tensor2 aux_loss_scores(const Tensor &logits, int64_t topk, string_view score_function,
+                        const optional<Tensor> &padding_mask);
+Tensor aux_loss_scores_bwd(const Tensor &grad_scores, const Tensor &logits,
+                           string_view score_function, const optional<Tensor> &padding_mask);
+Tensor switch_aux_loss(const Tensor &probs, const Tensor &tokens_per_expert,
+                       const Tensor &total_num_tokens, int64_t topk, int64_t num_experts,
+                       double coeff, const optional<Tensor> &padding_mask);
+Tensor switch_aux_loss_bwd(const Tensor &grad_loss, const Tensor &probs,
+                           const Tensor &tokens_per_expert, const Tensor &total_num_tokens,
+                           int64_t topk, int64_t num_experts, double coeff,
+                           const optional<Tensor> &padding_mask);
+Tensor z_loss(const Tensor &logits, double coeff, const optional<Tensor> &padding_mask);
+Tensor z_loss_bwd(const Tensor &grad_loss, const Tensor &logits, double coeff,
+                  const optional<Tensor> &padding_mask);
+Tensor expert_bias_update(const Tensor &tokens_per_expert, const Tensor &expert_bias,
+                          double update_rate);
+Tensor sinkhorn(const Tensor &cost, double tol, int64_t max_iters);
+Tensor2 sinkhorn_routing(const Tensor &logits, int64_t topk, bool training, double tol);
+Tensor sinkhorn_routing_bwd(const Tensor &grad_probs, const Tensor &logits,
+                            const Tensor &routing_map, int64_t topk);
+Tensor2 routing_metrics(const Tensor &routing_map, const optional<Tensor> &scores,
+                        const optional<Tensor> &padding_mask);
+Tensor topk_overlap(const Tensor &indices_a, const Tensor &indices_b, int64_t num_experts,
+                    const optional<Tensor> &padding_mask);
+
+// experts.cpp: the grouped GEMMs, the activation with the probs, and fc1 fused with it
+Tensor grouped_gemm(const Tensor &x, const Tensor &weight, const Tensor &expert_offsets,
+                    bool trans_w, optional<at::ScalarType> out_dtype);
+Tensor grouped_gemm_dgrad(const Tensor &grad_y, const Tensor &weight,
+                          const Tensor &expert_offsets, bool trans_w,
+                          optional<at::ScalarType> out_dtype);
+Tensor grouped_gemm_wgrad(const Tensor &x, const Tensor &grad_y, const Tensor &expert_offsets,
+                          bool trans_w, optional<at::ScalarType> out_dtype);
+Tensor glu_probs(const Tensor &a, const optional<Tensor> &probs, string_view activation,
+                 bool gated_linear_unit, double linear_offset, optional<double> clamp_value);
+Tensor2 glu_probs_bwd(const Tensor &grad_h, const Tensor &a, const optional<Tensor> &probs,
+                      string_view activation, bool gated_linear_unit, double linear_offset,
+                      optional<double> clamp_value);
+Tensor glu_probs_bwd_(Tensor grad_h, Tensor a, const optional<Tensor> &probs,
+                      string_view activation, bool gated_linear_unit, double linear_offset,
+                      optional<double> clamp_value);
+Tensor2 grouped_gemm_glu_probs(const Tensor &x, const Tensor &weight,
+                               const Tensor &expert_offsets, const optional<Tensor> &probs,
+                               string_view activation, bool gated_linear_unit,
+                               double linear_offset, optional<double> clamp_value, bool trans_w);
+
+}  // namespace moe_torch

@@ -1,0 +1,319 @@
+// experts.cpp: the expert ops: the grouped GEMMs (forward, dgrad, wgrad), the activation with
+// the router probs (glu_probs), and fc1 with that activation fused into its epilogue.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/MemoryOverlap.h>
+
+#include "binding.h"
+
+namespace moe_torch {
+
+// ---- grouped GEMM -------------------------------------------------------------------------------
+
+// Shared checks of the three products: ranks, one operand dtype, offsets [E + 1] int64 on the
+// same device. Returns the params; the C core validates the offsets' values (on the CPU).
+static moe_grouped_gemm_params_t grouped_gemm_params(const at::Tensor &a, const char *a_name,
+                                                     const at::Tensor &b, const char *b_name,
+                                                     const at::Tensor &offsets, int64_t num_experts,
+                                                     const char *experts_from,
+                                                     int64_t in_features, int64_t out_features,
+                                                     bool trans_w, at::ScalarType out_dtype) {
+  check_float(a, a_name);
+  MOE_CHECK_TYPE(b.scalar_type() == a.scalar_type(), b_name, " must have the same dtype as ",
+                   a_name, " (", a.scalar_type(), "), got ", b.scalar_type());
+  check_dtype(offsets, at::kLong, "expert_offsets");
+  check_dim(offsets, 1, "expert_offsets");
+  MOE_CHECK_VALUE(num_experts >= 1, "num_experts (", experts_from, ") must be >= 1, got ",
+                    num_experts);
+  check_size(offsets, 0, num_experts + 1, "expert_offsets", "num_experts + 1");
+  check_same_device(b, a, b_name, a_name);
+  check_same_device(offsets, a, "expert_offsets", a_name);
+  MOE_CHECK_TYPE(at::isFloatingType(out_dtype) && out_dtype != at::kFloat8_e4m3fn &&
+                       out_dtype != at::kFloat8_e5m2,
+                   "out_dtype must be float32, float64, float16 or bfloat16, got ", out_dtype);
+  moe_grouped_gemm_params_t p;
+  p.num_rows = a.size(0);
+  p.num_experts = num_experts;
+  p.in_features = in_features;
+  p.out_features = out_features;
+  p.trans_w = trans_w ? 1 : 0;
+  p.dtype = to_moe_dtype(a.scalar_type(), a_name);
+  p.out_dtype = to_moe_dtype(out_dtype, "out_dtype");
+  return p;
+}
+
+static at::Tensor grouped_gemm_workspace(const at::Tensor &like, const moe_grouped_gemm_params_t &p) {
+  size_t bytes = on_cuda(like) ?
+#ifdef MOE_CORE_WITH_CUDA
+                               moe_cuda_grouped_gemm_workspace_size(&p)
+#else
+                               0
+#endif
+                               : moe_grouped_gemm_workspace_size(&p);
+  return workspace_for(like, bytes);
+}
+
+at::Tensor grouped_gemm(const at::Tensor &x_, const at::Tensor &weight_,
+                        const at::Tensor &expert_offsets_, bool trans_w,
+                        c10::optional<at::ScalarType> out_dtype) {
+  check_dim(x_, 2, "x");
+  check_dim(weight_, 3, "weight");
+  const int64_t E = weight_.size(0), K = x_.size(1);
+  const int64_t N = trans_w ? weight_.size(1) : weight_.size(2);
+  check_size(weight_, trans_w ? 2 : 1, K, "weight", "x.shape[1] (in_features)");
+  auto p = grouped_gemm_params(x_, "x", weight_, "weight", expert_offsets_, E,
+                               "weight.shape[0]", K, N, trans_w,
+                               out_dtype.value_or(x_.scalar_type()));
+  at::Tensor x = x_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
+  MOE_DEVICE_GUARD(x);
+  at::Tensor y = at::empty({p.num_rows, N},
+                           x.options().dtype(out_dtype.value_or(x.scalar_type())));
+  at::Tensor ws = grouped_gemm_workspace(x, p);
+  check_status(MOE_CALL(x, grouped_gemm_fwd, y.data_ptr(), x.data_ptr(), w.data_ptr(),
+                        off.data_ptr<int64_t>(), &p, ws.data_ptr(), (size_t)ws.numel(),
+                        stream_of(x)),
+               "grouped_gemm");
+  return y;
+}
+
+at::Tensor grouped_gemm_dgrad(const at::Tensor &grad_y_, const at::Tensor &weight_,
+                              const at::Tensor &expert_offsets_, bool trans_w,
+                              c10::optional<at::ScalarType> out_dtype) {
+  check_dim(grad_y_, 2, "grad_y");
+  check_dim(weight_, 3, "weight");
+  const int64_t E = weight_.size(0), N = grad_y_.size(1);
+  const int64_t K = trans_w ? weight_.size(2) : weight_.size(1);
+  check_size(weight_, trans_w ? 1 : 2, N, "weight", "grad_y.shape[1] (out_features)");
+  auto p = grouped_gemm_params(grad_y_, "grad_y", weight_, "weight", expert_offsets_, E,
+                               "weight.shape[0]", K, N, trans_w,
+                               out_dtype.value_or(grad_y_.scalar_type()));
+  at::Tensor g = grad_y_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
+  MOE_DEVICE_GUARD(g);
+  at::Tensor dx = at::empty({p.num_rows, K},
+                            g.options().dtype(out_dtype.value_or(g.scalar_type())));
+  at::Tensor ws = grouped_gemm_workspace(g, p);
+  check_status(MOE_CALL(g, grouped_gemm_dgrad, dx.data_ptr(), g.data_ptr(), w.data_ptr(),
+                        off.data_ptr<int64_t>(), &p, ws.data_ptr(), (size_t)ws.numel(),
+                        stream_of(g)),
+               "grouped_gemm_dgrad");
+  return dx;
+}
+
+at::Tensor grouped_gemm_wgrad(const at::Tensor &x_, const at::Tensor &grad_y_,
+                              const at::Tensor &expert_offsets_, bool trans_w,
+                              c10::optional<at::ScalarType> out_dtype) {
+  check_dim(x_, 2, "x");
+  check_dim(grad_y_, 2, "grad_y");
+  check_dim(expert_offsets_, 1, "expert_offsets");
+  check_size(grad_y_, 0, x_.size(0), "grad_y", "x.shape[0] (num_rows)");
+  const int64_t E = expert_offsets_.size(0) - 1, K = x_.size(1), N = grad_y_.size(1);
+  auto p = grouped_gemm_params(x_, "x", grad_y_, "grad_y", expert_offsets_, E,
+                               "expert_offsets.shape[0] - 1", K, N, trans_w,
+                               out_dtype.value_or(x_.scalar_type()));
+  at::Tensor x = x_.contiguous(), g = grad_y_.contiguous(), off = expert_offsets_.contiguous();
+  MOE_DEVICE_GUARD(x);
+  at::Tensor dw = at::empty(trans_w ? at::IntArrayRef({E, N, K}) : at::IntArrayRef({E, K, N}),
+                            x.options().dtype(out_dtype.value_or(x.scalar_type())));
+  at::Tensor ws = grouped_gemm_workspace(x, p);
+  check_status(MOE_CALL(x, grouped_gemm_wgrad, dw.data_ptr(), x.data_ptr(), g.data_ptr(),
+                        off.data_ptr<int64_t>(), &p, ws.data_ptr(), (size_t)ws.numel(),
+                        stream_of(x)),
+               "grouped_gemm_wgrad");
+  return dw;
+}
+
+// ---- glu_probs ----------------------------------------------------------------------------------
+
+static moe_activation_t to_activation(c10::string_view name) {
+  if (name == "silu") return MOE_ACT_SILU;
+  if (name == "gelu") return MOE_ACT_GELU;
+  if (name == "gelu_tanh") return MOE_ACT_GELU_TANH;
+  if (name == "relu") return MOE_ACT_RELU;
+  if (name == "squared_relu") return MOE_ACT_SQUARED_RELU;
+  if (name == "quick_gelu") return MOE_ACT_QUICK_GELU;
+  MOE_CHECK_VALUE(false, "activation must be 'silu', 'gelu', 'gelu_tanh', 'relu', 'squared_relu' "
+                  "or 'quick_gelu', got '", std::string(name), "'");
+  return MOE_ACT_SILU;
+}
+
+// The activation options of glu_probs and of fc1 + glu_probs, validated.
+static moe_glu_probs_params_t glu_options(c10::string_view activation, bool gated_linear_unit,
+                                          double linear_offset, c10::optional<double> clamp_value) {
+  moe_glu_probs_params_t p;
+  p.activation = to_activation(activation);
+  p.gated_linear_unit = gated_linear_unit ? 1 : 0;
+  p.linear_offset = linear_offset;
+  p.has_clamp = clamp_value.has_value() ? 1 : 0;
+  p.clamp_value = clamp_value.value_or(0.0);
+  MOE_CHECK_VALUE(!clamp_value.has_value() || *clamp_value >= 0.0,
+                  "clamp_value must be >= 0 (the linear half is clamped to [-v, v]), got ",
+                  p.clamp_value);
+  return p;
+}
+
+// Validates a and probs; returns the options and F.
+static moe_glu_probs_params_t glu_probs_params(const at::Tensor &a, const c10::optional<at::Tensor> &probs,
+                                               c10::string_view activation, bool gated_linear_unit,
+                                               double linear_offset, c10::optional<double> clamp_value,
+                                               int64_t *ffn) {
+  check_dim(a, 2, "a");
+  check_float(a, "a");
+  const moe_glu_probs_params_t p =
+      glu_options(activation, gated_linear_unit, linear_offset, clamp_value);
+  const int64_t width = a.size(1);
+  if (gated_linear_unit) {
+    MOE_CHECK_VALUE(width >= 2 && width % 2 == 0, "a.shape[1] must be 2F (even, >= 2) with "
+                    "gated_linear_unit, got shape ", a.sizes());
+  } else {
+    MOE_CHECK_VALUE(width >= 1, "a.shape[1] must be F >= 1, got shape ", a.sizes());
+  }
+  *ffn = gated_linear_unit ? width / 2 : width;
+  if (probs.has_value()) {
+    check_dim(*probs, 1, "probs");
+    check_float(*probs, "probs");
+    check_size(*probs, 0, a.size(0), "probs", "a.shape[0] (num_rows)");
+    check_same_device(*probs, a, "probs", "a");
+  }
+  return p;
+}
+
+at::Tensor glu_probs(const at::Tensor &a_, const c10::optional<at::Tensor> &probs_,
+                     c10::string_view activation, bool gated_linear_unit, double linear_offset,
+                     c10::optional<double> clamp_value) {
+  int64_t F = 0;
+  moe_glu_probs_params_t p = glu_probs_params(a_, probs_, activation, gated_linear_unit,
+                                              linear_offset, clamp_value, &F);
+  const int64_t R = a_.size(0);
+  at::Tensor a = a_.contiguous(), probs;
+  if (probs_.has_value()) probs = probs_->contiguous();
+  MOE_DEVICE_GUARD(a);
+  at::Tensor h = at::empty({R, F}, a.options());
+  const moe_dtype_t pdt =
+      probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs") : to_moe_dtype(a.scalar_type(), "a");
+  check_status(MOE_CALL(a, glu_probs_fwd, h.data_ptr(), a.data_ptr(),
+                        probs.defined() ? probs.data_ptr() : nullptr, R, F,
+                        to_moe_dtype(a.scalar_type(), "a"), pdt, &p, nullptr, 0, stream_of(a)),
+               "glu_probs");
+  return h;
+}
+
+// The checks of glu_probs_bwd / glu_probs_bwd_: a and probs as in the forward, grad_h [R, F].
+static moe_glu_probs_params_t glu_probs_bwd_params(const at::Tensor &grad_h, const at::Tensor &a,
+                                                   const c10::optional<at::Tensor> &probs,
+                                                   c10::string_view activation, bool gated_linear_unit,
+                                                   double linear_offset, c10::optional<double> clamp_value,
+                                                   int64_t *ffn) {
+  moe_glu_probs_params_t p = glu_probs_params(a, probs, activation, gated_linear_unit,
+                                              linear_offset, clamp_value, ffn);
+  check_dim(grad_h, 2, "grad_h");
+  check_dtype(grad_h, a.scalar_type(), "grad_h");
+  check_size(grad_h, 0, a.size(0), "grad_h", "a.shape[0] (num_rows)");
+  check_size(grad_h, 1, *ffn, "grad_h", "F (a.shape[1], halved with gated_linear_unit)");
+  check_same_device(grad_h, a, "grad_h", "a");
+  return p;
+}
+
+// Runs the kernel: grad_a and h may be a and grad_h (in place); h may be undefined (not wanted).
+static at::Tensor glu_probs_bwd_call(at::Tensor &grad_a, at::Tensor &h, const at::Tensor &grad_h,
+                                     const at::Tensor &a, const at::Tensor &probs, int64_t F,
+                                     const moe_glu_probs_params_t &p) {
+  const int64_t R = a.size(0);
+  MOE_DEVICE_GUARD(a);
+  at::Tensor grad_probs = probs.defined() ? at::empty({R}, probs.options())
+                                          : at::empty({0}, a.options());
+  const moe_dtype_t pdt =
+      probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs") : to_moe_dtype(a.scalar_type(), "a");
+  check_status(MOE_CALL(a, glu_probs_bwd, grad_a.data_ptr(),
+                        probs.defined() ? grad_probs.data_ptr() : nullptr,
+                        h.defined() ? h.data_ptr() : nullptr, grad_h.data_ptr(), a.data_ptr(),
+                        probs.defined() ? probs.data_ptr() : nullptr, R, F,
+                        to_moe_dtype(a.scalar_type(), "a"), pdt, &p, nullptr, 0, stream_of(a)),
+               "glu_probs_bwd");
+  return grad_probs;
+}
+
+// grad_probs is [num_rows] in probs' dtype, or an empty [0] tensor when probs is None.
+std::tuple<at::Tensor, at::Tensor> glu_probs_bwd(const at::Tensor &grad_h_, const at::Tensor &a_,
+                                                 const c10::optional<at::Tensor> &probs_,
+                                                 c10::string_view activation,
+                                                 bool gated_linear_unit, double linear_offset,
+                                                 c10::optional<double> clamp_value) {
+  int64_t F = 0;
+  const moe_glu_probs_params_t p = glu_probs_bwd_params(
+      grad_h_, a_, probs_, activation, gated_linear_unit, linear_offset, clamp_value, &F);
+  at::Tensor a = a_.contiguous(), g = grad_h_.contiguous(), probs, none;
+  if (probs_.has_value()) probs = probs_->contiguous();
+  at::Tensor grad_a = at::empty_like(a);
+  at::Tensor grad_probs = glu_probs_bwd_call(grad_a, none, g, a, probs, F, p);
+  return {grad_a, grad_probs};
+}
+
+// In place: a becomes grad_a and grad_h becomes the forward's h (recomputed); returns grad_probs.
+// The expert MLP's backward uses it to need no [rows, 2F] or [rows, F] buffer of its own.
+at::Tensor glu_probs_bwd_(at::Tensor grad_h, at::Tensor a, const c10::optional<at::Tensor> &probs_,
+                          c10::string_view activation, bool gated_linear_unit,
+                          double linear_offset, c10::optional<double> clamp_value) {
+  int64_t F = 0;
+  const moe_glu_probs_params_t p = glu_probs_bwd_params(
+      grad_h, a, probs_, activation, gated_linear_unit, linear_offset, clamp_value, &F);
+  MOE_CHECK_VALUE(a.is_contiguous() && grad_h.is_contiguous(),
+                  "glu_probs_bwd_ works in place: a and grad_h must be contiguous, got strides ",
+                  a.strides(), " and ", grad_h.strides());
+  const auto overlap = at::get_overlap_status(a, grad_h);
+  MOE_CHECK_VALUE(overlap == at::MemOverlapStatus::No,
+                  "glu_probs_bwd_: a and grad_h must not share memory (a becomes grad_a, grad_h "
+                  "becomes h)");
+  at::Tensor probs;
+  if (probs_.has_value()) probs = probs_->contiguous();
+  return glu_probs_bwd_call(a, grad_h, grad_h, a, probs, F, p);
+}
+
+// ---- fc1 + glu_probs (the epilogue fusion) ------------------------------------------------------
+
+// Returns (h [rows, F], a [rows, 2F or F]); the backward is glu_probs_bwd then the GEMM's.
+std::tuple<at::Tensor, at::Tensor> grouped_gemm_glu_probs(
+    const at::Tensor &x_, const at::Tensor &weight_, const at::Tensor &expert_offsets_,
+    const c10::optional<at::Tensor> &probs_, c10::string_view activation,
+    bool gated_linear_unit, double linear_offset, c10::optional<double> clamp_value,
+    bool trans_w) {
+  check_dim(x_, 2, "x");
+  check_dim(weight_, 3, "weight");
+  const int64_t E = weight_.size(0), K = x_.size(1), R = x_.size(0);
+  const int64_t N = trans_w ? weight_.size(1) : weight_.size(2);
+  check_size(weight_, trans_w ? 2 : 1, K, "weight", "x.shape[1] (in_features)");
+  auto p = grouped_gemm_params(x_, "x", weight_, "weight", expert_offsets_, E, "weight.shape[0]",
+                               K, N, trans_w, x_.scalar_type());
+  const int n_dim = trans_w ? 1 : 2;
+  if (gated_linear_unit) {
+    MOE_CHECK_VALUE(N >= 2 && N % 2 == 0, "weight.shape[", n_dim, "] must be 2F (even, >= 2) "
+                    "with gated_linear_unit, got shape ", weight_.sizes());
+  } else {
+    MOE_CHECK_VALUE(N >= 1, "weight.shape[", n_dim, "] must be F >= 1, got shape ",
+                    weight_.sizes());
+  }
+  const int64_t F = gated_linear_unit ? N / 2 : N;
+  const moe_glu_probs_params_t g =
+      glu_options(activation, gated_linear_unit, linear_offset, clamp_value);
+  at::Tensor probs;
+  if (probs_.has_value()) {
+    check_dim(*probs_, 1, "probs");
+    check_float(*probs_, "probs");
+    check_size(*probs_, 0, R, "probs", "x.shape[0] (num_rows)");
+    check_same_device(*probs_, x_, "probs", "x");
+    probs = probs_->contiguous();
+  }
+  at::Tensor x = x_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
+  MOE_DEVICE_GUARD(x);
+  at::Tensor h = at::empty({R, F}, x.options());
+  at::Tensor a = at::empty({R, N}, x.options());
+  at::Tensor ws = grouped_gemm_workspace(x, p);
+  const moe_dtype_t pdt = probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs") : p.dtype;
+  check_status(MOE_CALL(x, grouped_gemm_glu_probs_fwd, h.data_ptr(), a.data_ptr(), x.data_ptr(),
+                        w.data_ptr(), off.data_ptr<int64_t>(),
+                        probs.defined() ? probs.data_ptr() : nullptr, pdt, &p, &g, ws.data_ptr(),
+                        (size_t)ws.numel(), stream_of(x)),
+               "grouped_gemm_glu_probs");
+  return {h, a};
+}
+
+}  // namespace moe_torch

@@ -1,0 +1,379 @@
+// layout.cpp: the token layout ops: compact routing to Megatron's dense form, capacity dropping,
+// permute / unpermute (tokens <-> the expert-grouped rows), chunk sorting, tokens per expert.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
+#include "common.h"  // the core's checked int64 arithmetic (moe_checked_mul_i64)
+
+#include "binding.h"
+
+namespace moe_torch {
+
+// ---- topk_to_dense ------------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> topk_to_dense(const at::Tensor &topk_probs_,
+                                                 const at::Tensor &topk_indices_,
+                                                 int64_t num_experts) {
+  check_dim(topk_probs_, 2, "topk_probs");
+  check_dim(topk_indices_, 2, "topk_indices");
+  check_float(topk_probs_, "topk_probs");
+  check_dtype(topk_indices_, at::kLong, "topk_indices");
+  MOE_CHECK_VALUE(topk_probs_.sizes() == topk_indices_.sizes(), "topk_probs shape ",
+                    topk_probs_.sizes(), " must equal topk_indices shape ", topk_indices_.sizes());
+  check_same_device(topk_indices_, topk_probs_, "topk_indices", "topk_probs");
+  const int64_t T = topk_probs_.size(0), k = topk_probs_.size(1);
+  at::Tensor tp = topk_probs_.contiguous(), ti = topk_indices_.contiguous();
+  MOE_DEVICE_GUARD(tp);
+  at::Tensor probs = at::empty({T, num_experts}, tp.options());
+  at::Tensor routing_map = at::empty({T, num_experts}, tp.options().dtype(at::kBool));
+  check_status(MOE_CALL(tp, topk_to_dense_fwd, probs.data_ptr(),
+                        (uint8_t *)routing_map.data_ptr(), tp.data_ptr(), ti.data_ptr<int64_t>(),
+                        T, num_experts, k, to_moe_dtype(tp.scalar_type(), "topk_probs"), nullptr,
+                        0, stream_of(tp)),
+               "topk_to_dense");
+  return {probs, routing_map};
+}
+
+at::Tensor topk_to_dense_bwd(const at::Tensor &grad_probs_, const at::Tensor &topk_indices_) {
+  check_dim(grad_probs_, 2, "grad_probs");
+  check_dim(topk_indices_, 2, "topk_indices");
+  check_float(grad_probs_, "grad_probs");
+  check_dtype(topk_indices_, at::kLong, "topk_indices");
+  check_size(topk_indices_, 0, grad_probs_.size(0), "topk_indices",
+             "grad_probs.shape[0] (num_tokens)");
+  check_same_device(topk_indices_, grad_probs_, "topk_indices", "grad_probs");
+  const int64_t T = grad_probs_.size(0), E = grad_probs_.size(1), k = topk_indices_.size(1);
+  at::Tensor g = grad_probs_.contiguous(), ti = topk_indices_.contiguous();
+  MOE_DEVICE_GUARD(g);
+  at::Tensor out = at::empty({T, k}, g.options());
+  check_status(MOE_CALL(g, topk_to_dense_bwd, out.data_ptr(), g.data_ptr(), ti.data_ptr<int64_t>(),
+                        T, E, k, to_moe_dtype(g.scalar_type(), "grad_probs"), nullptr, 0,
+                        stream_of(g)),
+               "topk_to_dense_bwd");
+  return out;
+}
+
+static void check_index_vector(const at::Tensor &t, int64_t size, const char *name, const char *what,
+                               const at::Tensor &ref, const char *ref_name) {
+  check_dim(t, 1, name);
+  check_dtype(t, at::kLong, name);
+  if (size >= 0) check_size(t, 0, size, name, what);
+  check_same_device(t, ref, name, ref_name);
+}
+
+static at::Tensor workspace_bytes(const at::Tensor &like, size_t bytes) {
+  return workspace_for(like, bytes);
+}
+
+static moe_drop_policy_t to_drop_policy(c10::string_view name) {
+  if (name == "probs") return MOE_DROP_PROBS;
+  if (name == "position") return MOE_DROP_POSITION;
+  MOE_CHECK_VALUE(false, "drop_policy must be 'probs' or 'position', got '", std::string(name),
+                    "'");
+  return MOE_DROP_PROBS;
+}
+
+std::tuple<at::Tensor, at::Tensor> token_dropping(const at::Tensor &routing_probs_,
+                                                  const at::Tensor &routing_map_,
+                                                  int64_t capacity, c10::string_view drop_policy,
+                                                  bool pad_to_capacity) {
+  check_dim(routing_probs_, 2, "routing_probs");
+  check_float(routing_probs_, "routing_probs");
+  check_routing_map(routing_map_, "routing_map");
+  MOE_CHECK_VALUE(routing_map_.sizes() == routing_probs_.sizes(), "routing_map shape ",
+                    routing_map_.sizes(), " must equal routing_probs shape ",
+                    routing_probs_.sizes());
+  check_same_device(routing_map_, routing_probs_, "routing_map", "routing_probs");
+  MOE_CHECK_VALUE(capacity >= 0, "capacity must be >= 0, got ", capacity);
+  const moe_drop_policy_t policy = to_drop_policy(drop_policy);
+  const int64_t T = routing_probs_.size(0), E = routing_probs_.size(1);
+  MOE_CHECK_VALUE(E >= 1, "routing_probs must have at least one expert column, got shape ",
+                    routing_probs_.sizes());
+  at::Tensor probs = routing_probs_.contiguous(), map = routing_map_.contiguous();
+  at::Tensor final_probs = at::empty_like(probs), final_map = at::empty_like(map);
+  const moe_dtype_t dt = to_moe_dtype(probs.scalar_type(), "routing_probs");
+  MOE_DEVICE_GUARD(probs);
+  at::Tensor ws = workspace_bytes(
+      probs, on_cuda(probs) ? MOE_CUDA_SIZE(moe_cuda_token_dropping_workspace_size(T, E, policy, dt))
+                            : moe_token_dropping_workspace_size(T, E, policy));
+  check_status(MOE_CALL(probs, token_dropping_fwd, final_probs.data_ptr(),
+                        (uint8_t *)final_map.data_ptr(), probs.data_ptr(),
+                        (const uint8_t *)map.data_ptr(), T, E, capacity, policy,
+                        pad_to_capacity ? 1 : 0, dt, ws.data_ptr(), (size_t)ws.numel(),
+                        stream_of(probs)),
+               "token_dropping");
+  return {final_probs, final_map};
+}
+
+at::Tensor token_dropping_bwd(const at::Tensor &grad_final_probs_, const at::Tensor &final_map_) {
+  check_dim(grad_final_probs_, 2, "grad_final_probs");
+  check_float(grad_final_probs_, "grad_final_probs");
+  check_routing_map(final_map_, "final_map");
+  MOE_CHECK_VALUE(final_map_.sizes() == grad_final_probs_.sizes(), "final_map shape ",
+                    final_map_.sizes(), " must equal grad_final_probs shape ",
+                    grad_final_probs_.sizes());
+  check_same_device(final_map_, grad_final_probs_, "final_map", "grad_final_probs");
+  MOE_CHECK_VALUE(grad_final_probs_.size(1) >= 1,
+                  "grad_final_probs must have at least one expert column, got shape ",
+                  grad_final_probs_.sizes());
+  at::Tensor g = grad_final_probs_.contiguous(), map = final_map_.contiguous();
+  at::Tensor out = at::empty_like(g);
+  MOE_DEVICE_GUARD(g);
+  check_status(MOE_CALL(g, token_dropping_bwd, out.data_ptr(), g.data_ptr(),
+                        (const uint8_t *)map.data_ptr(), g.size(0), g.size(1),
+                        to_moe_dtype(g.scalar_type(), "grad_final_probs"), nullptr, 0,
+                        stream_of(g)),
+               "token_dropping_bwd");
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute(
+    const at::Tensor &tokens_, const at::Tensor &routing_map_,
+    const c10::optional<at::Tensor> &probs_, int64_t num_out_tokens, bool drop_and_pad,
+    int64_t align_size) {
+  check_dim(tokens_, 2, "tokens");
+  check_float(tokens_, "tokens");
+  check_routing_map(routing_map_, "routing_map");
+  check_size(routing_map_, 0, tokens_.size(0), "routing_map", "tokens.shape[0] (num_tokens)");
+  check_same_device(routing_map_, tokens_, "routing_map", "tokens");
+  const int64_t T = tokens_.size(0), H = tokens_.size(1), E = routing_map_.size(1);
+  MOE_CHECK_VALUE(H >= 1, "tokens must have hidden >= 1, got shape ", tokens_.sizes());
+  MOE_CHECK_VALUE(E >= 1, "routing_map must have at least one expert column, got shape ",
+                    routing_map_.sizes());
+  MOE_CHECK_VALUE(num_out_tokens >= 0, "num_out_tokens must be >= 0, got ", num_out_tokens);
+  MOE_CHECK_VALUE(align_size >= 0, "align_size must be >= 0, got ", align_size);
+  at::Tensor tokens = tokens_.contiguous(), map = routing_map_.contiguous(), probs;
+  if (probs_.has_value()) {
+    probs = probs_->contiguous();
+    check_dim(probs, 2, "probs");
+    check_float(probs, "probs");
+    MOE_CHECK_VALUE(probs.sizes() == map.sizes(), "probs shape ", probs.sizes(),
+                      " must equal routing_map shape ", map.sizes());
+    check_same_device(probs, tokens, "probs", "tokens");
+  }
+  moe_permute_params_t p;
+  p.num_out_tokens = num_out_tokens;
+  p.align_size = align_size;
+  p.drop_and_pad = drop_and_pad ? 1 : 0;
+  // the row bound is checked arithmetic in the core: -1 (with the reason) when it overflows
+  const int64_t R = moe_permute_num_rows(T, E, &p);
+  MOE_CHECK_VALUE(R >= 0, "permute: ", moe_last_error());
+  int64_t elems = 0;
+  MOE_CHECK_VALUE(!moe_checked_mul_i64(R, H, &elems), "permute: the permuted buffer has ", R,
+                  " rows (num_out_tokens=", num_out_tokens, ", align_size=", align_size,
+                  ") of hidden=", H, " elements, which overflows int64");
+  at::Tensor out = at::empty({R, H}, tokens.options());
+  at::Tensor out_probs = probs.defined() ? at::empty({R}, probs.options())
+                                         : at::empty({0}, tokens.options());
+  at::Tensor idx = at::empty({R}, tokens.options().dtype(at::kLong));
+  at::Tensor offsets = at::empty({E + 1}, idx.options());
+  at::Tensor counts = at::empty({E}, idx.options());
+  MOE_DEVICE_GUARD(tokens);
+  at::Tensor ws = workspace_bytes(tokens,
+                                  on_cuda(tokens) ? MOE_CUDA_SIZE(moe_cuda_permute_workspace_size(T, E, &p)) : 0);
+  check_status(MOE_CALL(tokens, permute_fwd, out.data_ptr(),
+                        probs.defined() ? out_probs.data_ptr() : nullptr, idx.data_ptr<int64_t>(),
+                        offsets.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
+                        tokens.data_ptr(), (const uint8_t *)map.data_ptr(),
+                        probs.defined() ? probs.data_ptr() : nullptr, T, H, E,
+                        to_moe_dtype(tokens.scalar_type(), "tokens"),
+                        probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs")
+                                        : MOE_DTYPE_FP32,
+                        &p, ws.numel() ? ws.data_ptr() : nullptr, (size_t)ws.numel(),
+                        stream_of(tokens)),
+               "permute");
+  return {out, out_probs, idx, offsets, counts};
+}
+
+// The token → rows map's scratch: the CUDA kernels also keep each row's expert and a dot.
+static size_t unpermute_workspace(const at::Tensor &t, int64_t num_tokens, int64_t rows) {
+  return on_cuda(t) ? MOE_CUDA_SIZE(moe_cuda_unpermute_workspace_size(num_tokens, rows))
+                    : moe_unpermute_workspace_size(num_tokens, rows);
+}
+
+std::tuple<at::Tensor, at::Tensor> permute_bwd(
+    const at::Tensor &grad_permuted_tokens_, const c10::optional<at::Tensor> &grad_permuted_probs_,
+    const at::Tensor &sorted_indices_, const at::Tensor &expert_offsets_, int64_t num_tokens) {
+  check_dim(grad_permuted_tokens_, 2, "grad_permuted_tokens");
+  check_float(grad_permuted_tokens_, "grad_permuted_tokens");
+  const int64_t R = grad_permuted_tokens_.size(0), H = grad_permuted_tokens_.size(1);
+  MOE_CHECK_VALUE(H >= 1, "grad_permuted_tokens must have hidden >= 1, got shape ",
+                  grad_permuted_tokens_.sizes());
+  check_index_vector(sorted_indices_, R, "sorted_indices", "grad_permuted_tokens.shape[0] (rows)",
+                     grad_permuted_tokens_, "grad_permuted_tokens");
+  check_index_vector(expert_offsets_, -1, "expert_offsets", "", grad_permuted_tokens_,
+                     "grad_permuted_tokens");
+  const int64_t E = expert_offsets_.size(0) - 1;
+  MOE_CHECK_VALUE(E >= 1, "expert_offsets must have num_experts + 1 >= 2 entries, got shape ",
+                    expert_offsets_.sizes());
+  MOE_CHECK_VALUE(num_tokens >= 0, "num_tokens must be >= 0, got ", num_tokens);
+  at::Tensor g = grad_permuted_tokens_.contiguous(), idx = sorted_indices_.contiguous();
+  at::Tensor offsets = expert_offsets_.contiguous(), gp;
+  if (grad_permuted_probs_.has_value()) {
+    gp = grad_permuted_probs_->contiguous();
+    check_dim(gp, 1, "grad_permuted_probs");
+    check_float(gp, "grad_permuted_probs");
+    check_size(gp, 0, R, "grad_permuted_probs", "grad_permuted_tokens.shape[0] (rows)");
+    check_same_device(gp, g, "grad_permuted_probs", "grad_permuted_tokens");
+  }
+  at::Tensor grad_tokens = at::empty({num_tokens, H}, g.options());
+  at::Tensor grad_probs = gp.defined() ? at::empty({num_tokens, E}, gp.options())
+                                       : at::empty({0}, g.options());
+  MOE_DEVICE_GUARD(g);
+  at::Tensor ws = workspace_bytes(g, unpermute_workspace(g, num_tokens, R));
+  check_status(MOE_CALL(g, permute_bwd, grad_tokens.data_ptr(),
+                        gp.defined() ? grad_probs.data_ptr() : nullptr, g.data_ptr(),
+                        gp.defined() ? gp.data_ptr() : nullptr, idx.data_ptr<int64_t>(),
+                        offsets.data_ptr<int64_t>(), num_tokens, H, E, R,
+                        to_moe_dtype(g.scalar_type(), "grad_permuted_tokens"),
+                        gp.defined() ? to_moe_dtype(gp.scalar_type(), "grad_permuted_probs")
+                                     : MOE_DTYPE_FP32,
+                        ws.data_ptr(), (size_t)ws.numel(), stream_of(g)),
+               "permute_bwd");
+  return {grad_tokens, grad_probs};
+}
+
+// Shared checks of unpermute and its backward (`ref`: the [*, hidden] tensor on the op's
+// device; `rows`: the row count). Returns E (probs.shape[1], or 1 without probs).
+static int64_t check_unpermute_args(const at::Tensor &ref, const char *ref_name, int64_t rows,
+                                    const at::Tensor &sorted_indices, int64_t num_tokens,
+                                    const c10::optional<at::Tensor> &probs,
+                                    const c10::optional<at::Tensor> &expert_offsets) {
+  check_index_vector(sorted_indices, rows, "sorted_indices", "the permuted rows", ref, ref_name);
+  MOE_CHECK_VALUE(num_tokens >= 0, "num_tokens must be >= 0, got ", num_tokens);
+  MOE_CHECK_VALUE(ref.size(1) >= 1, ref_name, " must have hidden >= 1, got shape ", ref.sizes());
+  if (!probs.has_value()) return 1;
+  check_dim(*probs, 2, "probs");
+  check_float(*probs, "probs");
+  check_size(*probs, 0, num_tokens, "probs", "restore_shape[0] (num_tokens)");
+  check_same_device(*probs, ref, "probs", ref_name);
+  const int64_t E = probs->size(1);
+  MOE_CHECK_VALUE(E >= 1, "probs must have at least one expert column, got shape ",
+                    probs->sizes());
+  MOE_CHECK_VALUE(expert_offsets.has_value(), "expert_offsets is required when probs are given");
+  check_index_vector(*expert_offsets, E + 1, "expert_offsets", "probs.shape[1] + 1", ref,
+                     ref_name);
+  return E;
+}
+
+at::Tensor unpermute(const at::Tensor &permuted_tokens_, const at::Tensor &sorted_indices_,
+                     int64_t num_tokens, const c10::optional<at::Tensor> &probs_,
+                     const c10::optional<at::Tensor> &expert_offsets_) {
+  check_dim(permuted_tokens_, 2, "permuted_tokens");
+  check_float(permuted_tokens_, "permuted_tokens");
+  const int64_t E = check_unpermute_args(permuted_tokens_, "permuted_tokens",
+                                         permuted_tokens_.size(0), sorted_indices_, num_tokens,
+                                         probs_, expert_offsets_);
+  const int64_t R = permuted_tokens_.size(0), H = permuted_tokens_.size(1);
+  at::Tensor x = permuted_tokens_.contiguous(), idx = sorted_indices_.contiguous(), probs, offsets;
+  if (probs_.has_value()) probs = probs_->contiguous(), offsets = expert_offsets_->contiguous();
+  at::Tensor out = at::empty({num_tokens, H}, x.options());
+  MOE_DEVICE_GUARD(x);
+  at::Tensor ws = workspace_bytes(x, unpermute_workspace(x, num_tokens, R));
+  check_status(MOE_CALL(x, unpermute_fwd, out.data_ptr(), x.data_ptr(), idx.data_ptr<int64_t>(),
+                        probs.defined() ? probs.data_ptr() : nullptr,
+                        offsets.defined() ? offsets.data_ptr<int64_t>() : nullptr, num_tokens, H,
+                        E, R, to_moe_dtype(x.scalar_type(), "permuted_tokens"),
+                        probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs")
+                                        : MOE_DTYPE_FP32,
+                        ws.data_ptr(), (size_t)ws.numel(), stream_of(x)),
+               "unpermute");
+  return out;
+}
+
+// grad_probs is computed iff permuted_tokens is given (the forward's rows, needed for it); without
+// it the autograd graph does not keep the rows alive.
+std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor &grad_output_,
+                                                 const at::Tensor &sorted_indices_,
+                                                 const c10::optional<at::Tensor> &probs_,
+                                                 const c10::optional<at::Tensor> &expert_offsets_,
+                                                 const c10::optional<at::Tensor> &permuted_tokens_) {
+  check_dim(grad_output_, 2, "grad_output");
+  check_float(grad_output_, "grad_output");
+  check_dim(sorted_indices_, 1, "sorted_indices");
+  const int64_t T = grad_output_.size(0), H = grad_output_.size(1), R = sorted_indices_.size(0);
+  const int64_t E = check_unpermute_args(grad_output_, "grad_output", R, sorted_indices_, T,
+                                         probs_, expert_offsets_);
+  at::Tensor x;
+  if (permuted_tokens_.has_value()) {
+    MOE_CHECK_VALUE(probs_.has_value(), "permuted_tokens is given (grad of probs requested) but "
+                      "probs is None");
+    x = permuted_tokens_->contiguous();
+    check_dim(x, 2, "permuted_tokens");
+    check_size(x, 0, R, "permuted_tokens", "sorted_indices.shape[0] (rows)");
+    check_size(x, 1, H, "permuted_tokens", "grad_output.shape[1] (hidden)");
+    check_dtype(x, grad_output_.scalar_type(), "permuted_tokens");
+    check_same_device(x, grad_output_, "permuted_tokens", "grad_output");
+  }
+  at::Tensor g = grad_output_.contiguous(), idx = sorted_indices_.contiguous(), probs, offsets;
+  if (probs_.has_value()) probs = probs_->contiguous(), offsets = expert_offsets_->contiguous();
+  at::Tensor grad_x = at::empty({R, H}, g.options());
+  at::Tensor grad_probs = x.defined() ? at::empty({T, E}, probs.options())
+                                      : at::empty({0}, g.options());
+  MOE_DEVICE_GUARD(g);
+  at::Tensor ws = workspace_bytes(g, unpermute_workspace(g, T, R));
+  check_status(MOE_CALL(g, unpermute_bwd, grad_x.data_ptr(),
+                        x.defined() ? grad_probs.data_ptr() : nullptr, g.data_ptr(),
+                        x.defined() ? x.data_ptr() : nullptr, idx.data_ptr<int64_t>(),
+                        probs.defined() ? probs.data_ptr() : nullptr,
+                        offsets.defined() ? offsets.data_ptr<int64_t>() : nullptr, T, H, E, R,
+                        to_moe_dtype(g.scalar_type(), "grad_output"),
+                        probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs")
+                                        : MOE_DTYPE_FP32,
+                        ws.data_ptr(), (size_t)ws.numel(), stream_of(g)),
+               "unpermute_bwd");
+  return {grad_x, grad_probs};
+}
+
+// Rows are dim 0; everything after it moves as one row of `row_elems` elements.
+static at::Tensor sort_chunks_impl(const at::Tensor &input_, const at::Tensor &split_sizes_,
+                                   const at::Tensor &sorted_idxs_, bool backward) {
+  const char *in_name = backward ? "grad_output" : "input";
+  MOE_CHECK_VALUE(input_.dim() >= 1, in_name, " must be at least 1-D, got a 0-D tensor");
+  check_index_vector(split_sizes_, -1, "split_sizes", "", input_, in_name);
+  check_index_vector(sorted_idxs_, split_sizes_.size(0), "sorted_idxs",
+                     "split_sizes.shape[0] (num_chunks)", input_, in_name);
+  at::Tensor x = input_.contiguous(), sizes = split_sizes_.contiguous();
+  at::Tensor order = sorted_idxs_.contiguous();
+  const int64_t rows = x.size(0), row_elems = rows > 0 ? x.numel() / rows : 0;
+  at::Tensor out = at::empty_like(x);
+  const int64_t C = sizes.size(0);
+  const moe_dtype_t dt = to_moe_dtype(x.scalar_type(), in_name);
+  MOE_DEVICE_GUARD(x);
+  at::Tensor ws = workspace_bytes(x, on_cuda(x) ? MOE_CUDA_SIZE(moe_cuda_sort_chunks_by_idxs_workspace_size(C)) : 0);
+  void *w = ws.numel() ? ws.data_ptr() : nullptr;
+  check_status(backward ? MOE_CALL(x, sort_chunks_by_idxs_bwd, out.data_ptr(), x.data_ptr(),
+                                   sizes.data_ptr<int64_t>(), order.data_ptr<int64_t>(), rows,
+                                   row_elems, C, dt, w, (size_t)ws.numel(), stream_of(x))
+                        : MOE_CALL(x, sort_chunks_by_idxs_fwd, out.data_ptr(), x.data_ptr(),
+                                   sizes.data_ptr<int64_t>(), order.data_ptr<int64_t>(), rows,
+                                   row_elems, C, dt, w, (size_t)ws.numel(), stream_of(x)),
+               backward ? "sort_chunks_by_idxs_bwd" : "sort_chunks_by_idxs");
+  return out;
+}
+
+at::Tensor sort_chunks_by_idxs(const at::Tensor &input, const at::Tensor &split_sizes,
+                               const at::Tensor &sorted_idxs) {
+  return sort_chunks_impl(input, split_sizes, sorted_idxs, false);
+}
+
+at::Tensor sort_chunks_by_idxs_bwd(const at::Tensor &grad_output, const at::Tensor &split_sizes,
+                                   const at::Tensor &sorted_idxs) {
+  return sort_chunks_impl(grad_output, split_sizes, sorted_idxs, true);
+}
+
+at::Tensor tokens_per_expert(const at::Tensor &routing_map_,
+                             const c10::optional<at::Tensor> &padding_mask) {
+  check_routing_map(routing_map_, "routing_map");
+  const int64_t T = routing_map_.size(0), E = routing_map_.size(1);
+  at::Tensor map = routing_map_.contiguous(), mask;
+  const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, map, "routing_map");
+  at::Tensor counts = at::empty({E}, map.options().dtype(at::kLong));
+  MOE_DEVICE_GUARD(map);
+  check_status(MOE_CALL(map, tokens_per_expert_fwd, counts.data_ptr<int64_t>(),
+                        (const uint8_t *)map.data_ptr(), m, T, E, nullptr, 0, stream_of(map)),
+               "tokens_per_expert");
+  return counts;
+}
+
+}  // namespace moe_torch

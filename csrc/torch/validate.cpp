@@ -1,0 +1,135 @@
+// validate.cpp: the binding's shared helpers: message assembly, tensor checks, the C core's
+// status as a Python exception, the current stream and the workspace allocation.
+#include <ATen/ops/empty.h>
+
+#ifdef MOE_CORE_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <cstdio>
+
+#include "binding.h"
+
+namespace moe_torch {
+
+// ---- messages -----------------------------------------------------------------------------------
+
+void put(std::string &s, const char *v) { s += v; }
+void put(std::string &s, const std::string &v) { s += v; }
+void put(std::string &s, int v) { s += std::to_string(v); }
+void put(std::string &s, long v) { s += std::to_string(v); }
+void put(std::string &s, long long v) { s += std::to_string(v); }
+void put(std::string &s, unsigned long v) { s += std::to_string(v); }
+void put(std::string &s, unsigned long long v) { s += std::to_string(v); }
+void put(std::string &s, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  s += buf;
+}
+void put(std::string &s, at::IntArrayRef v) {
+  s += "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  s += "]";
+}
+void put(std::string &s, at::ScalarType v) { s += c10::toString(v); }
+void put(std::string &s, const at::Device &d) {
+  s += c10::DeviceTypeName(d.type(), /*lower_case=*/true);
+  if (d.has_index()) s += ":" + std::to_string((int)d.index());
+}
+
+// ---- validation ---------------------------------------------------------------------------------
+
+moe_dtype_t to_moe_dtype(at::ScalarType st, const char *name) {
+  switch (st) {
+    case at::kFloat: return MOE_DTYPE_FP32;
+    case at::kDouble: return MOE_DTYPE_FP64;
+    case at::kHalf: return MOE_DTYPE_FP16;
+    case at::kBFloat16: return MOE_DTYPE_BF16;
+    case at::kInt: return MOE_DTYPE_INT32;
+    case at::kLong: return MOE_DTYPE_INT64;
+    case at::kBool: return MOE_DTYPE_BOOL;
+    default: MOE_CHECK_TYPE(false, name, " has unsupported dtype ", st);
+  }
+  return MOE_DTYPE_FP32;
+}
+
+void check_float(const at::Tensor &t, const char *name) {
+  MOE_CHECK_TYPE(at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kFloat8_e4m3fn &&
+                       t.scalar_type() != at::kFloat8_e5m2,
+                   name, " must be float32, float64, float16 or bfloat16, got ", t.scalar_type());
+}
+
+void check_dtype(const at::Tensor &t, at::ScalarType st, const char *name) {
+  MOE_CHECK_TYPE(t.scalar_type() == st, name, " must be ", st, ", got ", t.scalar_type());
+}
+
+void check_dim(const at::Tensor &t, int64_t dim, const char *name) {
+  MOE_CHECK_VALUE(t.dim() == dim, name, " must be ", dim, "-D, got a ", t.dim(),
+                    "-D tensor of shape ", t.sizes());
+}
+
+void check_size(const at::Tensor &t, int64_t dim, int64_t size, const char *name,
+                const char *what) {
+  MOE_CHECK_VALUE(t.size(dim) == size, name, ".shape[", dim, "] must equal ", what, " (", size,
+                    "), got shape ", t.sizes());
+}
+
+void check_same_device(const at::Tensor &t, const at::Tensor &ref, const char *name,
+                       const char *ref_name) {
+  MOE_CHECK_VALUE(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name,
+                    " is on ", ref.device(), "; all tensors must be on one device");
+}
+
+void check_status(moe_status_t status, const char *op) {
+  if (status == MOE_OK) return;
+  std::string msg = std::string(op) + ": " + moe_last_error();
+  MOE_CHECK_VALUE(status != MOE_ERR_INVALID_ARGUMENT, msg);
+  MOE_CHECK_RUNTIME(false, msg, " (", moe_status_string(status), ")");
+}
+
+moe_score_function_t to_score_function(c10::string_view name) {
+  if (name == "softmax") return MOE_SCORE_SOFTMAX;
+  if (name == "sigmoid") return MOE_SCORE_SIGMOID;
+  if (name == "sqrtsoftplus") return MOE_SCORE_SQRTSOFTPLUS;
+  MOE_CHECK_VALUE(false, "score_function must be 'softmax', 'sigmoid' or 'sqrtsoftplus', got '",
+                    std::string(name), "'");
+  return MOE_SCORE_SOFTMAX;
+}
+
+void check_routing_map(const at::Tensor &routing_map, const char *name) {
+  check_dim(routing_map, 2, name);
+  check_dtype(routing_map, at::kBool, name);
+}
+
+const uint8_t *padding_mask_ptr(const c10::optional<at::Tensor> &mask_, at::Tensor &keep,
+                                int64_t num_tokens, const at::Tensor &ref, const char *ref_name) {
+  if (!mask_.has_value()) return nullptr;
+  check_dim(*mask_, 1, "padding_mask");
+  check_dtype(*mask_, at::kBool, "padding_mask");
+  MOE_CHECK_VALUE(mask_->size(0) == num_tokens, "padding_mask.shape[0] must equal ", ref_name,
+                    ".shape[0] (num_tokens=", num_tokens, "), got shape ", mask_->sizes());
+  check_same_device(*mask_, ref, "padding_mask", ref_name);
+  keep = mask_->contiguous();
+  // An empty mask has no storage; it is still a mask (n_valid = 0), not "no mask" (NULL).
+  static const uint8_t no_tokens = 0;
+  return num_tokens == 0 ? &no_tokens : (const uint8_t *)keep.data_ptr();
+}
+
+// ---- device, stream, workspace ------------------------------------------------------------------
+
+bool on_cuda(const at::Tensor &t) { return t.device().is_cuda(); }
+
+void *stream_of(const at::Tensor &t) {
+#ifdef MOE_CORE_WITH_CUDA
+  if (on_cuda(t)) return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+#endif
+  (void)t;
+  return nullptr;
+}
+
+at::Tensor workspace_for(const at::Tensor &like, size_t bytes) {
+  MOE_CHECK_VALUE(bytes != MOE_SIZE_OVERFLOW, moe_last_error());
+  return at::empty({(int64_t)bytes}, like.options().dtype(at::kByte));
+}
+
+}  // namespace moe_torch
