@@ -93,6 +93,12 @@ int moe_has_cuda(void);
  * result is deterministic and at least as accurate as a router-dtype GEMM.
  * ------------------------------------------------------------------------------------------- */
 
+/** Workspace bytes of moe_router_gating_linear_fwd (backward = 0) / _bwd (1): 0 on the CPU. */
+size_t moe_router_gating_linear_workspace_size(int64_t num_tokens, int64_t hidden,
+                                               int64_t num_experts, moe_dtype_t inp_dtype,
+                                               moe_dtype_t weight_dtype, moe_dtype_t router_dtype,
+                                               int backward);
+
 /**
  * Forward.
  * \param[out] logits        [num_tokens, num_experts], `router_dtype`
@@ -268,6 +274,11 @@ typedef struct moe_router_topk_extras {
 moe_status_t moe_router_topk_extras_check(const moe_router_topk_extras_t *extras,
                                           int64_t num_tokens);
 
+/** Workspace bytes of moe_router_topk_fused_fwd: on the CPU, moe_router_topk_workspace_size's. */
+size_t moe_router_topk_fused_workspace_size(int64_t num_tokens, int64_t num_experts,
+                                            const moe_router_topk_params_t *params,
+                                            moe_dtype_t logits_dtype, int with_aux);
+
 /**
  * The fused router in Megatron's default layout: the same routing as moe_router_topk_fwd, written
  * straight to the dense [T, E] probs (zero off the top-k) and boolean routing map, plus the
@@ -366,7 +377,7 @@ typedef enum moe_drop_policy {
  * indices for each OpenMP thread (depends on the calling process's thread count); 0 otherwise.
  */
 size_t moe_token_dropping_workspace_size(int64_t num_tokens, int64_t num_experts,
-                                         moe_drop_policy_t policy);
+                                         moe_drop_policy_t policy, moe_dtype_t dtype);
 
 /**
  * Forward of apply_router_token_dropping. Per expert column e, tokens are ranked by a stable
@@ -423,6 +434,10 @@ typedef struct moe_permute_params {
  */
 int64_t moe_permute_num_rows(int64_t num_tokens, int64_t num_experts,
                              const moe_permute_params_t *params);
+
+/** Workspace bytes of moe_permute_fwd: 0 on the CPU. */
+size_t moe_permute_workspace_size(int64_t num_tokens, int64_t num_experts,
+                                  const moe_permute_params_t *params);
 
 /**
  * Forward of permute. Dropless: expert e's block holds its routed tokens in ascending order.
@@ -517,6 +532,9 @@ moe_status_t moe_unpermute_bwd(void *grad_permuted_tokens, void *grad_probs,
                                int64_t num_experts, int64_t num_rows, moe_dtype_t dtype,
                                moe_dtype_t probs_dtype, void *workspace, size_t workspace_bytes,
                                void *stream);
+
+/** Workspace bytes of moe_sort_chunks_by_idxs_fwd / _bwd: 0 on the CPU. */
+size_t moe_sort_chunks_by_idxs_workspace_size(int64_t num_chunks);
 
 /**
  * sort_chunks_by_idxs: input is split into chunks of split_sizes rows; the output is the chunks
@@ -735,6 +753,10 @@ moe_status_t moe_sinkhorn_fwd(void *out, const void *cost, int64_t num_tokens,
                               int64_t max_iters, void *workspace, size_t workspace_bytes,
                               void *stream);
 
+/** Workspace bytes of moe_sinkhorn_routing_fwd (on the CPU: moe_sinkhorn_workspace_size's). */
+size_t moe_sinkhorn_routing_workspace_size(int64_t num_tokens, int64_t num_experts, int64_t topk,
+                                           int training);
+
 /**
  * Sinkhorn routing (Megatron's TopKRouter.sinkhorn_load_balancing): the experts of a token are
  * the top-k of sinkhorn(fp32 logits) when `training`, else the top-k of the activation; the
@@ -749,7 +771,8 @@ moe_status_t moe_sinkhorn_fwd(void *out, const void *cost, int64_t num_tokens,
  * \param[in]  logits_dtype  element type of logits and probs
  * \param[in]  training      nonzero: select with Sinkhorn; 0: select by the activation
  * \param[in]  tol           Sinkhorn tolerance (training only), >= 0
- * \param[in]  workspace     moe_sinkhorn_workspace_size(num_tokens, num_experts, topk) bytes
+ * \param[in]  workspace     moe_sinkhorn_routing_workspace_size(num_tokens, num_experts, topk,
+ *                           training) bytes
  */
 moe_status_t moe_sinkhorn_routing_fwd(void *probs, uint8_t *routing_map, const void *logits,
                                       int64_t num_tokens, int64_t num_experts, int64_t topk,
@@ -801,6 +824,9 @@ moe_status_t moe_routing_metrics_fwd(int64_t *tokens_per_expert, float *stats,
                                      const uint8_t *padding_mask, int64_t num_tokens,
                                      int64_t num_experts, moe_dtype_t scores_dtype,
                                      void *workspace, size_t workspace_bytes, void *stream);
+
+/** Workspace bytes of moe_topk_overlap_fwd: 0 on the CPU. */
+size_t moe_topk_overlap_workspace_size(int64_t num_tokens, int64_t topk);
 
 /**
  * Top-k overlap of two routings of the same tokens (route drift): the mean over unpadded tokens
@@ -1197,6 +1223,8 @@ moe_status_t moe_cuda_expert_bias_update_fwd(float *updated_bias, const float *t
                                              void *workspace, size_t workspace_bytes,
                                              void *stream);
 size_t moe_cuda_sinkhorn_workspace_size(int64_t num_tokens, int64_t num_experts, int64_t topk);
+size_t moe_cuda_sinkhorn_routing_workspace_size(int64_t num_tokens, int64_t num_experts,
+                                                int64_t topk, int training);
 moe_status_t moe_cuda_sinkhorn_fwd(void *out, const void *cost, int64_t num_tokens,
                                    int64_t num_experts, moe_dtype_t cost_dtype, double tol,
                                    int64_t max_iters, void *workspace, size_t workspace_bytes,

@@ -59,6 +59,12 @@ int64_t moe_permute_num_rows(int64_t num_tokens, int64_t num_experts,
     return rows;
 }
 
+size_t moe_permute_workspace_size(int64_t num_tokens, int64_t num_experts,
+                                  const moe_permute_params_t *params) {
+    (void)num_tokens, (void)num_experts, (void)params;
+    return 0; /* the plan lives in tokens_per_expert and expert_offsets */
+}
+
 moe_status_t moe_permute_check_params(int64_t num_tokens, int64_t hidden, int64_t num_experts,
                                       const moe_permute_params_t *p, int64_t *num_rows) {
     MOE_CHECK(p != NULL, "params must not be NULL");

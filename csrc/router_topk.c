@@ -42,6 +42,13 @@ size_t moe_router_topk_workspace_size(int64_t num_tokens, int64_t num_experts,
     return moe_checked_bytes(all, (int64_t)sizeof(double));
 }
 
+size_t moe_router_topk_fused_workspace_size(int64_t num_tokens, int64_t num_experts,
+                                            const moe_router_topk_params_t *params,
+                                            moe_dtype_t logits_dtype, int with_aux) {
+    (void)logits_dtype, (void)with_aux; /* a thread's scratch already holds the aux list */
+    return moe_router_topk_workspace_size(num_tokens, num_experts, params);
+}
+
 moe_status_t moe_router_topk_check(const moe_router_topk_params_t *p, int64_t num_experts,
                                    int has_expert_bias) {
     MOE_CHECK(p != NULL, "params must not be NULL");

@@ -76,6 +76,11 @@ moe_status_t moe_routing_metrics_fwd(int64_t *tokens_per_expert, float *stats,
     return MOE_OK;
 }
 
+size_t moe_topk_overlap_workspace_size(int64_t num_tokens, int64_t topk) {
+    (void)num_tokens, (void)topk;
+    return 0; /* integer counts, reduced by OpenMP */
+}
+
 moe_status_t moe_topk_overlap_fwd(float *overlap, const int64_t *indices_a,
                                   const int64_t *indices_b, const uint8_t *padding_mask,
                                   int64_t num_tokens, int64_t topk, int64_t num_experts,

@@ -39,6 +39,12 @@ size_t moe_sinkhorn_workspace_size(int64_t num_tokens, int64_t num_experts, int6
     return bytes;
 }
 
+size_t moe_sinkhorn_routing_workspace_size(int64_t num_tokens, int64_t num_experts,
+                                           int64_t topk, int training) {
+    (void)training; /* eval ranks the activation, but the top-k lists sit past C all the same */
+    return moe_sinkhorn_workspace_size(num_tokens, num_experts, topk);
+}
+
 /*
  * Runs Sinkhorn on C (already exp'd, at compute precision, row-major [T, E]) and overwrites it
  * with d1 ⊙ C ⊙ d0. d0 [T], d1 [E], d1_old [E] are scratch.
@@ -144,8 +150,9 @@ moe_status_t moe_sinkhorn_routing_fwd(void *probs, uint8_t *routing_map, const v
     if (num_tokens == 0) return MOE_OK;
     MOE_CHECK(probs && routing_map && logits, "probs, routing_map and logits must not be NULL");
     const int64_t T = num_tokens, E = num_experts, k = topk;
-    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, moe_sinkhorn_workspace_size(T, E, k),
-                                "moe_sinkhorn_workspace_size"));
+    MOE_TRY(moe_check_workspace(workspace, workspace_bytes,
+                                moe_sinkhorn_routing_workspace_size(T, E, k, training),
+                                "moe_sinkhorn_routing_workspace_size"));
     const int fp64 = logits_dtype == MOE_DTYPE_FP64;
     double *d0 = (double *)workspace, *d1 = d0 + T, *d1_old = d1 + E, *C = d1_old + E;
     double *lists = C + T * E;

@@ -44,8 +44,8 @@ static size_t scratch_bytes(int64_t num_tokens, int64_t nthreads) {
 }
 
 size_t moe_token_dropping_workspace_size(int64_t num_tokens, int64_t num_experts,
-                                         moe_drop_policy_t policy) {
-    (void)num_experts;
+                                         moe_drop_policy_t policy, moe_dtype_t dtype) {
+    (void)num_experts, (void)dtype;
     if (policy != MOE_DROP_PROBS || num_tokens <= 0) return 0;
     const size_t bytes = scratch_bytes(num_tokens, moe_max_threads());
     if (bytes == MOE_SIZE_OVERFLOW)

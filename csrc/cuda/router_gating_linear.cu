@@ -251,6 +251,7 @@ extern "C" size_t moe_cuda_router_gating_linear_workspace_size(
      * is at most 40 bytes per element of [T, H], [E, H] and [T, E] together (the split-three
      * backward's copies are the largest), plus the column partials, cuBLAS's scratch and the
      * 256-byte alignment of each section. */
+    if (!backward && num_tokens == 0) return 0; /* an empty forward runs no GEMM */
     const int64_t T = num_tokens > 0 ? num_tokens : 0, H = hidden > 0 ? hidden : 0,
                   E = num_experts > 0 ? num_experts : 0;
     int64_t th, eh, te, bound = 0;

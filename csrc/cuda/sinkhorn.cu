@@ -188,6 +188,13 @@ extern "C" size_t moe_cuda_sinkhorn_workspace_size(int64_t num_tokens, int64_t n
     return moe_checked_bytes(words, (int64_t)sizeof(double));
 }
 
+extern "C" size_t moe_cuda_sinkhorn_routing_workspace_size(int64_t num_tokens,
+                                                           int64_t num_experts, int64_t topk,
+                                                           int training) {
+    /* eval mode ranks the activation in registers: no Sinkhorn, no scratch */
+    return training ? moe_cuda_sinkhorn_workspace_size(num_tokens, num_experts, topk) : 0;
+}
+
 /* exp → solve → apply into `out` (odt). Workspace: d0 [T], d1 [E], d1_old [E], C [T·E]. */
 static moe_status_t run_sinkhorn(void *out, moe_dtype_t odt, const void *cost, moe_dtype_t dt,
                                  int64_t T, int64_t E, double tol, int64_t max_iters,
@@ -255,8 +262,9 @@ extern "C" moe_status_t moe_cuda_sinkhorn_routing_fwd(void *probs, uint8_t *rout
     const moe_dtype_t bdt = logits_dtype == MOE_DTYPE_FP64 ? MOE_DTYPE_FP64 : MOE_DTYPE_FP32;
     if (training) {
         MOE_TRY(check_workspace(workspace, workspace_bytes,
-                                moe_cuda_sinkhorn_workspace_size(num_tokens, num_experts, topk),
-                                "moe_cuda_sinkhorn_workspace_size"));
+                                moe_cuda_sinkhorn_routing_workspace_size(num_tokens, num_experts,
+                                                                         topk, training),
+                                "moe_cuda_sinkhorn_routing_workspace_size"));
         /* Megatron: sinkhorn(logits.to(float32)) under no_grad; the balanced matrix in place */
         MOE_TRY(run_sinkhorn(NULL, bdt, logits, logits_dtype, num_tokens, num_experts, tol, 0,
                              workspace, s, &balanced));

@@ -24,13 +24,12 @@ std::tuple<at::Tensor, at::Tensor> aux_loss_scores(const at::Tensor &logits_, in
   MOE_DEVICE_GUARD(logits);
   at::Tensor scores = at::empty({T, E}, logits.options().dtype(compute_type(logits)));
   at::Tensor routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
-  at::Tensor ws = workspace_for(logits, MOE_WS_BYTES(logits,
-                                                     moe_aux_loss_scores_workspace_size(T, E, topk),
-                                                     moe_cuda_aux_loss_scores_workspace_size(T, E, topk)));
+  const Workspace ws =
+      workspace(logits, MOE_CALL(logits, aux_loss_scores_workspace_size, T, E, topk));
   check_status(MOE_CALL(logits, aux_loss_scores_fwd, scores.data_ptr(),
                         (uint8_t *)routing_map.data_ptr(), logits.data_ptr(), m, T, E, topk,
-                        to_moe_dtype(logits.scalar_type(), "logits"), sf, ws.data_ptr(),
-                        (size_t)ws.numel(), stream_of(logits)),
+                        to_moe_dtype(logits.scalar_type(), "logits"), sf, ws.ptr,
+                        ws.bytes, stream_of(logits)),
                "aux_loss_scores");
   return {scores, routing_map};
 }
@@ -95,12 +94,11 @@ at::Tensor switch_aux_loss(const at::Tensor &probs_, const at::Tensor &tokens_pe
   moe_switch_aux_loss_params_t p = switch_params(topk, num_experts, coeff);
   MOE_DEVICE_GUARD(probs);
   at::Tensor loss = at::empty({}, probs.options().dtype(compute_type(probs)));
-  at::Tensor ws = workspace_for(probs, MOE_WS_BYTES(probs, moe_switch_aux_loss_workspace_size(T, C),
-                                                    moe_cuda_switch_aux_loss_workspace_size(T, C)));
+  const Workspace ws = workspace(probs, MOE_CALL(probs, switch_aux_loss_workspace_size, T, C));
   check_status(MOE_CALL(probs, switch_aux_loss_fwd, loss.data_ptr(), probs.data_ptr(),
                         tpe.data_ptr<float>(), total.data_ptr<double>(), m, T, C,
-                        to_moe_dtype(probs.scalar_type(), "probs"), &p, ws.data_ptr(),
-                        (size_t)ws.numel(), stream_of(probs)),
+                        to_moe_dtype(probs.scalar_type(), "probs"), &p, ws.ptr,
+                        ws.bytes, stream_of(probs)),
                "switch_aux_loss");
   return loss;
 }
@@ -138,11 +136,10 @@ at::Tensor z_loss(const at::Tensor &logits_, double coeff,
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
   MOE_DEVICE_GUARD(logits);
   at::Tensor loss = at::empty({}, logits.options().dtype(compute_type(logits)));
-  at::Tensor ws = workspace_for(logits, MOE_WS_BYTES(logits, moe_z_loss_workspace_size(T, E),
-                                                     moe_cuda_z_loss_workspace_size(T, E)));
+  const Workspace ws = workspace(logits, MOE_CALL(logits, z_loss_workspace_size, T, E));
   check_status(MOE_CALL(logits, z_loss_fwd, loss.data_ptr(), logits.data_ptr(), m, T, E, coeff,
-                        to_moe_dtype(logits.scalar_type(), "logits"), ws.data_ptr(),
-                        (size_t)ws.numel(), stream_of(logits)),
+                        to_moe_dtype(logits.scalar_type(), "logits"), ws.ptr,
+                        ws.bytes, stream_of(logits)),
                "z_loss");
   return loss;
 }
@@ -161,11 +158,11 @@ at::Tensor z_loss_bwd(const at::Tensor &grad_loss_, const at::Tensor &logits_, d
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
   MOE_DEVICE_GUARD(logits);
   at::Tensor grad_logits = at::empty_like(logits);
-  at::Tensor ws = workspace_for(logits, MOE_WS_BYTES(logits, 0, moe_cuda_z_loss_workspace_size(T, E)));
+  const Workspace ws = workspace(logits, MOE_CALL(logits, z_loss_workspace_size, T, E));
   check_status(MOE_CALL(logits, z_loss_bwd, grad_logits.data_ptr(), g.data_ptr(),
                         logits.data_ptr(), m, T, E, coeff,
-                        to_moe_dtype(logits.scalar_type(), "logits"), ws.data_ptr(),
-                        (size_t)ws.numel(), stream_of(logits)),
+                        to_moe_dtype(logits.scalar_type(), "logits"), ws.ptr,
+                        ws.bytes, stream_of(logits)),
                "z_loss_bwd");
   return grad_logits;
 }
@@ -207,11 +204,10 @@ at::Tensor sinkhorn(const at::Tensor &cost_, double tol, int64_t max_iters) {
   at::Tensor cost = cost_.contiguous();
   MOE_DEVICE_GUARD(cost);
   at::Tensor out = at::empty({T, E}, cost.options().dtype(compute_type(cost)));
-  at::Tensor ws = workspace_for(cost, MOE_WS_BYTES(cost, moe_sinkhorn_workspace_size(T, E, 0),
-                                                   moe_cuda_sinkhorn_workspace_size(T, E, 0)));
+  const Workspace ws = workspace(cost, MOE_CALL(cost, sinkhorn_workspace_size, T, E, 0));
   check_status(MOE_CALL(cost, sinkhorn_fwd, out.data_ptr(), cost.data_ptr(), T, E,
-                        to_moe_dtype(cost.scalar_type(), "cost"), tol, max_iters, ws.data_ptr(),
-                        (size_t)ws.numel(), stream_of(cost)),
+                        to_moe_dtype(cost.scalar_type(), "cost"), tol, max_iters, ws.ptr,
+                        ws.bytes, stream_of(cost)),
                "sinkhorn");
   return out;
 }
@@ -225,12 +221,12 @@ std::tuple<at::Tensor, at::Tensor> sinkhorn_routing(const at::Tensor &logits_, i
   MOE_DEVICE_GUARD(logits);
   at::Tensor probs = at::empty({T, E}, logits.options());
   at::Tensor routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
-  at::Tensor ws = workspace_for(logits, MOE_WS_BYTES(logits, moe_sinkhorn_workspace_size(T, E, topk),
-                                                     training ? moe_cuda_sinkhorn_workspace_size(T, E, topk) : 0));
+  const Workspace ws = workspace(
+      logits, MOE_CALL(logits, sinkhorn_routing_workspace_size, T, E, topk, training ? 1 : 0));
   check_status(MOE_CALL(logits, sinkhorn_routing_fwd, probs.data_ptr(),
                         (uint8_t *)routing_map.data_ptr(), logits.data_ptr(), T, E, topk,
                         to_moe_dtype(logits.scalar_type(), "logits"), training ? 1 : 0, tol,
-                        ws.data_ptr(), (size_t)ws.numel(), stream_of(logits)),
+                        ws.ptr, ws.bytes, stream_of(logits)),
                "sinkhorn_routing");
   return {probs, routing_map};
 }
@@ -277,14 +273,11 @@ std::tuple<at::Tensor, at::Tensor> routing_metrics(const at::Tensor &routing_map
   MOE_DEVICE_GUARD(map);
   at::Tensor counts = at::empty({E}, map.options().dtype(at::kLong));
   at::Tensor stats = at::empty({MOE_ROUTING_STATS}, map.options().dtype(at::kFloat));
-  at::Tensor ws = workspace_for(map, MOE_WS_BYTES(map, moe_routing_metrics_workspace_size(T, E),
-                                                  moe_cuda_routing_metrics_workspace_size(T, E)));
+  const Workspace ws = workspace(map, MOE_CALL(map, routing_metrics_workspace_size, T, E));
   check_status(MOE_CALL(map, routing_metrics_fwd, counts.data_ptr<int64_t>(),
                         stats.data_ptr<float>(), (const uint8_t *)map.data_ptr(),
-                        scores.defined() ? scores.data_ptr() : nullptr, m, T, E,
-                        scores.defined() ? to_moe_dtype(scores.scalar_type(), "scores")
-                                         : MOE_DTYPE_FP32,
-                        ws.data_ptr(), (size_t)ws.numel(), stream_of(map)),
+                        data_or_null(scores), m, T, E, dtype_or(scores, "scores", MOE_DTYPE_FP32),
+                        ws.ptr, ws.bytes, stream_of(map)),
                "routing_metrics");
   return {counts, stats};
 }
@@ -303,10 +296,10 @@ at::Tensor topk_overlap(const at::Tensor &indices_a_, const at::Tensor &indices_
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, a, "indices_a");
   MOE_DEVICE_GUARD(a);
   at::Tensor overlap = at::empty({}, a.options().dtype(at::kFloat));
-  at::Tensor ws = workspace_for(a, MOE_WS_BYTES(a, 0, moe_cuda_topk_overlap_workspace_size(T, k)));
+  const Workspace ws = workspace(a, MOE_CALL(a, topk_overlap_workspace_size, T, k));
   check_status(MOE_CALL(a, topk_overlap_fwd, overlap.data_ptr<float>(), a.data_ptr<int64_t>(),
-                        b.data_ptr<int64_t>(), m, T, k, num_experts, ws.data_ptr(),
-                        (size_t)ws.numel(), stream_of(a)),
+                        b.data_ptr<int64_t>(), m, T, k, num_experts, ws.ptr,
+                        ws.bytes, stream_of(a)),
                "topk_overlap");
   return overlap;
 }

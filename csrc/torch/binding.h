@@ -92,24 +92,32 @@ void *stream_of(const at::Tensor &t);
 #define MOE_CALL(t, fn, ...) moe_##fn(__VA_ARGS__)
 #endif
 
-// Workspace bytes: the CPU expression, or the CUDA one for a CUDA tensor (CUDA builds only).
-#ifdef MOE_CORE_WITH_CUDA
-#define MOE_WS_BYTES(t, cpu_bytes, cuda_bytes) (on_cuda(t) ? (size_t)(cuda_bytes) : (size_t)(cpu_bytes))
-#else
-#define MOE_WS_BYTES(t, cpu_bytes, cuda_bytes) ((size_t)(cpu_bytes))
-#endif
-
-// A CUDA workspace size where the build has CUDA (a CPU-only build never calls it).
-#ifdef MOE_CORE_WITH_CUDA
-#define MOE_CUDA_SIZE(expr) (expr)
-#else
-#define MOE_CUDA_SIZE(expr) ((size_t)0)
-#endif
-
+// The scratch of one C call: `bytes` as the op's *_workspace_size function of the call's device
+// gives them, allocated on the device of `like`; no buffer (NULL, 0) when it asks for none.
 // Every workspace is allocated here, so a size function's overflow sentinel is always caught:
 // MOE_SIZE_OVERFLOW becomes a ValueError with the size function's message (which names the
 // function, the argument and its value) instead of a request for SIZE_MAX bytes.
-at::Tensor workspace_for(const at::Tensor &like, size_t bytes);
+struct Workspace {
+  at::Tensor buffer;  // owns the bytes for the call
+  void *ptr = nullptr;
+  size_t bytes = 0;
+};
+Workspace workspace(const at::Tensor &like, size_t bytes);
+
+// ---- optional tensors -------------------------------------------------------------------------
+
+// The data of an optional tensor, or NULL when it is absent (undefined): the C core's "none".
+inline void *data_or_null(const at::Tensor &t) { return t.defined() ? t.data_ptr() : nullptr; }
+template <typename T>
+T *data_or_null(const at::Tensor &t) {
+  return t.defined() ? t.data_ptr<T>() : nullptr;
+}
+
+// The element type of an optional tensor, or `absent` when there is none.
+moe_dtype_t dtype_or(const at::Tensor &t, const char *name, moe_dtype_t absent);
+
+// An optional output as the schema returns it: the tensor, or an empty [0] one like `like`.
+at::Tensor or_empty(const at::Tensor &t, const at::Tensor &like);
 
 // ---- the ops, by area (schemas in library.cpp) --------------------------------------------------
 

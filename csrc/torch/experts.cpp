@@ -42,17 +42,6 @@ static moe_grouped_gemm_params_t grouped_gemm_params(const at::Tensor &a, const 
   return p;
 }
 
-static at::Tensor grouped_gemm_workspace(const at::Tensor &like, const moe_grouped_gemm_params_t &p) {
-  size_t bytes = on_cuda(like) ?
-#ifdef MOE_CORE_WITH_CUDA
-                               moe_cuda_grouped_gemm_workspace_size(&p)
-#else
-                               0
-#endif
-                               : moe_grouped_gemm_workspace_size(&p);
-  return workspace_for(like, bytes);
-}
-
 at::Tensor grouped_gemm(const at::Tensor &x_, const at::Tensor &weight_,
                         const at::Tensor &expert_offsets_, bool trans_w,
                         c10::optional<at::ScalarType> out_dtype) {
@@ -68,9 +57,9 @@ at::Tensor grouped_gemm(const at::Tensor &x_, const at::Tensor &weight_,
   MOE_DEVICE_GUARD(x);
   at::Tensor y = at::empty({p.num_rows, N},
                            x.options().dtype(out_dtype.value_or(x.scalar_type())));
-  at::Tensor ws = grouped_gemm_workspace(x, p);
+  const Workspace ws = workspace(x, MOE_CALL(x, grouped_gemm_workspace_size, &p));
   check_status(MOE_CALL(x, grouped_gemm_fwd, y.data_ptr(), x.data_ptr(), w.data_ptr(),
-                        off.data_ptr<int64_t>(), &p, ws.data_ptr(), (size_t)ws.numel(),
+                        off.data_ptr<int64_t>(), &p, ws.ptr, ws.bytes,
                         stream_of(x)),
                "grouped_gemm");
   return y;
@@ -91,9 +80,9 @@ at::Tensor grouped_gemm_dgrad(const at::Tensor &grad_y_, const at::Tensor &weigh
   MOE_DEVICE_GUARD(g);
   at::Tensor dx = at::empty({p.num_rows, K},
                             g.options().dtype(out_dtype.value_or(g.scalar_type())));
-  at::Tensor ws = grouped_gemm_workspace(g, p);
+  const Workspace ws = workspace(g, MOE_CALL(g, grouped_gemm_workspace_size, &p));
   check_status(MOE_CALL(g, grouped_gemm_dgrad, dx.data_ptr(), g.data_ptr(), w.data_ptr(),
-                        off.data_ptr<int64_t>(), &p, ws.data_ptr(), (size_t)ws.numel(),
+                        off.data_ptr<int64_t>(), &p, ws.ptr, ws.bytes,
                         stream_of(g)),
                "grouped_gemm_dgrad");
   return dx;
@@ -114,9 +103,9 @@ at::Tensor grouped_gemm_wgrad(const at::Tensor &x_, const at::Tensor &grad_y_,
   MOE_DEVICE_GUARD(x);
   at::Tensor dw = at::empty(trans_w ? at::IntArrayRef({E, N, K}) : at::IntArrayRef({E, K, N}),
                             x.options().dtype(out_dtype.value_or(x.scalar_type())));
-  at::Tensor ws = grouped_gemm_workspace(x, p);
+  const Workspace ws = workspace(x, MOE_CALL(x, grouped_gemm_workspace_size, &p));
   check_status(MOE_CALL(x, grouped_gemm_wgrad, dw.data_ptr(), x.data_ptr(), g.data_ptr(),
-                        off.data_ptr<int64_t>(), &p, ws.data_ptr(), (size_t)ws.numel(),
+                        off.data_ptr<int64_t>(), &p, ws.ptr, ws.bytes,
                         stream_of(x)),
                "grouped_gemm_wgrad");
   return dw;
@@ -188,11 +177,9 @@ at::Tensor glu_probs(const at::Tensor &a_, const c10::optional<at::Tensor> &prob
   if (probs_.has_value()) probs = probs_->contiguous();
   MOE_DEVICE_GUARD(a);
   at::Tensor h = at::empty({R, F}, a.options());
-  const moe_dtype_t pdt =
-      probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs") : to_moe_dtype(a.scalar_type(), "a");
-  check_status(MOE_CALL(a, glu_probs_fwd, h.data_ptr(), a.data_ptr(),
-                        probs.defined() ? probs.data_ptr() : nullptr, R, F,
-                        to_moe_dtype(a.scalar_type(), "a"), pdt, &p, nullptr, 0, stream_of(a)),
+  const moe_dtype_t dt = to_moe_dtype(a.scalar_type(), "a");
+  check_status(MOE_CALL(a, glu_probs_fwd, h.data_ptr(), a.data_ptr(), data_or_null(probs), R, F, dt,
+                        dtype_or(probs, "probs", dt), &p, nullptr, 0, stream_of(a)),
                "glu_probs");
   return h;
 }
@@ -219,17 +206,14 @@ static at::Tensor glu_probs_bwd_call(at::Tensor &grad_a, at::Tensor &h, const at
                                      const moe_glu_probs_params_t &p) {
   const int64_t R = a.size(0);
   MOE_DEVICE_GUARD(a);
-  at::Tensor grad_probs = probs.defined() ? at::empty({R}, probs.options())
-                                          : at::empty({0}, a.options());
-  const moe_dtype_t pdt =
-      probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs") : to_moe_dtype(a.scalar_type(), "a");
-  check_status(MOE_CALL(a, glu_probs_bwd, grad_a.data_ptr(),
-                        probs.defined() ? grad_probs.data_ptr() : nullptr,
-                        h.defined() ? h.data_ptr() : nullptr, grad_h.data_ptr(), a.data_ptr(),
-                        probs.defined() ? probs.data_ptr() : nullptr, R, F,
-                        to_moe_dtype(a.scalar_type(), "a"), pdt, &p, nullptr, 0, stream_of(a)),
+  at::Tensor grad_probs;  // with probs only
+  if (probs.defined()) grad_probs = at::empty({R}, probs.options());
+  const moe_dtype_t dt = to_moe_dtype(a.scalar_type(), "a");
+  check_status(MOE_CALL(a, glu_probs_bwd, grad_a.data_ptr(), data_or_null(grad_probs),
+                        data_or_null(h), grad_h.data_ptr(), a.data_ptr(), data_or_null(probs), R,
+                        F, dt, dtype_or(probs, "probs", dt), &p, nullptr, 0, stream_of(a)),
                "glu_probs_bwd");
-  return grad_probs;
+  return or_empty(grad_probs, a);
 }
 
 // grad_probs is [num_rows] in probs' dtype, or an empty [0] tensor when probs is None.
@@ -306,12 +290,12 @@ std::tuple<at::Tensor, at::Tensor> grouped_gemm_glu_probs(
   MOE_DEVICE_GUARD(x);
   at::Tensor h = at::empty({R, F}, x.options());
   at::Tensor a = at::empty({R, N}, x.options());
-  at::Tensor ws = grouped_gemm_workspace(x, p);
-  const moe_dtype_t pdt = probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs") : p.dtype;
+  const Workspace ws = workspace(x, MOE_CALL(x, grouped_gemm_workspace_size, &p));
+
   check_status(MOE_CALL(x, grouped_gemm_glu_probs_fwd, h.data_ptr(), a.data_ptr(), x.data_ptr(),
                         w.data_ptr(), off.data_ptr<int64_t>(),
-                        probs.defined() ? probs.data_ptr() : nullptr, pdt, &p, &g, ws.data_ptr(),
-                        (size_t)ws.numel(), stream_of(x)),
+                        data_or_null(probs), dtype_or(probs, "probs", p.dtype), &p, &g, ws.ptr,
+                        ws.bytes, stream_of(x)),
                "grouped_gemm_glu_probs");
   return {h, a};
 }

@@ -61,10 +61,6 @@ static void check_index_vector(const at::Tensor &t, int64_t size, const char *na
   check_same_device(t, ref, name, ref_name);
 }
 
-static at::Tensor workspace_bytes(const at::Tensor &like, size_t bytes) {
-  return workspace_for(like, bytes);
-}
-
 static moe_drop_policy_t to_drop_policy(c10::string_view name) {
   if (name == "probs") return MOE_DROP_PROBS;
   if (name == "position") return MOE_DROP_POSITION;
@@ -93,13 +89,12 @@ std::tuple<at::Tensor, at::Tensor> token_dropping(const at::Tensor &routing_prob
   at::Tensor final_probs = at::empty_like(probs), final_map = at::empty_like(map);
   const moe_dtype_t dt = to_moe_dtype(probs.scalar_type(), "routing_probs");
   MOE_DEVICE_GUARD(probs);
-  at::Tensor ws = workspace_bytes(
-      probs, on_cuda(probs) ? MOE_CUDA_SIZE(moe_cuda_token_dropping_workspace_size(T, E, policy, dt))
-                            : moe_token_dropping_workspace_size(T, E, policy));
+  const Workspace ws =
+      workspace(probs, MOE_CALL(probs, token_dropping_workspace_size, T, E, policy, dt));
   check_status(MOE_CALL(probs, token_dropping_fwd, final_probs.data_ptr(),
                         (uint8_t *)final_map.data_ptr(), probs.data_ptr(),
                         (const uint8_t *)map.data_ptr(), T, E, capacity, policy,
-                        pad_to_capacity ? 1 : 0, dt, ws.data_ptr(), (size_t)ws.numel(),
+                        pad_to_capacity ? 1 : 0, dt, ws.ptr, ws.bytes,
                         stream_of(probs)),
                "token_dropping");
   return {final_probs, final_map};
@@ -163,32 +158,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute(
                   " rows (num_out_tokens=", num_out_tokens, ", align_size=", align_size,
                   ") of hidden=", H, " elements, which overflows int64");
   at::Tensor out = at::empty({R, H}, tokens.options());
-  at::Tensor out_probs = probs.defined() ? at::empty({R}, probs.options())
-                                         : at::empty({0}, tokens.options());
+  at::Tensor out_probs;  // with probs only
+  if (probs.defined()) out_probs = at::empty({R}, probs.options());
   at::Tensor idx = at::empty({R}, tokens.options().dtype(at::kLong));
   at::Tensor offsets = at::empty({E + 1}, idx.options());
   at::Tensor counts = at::empty({E}, idx.options());
   MOE_DEVICE_GUARD(tokens);
-  at::Tensor ws = workspace_bytes(tokens,
-                                  on_cuda(tokens) ? MOE_CUDA_SIZE(moe_cuda_permute_workspace_size(T, E, &p)) : 0);
-  check_status(MOE_CALL(tokens, permute_fwd, out.data_ptr(),
-                        probs.defined() ? out_probs.data_ptr() : nullptr, idx.data_ptr<int64_t>(),
-                        offsets.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
-                        tokens.data_ptr(), (const uint8_t *)map.data_ptr(),
-                        probs.defined() ? probs.data_ptr() : nullptr, T, H, E,
+  const Workspace ws = workspace(tokens, MOE_CALL(tokens, permute_workspace_size, T, E, &p));
+  check_status(MOE_CALL(tokens, permute_fwd, out.data_ptr(), data_or_null(out_probs),
+                        idx.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
+                        counts.data_ptr<int64_t>(), tokens.data_ptr(),
+                        (const uint8_t *)map.data_ptr(), data_or_null(probs), T, H, E,
                         to_moe_dtype(tokens.scalar_type(), "tokens"),
-                        probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs")
-                                        : MOE_DTYPE_FP32,
-                        &p, ws.numel() ? ws.data_ptr() : nullptr, (size_t)ws.numel(),
+                        dtype_or(probs, "probs", MOE_DTYPE_FP32), &p, ws.ptr, ws.bytes,
                         stream_of(tokens)),
                "permute");
-  return {out, out_probs, idx, offsets, counts};
-}
-
-// The token → rows map's scratch: the CUDA kernels also keep each row's expert and a dot.
-static size_t unpermute_workspace(const at::Tensor &t, int64_t num_tokens, int64_t rows) {
-  return on_cuda(t) ? MOE_CUDA_SIZE(moe_cuda_unpermute_workspace_size(num_tokens, rows))
-                    : moe_unpermute_workspace_size(num_tokens, rows);
+  return {out, or_empty(out_probs, tokens), idx, offsets, counts};
 }
 
 std::tuple<at::Tensor, at::Tensor> permute_bwd(
@@ -217,20 +202,18 @@ std::tuple<at::Tensor, at::Tensor> permute_bwd(
     check_same_device(gp, g, "grad_permuted_probs", "grad_permuted_tokens");
   }
   at::Tensor grad_tokens = at::empty({num_tokens, H}, g.options());
-  at::Tensor grad_probs = gp.defined() ? at::empty({num_tokens, E}, gp.options())
-                                       : at::empty({0}, g.options());
+  at::Tensor grad_probs;  // with grad_permuted_probs only
+  if (gp.defined()) grad_probs = at::empty({num_tokens, E}, gp.options());
   MOE_DEVICE_GUARD(g);
-  at::Tensor ws = workspace_bytes(g, unpermute_workspace(g, num_tokens, R));
-  check_status(MOE_CALL(g, permute_bwd, grad_tokens.data_ptr(),
-                        gp.defined() ? grad_probs.data_ptr() : nullptr, g.data_ptr(),
-                        gp.defined() ? gp.data_ptr() : nullptr, idx.data_ptr<int64_t>(),
+  const Workspace ws = workspace(g, MOE_CALL(g, unpermute_workspace_size, num_tokens, R));
+  check_status(MOE_CALL(g, permute_bwd, grad_tokens.data_ptr(), data_or_null(grad_probs),
+                        g.data_ptr(), data_or_null(gp), idx.data_ptr<int64_t>(),
                         offsets.data_ptr<int64_t>(), num_tokens, H, E, R,
                         to_moe_dtype(g.scalar_type(), "grad_permuted_tokens"),
-                        gp.defined() ? to_moe_dtype(gp.scalar_type(), "grad_permuted_probs")
-                                     : MOE_DTYPE_FP32,
-                        ws.data_ptr(), (size_t)ws.numel(), stream_of(g)),
+                        dtype_or(gp, "grad_permuted_probs", MOE_DTYPE_FP32), ws.ptr, ws.bytes,
+                        stream_of(g)),
                "permute_bwd");
-  return {grad_tokens, grad_probs};
+  return {grad_tokens, or_empty(grad_probs, g)};
 }
 
 // Shared checks of unpermute and its backward (`ref`: the [*, hidden] tensor on the op's
@@ -269,14 +252,12 @@ at::Tensor unpermute(const at::Tensor &permuted_tokens_, const at::Tensor &sorte
   if (probs_.has_value()) probs = probs_->contiguous(), offsets = expert_offsets_->contiguous();
   at::Tensor out = at::empty({num_tokens, H}, x.options());
   MOE_DEVICE_GUARD(x);
-  at::Tensor ws = workspace_bytes(x, unpermute_workspace(x, num_tokens, R));
+  const Workspace ws = workspace(x, MOE_CALL(x, unpermute_workspace_size, num_tokens, R));
   check_status(MOE_CALL(x, unpermute_fwd, out.data_ptr(), x.data_ptr(), idx.data_ptr<int64_t>(),
-                        probs.defined() ? probs.data_ptr() : nullptr,
-                        offsets.defined() ? offsets.data_ptr<int64_t>() : nullptr, num_tokens, H,
-                        E, R, to_moe_dtype(x.scalar_type(), "permuted_tokens"),
-                        probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs")
-                                        : MOE_DTYPE_FP32,
-                        ws.data_ptr(), (size_t)ws.numel(), stream_of(x)),
+                        data_or_null(probs), data_or_null<int64_t>(offsets), num_tokens, H, E, R,
+                        to_moe_dtype(x.scalar_type(), "permuted_tokens"),
+                        dtype_or(probs, "probs", MOE_DTYPE_FP32), ws.ptr, ws.bytes,
+                        stream_of(x)),
                "unpermute");
   return out;
 }
@@ -308,21 +289,17 @@ std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor &grad_output_,
   at::Tensor g = grad_output_.contiguous(), idx = sorted_indices_.contiguous(), probs, offsets;
   if (probs_.has_value()) probs = probs_->contiguous(), offsets = expert_offsets_->contiguous();
   at::Tensor grad_x = at::empty({R, H}, g.options());
-  at::Tensor grad_probs = x.defined() ? at::empty({T, E}, probs.options())
-                                      : at::empty({0}, g.options());
+  at::Tensor grad_probs;  // with permuted_tokens only
+  if (x.defined()) grad_probs = at::empty({T, E}, probs.options());
   MOE_DEVICE_GUARD(g);
-  at::Tensor ws = workspace_bytes(g, unpermute_workspace(g, T, R));
-  check_status(MOE_CALL(g, unpermute_bwd, grad_x.data_ptr(),
-                        x.defined() ? grad_probs.data_ptr() : nullptr, g.data_ptr(),
-                        x.defined() ? x.data_ptr() : nullptr, idx.data_ptr<int64_t>(),
-                        probs.defined() ? probs.data_ptr() : nullptr,
-                        offsets.defined() ? offsets.data_ptr<int64_t>() : nullptr, T, H, E, R,
+  const Workspace ws = workspace(g, MOE_CALL(g, unpermute_workspace_size, T, R));
+  check_status(MOE_CALL(g, unpermute_bwd, grad_x.data_ptr(), data_or_null(grad_probs),
+                        g.data_ptr(), data_or_null(x), idx.data_ptr<int64_t>(),
+                        data_or_null(probs), data_or_null<int64_t>(offsets), T, H, E, R,
                         to_moe_dtype(g.scalar_type(), "grad_output"),
-                        probs.defined() ? to_moe_dtype(probs.scalar_type(), "probs")
-                                        : MOE_DTYPE_FP32,
-                        ws.data_ptr(), (size_t)ws.numel(), stream_of(g)),
+                        dtype_or(probs, "probs", MOE_DTYPE_FP32), ws.ptr, ws.bytes, stream_of(g)),
                "unpermute_bwd");
-  return {grad_x, grad_probs};
+  return {grad_x, or_empty(grad_probs, g)};
 }
 
 // Rows are dim 0; everything after it moves as one row of `row_elems` elements.
@@ -340,14 +317,13 @@ static at::Tensor sort_chunks_impl(const at::Tensor &input_, const at::Tensor &s
   const int64_t C = sizes.size(0);
   const moe_dtype_t dt = to_moe_dtype(x.scalar_type(), in_name);
   MOE_DEVICE_GUARD(x);
-  at::Tensor ws = workspace_bytes(x, on_cuda(x) ? MOE_CUDA_SIZE(moe_cuda_sort_chunks_by_idxs_workspace_size(C)) : 0);
-  void *w = ws.numel() ? ws.data_ptr() : nullptr;
+  const Workspace ws = workspace(x, MOE_CALL(x, sort_chunks_by_idxs_workspace_size, C));
   check_status(backward ? MOE_CALL(x, sort_chunks_by_idxs_bwd, out.data_ptr(), x.data_ptr(),
                                    sizes.data_ptr<int64_t>(), order.data_ptr<int64_t>(), rows,
-                                   row_elems, C, dt, w, (size_t)ws.numel(), stream_of(x))
+                                   row_elems, C, dt, ws.ptr, ws.bytes, stream_of(x))
                         : MOE_CALL(x, sort_chunks_by_idxs_fwd, out.data_ptr(), x.data_ptr(),
                                    sizes.data_ptr<int64_t>(), order.data_ptr<int64_t>(), rows,
-                                   row_elems, C, dt, w, (size_t)ws.numel(), stream_of(x)),
+                                   row_elems, C, dt, ws.ptr, ws.bytes, stream_of(x)),
                backward ? "sort_chunks_by_idxs_bwd" : "sort_chunks_by_idxs");
   return out;
 }

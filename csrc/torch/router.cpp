@@ -54,12 +54,11 @@ at::Tensor router_gating_linear(const at::Tensor &inp_, const at::Tensor &weight
   const moe_dtype_t rd = to_moe_dtype(router_dtype, "router_dtype");
   MOE_DEVICE_GUARD(inp);
   at::Tensor logits = at::empty({T, E}, inp.options().dtype(router_dtype));
-  at::Tensor ws = workspace_for(
-      inp, T == 0 ? 0 : MOE_WS_BYTES(inp, 0, moe_cuda_router_gating_linear_workspace_size(
-                                              T, H, E, id, wd, rd, 0)));
+  const Workspace ws = workspace(
+      inp, MOE_CALL(inp, router_gating_linear_workspace_size, T, H, E, id, wd, rd, 0));
   check_status(MOE_CALL(inp, router_gating_linear_fwd, logits.data_ptr(), inp.data_ptr(),
-                        weight.data_ptr(), bias.defined() ? bias.data_ptr() : nullptr, T, H, E, id,
-                        wd, rd, ws.data_ptr(), (size_t)ws.numel(), stream_of(inp)),
+                        weight.data_ptr(), data_or_null(bias), T, H, E, id, wd, rd, ws.ptr,
+                        ws.bytes, stream_of(inp)),
                "router_gating_linear");
   return logits;
 }
@@ -86,28 +85,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_gating_linear_bwd(
   MOE_DEVICE_GUARD(g);
   at::Tensor grad_inp = at::empty_like(inp), grad_weight = at::empty_like(weight);
   at::Tensor grad_bias = at::empty({E}, weight.options());
-  at::Tensor ws = workspace_for(
-      g, MOE_WS_BYTES(g, 0, moe_cuda_router_gating_linear_workspace_size(T, H, E, id, wd, rd, 1)));
+  const Workspace ws =
+      workspace(g, MOE_CALL(g, router_gating_linear_workspace_size, T, H, E, id, wd, rd, 1));
   check_status(MOE_CALL(g, router_gating_linear_bwd, grad_inp.data_ptr(), grad_weight.data_ptr(),
                         grad_bias.data_ptr(), g.data_ptr(), inp.data_ptr(), weight.data_ptr(), T,
-                        H, E, id, wd, rd, ws.data_ptr(), (size_t)ws.numel(), stream_of(g)),
+                        H, E, id, wd, rd, ws.ptr, ws.bytes, stream_of(g)),
                "router_gating_linear_bwd");
   return {grad_inp, grad_weight, grad_bias};
 }
 
 // ---- router_topk --------------------------------------------------------------------------------
-
-static at::Tensor topk_workspace(const at::Tensor &logits, const moe_router_topk_params_t &p) {
-  const int64_t T = logits.size(0), E = logits.size(1);
-  size_t bytes = on_cuda(logits) ?
-#ifdef MOE_CORE_WITH_CUDA
-                                 moe_cuda_router_topk_workspace_size(T, E, &p)
-#else
-                                 0
-#endif
-                                 : moe_router_topk_workspace_size(T, E, &p);
-  return workspace_for(logits, bytes);
-}
 
 // The routing inputs every router op validates alike: logits [T, E], the optional fp32 bias [E],
 // and the options checked against E.
@@ -155,12 +142,12 @@ std::tuple<at::Tensor, at::Tensor> router_topk(const at::Tensor &logits_, int64_
   MOE_DEVICE_GUARD(logits);
   at::Tensor probs = at::empty({in.T, topk}, logits.options());
   at::Tensor indices = at::empty({in.T, topk}, logits.options().dtype(at::kLong));
-  at::Tensor ws = topk_workspace(logits, in.p);
+  const Workspace ws =
+      workspace(logits, MOE_CALL(logits, router_topk_workspace_size, in.T, in.E, &in.p));
   check_status(MOE_CALL(logits, router_topk_fwd, probs.data_ptr(), indices.data_ptr<int64_t>(),
-                        logits.data_ptr(),
-                        in.bias.defined() ? in.bias.data_ptr<float>() : nullptr, in.T, in.E,
-                        to_moe_dtype(logits.scalar_type(), "logits"), &in.p, ws.data_ptr(),
-                        (size_t)ws.numel(), stream_of(logits)),
+                        logits.data_ptr(), data_or_null<float>(in.bias), in.T, in.E,
+                        to_moe_dtype(logits.scalar_type(), "logits"), &in.p, ws.ptr, ws.bytes,
+                        stream_of(logits)),
                "router_topk");
   return {probs, indices};
 }
@@ -192,15 +179,15 @@ static at::Tensor topk_bwd(const at::Tensor &grad_probs_, const at::Tensor &logi
                                                 scaling_factor, score_function, routing_mode);
   MOE_DEVICE_GUARD(logits);
   at::Tensor grad_logits = at::empty_like(logits);
-  at::Tensor ws = topk_workspace(logits, p);
+  const Workspace ws = workspace(logits, MOE_CALL(logits, router_topk_workspace_size, T, E, &p));
   const moe_dtype_t dt = to_moe_dtype(logits.scalar_type(), "logits");
   const moe_status_t st =
       dense ? MOE_CALL(logits, router_topk_dense_bwd, grad_logits.data_ptr(),
                        grad_probs.data_ptr(), logits.data_ptr(), indices.data_ptr<int64_t>(), T, E,
-                       dt, &p, ws.data_ptr(), (size_t)ws.numel(), stream_of(logits))
+                       dt, &p, ws.ptr, ws.bytes, stream_of(logits))
             : MOE_CALL(logits, router_topk_bwd, grad_logits.data_ptr(), grad_probs.data_ptr(),
-                       logits.data_ptr(), indices.data_ptr<int64_t>(), T, E, dt, &p,
-                       ws.data_ptr(), (size_t)ws.numel(), stream_of(logits));
+                       logits.data_ptr(), indices.data_ptr<int64_t>(), T, E, dt, &p, ws.ptr,
+                       ws.bytes, stream_of(logits));
   check_status(st, dense ? "router_topk_dense_bwd" : "router_topk_bwd");
   return grad_logits;
 }
@@ -245,19 +232,12 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at
   extras.lse = with_lse ? lse.data_ptr<double>() : nullptr;
   extras.padding_mask = m;
   const moe_dtype_t dt = to_moe_dtype(logits.scalar_type(), "logits");
-  size_t bytes = on_cuda(logits) ?
-#ifdef MOE_CORE_WITH_CUDA
-                                 moe_cuda_router_topk_fused_workspace_size(T, E, &in.p, dt, with_aux)
-#else
-                                 0
-#endif
-                                 : moe_router_topk_workspace_size(T, E, &in.p);
-  at::Tensor ws = bytes ? workspace_for(logits, bytes) : at::Tensor();
+  const Workspace ws = workspace(
+      logits, MOE_CALL(logits, router_topk_fused_workspace_size, T, E, &in.p, dt, with_aux));
   check_status(MOE_CALL(logits, router_topk_fused_fwd, probs.data_ptr(),
                         (uint8_t *)routing_map.data_ptr(), indices.data_ptr<int64_t>(), &extras,
-                        logits.data_ptr(),
-                        in.bias.defined() ? in.bias.data_ptr<float>() : nullptr, T, E, dt, &in.p,
-                        ws.defined() ? ws.data_ptr() : nullptr, bytes, stream_of(logits)),
+                        logits.data_ptr(), data_or_null<float>(in.bias), T, E, dt, &in.p, ws.ptr,
+                        ws.bytes, stream_of(logits)),
                op);
   return {probs, routing_map, indices, aux_scores, aux_map, lse};
 }

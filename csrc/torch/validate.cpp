@@ -127,9 +127,24 @@ void *stream_of(const at::Tensor &t) {
   return nullptr;
 }
 
-at::Tensor workspace_for(const at::Tensor &like, size_t bytes) {
+Workspace workspace(const at::Tensor &like, size_t bytes) {
   MOE_CHECK_VALUE(bytes != MOE_SIZE_OVERFLOW, moe_last_error());
-  return at::empty({(int64_t)bytes}, like.options().dtype(at::kByte));
+  Workspace ws;
+  if (bytes == 0) return ws;
+  ws.buffer = at::empty({(int64_t)bytes}, like.options().dtype(at::kByte));
+  ws.ptr = ws.buffer.data_ptr();
+  ws.bytes = bytes;
+  return ws;
+}
+
+// ---- optional tensors -------------------------------------------------------------------------
+
+moe_dtype_t dtype_or(const at::Tensor &t, const char *name, moe_dtype_t absent) {
+  return t.defined() ? to_moe_dtype(t.scalar_type(), name) : absent;
+}
+
+at::Tensor or_empty(const at::Tensor &t, const at::Tensor &like) {
+  return t.defined() ? t : at::empty({0}, like.options());
 }
 
 }  // namespace moe_torch

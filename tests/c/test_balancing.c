@@ -210,7 +210,7 @@ static void test_sinkhorn_balances(void) {
     /* routing: eval top-1 is the argmax of the sigmoid; training spreads the load */
     double probs[N * M];
     uint8_t map[N * M];
-    ws = moe_sinkhorn_workspace_size(N, M, 1);
+    ws = moe_sinkhorn_routing_workspace_size(N, M, 1, 1);
     w = malloc(ws);
     CHECK(moe_sinkhorn_routing_fwd(probs, map, cost, N, M, 1, MOE_DTYPE_FP64, 0, 1e-4, w, ws,
                                    NULL) == MOE_OK, "%s", moe_last_error());

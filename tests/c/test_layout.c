@@ -159,7 +159,7 @@ static void test_token_dropping_rules(void) {
     CHECK(fmap[0 * E + 1] && fmap[1 * E + 1] && fmap[5 * E + 1] && !fmap[2 * E + 1],
           "pad fills with the first unrouted tokens");
     CHECK(fp[0 * E + 1] == 0.0f && fp[5 * E + 1] == 0.25f, "filler probs are zero");
-    size_t ws_bytes = moe_token_dropping_workspace_size(T, E, MOE_DROP_PROBS);
+    size_t ws_bytes = moe_token_dropping_workspace_size(T, E, MOE_DROP_PROBS, MOE_DTYPE_FP32);
     void *ws = malloc(ws_bytes);
     CHECK(moe_token_dropping_fwd(fp, fmap, p, map, T, E, 3, MOE_DROP_PROBS, 0, MOE_DTYPE_FP32, ws,
                                  ws_bytes, NULL) == MOE_OK, "%s", moe_last_error());

@@ -48,7 +48,8 @@ static void test_workspace_sizes_overflow(void) {
     CHECK(moe_z_loss_workspace_size(huge, 4) == MOE_SIZE_OVERFLOW, "z_loss");
     CHECK(moe_routing_metrics_workspace_size(huge, 4) == MOE_SIZE_OVERFLOW, "routing_metrics");
     CHECK(moe_switch_aux_loss_workspace_size(4, huge) == MOE_SIZE_OVERFLOW, "switch");
-    CHECK(moe_token_dropping_workspace_size(huge, 4, MOE_DROP_PROBS) == MOE_SIZE_OVERFLOW,
+    CHECK(moe_token_dropping_workspace_size(huge, 4, MOE_DROP_PROBS, MOE_DTYPE_FP32) ==
+              MOE_SIZE_OVERFLOW,
           "token_dropping");
     moe_grouped_gemm_params_t g = {8, 2, 4, 4, 0, MOE_DTYPE_FP32, MOE_DTYPE_FP32};
     CHECK(moe_grouped_gemm_workspace_size(&g) != MOE_SIZE_OVERFLOW, "grouped gemm: fixed size");
