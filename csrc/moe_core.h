@@ -8,7 +8,8 @@
  *
  * Outputs come first, the stream last. The CPU entry points are `moe_<op>_*` and ignore `stream`
  * (pass NULL); the CUDA entry points are `moe_cuda_<op>_*`, take device pointers and a
- * `cudaStream_t` passed as `void *`, and exist only in a build with CUDA (MOE_CORE_WITH_CUDA).
+ * `cudaStream_t` passed as `void *`, and run only in a build with CUDA (MOE_CORE_WITH_CUDA); a
+ * build without it defines them too, returning MOE_ERR_UNSUPPORTED (see moe_has_cuda()).
  * Both have the same signature and the same semantics, bit for bit where the op says so.
  *
  * The core never allocates, never creates streams or handles, never synchronises with the host
@@ -1050,7 +1051,7 @@ moe_status_t moe_grouped_gemm_glu_probs_fwd(void *h, void *a, const void *x, con
 
 /* ---------------------------------------------------------------------------------------------
  * CUDA entry points: same signatures and semantics as the CPU ones above, on device pointers,
- * asynchronous on `stream` (a cudaStream_t). Declared always, defined only with CUDA.
+ * asynchronous on `stream` (a cudaStream_t). Without CUDA they return MOE_ERR_UNSUPPORTED.
  * ------------------------------------------------------------------------------------------- */
 
 size_t moe_cuda_router_topk_workspace_size(int64_t num_tokens, int64_t num_experts,

@@ -8,35 +8,32 @@
 namespace moe_torch {
 
 // fp64 inputs keep fp64 losses and scores (gradcheck); everything else computes in fp32.
-static at::ScalarType compute_type(const at::Tensor &t) {
+static at::ScalarType compute_type(const Tensor &t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-std::tuple<at::Tensor, at::Tensor> aux_loss_scores(const at::Tensor &logits_, int64_t topk,
-                                                   c10::string_view score_function,
-                                                   const c10::optional<at::Tensor> &padding_mask) {
+Tensor2 aux_loss_scores(const Device &d, const Tensor &logits_, int64_t topk,
+                        string_view score_function, const optional<Tensor> &padding_mask) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
-  at::Tensor logits = logits_.contiguous(), mask;
+  Tensor logits = logits_.contiguous(), mask;
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
   moe_score_function_t sf = to_score_function(score_function);
-  MOE_DEVICE_GUARD(logits);
-  at::Tensor scores = at::empty({T, E}, logits.options().dtype(compute_type(logits)));
-  at::Tensor routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
-  const Workspace ws =
-      workspace(logits, MOE_CALL(logits, aux_loss_scores_workspace_size, T, E, topk));
-  check_status(MOE_CALL(logits, aux_loss_scores_fwd, scores.data_ptr(),
-                        (uint8_t *)routing_map.data_ptr(), logits.data_ptr(), m, T, E, topk,
-                        to_moe_dtype(logits.scalar_type(), "logits"), sf, ws.ptr,
-                        ws.bytes, stream_of(logits)),
+  const OnDevice on(d, logits);
+  Tensor scores = at::empty({T, E}, logits.options().dtype(compute_type(logits)));
+  Tensor routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
+  const Workspace ws = workspace(logits, d.aux_loss_scores_workspace_size(T, E, topk));
+  check_status(d.aux_loss_scores_fwd(scores.data_ptr(), (uint8_t *)routing_map.data_ptr(),
+                                     logits.data_ptr(), m, T, E, topk,
+                                     to_moe_dtype(logits.scalar_type(), "logits"), sf, ws.ptr,
+                                     ws.bytes, on.stream()),
                "aux_loss_scores");
   return {scores, routing_map};
 }
 
-at::Tensor aux_loss_scores_bwd(const at::Tensor &grad_scores_, const at::Tensor &logits_,
-                               c10::string_view score_function,
-                               const c10::optional<at::Tensor> &padding_mask) {
+Tensor aux_loss_scores_bwd(const Device &d, const Tensor &grad_scores_, const Tensor &logits_,
+                           string_view score_function, const optional<Tensor> &padding_mask) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
@@ -45,22 +42,21 @@ at::Tensor aux_loss_scores_bwd(const at::Tensor &grad_scores_, const at::Tensor 
   check_size(grad_scores_, 0, T, "grad_scores", "logits.shape[0] (num_tokens)");
   check_size(grad_scores_, 1, E, "grad_scores", "logits.shape[1] (num_experts)");
   check_same_device(grad_scores_, logits_, "grad_scores", "logits");
-  at::Tensor logits = logits_.contiguous(), mask;
-  at::Tensor g = grad_scores_.to(compute_type(logits)).contiguous();
+  Tensor logits = logits_.contiguous(), mask;
+  Tensor g = grad_scores_.to(compute_type(logits)).contiguous();
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
-  MOE_DEVICE_GUARD(logits);
-  at::Tensor grad_logits = at::empty_like(logits);
-  check_status(MOE_CALL(logits, aux_loss_scores_bwd, grad_logits.data_ptr(), g.data_ptr(),
-                        logits.data_ptr(), m, T, E, to_moe_dtype(logits.scalar_type(), "logits"),
-                        to_score_function(score_function), nullptr, 0, stream_of(logits)),
+  const OnDevice on(d, logits);
+  Tensor grad_logits = at::empty_like(logits);
+  check_status(d.aux_loss_scores_bwd(grad_logits.data_ptr(), g.data_ptr(), logits.data_ptr(), m, T,
+                                     E, to_moe_dtype(logits.scalar_type(), "logits"),
+                                     to_score_function(score_function), nullptr, 0, on.stream()),
                "aux_loss_scores_bwd");
   return grad_logits;
 }
 
 // Validates the switch-loss inputs; returns counts as fp32 and the total as a one-element fp64.
-static std::tuple<at::Tensor, at::Tensor, at::Tensor> switch_inputs(const at::Tensor &probs_,
-                                                                    const at::Tensor &tokens_per_expert,
-                                                                    const at::Tensor &total_num_tokens) {
+static Tensor3 switch_inputs(const Tensor &probs_, const Tensor &tokens_per_expert,
+                             const Tensor &total_num_tokens) {
   check_dim(probs_, 2, "probs");
   check_float(probs_, "probs");
   check_dim(tokens_per_expert, 1, "tokens_per_expert");
@@ -84,68 +80,67 @@ static moe_switch_aux_loss_params_t switch_params(int64_t topk, int64_t num_expe
   return p;
 }
 
-at::Tensor switch_aux_loss(const at::Tensor &probs_, const at::Tensor &tokens_per_expert_,
-                           const at::Tensor &total_num_tokens_, int64_t topk, int64_t num_experts,
-                           double coeff, const c10::optional<at::Tensor> &padding_mask) {
+Tensor switch_aux_loss(const Device &d, const Tensor &probs_, const Tensor &tokens_per_expert_,
+                       const Tensor &total_num_tokens_, int64_t topk, int64_t num_experts,
+                       double coeff, const optional<Tensor> &padding_mask) {
   auto [probs, tpe, total] = switch_inputs(probs_, tokens_per_expert_, total_num_tokens_);
   const int64_t T = probs.size(0), C = probs.size(1);
-  at::Tensor mask;
+  Tensor mask;
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, probs, "probs");
   moe_switch_aux_loss_params_t p = switch_params(topk, num_experts, coeff);
-  MOE_DEVICE_GUARD(probs);
-  at::Tensor loss = at::empty({}, probs.options().dtype(compute_type(probs)));
-  const Workspace ws = workspace(probs, MOE_CALL(probs, switch_aux_loss_workspace_size, T, C));
-  check_status(MOE_CALL(probs, switch_aux_loss_fwd, loss.data_ptr(), probs.data_ptr(),
-                        tpe.data_ptr<float>(), total.data_ptr<double>(), m, T, C,
-                        to_moe_dtype(probs.scalar_type(), "probs"), &p, ws.ptr,
-                        ws.bytes, stream_of(probs)),
+  const OnDevice on(d, probs);
+  Tensor loss = at::empty({}, probs.options().dtype(compute_type(probs)));
+  const Workspace ws = workspace(probs, d.switch_aux_loss_workspace_size(T, C));
+  check_status(d.switch_aux_loss_fwd(loss.data_ptr(), probs.data_ptr(), tpe.data_ptr<float>(),
+                                     total.data_ptr<double>(), m, T, C,
+                                     to_moe_dtype(probs.scalar_type(), "probs"), &p, ws.ptr,
+                                     ws.bytes, on.stream()),
                "switch_aux_loss");
   return loss;
 }
 
-at::Tensor switch_aux_loss_bwd(const at::Tensor &grad_loss_, const at::Tensor &probs_,
-                               const at::Tensor &tokens_per_expert_,
-                               const at::Tensor &total_num_tokens_, int64_t topk,
-                               int64_t num_experts, double coeff,
-                               const c10::optional<at::Tensor> &padding_mask) {
+Tensor switch_aux_loss_bwd(const Device &d, const Tensor &grad_loss_, const Tensor &probs_,
+                           const Tensor &tokens_per_expert_, const Tensor &total_num_tokens_,
+                           int64_t topk, int64_t num_experts, double coeff,
+                           const optional<Tensor> &padding_mask) {
   auto [probs, tpe, total] = switch_inputs(probs_, tokens_per_expert_, total_num_tokens_);
   MOE_CHECK_VALUE(grad_loss_.numel() == 1, "grad_loss must have one element, got shape ",
                     grad_loss_.sizes());
   check_float(grad_loss_, "grad_loss");
   check_same_device(grad_loss_, probs, "grad_loss", "probs");
   const int64_t T = probs.size(0), C = probs.size(1);
-  at::Tensor mask, g = grad_loss_.to(compute_type(probs)).reshape({1}).contiguous();
+  Tensor mask, g = grad_loss_.to(compute_type(probs)).reshape({1}).contiguous();
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, probs, "probs");
   moe_switch_aux_loss_params_t p = switch_params(topk, num_experts, coeff);
-  MOE_DEVICE_GUARD(probs);
-  at::Tensor grad_probs = at::empty_like(probs);
-  check_status(MOE_CALL(probs, switch_aux_loss_bwd, grad_probs.data_ptr(), g.data_ptr(),
-                        tpe.data_ptr<float>(), total.data_ptr<double>(), m, T, C,
-                        to_moe_dtype(probs.scalar_type(), "probs"), &p, nullptr, 0,
-                        stream_of(probs)),
+  const OnDevice on(d, probs);
+  Tensor grad_probs = at::empty_like(probs);
+  check_status(d.switch_aux_loss_bwd(grad_probs.data_ptr(), g.data_ptr(), tpe.data_ptr<float>(),
+                                     total.data_ptr<double>(), m, T, C,
+                                     to_moe_dtype(probs.scalar_type(), "probs"), &p, nullptr, 0,
+                                     on.stream()),
                "switch_aux_loss_bwd");
   return grad_probs;
 }
 
-at::Tensor z_loss(const at::Tensor &logits_, double coeff,
-                  const c10::optional<at::Tensor> &padding_mask) {
+Tensor z_loss(const Device &d, const Tensor &logits_, double coeff,
+              const optional<Tensor> &padding_mask) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
-  at::Tensor logits = logits_.contiguous(), mask;
+  Tensor logits = logits_.contiguous(), mask;
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
-  MOE_DEVICE_GUARD(logits);
-  at::Tensor loss = at::empty({}, logits.options().dtype(compute_type(logits)));
-  const Workspace ws = workspace(logits, MOE_CALL(logits, z_loss_workspace_size, T, E));
-  check_status(MOE_CALL(logits, z_loss_fwd, loss.data_ptr(), logits.data_ptr(), m, T, E, coeff,
-                        to_moe_dtype(logits.scalar_type(), "logits"), ws.ptr,
-                        ws.bytes, stream_of(logits)),
+  const OnDevice on(d, logits);
+  Tensor loss = at::empty({}, logits.options().dtype(compute_type(logits)));
+  const Workspace ws = workspace(logits, d.z_loss_workspace_size(T, E));
+  check_status(d.z_loss_fwd(loss.data_ptr(), logits.data_ptr(), m, T, E, coeff,
+                            to_moe_dtype(logits.scalar_type(), "logits"), ws.ptr, ws.bytes,
+                            on.stream()),
                "z_loss");
   return loss;
 }
 
-at::Tensor z_loss_bwd(const at::Tensor &grad_loss_, const at::Tensor &logits_, double coeff,
-                      const c10::optional<at::Tensor> &padding_mask) {
+Tensor z_loss_bwd(const Device &d, const Tensor &grad_loss_, const Tensor &logits_, double coeff,
+                  const optional<Tensor> &padding_mask) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   MOE_CHECK_VALUE(grad_loss_.numel() == 1, "grad_loss must have one element, got shape ",
@@ -153,23 +148,22 @@ at::Tensor z_loss_bwd(const at::Tensor &grad_loss_, const at::Tensor &logits_, d
   check_float(grad_loss_, "grad_loss");
   check_same_device(grad_loss_, logits_, "grad_loss", "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
-  at::Tensor logits = logits_.contiguous(), mask;
-  at::Tensor g = grad_loss_.to(compute_type(logits)).reshape({1}).contiguous();
+  Tensor logits = logits_.contiguous(), mask;
+  Tensor g = grad_loss_.to(compute_type(logits)).reshape({1}).contiguous();
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
-  MOE_DEVICE_GUARD(logits);
-  at::Tensor grad_logits = at::empty_like(logits);
-  const Workspace ws = workspace(logits, MOE_CALL(logits, z_loss_workspace_size, T, E));
-  check_status(MOE_CALL(logits, z_loss_bwd, grad_logits.data_ptr(), g.data_ptr(),
-                        logits.data_ptr(), m, T, E, coeff,
-                        to_moe_dtype(logits.scalar_type(), "logits"), ws.ptr,
-                        ws.bytes, stream_of(logits)),
+  const OnDevice on(d, logits);
+  Tensor grad_logits = at::empty_like(logits);
+  const Workspace ws = workspace(logits, d.z_loss_workspace_size(T, E));
+  check_status(d.z_loss_bwd(grad_logits.data_ptr(), g.data_ptr(), logits.data_ptr(), m, T, E, coeff,
+                            to_moe_dtype(logits.scalar_type(), "logits"), ws.ptr, ws.bytes,
+                            on.stream()),
                "z_loss_bwd");
   return grad_logits;
 }
 
 
-at::Tensor expert_bias_update(const at::Tensor &tokens_per_expert_,
-                              const at::Tensor &expert_bias_, double update_rate) {
+Tensor expert_bias_update(const Device &d, const Tensor &tokens_per_expert_,
+                          const Tensor &expert_bias_, double update_rate) {
   MOE_CHECK_VALUE(expert_bias_.dim() == 1 || expert_bias_.dim() == 2,
                     "expert_bias must be 1-D [num_experts] or 2-D [num_layers, num_experts], got "
                     "a ", expert_bias_.dim(), "-D tensor of shape ", expert_bias_.sizes());
@@ -186,53 +180,53 @@ at::Tensor expert_bias_update(const at::Tensor &tokens_per_expert_,
   MOE_CHECK_VALUE(E >= 1, "expert_bias must have at least one expert, got shape ",
                     expert_bias_.sizes());
   // Megatron's counts are fp32 tensors; integer counts promote to fp32 in its arithmetic too.
-  at::Tensor counts = tokens_per_expert_.to(at::kFloat).contiguous();
-  at::Tensor bias = expert_bias_.contiguous();
-  MOE_DEVICE_GUARD(bias);
-  at::Tensor updated = at::empty_like(bias);
-  check_status(MOE_CALL(bias, expert_bias_update_fwd, updated.data_ptr<float>(),
-                        counts.data_ptr<float>(), bias.data_ptr<float>(), L, E, update_rate,
-                        nullptr, 0, stream_of(bias)),
+  Tensor counts = tokens_per_expert_.to(at::kFloat).contiguous();
+  Tensor bias = expert_bias_.contiguous();
+  const OnDevice on(d, bias);
+  Tensor updated = at::empty_like(bias);
+  check_status(d.expert_bias_update_fwd(updated.data_ptr<float>(), counts.data_ptr<float>(),
+                                        bias.data_ptr<float>(), L, E, update_rate, nullptr, 0,
+                                        on.stream()),
                "expert_bias_update");
   return updated;
 }
 
-at::Tensor sinkhorn(const at::Tensor &cost_, double tol, int64_t max_iters) {
+Tensor sinkhorn(const Device &d, const Tensor &cost_, double tol, int64_t max_iters) {
   check_dim(cost_, 2, "cost");
   check_float(cost_, "cost");
   const int64_t T = cost_.size(0), E = cost_.size(1);
-  at::Tensor cost = cost_.contiguous();
-  MOE_DEVICE_GUARD(cost);
-  at::Tensor out = at::empty({T, E}, cost.options().dtype(compute_type(cost)));
-  const Workspace ws = workspace(cost, MOE_CALL(cost, sinkhorn_workspace_size, T, E, 0));
-  check_status(MOE_CALL(cost, sinkhorn_fwd, out.data_ptr(), cost.data_ptr(), T, E,
-                        to_moe_dtype(cost.scalar_type(), "cost"), tol, max_iters, ws.ptr,
-                        ws.bytes, stream_of(cost)),
+  Tensor cost = cost_.contiguous();
+  const OnDevice on(d, cost);
+  Tensor out = at::empty({T, E}, cost.options().dtype(compute_type(cost)));
+  const Workspace ws = workspace(cost, d.sinkhorn_workspace_size(T, E, 0));
+  check_status(d.sinkhorn_fwd(out.data_ptr(), cost.data_ptr(), T, E,
+                              to_moe_dtype(cost.scalar_type(), "cost"), tol, max_iters, ws.ptr,
+                              ws.bytes, on.stream()),
                "sinkhorn");
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> sinkhorn_routing(const at::Tensor &logits_, int64_t topk,
-                                                    bool training, double tol) {
+Tensor2 sinkhorn_routing(const Device &d, const Tensor &logits_, int64_t topk, bool training,
+                         double tol) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
-  at::Tensor logits = logits_.contiguous();
-  MOE_DEVICE_GUARD(logits);
-  at::Tensor probs = at::empty({T, E}, logits.options());
-  at::Tensor routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
+  Tensor logits = logits_.contiguous();
+  const OnDevice on(d, logits);
+  Tensor probs = at::empty({T, E}, logits.options());
+  Tensor routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
   const Workspace ws = workspace(
-      logits, MOE_CALL(logits, sinkhorn_routing_workspace_size, T, E, topk, training ? 1 : 0));
-  check_status(MOE_CALL(logits, sinkhorn_routing_fwd, probs.data_ptr(),
-                        (uint8_t *)routing_map.data_ptr(), logits.data_ptr(), T, E, topk,
-                        to_moe_dtype(logits.scalar_type(), "logits"), training ? 1 : 0, tol,
-                        ws.ptr, ws.bytes, stream_of(logits)),
+      logits, d.sinkhorn_routing_workspace_size(T, E, topk, training ? 1 : 0));
+  check_status(d.sinkhorn_routing_fwd(probs.data_ptr(), (uint8_t *)routing_map.data_ptr(),
+                                      logits.data_ptr(), T, E, topk,
+                                      to_moe_dtype(logits.scalar_type(), "logits"),
+                                      training ? 1 : 0, tol, ws.ptr, ws.bytes, on.stream()),
                "sinkhorn_routing");
   return {probs, routing_map};
 }
 
-at::Tensor sinkhorn_routing_bwd(const at::Tensor &grad_probs_, const at::Tensor &logits_,
-                                const at::Tensor &routing_map_, int64_t topk) {
+Tensor sinkhorn_routing_bwd(const Device &d, const Tensor &grad_probs_, const Tensor &logits_,
+                            const Tensor &routing_map_, int64_t topk) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   check_routing_map(routing_map_, "routing_map");
@@ -244,24 +238,23 @@ at::Tensor sinkhorn_routing_bwd(const at::Tensor &grad_probs_, const at::Tensor 
   check_same_device(grad_probs_, logits_, "grad_probs", "logits");
   check_same_device(routing_map_, logits_, "routing_map", "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
-  at::Tensor logits = logits_.contiguous(), map = routing_map_.contiguous();
-  at::Tensor g = grad_probs_.to(logits.scalar_type()).contiguous();
-  MOE_DEVICE_GUARD(logits);
-  at::Tensor grad_logits = at::empty_like(logits);
-  check_status(MOE_CALL(logits, sinkhorn_routing_bwd, grad_logits.data_ptr(), g.data_ptr(),
-                        logits.data_ptr(), (const uint8_t *)map.data_ptr(), T, E, topk,
-                        to_moe_dtype(logits.scalar_type(), "logits"), nullptr, 0,
-                        stream_of(logits)),
+  Tensor logits = logits_.contiguous(), map = routing_map_.contiguous();
+  Tensor g = grad_probs_.to(logits.scalar_type()).contiguous();
+  const OnDevice on(d, logits);
+  Tensor grad_logits = at::empty_like(logits);
+  check_status(d.sinkhorn_routing_bwd(grad_logits.data_ptr(), g.data_ptr(), logits.data_ptr(),
+                                      (const uint8_t *)map.data_ptr(), T, E, topk,
+                                      to_moe_dtype(logits.scalar_type(), "logits"), nullptr, 0,
+                                      on.stream()),
                "sinkhorn_routing_bwd");
   return grad_logits;
 }
 
-std::tuple<at::Tensor, at::Tensor> routing_metrics(const at::Tensor &routing_map_,
-                                                   const c10::optional<at::Tensor> &scores_,
-                                                   const c10::optional<at::Tensor> &padding_mask) {
+Tensor2 routing_metrics(const Device &d, const Tensor &routing_map_,
+                        const optional<Tensor> &scores_, const optional<Tensor> &padding_mask) {
   check_routing_map(routing_map_, "routing_map");
   const int64_t T = routing_map_.size(0), E = routing_map_.size(1);
-  at::Tensor map = routing_map_.contiguous(), scores, mask;
+  Tensor map = routing_map_.contiguous(), scores, mask;
   if (scores_.has_value()) {
     check_float(*scores_, "scores");
     MOE_CHECK_VALUE(scores_->sizes() == map.sizes(), "scores shape ", scores_->sizes(),
@@ -270,20 +263,20 @@ std::tuple<at::Tensor, at::Tensor> routing_metrics(const at::Tensor &routing_map
     scores = scores_->contiguous();
   }
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, map, "routing_map");
-  MOE_DEVICE_GUARD(map);
-  at::Tensor counts = at::empty({E}, map.options().dtype(at::kLong));
-  at::Tensor stats = at::empty({MOE_ROUTING_STATS}, map.options().dtype(at::kFloat));
-  const Workspace ws = workspace(map, MOE_CALL(map, routing_metrics_workspace_size, T, E));
-  check_status(MOE_CALL(map, routing_metrics_fwd, counts.data_ptr<int64_t>(),
-                        stats.data_ptr<float>(), (const uint8_t *)map.data_ptr(),
-                        data_or_null(scores), m, T, E, dtype_or(scores, "scores", MOE_DTYPE_FP32),
-                        ws.ptr, ws.bytes, stream_of(map)),
+  const OnDevice on(d, map);
+  Tensor counts = at::empty({E}, map.options().dtype(at::kLong));
+  Tensor stats = at::empty({MOE_ROUTING_STATS}, map.options().dtype(at::kFloat));
+  const Workspace ws = workspace(map, d.routing_metrics_workspace_size(T, E));
+  check_status(d.routing_metrics_fwd(counts.data_ptr<int64_t>(), stats.data_ptr<float>(),
+                                     (const uint8_t *)map.data_ptr(), data_or_null(scores), m, T, E,
+                                     dtype_or(scores, "scores", MOE_DTYPE_FP32), ws.ptr, ws.bytes,
+                                     on.stream()),
                "routing_metrics");
   return {counts, stats};
 }
 
-at::Tensor topk_overlap(const at::Tensor &indices_a_, const at::Tensor &indices_b_,
-                        int64_t num_experts, const c10::optional<at::Tensor> &padding_mask) {
+Tensor topk_overlap(const Device &d, const Tensor &indices_a_, const Tensor &indices_b_,
+                    int64_t num_experts, const optional<Tensor> &padding_mask) {
   check_dim(indices_a_, 2, "indices_a");
   check_dim(indices_b_, 2, "indices_b");
   check_dtype(indices_a_, at::kLong, "indices_a");
@@ -292,14 +285,14 @@ at::Tensor topk_overlap(const at::Tensor &indices_a_, const at::Tensor &indices_
                     indices_b_.sizes(), " must equal indices_a shape ", indices_a_.sizes());
   check_same_device(indices_b_, indices_a_, "indices_b", "indices_a");
   const int64_t T = indices_a_.size(0), k = indices_a_.size(1);
-  at::Tensor a = indices_a_.contiguous(), b = indices_b_.contiguous(), mask;
+  Tensor a = indices_a_.contiguous(), b = indices_b_.contiguous(), mask;
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, a, "indices_a");
-  MOE_DEVICE_GUARD(a);
-  at::Tensor overlap = at::empty({}, a.options().dtype(at::kFloat));
-  const Workspace ws = workspace(a, MOE_CALL(a, topk_overlap_workspace_size, T, k));
-  check_status(MOE_CALL(a, topk_overlap_fwd, overlap.data_ptr<float>(), a.data_ptr<int64_t>(),
-                        b.data_ptr<int64_t>(), m, T, k, num_experts, ws.ptr,
-                        ws.bytes, stream_of(a)),
+  const OnDevice on(d, a);
+  Tensor overlap = at::empty({}, a.options().dtype(at::kFloat));
+  const Workspace ws = workspace(a, d.topk_overlap_workspace_size(T, k));
+  check_status(d.topk_overlap_fwd(overlap.data_ptr<float>(), a.data_ptr<int64_t>(),
+                                  b.data_ptr<int64_t>(), m, T, k, num_experts, ws.ptr, ws.bytes,
+                                  on.stream()),
                "topk_overlap");
   return overlap;
 }

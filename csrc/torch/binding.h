@@ -17,9 +17,7 @@
 #include <string>
 #include <tuple>
 
-#ifdef MOE_CORE_WITH_CUDA
-#include <c10/cuda/CUDAGuard.h>
-#endif
+#include <c10/core/DeviceGuard.h>
 
 #include "moe_core.h"
 
@@ -61,8 +59,7 @@ moe_dtype_t to_moe_dtype(at::ScalarType st, const char *name);
 void check_float(const at::Tensor &t, const char *name);
 void check_dtype(const at::Tensor &t, at::ScalarType st, const char *name);
 void check_dim(const at::Tensor &t, int64_t dim, const char *name);
-void check_size(const at::Tensor &t, int64_t dim, int64_t size, const char *name,
-                const char *what);
+void check_size(const at::Tensor &t, int64_t dim, int64_t size, const char *name, const char *what);
 void check_same_device(const at::Tensor &t, const at::Tensor &ref, const char *name,
                        const char *ref_name);
 // A [num_tokens, num_experts] bool map.
@@ -78,19 +75,55 @@ void check_status(moe_status_t status, const char *op);
 
 moe_score_function_t to_score_function(c10::string_view name);
 
-// ---- device, stream, workspace ------------------------------------------------------------------
+// ---- devices ------------------------------------------------------------------------------------
 
-bool on_cuda(const at::Tensor &t);
-void *stream_of(const at::Tensor &t);
+// Every C entry point the binding calls, named without its device prefix: moe_<name> runs on the
+// CPU, moe_cuda_<name> on CUDA, with the same signature (a CPU-only build links stubs for the
+// latter). One list, so both devices' tables come from it and cannot drift apart.
+#define MOE_ENTRY_POINTS(X)                                                                      \
+  X(router_gating_linear_workspace_size) X(router_gating_linear_fwd) X(router_gating_linear_bwd) \
+  X(router_topk_workspace_size) X(router_topk_fwd) X(router_topk_bwd) X(router_topk_dense_bwd)   \
+  X(router_topk_fused_workspace_size) X(router_topk_fused_fwd) X(router_lse_bwd)                 \
+  X(topk_to_dense_fwd) X(topk_to_dense_bwd)                                                      \
+  X(token_dropping_workspace_size) X(token_dropping_fwd) X(token_dropping_bwd)                   \
+  X(permute_workspace_size) X(permute_fwd) X(permute_bwd)                                        \
+  X(unpermute_workspace_size) X(unpermute_fwd) X(unpermute_bwd)                                  \
+  X(sort_chunks_by_idxs_workspace_size) X(sort_chunks_by_idxs_fwd) X(sort_chunks_by_idxs_bwd)    \
+  X(tokens_per_expert_fwd)                                                                       \
+  X(aux_loss_scores_workspace_size) X(aux_loss_scores_fwd) X(aux_loss_scores_bwd)                \
+  X(switch_aux_loss_workspace_size) X(switch_aux_loss_fwd) X(switch_aux_loss_bwd)                \
+  X(z_loss_workspace_size) X(z_loss_fwd) X(z_loss_bwd)                                           \
+  X(expert_bias_update_fwd)                                                                      \
+  X(sinkhorn_workspace_size) X(sinkhorn_fwd)                                                     \
+  X(sinkhorn_routing_workspace_size) X(sinkhorn_routing_fwd) X(sinkhorn_routing_bwd)             \
+  X(routing_metrics_workspace_size) X(routing_metrics_fwd)                                       \
+  X(topk_overlap_workspace_size) X(topk_overlap_fwd)                                             \
+  X(grouped_gemm_workspace_size) X(grouped_gemm_fwd) X(grouped_gemm_dgrad) X(grouped_gemm_wgrad) \
+  X(glu_probs_fwd) X(glu_probs_bwd) X(grouped_gemm_glu_probs_fwd)
 
-#ifdef MOE_CORE_WITH_CUDA
-#define MOE_DEVICE_GUARD(t) c10::cuda::OptionalCUDAGuard moe_guard_(on_cuda(t) ? \
-    c10::optional<c10::Device>((t).device()) : c10::nullopt)
-#define MOE_CALL(t, fn, ...) (on_cuda(t) ? moe_cuda_##fn(__VA_ARGS__) : moe_##fn(__VA_ARGS__))
-#else
-#define MOE_DEVICE_GUARD(t) (void)0
-#define MOE_CALL(t, fn, ...) moe_##fn(__VA_ARGS__)
-#endif
+// A device: its table of C entry points. Each op receives the table of the device its kernel is
+// registered for (library.cpp), so an op body calls `d.permute_fwd(...)` and never tests a tensor
+// for its device: the dispatcher has chosen it.
+struct Device {
+  bool cuda;
+#define MOE_DEVICE_FIELD(name) decltype(&moe_##name) name;
+  MOE_ENTRY_POINTS(MOE_DEVICE_FIELD)
+#undef MOE_DEVICE_FIELD
+};
+
+// One call on a device: the device of `t` made current for the call's lifetime, and its current
+// stream (NULL on the CPU), the last argument of every C entry point.
+class OnDevice {
+ public:
+  OnDevice(const Device &d, const at::Tensor &t);
+  void *stream() const { return stream_; }
+
+ private:
+  c10::OptionalDeviceGuard guard_;
+  void *stream_ = nullptr;
+};
+
+// ---- workspace ----------------------------------------------------------------------------------
 
 // The scratch of one C call: `bytes` as the op's *_workspace_size function of the call's device
 // gives them, allocated on the device of `like`; no buffer (NULL, 0) when it asks for none.
@@ -130,99 +163,109 @@ using Tensor5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 using Tensor6 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 // router.cpp: the gating linear, the top-k router (compact, dense, fused with the loss extras)
-Tensor router_gating_linear(const Tensor &inp, const Tensor &weight, const optional<Tensor> &bias,
-                            at::ScalarType router_dtype);
-Tensor3 router_gating_linear_bwd(const Tensor &grad_logits, const Tensor &inp,
+Tensor router_gating_linear(const Device &d, const Tensor &inp, const Tensor &weight,
+                            const optional<Tensor> &bias, at::ScalarType router_dtype);
+Tensor3 router_gating_linear_bwd(const Device &d, const Tensor &grad_logits, const Tensor &inp,
                                  const Tensor &weight);
-Tensor2 router_topk(const Tensor &logits, int64_t topk, bool use_pre_softmax, int64_t num_groups,
-                    int64_t group_topk, double scaling_factor, string_view score_function,
-                    const optional<Tensor> &expert_bias, int64_t routing_mode);
-Tensor router_topk_bwd(const Tensor &grad_probs, const Tensor &logits, const Tensor &topk_indices,
-                       int64_t topk, bool use_pre_softmax, int64_t num_groups, int64_t group_topk,
-                       double scaling_factor, string_view score_function, int64_t routing_mode);
-Tensor3 router_topk_dense(const Tensor &logits, int64_t topk, bool use_pre_softmax,
+Tensor2 router_topk(const Device &d, const Tensor &logits, int64_t topk, bool use_pre_softmax,
+                    int64_t num_groups, int64_t group_topk, double scaling_factor,
+                    string_view score_function, const optional<Tensor> &expert_bias,
+                    int64_t routing_mode);
+Tensor router_topk_bwd(const Device &d, const Tensor &grad_probs, const Tensor &logits,
+                       const Tensor &topk_indices, int64_t topk, bool use_pre_softmax,
+                       int64_t num_groups, int64_t group_topk, double scaling_factor,
+                       string_view score_function, int64_t routing_mode);
+Tensor3 router_topk_dense(const Device &d, const Tensor &logits, int64_t topk, bool use_pre_softmax,
                           int64_t num_groups, int64_t group_topk, double scaling_factor,
                           string_view score_function, const optional<Tensor> &expert_bias,
                           int64_t routing_mode);
-Tensor router_topk_dense_bwd(const Tensor &grad_probs, const Tensor &logits,
+Tensor router_topk_dense_bwd(const Device &d, const Tensor &grad_probs, const Tensor &logits,
                              const Tensor &topk_indices, int64_t topk, bool use_pre_softmax,
                              int64_t num_groups, int64_t group_topk, double scaling_factor,
                              string_view score_function, int64_t routing_mode);
-Tensor6 router_topk_fused(const Tensor &logits, int64_t topk, bool use_pre_softmax,
+Tensor6 router_topk_fused(const Device &d, const Tensor &logits, int64_t topk, bool use_pre_softmax,
                           int64_t num_groups, int64_t group_topk, double scaling_factor,
                           string_view score_function, const optional<Tensor> &expert_bias,
                           const optional<Tensor> &padding_mask, bool with_aux, bool with_lse,
                           int64_t routing_mode);
-Tensor router_lse_bwd(const Tensor &grad_lse, const Tensor &logits, const Tensor &lse,
-                      const optional<Tensor> &padding_mask);
+Tensor router_lse_bwd(const Device &d, const Tensor &grad_lse, const Tensor &logits,
+                      const Tensor &lse, const optional<Tensor> &padding_mask);
 
 // layout.cpp: dense routing, capacity, permute / unpermute, chunk sorting, token counts
-Tensor2 topk_to_dense(const Tensor &topk_probs, const Tensor &topk_indices, int64_t num_experts);
-Tensor topk_to_dense_bwd(const Tensor &grad_probs, const Tensor &topk_indices);
-Tensor2 token_dropping(const Tensor &routing_probs, const Tensor &routing_map, int64_t capacity,
-                       string_view drop_policy, bool pad_to_capacity);
-Tensor token_dropping_bwd(const Tensor &grad_final_probs, const Tensor &final_map);
-Tensor5 permute(const Tensor &tokens, const Tensor &routing_map, const optional<Tensor> &probs,
-                int64_t num_out_tokens, bool drop_and_pad, int64_t align_size);
-Tensor2 permute_bwd(const Tensor &grad_permuted_tokens,
+Tensor2 topk_to_dense(const Device &d, const Tensor &topk_probs, const Tensor &topk_indices,
+                      int64_t num_experts);
+Tensor topk_to_dense_bwd(const Device &d, const Tensor &grad_probs, const Tensor &topk_indices);
+Tensor2 token_dropping(const Device &d, const Tensor &routing_probs, const Tensor &routing_map,
+                       int64_t capacity, string_view drop_policy, bool pad_to_capacity);
+Tensor token_dropping_bwd(const Device &d, const Tensor &grad_final_probs, const Tensor &final_map);
+Tensor5 permute(const Device &d, const Tensor &tokens, const Tensor &routing_map,
+                const optional<Tensor> &probs, int64_t num_out_tokens, bool drop_and_pad,
+                int64_t align_size);
+Tensor2 permute_bwd(const Device &d, const Tensor &grad_permuted_tokens,
                     const optional<Tensor> &grad_permuted_probs, const Tensor &sorted_indices,
                     const Tensor &expert_offsets, int64_t num_tokens);
-Tensor unpermute(const Tensor &permuted_tokens, const Tensor &sorted_indices, int64_t num_tokens,
-                 const optional<Tensor> &probs, const optional<Tensor> &expert_offsets);
-Tensor2 unpermute_bwd(const Tensor &grad_output, const Tensor &sorted_indices,
+Tensor unpermute(const Device &d, const Tensor &permuted_tokens, const Tensor &sorted_indices,
+                 int64_t num_tokens, const optional<Tensor> &probs,
+                 const optional<Tensor> &expert_offsets);
+Tensor2 unpermute_bwd(const Device &d, const Tensor &grad_output, const Tensor &sorted_indices,
                       const optional<Tensor> &probs, const optional<Tensor> &expert_offsets,
                       const optional<Tensor> &permuted_tokens);
-Tensor sort_chunks_by_idxs(const Tensor &input, const Tensor &split_sizes,
+Tensor sort_chunks_by_idxs(const Device &d, const Tensor &input, const Tensor &split_sizes,
                            const Tensor &sorted_idxs);
-Tensor sort_chunks_by_idxs_bwd(const Tensor &grad_output, const Tensor &split_sizes,
-                               const Tensor &sorted_idxs);
-Tensor tokens_per_expert(const Tensor &routing_map, const optional<Tensor> &padding_mask);
+Tensor sort_chunks_by_idxs_bwd(const Device &d, const Tensor &grad_output,
+                               const Tensor &split_sizes, const Tensor &sorted_idxs);
+Tensor tokens_per_expert(const Device &d, const Tensor &routing_map,
+                         const optional<Tensor> &padding_mask);
 
 // balancing.cpp: the aux losses and their scores, the z-loss, the expert bias, Sinkhorn, metrics
-Tensor2 aux_loss_scores(const Tensor &logits, int64_t topk, string_view score_function,
-                        const optional<Tensor> &padding_mask);
-Tensor aux_loss_scores_bwd(const Tensor &grad_scores, const Tensor &logits,
+Tensor2 aux_loss_scores(const Device &d, const Tensor &logits, int64_t topk,
+                        string_view score_function, const optional<Tensor> &padding_mask);
+Tensor aux_loss_scores_bwd(const Device &d, const Tensor &grad_scores, const Tensor &logits,
                            string_view score_function, const optional<Tensor> &padding_mask);
-Tensor switch_aux_loss(const Tensor &probs, const Tensor &tokens_per_expert,
+Tensor switch_aux_loss(const Device &d, const Tensor &probs, const Tensor &tokens_per_expert,
                        const Tensor &total_num_tokens, int64_t topk, int64_t num_experts,
                        double coeff, const optional<Tensor> &padding_mask);
-Tensor switch_aux_loss_bwd(const Tensor &grad_loss, const Tensor &probs,
+Tensor switch_aux_loss_bwd(const Device &d, const Tensor &grad_loss, const Tensor &probs,
                            const Tensor &tokens_per_expert, const Tensor &total_num_tokens,
                            int64_t topk, int64_t num_experts, double coeff,
                            const optional<Tensor> &padding_mask);
-Tensor z_loss(const Tensor &logits, double coeff, const optional<Tensor> &padding_mask);
-Tensor z_loss_bwd(const Tensor &grad_loss, const Tensor &logits, double coeff,
+Tensor z_loss(const Device &d, const Tensor &logits, double coeff,
+              const optional<Tensor> &padding_mask);
+Tensor z_loss_bwd(const Device &d, const Tensor &grad_loss, const Tensor &logits, double coeff,
                   const optional<Tensor> &padding_mask);
-Tensor expert_bias_update(const Tensor &tokens_per_expert, const Tensor &expert_bias,
-                          double update_rate);
-Tensor sinkhorn(const Tensor &cost, double tol, int64_t max_iters);
-Tensor2 sinkhorn_routing(const Tensor &logits, int64_t topk, bool training, double tol);
-Tensor sinkhorn_routing_bwd(const Tensor &grad_probs, const Tensor &logits,
+Tensor expert_bias_update(const Device &d, const Tensor &tokens_per_expert,
+                          const Tensor &expert_bias, double update_rate);
+Tensor sinkhorn(const Device &d, const Tensor &cost, double tol, int64_t max_iters);
+Tensor2 sinkhorn_routing(const Device &d, const Tensor &logits, int64_t topk, bool training,
+                         double tol);
+Tensor sinkhorn_routing_bwd(const Device &d, const Tensor &grad_probs, const Tensor &logits,
                             const Tensor &routing_map, int64_t topk);
-Tensor2 routing_metrics(const Tensor &routing_map, const optional<Tensor> &scores,
+Tensor2 routing_metrics(const Device &d, const Tensor &routing_map, const optional<Tensor> &scores,
                         const optional<Tensor> &padding_mask);
-Tensor topk_overlap(const Tensor &indices_a, const Tensor &indices_b, int64_t num_experts,
-                    const optional<Tensor> &padding_mask);
+Tensor topk_overlap(const Device &d, const Tensor &indices_a, const Tensor &indices_b,
+                    int64_t num_experts, const optional<Tensor> &padding_mask);
 
 // experts.cpp: the grouped GEMMs, the activation with the probs, and fc1 fused with it
-Tensor grouped_gemm(const Tensor &x, const Tensor &weight, const Tensor &expert_offsets,
-                    bool trans_w, optional<at::ScalarType> out_dtype);
-Tensor grouped_gemm_dgrad(const Tensor &grad_y, const Tensor &weight,
+Tensor grouped_gemm(const Device &d, const Tensor &x, const Tensor &weight,
+                    const Tensor &expert_offsets, bool trans_w, optional<at::ScalarType> out_dtype);
+Tensor grouped_gemm_dgrad(const Device &d, const Tensor &grad_y, const Tensor &weight,
                           const Tensor &expert_offsets, bool trans_w,
                           optional<at::ScalarType> out_dtype);
-Tensor grouped_gemm_wgrad(const Tensor &x, const Tensor &grad_y, const Tensor &expert_offsets,
-                          bool trans_w, optional<at::ScalarType> out_dtype);
-Tensor glu_probs(const Tensor &a, const optional<Tensor> &probs, string_view activation,
-                 bool gated_linear_unit, double linear_offset, optional<double> clamp_value);
-Tensor2 glu_probs_bwd(const Tensor &grad_h, const Tensor &a, const optional<Tensor> &probs,
+Tensor grouped_gemm_wgrad(const Device &d, const Tensor &x, const Tensor &grad_y,
+                          const Tensor &expert_offsets, bool trans_w,
+                          optional<at::ScalarType> out_dtype);
+Tensor glu_probs(const Device &d, const Tensor &a, const optional<Tensor> &probs,
+                 string_view activation, bool gated_linear_unit, double linear_offset,
+                 optional<double> clamp_value);
+Tensor2 glu_probs_bwd(const Device &d, const Tensor &grad_h, const Tensor &a,
+                      const optional<Tensor> &probs, string_view activation, bool gated_linear_unit,
+                      double linear_offset, optional<double> clamp_value);
+Tensor glu_probs_bwd_(const Device &d, Tensor grad_h, Tensor a, const optional<Tensor> &probs,
                       string_view activation, bool gated_linear_unit, double linear_offset,
                       optional<double> clamp_value);
-Tensor glu_probs_bwd_(Tensor grad_h, Tensor a, const optional<Tensor> &probs,
-                      string_view activation, bool gated_linear_unit, double linear_offset,
-                      optional<double> clamp_value);
-Tensor2 grouped_gemm_glu_probs(const Tensor &x, const Tensor &weight,
+Tensor2 grouped_gemm_glu_probs(const Device &d, const Tensor &x, const Tensor &weight,
                                const Tensor &expert_offsets, const optional<Tensor> &probs,
-                               string_view activation, bool gated_linear_unit,
-                               double linear_offset, optional<double> clamp_value, bool trans_w);
+                               string_view activation, bool gated_linear_unit, double linear_offset,
+                               optional<double> clamp_value, bool trans_w);
 
 }  // namespace moe_torch

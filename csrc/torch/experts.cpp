@@ -12,12 +12,12 @@ namespace moe_torch {
 
 // Shared checks of the three products: ranks, one operand dtype, offsets [E + 1] int64 on the
 // same device. Returns the params; the C core validates the offsets' values (on the CPU).
-static moe_grouped_gemm_params_t grouped_gemm_params(const at::Tensor &a, const char *a_name,
-                                                     const at::Tensor &b, const char *b_name,
-                                                     const at::Tensor &offsets, int64_t num_experts,
-                                                     const char *experts_from,
-                                                     int64_t in_features, int64_t out_features,
-                                                     bool trans_w, at::ScalarType out_dtype) {
+static moe_grouped_gemm_params_t grouped_gemm_params(const Tensor &a, const char *a_name,
+                                                     const Tensor &b, const char *b_name,
+                                                     const Tensor &offsets, int64_t num_experts,
+                                                     const char *experts_from, int64_t in_features,
+                                                     int64_t out_features, bool trans_w,
+                                                     at::ScalarType out_dtype) {
   check_float(a, a_name);
   MOE_CHECK_TYPE(b.scalar_type() == a.scalar_type(), b_name, " must have the same dtype as ",
                    a_name, " (", a.scalar_type(), "), got ", b.scalar_type());
@@ -42,9 +42,9 @@ static moe_grouped_gemm_params_t grouped_gemm_params(const at::Tensor &a, const 
   return p;
 }
 
-at::Tensor grouped_gemm(const at::Tensor &x_, const at::Tensor &weight_,
-                        const at::Tensor &expert_offsets_, bool trans_w,
-                        c10::optional<at::ScalarType> out_dtype) {
+Tensor grouped_gemm(const Device &d, const Tensor &x_, const Tensor &weight_,
+                    const Tensor &expert_offsets_, bool trans_w,
+                    optional<at::ScalarType> out_dtype) {
   check_dim(x_, 2, "x");
   check_dim(weight_, 3, "weight");
   const int64_t E = weight_.size(0), K = x_.size(1);
@@ -53,21 +53,20 @@ at::Tensor grouped_gemm(const at::Tensor &x_, const at::Tensor &weight_,
   auto p = grouped_gemm_params(x_, "x", weight_, "weight", expert_offsets_, E,
                                "weight.shape[0]", K, N, trans_w,
                                out_dtype.value_or(x_.scalar_type()));
-  at::Tensor x = x_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
-  MOE_DEVICE_GUARD(x);
-  at::Tensor y = at::empty({p.num_rows, N},
+  Tensor x = x_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
+  const OnDevice on(d, x);
+  Tensor y = at::empty({p.num_rows, N},
                            x.options().dtype(out_dtype.value_or(x.scalar_type())));
-  const Workspace ws = workspace(x, MOE_CALL(x, grouped_gemm_workspace_size, &p));
-  check_status(MOE_CALL(x, grouped_gemm_fwd, y.data_ptr(), x.data_ptr(), w.data_ptr(),
-                        off.data_ptr<int64_t>(), &p, ws.ptr, ws.bytes,
-                        stream_of(x)),
+  const Workspace ws = workspace(x, d.grouped_gemm_workspace_size(&p));
+  check_status(d.grouped_gemm_fwd(y.data_ptr(), x.data_ptr(), w.data_ptr(), off.data_ptr<int64_t>(),
+                                  &p, ws.ptr, ws.bytes, on.stream()),
                "grouped_gemm");
   return y;
 }
 
-at::Tensor grouped_gemm_dgrad(const at::Tensor &grad_y_, const at::Tensor &weight_,
-                              const at::Tensor &expert_offsets_, bool trans_w,
-                              c10::optional<at::ScalarType> out_dtype) {
+Tensor grouped_gemm_dgrad(const Device &d, const Tensor &grad_y_, const Tensor &weight_,
+                          const Tensor &expert_offsets_, bool trans_w,
+                          optional<at::ScalarType> out_dtype) {
   check_dim(grad_y_, 2, "grad_y");
   check_dim(weight_, 3, "weight");
   const int64_t E = weight_.size(0), N = grad_y_.size(1);
@@ -76,21 +75,20 @@ at::Tensor grouped_gemm_dgrad(const at::Tensor &grad_y_, const at::Tensor &weigh
   auto p = grouped_gemm_params(grad_y_, "grad_y", weight_, "weight", expert_offsets_, E,
                                "weight.shape[0]", K, N, trans_w,
                                out_dtype.value_or(grad_y_.scalar_type()));
-  at::Tensor g = grad_y_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
-  MOE_DEVICE_GUARD(g);
-  at::Tensor dx = at::empty({p.num_rows, K},
+  Tensor g = grad_y_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
+  const OnDevice on(d, g);
+  Tensor dx = at::empty({p.num_rows, K},
                             g.options().dtype(out_dtype.value_or(g.scalar_type())));
-  const Workspace ws = workspace(g, MOE_CALL(g, grouped_gemm_workspace_size, &p));
-  check_status(MOE_CALL(g, grouped_gemm_dgrad, dx.data_ptr(), g.data_ptr(), w.data_ptr(),
-                        off.data_ptr<int64_t>(), &p, ws.ptr, ws.bytes,
-                        stream_of(g)),
+  const Workspace ws = workspace(g, d.grouped_gemm_workspace_size(&p));
+  check_status(d.grouped_gemm_dgrad(dx.data_ptr(), g.data_ptr(), w.data_ptr(),
+                                    off.data_ptr<int64_t>(), &p, ws.ptr, ws.bytes, on.stream()),
                "grouped_gemm_dgrad");
   return dx;
 }
 
-at::Tensor grouped_gemm_wgrad(const at::Tensor &x_, const at::Tensor &grad_y_,
-                              const at::Tensor &expert_offsets_, bool trans_w,
-                              c10::optional<at::ScalarType> out_dtype) {
+Tensor grouped_gemm_wgrad(const Device &d, const Tensor &x_, const Tensor &grad_y_,
+                          const Tensor &expert_offsets_, bool trans_w,
+                          optional<at::ScalarType> out_dtype) {
   check_dim(x_, 2, "x");
   check_dim(grad_y_, 2, "grad_y");
   check_dim(expert_offsets_, 1, "expert_offsets");
@@ -99,21 +97,20 @@ at::Tensor grouped_gemm_wgrad(const at::Tensor &x_, const at::Tensor &grad_y_,
   auto p = grouped_gemm_params(x_, "x", grad_y_, "grad_y", expert_offsets_, E,
                                "expert_offsets.shape[0] - 1", K, N, trans_w,
                                out_dtype.value_or(x_.scalar_type()));
-  at::Tensor x = x_.contiguous(), g = grad_y_.contiguous(), off = expert_offsets_.contiguous();
-  MOE_DEVICE_GUARD(x);
-  at::Tensor dw = at::empty(trans_w ? at::IntArrayRef({E, N, K}) : at::IntArrayRef({E, K, N}),
+  Tensor x = x_.contiguous(), g = grad_y_.contiguous(), off = expert_offsets_.contiguous();
+  const OnDevice on(d, x);
+  Tensor dw = at::empty(trans_w ? at::IntArrayRef({E, N, K}) : at::IntArrayRef({E, K, N}),
                             x.options().dtype(out_dtype.value_or(x.scalar_type())));
-  const Workspace ws = workspace(x, MOE_CALL(x, grouped_gemm_workspace_size, &p));
-  check_status(MOE_CALL(x, grouped_gemm_wgrad, dw.data_ptr(), x.data_ptr(), g.data_ptr(),
-                        off.data_ptr<int64_t>(), &p, ws.ptr, ws.bytes,
-                        stream_of(x)),
+  const Workspace ws = workspace(x, d.grouped_gemm_workspace_size(&p));
+  check_status(d.grouped_gemm_wgrad(dw.data_ptr(), x.data_ptr(), g.data_ptr(),
+                                    off.data_ptr<int64_t>(), &p, ws.ptr, ws.bytes, on.stream()),
                "grouped_gemm_wgrad");
   return dw;
 }
 
 // ---- glu_probs ----------------------------------------------------------------------------------
 
-static moe_activation_t to_activation(c10::string_view name) {
+static moe_activation_t to_activation(string_view name) {
   if (name == "silu") return MOE_ACT_SILU;
   if (name == "gelu") return MOE_ACT_GELU;
   if (name == "gelu_tanh") return MOE_ACT_GELU_TANH;
@@ -126,8 +123,8 @@ static moe_activation_t to_activation(c10::string_view name) {
 }
 
 // The activation options of glu_probs and of fc1 + glu_probs, validated.
-static moe_glu_probs_params_t glu_options(c10::string_view activation, bool gated_linear_unit,
-                                          double linear_offset, c10::optional<double> clamp_value) {
+static moe_glu_probs_params_t glu_options(string_view activation, bool gated_linear_unit,
+                                          double linear_offset, optional<double> clamp_value) {
   moe_glu_probs_params_t p;
   p.activation = to_activation(activation);
   p.gated_linear_unit = gated_linear_unit ? 1 : 0;
@@ -141,9 +138,9 @@ static moe_glu_probs_params_t glu_options(c10::string_view activation, bool gate
 }
 
 // Validates a and probs; returns the options and F.
-static moe_glu_probs_params_t glu_probs_params(const at::Tensor &a, const c10::optional<at::Tensor> &probs,
-                                               c10::string_view activation, bool gated_linear_unit,
-                                               double linear_offset, c10::optional<double> clamp_value,
+static moe_glu_probs_params_t glu_probs_params(const Tensor &a, const optional<Tensor> &probs,
+                                               string_view activation, bool gated_linear_unit,
+                                               double linear_offset, optional<double> clamp_value,
                                                int64_t *ffn) {
   check_dim(a, 2, "a");
   check_float(a, "a");
@@ -166,30 +163,30 @@ static moe_glu_probs_params_t glu_probs_params(const at::Tensor &a, const c10::o
   return p;
 }
 
-at::Tensor glu_probs(const at::Tensor &a_, const c10::optional<at::Tensor> &probs_,
-                     c10::string_view activation, bool gated_linear_unit, double linear_offset,
-                     c10::optional<double> clamp_value) {
+Tensor glu_probs(const Device &d, const Tensor &a_, const optional<Tensor> &probs_,
+                 string_view activation, bool gated_linear_unit, double linear_offset,
+                 optional<double> clamp_value) {
   int64_t F = 0;
   moe_glu_probs_params_t p = glu_probs_params(a_, probs_, activation, gated_linear_unit,
                                               linear_offset, clamp_value, &F);
   const int64_t R = a_.size(0);
-  at::Tensor a = a_.contiguous(), probs;
+  Tensor a = a_.contiguous(), probs;
   if (probs_.has_value()) probs = probs_->contiguous();
-  MOE_DEVICE_GUARD(a);
-  at::Tensor h = at::empty({R, F}, a.options());
+  const OnDevice on(d, a);
+  Tensor h = at::empty({R, F}, a.options());
   const moe_dtype_t dt = to_moe_dtype(a.scalar_type(), "a");
-  check_status(MOE_CALL(a, glu_probs_fwd, h.data_ptr(), a.data_ptr(), data_or_null(probs), R, F, dt,
-                        dtype_or(probs, "probs", dt), &p, nullptr, 0, stream_of(a)),
+  check_status(d.glu_probs_fwd(h.data_ptr(), a.data_ptr(), data_or_null(probs), R, F, dt,
+                               dtype_or(probs, "probs", dt), &p, nullptr, 0, on.stream()),
                "glu_probs");
   return h;
 }
 
 // The checks of glu_probs_bwd / glu_probs_bwd_: a and probs as in the forward, grad_h [R, F].
-static moe_glu_probs_params_t glu_probs_bwd_params(const at::Tensor &grad_h, const at::Tensor &a,
-                                                   const c10::optional<at::Tensor> &probs,
-                                                   c10::string_view activation, bool gated_linear_unit,
-                                                   double linear_offset, c10::optional<double> clamp_value,
-                                                   int64_t *ffn) {
+static moe_glu_probs_params_t glu_probs_bwd_params(const Tensor &grad_h, const Tensor &a,
+                                                   const optional<Tensor> &probs,
+                                                   string_view activation, bool gated_linear_unit,
+                                                   double linear_offset,
+                                                   optional<double> clamp_value, int64_t *ffn) {
   moe_glu_probs_params_t p = glu_probs_params(a, probs, activation, gated_linear_unit,
                                               linear_offset, clamp_value, ffn);
   check_dim(grad_h, 2, "grad_h");
@@ -201,42 +198,40 @@ static moe_glu_probs_params_t glu_probs_bwd_params(const at::Tensor &grad_h, con
 }
 
 // Runs the kernel: grad_a and h may be a and grad_h (in place); h may be undefined (not wanted).
-static at::Tensor glu_probs_bwd_call(at::Tensor &grad_a, at::Tensor &h, const at::Tensor &grad_h,
-                                     const at::Tensor &a, const at::Tensor &probs, int64_t F,
-                                     const moe_glu_probs_params_t &p) {
+static Tensor glu_probs_bwd_call(const Device &d, Tensor &grad_a, Tensor &h, const Tensor &grad_h,
+                                 const Tensor &a, const Tensor &probs, int64_t F,
+                                 const moe_glu_probs_params_t &p) {
   const int64_t R = a.size(0);
-  MOE_DEVICE_GUARD(a);
-  at::Tensor grad_probs;  // with probs only
+  const OnDevice on(d, a);
+  Tensor grad_probs;  // with probs only
   if (probs.defined()) grad_probs = at::empty({R}, probs.options());
   const moe_dtype_t dt = to_moe_dtype(a.scalar_type(), "a");
-  check_status(MOE_CALL(a, glu_probs_bwd, grad_a.data_ptr(), data_or_null(grad_probs),
-                        data_or_null(h), grad_h.data_ptr(), a.data_ptr(), data_or_null(probs), R,
-                        F, dt, dtype_or(probs, "probs", dt), &p, nullptr, 0, stream_of(a)),
+  check_status(d.glu_probs_bwd(grad_a.data_ptr(), data_or_null(grad_probs), data_or_null(h),
+                               grad_h.data_ptr(), a.data_ptr(), data_or_null(probs), R, F, dt,
+                               dtype_or(probs, "probs", dt), &p, nullptr, 0, on.stream()),
                "glu_probs_bwd");
   return or_empty(grad_probs, a);
 }
 
 // grad_probs is [num_rows] in probs' dtype, or an empty [0] tensor when probs is None.
-std::tuple<at::Tensor, at::Tensor> glu_probs_bwd(const at::Tensor &grad_h_, const at::Tensor &a_,
-                                                 const c10::optional<at::Tensor> &probs_,
-                                                 c10::string_view activation,
-                                                 bool gated_linear_unit, double linear_offset,
-                                                 c10::optional<double> clamp_value) {
+Tensor2 glu_probs_bwd(const Device &d, const Tensor &grad_h_, const Tensor &a_,
+                      const optional<Tensor> &probs_, string_view activation,
+                      bool gated_linear_unit, double linear_offset, optional<double> clamp_value) {
   int64_t F = 0;
   const moe_glu_probs_params_t p = glu_probs_bwd_params(
       grad_h_, a_, probs_, activation, gated_linear_unit, linear_offset, clamp_value, &F);
-  at::Tensor a = a_.contiguous(), g = grad_h_.contiguous(), probs, none;
+  Tensor a = a_.contiguous(), g = grad_h_.contiguous(), probs, none;
   if (probs_.has_value()) probs = probs_->contiguous();
-  at::Tensor grad_a = at::empty_like(a);
-  at::Tensor grad_probs = glu_probs_bwd_call(grad_a, none, g, a, probs, F, p);
+  Tensor grad_a = at::empty_like(a);
+  Tensor grad_probs = glu_probs_bwd_call(d, grad_a, none, g, a, probs, F, p);
   return {grad_a, grad_probs};
 }
 
 // In place: a becomes grad_a and grad_h becomes the forward's h (recomputed); returns grad_probs.
 // The expert MLP's backward uses it to need no [rows, 2F] or [rows, F] buffer of its own.
-at::Tensor glu_probs_bwd_(at::Tensor grad_h, at::Tensor a, const c10::optional<at::Tensor> &probs_,
-                          c10::string_view activation, bool gated_linear_unit,
-                          double linear_offset, c10::optional<double> clamp_value) {
+Tensor glu_probs_bwd_(const Device &d, Tensor grad_h, Tensor a, const optional<Tensor> &probs_,
+                      string_view activation, bool gated_linear_unit, double linear_offset,
+                      optional<double> clamp_value) {
   int64_t F = 0;
   const moe_glu_probs_params_t p = glu_probs_bwd_params(
       grad_h, a, probs_, activation, gated_linear_unit, linear_offset, clamp_value, &F);
@@ -247,19 +242,18 @@ at::Tensor glu_probs_bwd_(at::Tensor grad_h, at::Tensor a, const c10::optional<a
   MOE_CHECK_VALUE(overlap == at::MemOverlapStatus::No,
                   "glu_probs_bwd_: a and grad_h must not share memory (a becomes grad_a, grad_h "
                   "becomes h)");
-  at::Tensor probs;
+  Tensor probs;
   if (probs_.has_value()) probs = probs_->contiguous();
-  return glu_probs_bwd_call(a, grad_h, grad_h, a, probs, F, p);
+  return glu_probs_bwd_call(d, a, grad_h, grad_h, a, probs, F, p);
 }
 
 // ---- fc1 + glu_probs (the epilogue fusion) ------------------------------------------------------
 
 // Returns (h [rows, F], a [rows, 2F or F]); the backward is glu_probs_bwd then the GEMM's.
-std::tuple<at::Tensor, at::Tensor> grouped_gemm_glu_probs(
-    const at::Tensor &x_, const at::Tensor &weight_, const at::Tensor &expert_offsets_,
-    const c10::optional<at::Tensor> &probs_, c10::string_view activation,
-    bool gated_linear_unit, double linear_offset, c10::optional<double> clamp_value,
-    bool trans_w) {
+Tensor2 grouped_gemm_glu_probs(const Device &d, const Tensor &x_, const Tensor &weight_,
+                               const Tensor &expert_offsets_, const optional<Tensor> &probs_,
+                               string_view activation, bool gated_linear_unit, double linear_offset,
+                               optional<double> clamp_value, bool trans_w) {
   check_dim(x_, 2, "x");
   check_dim(weight_, 3, "weight");
   const int64_t E = weight_.size(0), K = x_.size(1), R = x_.size(0);
@@ -278,7 +272,7 @@ std::tuple<at::Tensor, at::Tensor> grouped_gemm_glu_probs(
   const int64_t F = gated_linear_unit ? N / 2 : N;
   const moe_glu_probs_params_t g =
       glu_options(activation, gated_linear_unit, linear_offset, clamp_value);
-  at::Tensor probs;
+  Tensor probs;
   if (probs_.has_value()) {
     check_dim(*probs_, 1, "probs");
     check_float(*probs_, "probs");
@@ -286,16 +280,16 @@ std::tuple<at::Tensor, at::Tensor> grouped_gemm_glu_probs(
     check_same_device(*probs_, x_, "probs", "x");
     probs = probs_->contiguous();
   }
-  at::Tensor x = x_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
-  MOE_DEVICE_GUARD(x);
-  at::Tensor h = at::empty({R, F}, x.options());
-  at::Tensor a = at::empty({R, N}, x.options());
-  const Workspace ws = workspace(x, MOE_CALL(x, grouped_gemm_workspace_size, &p));
+  Tensor x = x_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
+  const OnDevice on(d, x);
+  Tensor h = at::empty({R, F}, x.options());
+  Tensor a = at::empty({R, N}, x.options());
+  const Workspace ws = workspace(x, d.grouped_gemm_workspace_size(&p));
 
-  check_status(MOE_CALL(x, grouped_gemm_glu_probs_fwd, h.data_ptr(), a.data_ptr(), x.data_ptr(),
-                        w.data_ptr(), off.data_ptr<int64_t>(),
-                        data_or_null(probs), dtype_or(probs, "probs", p.dtype), &p, &g, ws.ptr,
-                        ws.bytes, stream_of(x)),
+  check_status(d.grouped_gemm_glu_probs_fwd(h.data_ptr(), a.data_ptr(), x.data_ptr(), w.data_ptr(),
+                                            off.data_ptr<int64_t>(), data_or_null(probs),
+                                            dtype_or(probs, "probs", p.dtype), &p, &g, ws.ptr,
+                                            ws.bytes, on.stream()),
                "grouped_gemm_glu_probs");
   return {h, a};
 }

@@ -11,9 +11,8 @@ namespace moe_torch {
 
 // ---- topk_to_dense ------------------------------------------------------------------------------
 
-std::tuple<at::Tensor, at::Tensor> topk_to_dense(const at::Tensor &topk_probs_,
-                                                 const at::Tensor &topk_indices_,
-                                                 int64_t num_experts) {
+Tensor2 topk_to_dense(const Device &d, const Tensor &topk_probs_, const Tensor &topk_indices_,
+                      int64_t num_experts) {
   check_dim(topk_probs_, 2, "topk_probs");
   check_dim(topk_indices_, 2, "topk_indices");
   check_float(topk_probs_, "topk_probs");
@@ -22,19 +21,19 @@ std::tuple<at::Tensor, at::Tensor> topk_to_dense(const at::Tensor &topk_probs_,
                     topk_probs_.sizes(), " must equal topk_indices shape ", topk_indices_.sizes());
   check_same_device(topk_indices_, topk_probs_, "topk_indices", "topk_probs");
   const int64_t T = topk_probs_.size(0), k = topk_probs_.size(1);
-  at::Tensor tp = topk_probs_.contiguous(), ti = topk_indices_.contiguous();
-  MOE_DEVICE_GUARD(tp);
-  at::Tensor probs = at::empty({T, num_experts}, tp.options());
-  at::Tensor routing_map = at::empty({T, num_experts}, tp.options().dtype(at::kBool));
-  check_status(MOE_CALL(tp, topk_to_dense_fwd, probs.data_ptr(),
-                        (uint8_t *)routing_map.data_ptr(), tp.data_ptr(), ti.data_ptr<int64_t>(),
-                        T, num_experts, k, to_moe_dtype(tp.scalar_type(), "topk_probs"), nullptr,
-                        0, stream_of(tp)),
+  Tensor tp = topk_probs_.contiguous(), ti = topk_indices_.contiguous();
+  const OnDevice on(d, tp);
+  Tensor probs = at::empty({T, num_experts}, tp.options());
+  Tensor routing_map = at::empty({T, num_experts}, tp.options().dtype(at::kBool));
+  check_status(d.topk_to_dense_fwd(probs.data_ptr(), (uint8_t *)routing_map.data_ptr(),
+                                   tp.data_ptr(), ti.data_ptr<int64_t>(), T, num_experts, k,
+                                   to_moe_dtype(tp.scalar_type(), "topk_probs"), nullptr, 0,
+                                   on.stream()),
                "topk_to_dense");
   return {probs, routing_map};
 }
 
-at::Tensor topk_to_dense_bwd(const at::Tensor &grad_probs_, const at::Tensor &topk_indices_) {
+Tensor topk_to_dense_bwd(const Device &d, const Tensor &grad_probs_, const Tensor &topk_indices_) {
   check_dim(grad_probs_, 2, "grad_probs");
   check_dim(topk_indices_, 2, "topk_indices");
   check_float(grad_probs_, "grad_probs");
@@ -43,25 +42,25 @@ at::Tensor topk_to_dense_bwd(const at::Tensor &grad_probs_, const at::Tensor &to
              "grad_probs.shape[0] (num_tokens)");
   check_same_device(topk_indices_, grad_probs_, "topk_indices", "grad_probs");
   const int64_t T = grad_probs_.size(0), E = grad_probs_.size(1), k = topk_indices_.size(1);
-  at::Tensor g = grad_probs_.contiguous(), ti = topk_indices_.contiguous();
-  MOE_DEVICE_GUARD(g);
-  at::Tensor out = at::empty({T, k}, g.options());
-  check_status(MOE_CALL(g, topk_to_dense_bwd, out.data_ptr(), g.data_ptr(), ti.data_ptr<int64_t>(),
-                        T, E, k, to_moe_dtype(g.scalar_type(), "grad_probs"), nullptr, 0,
-                        stream_of(g)),
+  Tensor g = grad_probs_.contiguous(), ti = topk_indices_.contiguous();
+  const OnDevice on(d, g);
+  Tensor out = at::empty({T, k}, g.options());
+  check_status(d.topk_to_dense_bwd(out.data_ptr(), g.data_ptr(), ti.data_ptr<int64_t>(), T, E, k,
+                                   to_moe_dtype(g.scalar_type(), "grad_probs"), nullptr, 0,
+                                   on.stream()),
                "topk_to_dense_bwd");
   return out;
 }
 
-static void check_index_vector(const at::Tensor &t, int64_t size, const char *name, const char *what,
-                               const at::Tensor &ref, const char *ref_name) {
+static void check_index_vector(const Tensor &t, int64_t size, const char *name, const char *what,
+                               const Tensor &ref, const char *ref_name) {
   check_dim(t, 1, name);
   check_dtype(t, at::kLong, name);
   if (size >= 0) check_size(t, 0, size, name, what);
   check_same_device(t, ref, name, ref_name);
 }
 
-static moe_drop_policy_t to_drop_policy(c10::string_view name) {
+static moe_drop_policy_t to_drop_policy(string_view name) {
   if (name == "probs") return MOE_DROP_PROBS;
   if (name == "position") return MOE_DROP_POSITION;
   MOE_CHECK_VALUE(false, "drop_policy must be 'probs' or 'position', got '", std::string(name),
@@ -69,10 +68,8 @@ static moe_drop_policy_t to_drop_policy(c10::string_view name) {
   return MOE_DROP_PROBS;
 }
 
-std::tuple<at::Tensor, at::Tensor> token_dropping(const at::Tensor &routing_probs_,
-                                                  const at::Tensor &routing_map_,
-                                                  int64_t capacity, c10::string_view drop_policy,
-                                                  bool pad_to_capacity) {
+Tensor2 token_dropping(const Device &d, const Tensor &routing_probs_, const Tensor &routing_map_,
+                       int64_t capacity, string_view drop_policy, bool pad_to_capacity) {
   check_dim(routing_probs_, 2, "routing_probs");
   check_float(routing_probs_, "routing_probs");
   check_routing_map(routing_map_, "routing_map");
@@ -85,22 +82,21 @@ std::tuple<at::Tensor, at::Tensor> token_dropping(const at::Tensor &routing_prob
   const int64_t T = routing_probs_.size(0), E = routing_probs_.size(1);
   MOE_CHECK_VALUE(E >= 1, "routing_probs must have at least one expert column, got shape ",
                     routing_probs_.sizes());
-  at::Tensor probs = routing_probs_.contiguous(), map = routing_map_.contiguous();
-  at::Tensor final_probs = at::empty_like(probs), final_map = at::empty_like(map);
+  Tensor probs = routing_probs_.contiguous(), map = routing_map_.contiguous();
+  Tensor final_probs = at::empty_like(probs), final_map = at::empty_like(map);
   const moe_dtype_t dt = to_moe_dtype(probs.scalar_type(), "routing_probs");
-  MOE_DEVICE_GUARD(probs);
-  const Workspace ws =
-      workspace(probs, MOE_CALL(probs, token_dropping_workspace_size, T, E, policy, dt));
-  check_status(MOE_CALL(probs, token_dropping_fwd, final_probs.data_ptr(),
-                        (uint8_t *)final_map.data_ptr(), probs.data_ptr(),
-                        (const uint8_t *)map.data_ptr(), T, E, capacity, policy,
-                        pad_to_capacity ? 1 : 0, dt, ws.ptr, ws.bytes,
-                        stream_of(probs)),
+  const OnDevice on(d, probs);
+  const Workspace ws = workspace(probs, d.token_dropping_workspace_size(T, E, policy, dt));
+  check_status(d.token_dropping_fwd(final_probs.data_ptr(), (uint8_t *)final_map.data_ptr(),
+                                    probs.data_ptr(), (const uint8_t *)map.data_ptr(), T, E,
+                                    capacity, policy, pad_to_capacity ? 1 : 0, dt, ws.ptr, ws.bytes,
+                                    on.stream()),
                "token_dropping");
   return {final_probs, final_map};
 }
 
-at::Tensor token_dropping_bwd(const at::Tensor &grad_final_probs_, const at::Tensor &final_map_) {
+Tensor token_dropping_bwd(const Device &d, const Tensor &grad_final_probs_,
+                          const Tensor &final_map_) {
   check_dim(grad_final_probs_, 2, "grad_final_probs");
   check_float(grad_final_probs_, "grad_final_probs");
   check_routing_map(final_map_, "final_map");
@@ -111,21 +107,20 @@ at::Tensor token_dropping_bwd(const at::Tensor &grad_final_probs_, const at::Ten
   MOE_CHECK_VALUE(grad_final_probs_.size(1) >= 1,
                   "grad_final_probs must have at least one expert column, got shape ",
                   grad_final_probs_.sizes());
-  at::Tensor g = grad_final_probs_.contiguous(), map = final_map_.contiguous();
-  at::Tensor out = at::empty_like(g);
-  MOE_DEVICE_GUARD(g);
-  check_status(MOE_CALL(g, token_dropping_bwd, out.data_ptr(), g.data_ptr(),
-                        (const uint8_t *)map.data_ptr(), g.size(0), g.size(1),
-                        to_moe_dtype(g.scalar_type(), "grad_final_probs"), nullptr, 0,
-                        stream_of(g)),
+  Tensor g = grad_final_probs_.contiguous(), map = final_map_.contiguous();
+  Tensor out = at::empty_like(g);
+  const OnDevice on(d, g);
+  check_status(d.token_dropping_bwd(out.data_ptr(), g.data_ptr(), (const uint8_t *)map.data_ptr(),
+                                    g.size(0), g.size(1),
+                                    to_moe_dtype(g.scalar_type(), "grad_final_probs"), nullptr, 0,
+                                    on.stream()),
                "token_dropping_bwd");
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute(
-    const at::Tensor &tokens_, const at::Tensor &routing_map_,
-    const c10::optional<at::Tensor> &probs_, int64_t num_out_tokens, bool drop_and_pad,
-    int64_t align_size) {
+Tensor5 permute(const Device &d, const Tensor &tokens_, const Tensor &routing_map_,
+                const optional<Tensor> &probs_, int64_t num_out_tokens, bool drop_and_pad,
+                int64_t align_size) {
   check_dim(tokens_, 2, "tokens");
   check_float(tokens_, "tokens");
   check_routing_map(routing_map_, "routing_map");
@@ -137,7 +132,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute(
                     routing_map_.sizes());
   MOE_CHECK_VALUE(num_out_tokens >= 0, "num_out_tokens must be >= 0, got ", num_out_tokens);
   MOE_CHECK_VALUE(align_size >= 0, "align_size must be >= 0, got ", align_size);
-  at::Tensor tokens = tokens_.contiguous(), map = routing_map_.contiguous(), probs;
+  Tensor tokens = tokens_.contiguous(), map = routing_map_.contiguous(), probs;
   if (probs_.has_value()) {
     probs = probs_->contiguous();
     check_dim(probs, 2, "probs");
@@ -157,28 +152,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute(
   MOE_CHECK_VALUE(!moe_checked_mul_i64(R, H, &elems), "permute: the permuted buffer has ", R,
                   " rows (num_out_tokens=", num_out_tokens, ", align_size=", align_size,
                   ") of hidden=", H, " elements, which overflows int64");
-  at::Tensor out = at::empty({R, H}, tokens.options());
-  at::Tensor out_probs;  // with probs only
+  Tensor out = at::empty({R, H}, tokens.options());
+  Tensor out_probs;  // with probs only
   if (probs.defined()) out_probs = at::empty({R}, probs.options());
-  at::Tensor idx = at::empty({R}, tokens.options().dtype(at::kLong));
-  at::Tensor offsets = at::empty({E + 1}, idx.options());
-  at::Tensor counts = at::empty({E}, idx.options());
-  MOE_DEVICE_GUARD(tokens);
-  const Workspace ws = workspace(tokens, MOE_CALL(tokens, permute_workspace_size, T, E, &p));
-  check_status(MOE_CALL(tokens, permute_fwd, out.data_ptr(), data_or_null(out_probs),
-                        idx.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
-                        counts.data_ptr<int64_t>(), tokens.data_ptr(),
-                        (const uint8_t *)map.data_ptr(), data_or_null(probs), T, H, E,
-                        to_moe_dtype(tokens.scalar_type(), "tokens"),
-                        dtype_or(probs, "probs", MOE_DTYPE_FP32), &p, ws.ptr, ws.bytes,
-                        stream_of(tokens)),
+  Tensor idx = at::empty({R}, tokens.options().dtype(at::kLong));
+  Tensor offsets = at::empty({E + 1}, idx.options());
+  Tensor counts = at::empty({E}, idx.options());
+  const OnDevice on(d, tokens);
+  const Workspace ws = workspace(tokens, d.permute_workspace_size(T, E, &p));
+  check_status(d.permute_fwd(out.data_ptr(), data_or_null(out_probs), idx.data_ptr<int64_t>(),
+                             offsets.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
+                             tokens.data_ptr(), (const uint8_t *)map.data_ptr(),
+                             data_or_null(probs), T, H, E,
+                             to_moe_dtype(tokens.scalar_type(), "tokens"),
+                             dtype_or(probs, "probs", MOE_DTYPE_FP32), &p, ws.ptr, ws.bytes,
+                             on.stream()),
                "permute");
   return {out, or_empty(out_probs, tokens), idx, offsets, counts};
 }
 
-std::tuple<at::Tensor, at::Tensor> permute_bwd(
-    const at::Tensor &grad_permuted_tokens_, const c10::optional<at::Tensor> &grad_permuted_probs_,
-    const at::Tensor &sorted_indices_, const at::Tensor &expert_offsets_, int64_t num_tokens) {
+Tensor2 permute_bwd(const Device &d, const Tensor &grad_permuted_tokens_,
+                    const optional<Tensor> &grad_permuted_probs_, const Tensor &sorted_indices_,
+                    const Tensor &expert_offsets_, int64_t num_tokens) {
   check_dim(grad_permuted_tokens_, 2, "grad_permuted_tokens");
   check_float(grad_permuted_tokens_, "grad_permuted_tokens");
   const int64_t R = grad_permuted_tokens_.size(0), H = grad_permuted_tokens_.size(1);
@@ -192,8 +187,8 @@ std::tuple<at::Tensor, at::Tensor> permute_bwd(
   MOE_CHECK_VALUE(E >= 1, "expert_offsets must have num_experts + 1 >= 2 entries, got shape ",
                     expert_offsets_.sizes());
   MOE_CHECK_VALUE(num_tokens >= 0, "num_tokens must be >= 0, got ", num_tokens);
-  at::Tensor g = grad_permuted_tokens_.contiguous(), idx = sorted_indices_.contiguous();
-  at::Tensor offsets = expert_offsets_.contiguous(), gp;
+  Tensor g = grad_permuted_tokens_.contiguous(), idx = sorted_indices_.contiguous();
+  Tensor offsets = expert_offsets_.contiguous(), gp;
   if (grad_permuted_probs_.has_value()) {
     gp = grad_permuted_probs_->contiguous();
     check_dim(gp, 1, "grad_permuted_probs");
@@ -201,27 +196,27 @@ std::tuple<at::Tensor, at::Tensor> permute_bwd(
     check_size(gp, 0, R, "grad_permuted_probs", "grad_permuted_tokens.shape[0] (rows)");
     check_same_device(gp, g, "grad_permuted_probs", "grad_permuted_tokens");
   }
-  at::Tensor grad_tokens = at::empty({num_tokens, H}, g.options());
-  at::Tensor grad_probs;  // with grad_permuted_probs only
+  Tensor grad_tokens = at::empty({num_tokens, H}, g.options());
+  Tensor grad_probs;  // with grad_permuted_probs only
   if (gp.defined()) grad_probs = at::empty({num_tokens, E}, gp.options());
-  MOE_DEVICE_GUARD(g);
-  const Workspace ws = workspace(g, MOE_CALL(g, unpermute_workspace_size, num_tokens, R));
-  check_status(MOE_CALL(g, permute_bwd, grad_tokens.data_ptr(), data_or_null(grad_probs),
-                        g.data_ptr(), data_or_null(gp), idx.data_ptr<int64_t>(),
-                        offsets.data_ptr<int64_t>(), num_tokens, H, E, R,
-                        to_moe_dtype(g.scalar_type(), "grad_permuted_tokens"),
-                        dtype_or(gp, "grad_permuted_probs", MOE_DTYPE_FP32), ws.ptr, ws.bytes,
-                        stream_of(g)),
+  const OnDevice on(d, g);
+  const Workspace ws = workspace(g, d.unpermute_workspace_size(num_tokens, R));
+  check_status(d.permute_bwd(grad_tokens.data_ptr(), data_or_null(grad_probs), g.data_ptr(),
+                             data_or_null(gp), idx.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
+                             num_tokens, H, E, R,
+                             to_moe_dtype(g.scalar_type(), "grad_permuted_tokens"),
+                             dtype_or(gp, "grad_permuted_probs", MOE_DTYPE_FP32), ws.ptr, ws.bytes,
+                             on.stream()),
                "permute_bwd");
   return {grad_tokens, or_empty(grad_probs, g)};
 }
 
 // Shared checks of unpermute and its backward (`ref`: the [*, hidden] tensor on the op's
 // device; `rows`: the row count). Returns E (probs.shape[1], or 1 without probs).
-static int64_t check_unpermute_args(const at::Tensor &ref, const char *ref_name, int64_t rows,
-                                    const at::Tensor &sorted_indices, int64_t num_tokens,
-                                    const c10::optional<at::Tensor> &probs,
-                                    const c10::optional<at::Tensor> &expert_offsets) {
+static int64_t check_unpermute_args(const Tensor &ref, const char *ref_name, int64_t rows,
+                                    const Tensor &sorted_indices, int64_t num_tokens,
+                                    const optional<Tensor> &probs,
+                                    const optional<Tensor> &expert_offsets) {
   check_index_vector(sorted_indices, rows, "sorted_indices", "the permuted rows", ref, ref_name);
   MOE_CHECK_VALUE(num_tokens >= 0, "num_tokens must be >= 0, got ", num_tokens);
   MOE_CHECK_VALUE(ref.size(1) >= 1, ref_name, " must have hidden >= 1, got shape ", ref.sizes());
@@ -239,43 +234,41 @@ static int64_t check_unpermute_args(const at::Tensor &ref, const char *ref_name,
   return E;
 }
 
-at::Tensor unpermute(const at::Tensor &permuted_tokens_, const at::Tensor &sorted_indices_,
-                     int64_t num_tokens, const c10::optional<at::Tensor> &probs_,
-                     const c10::optional<at::Tensor> &expert_offsets_) {
+Tensor unpermute(const Device &d, const Tensor &permuted_tokens_, const Tensor &sorted_indices_,
+                 int64_t num_tokens, const optional<Tensor> &probs_,
+                 const optional<Tensor> &expert_offsets_) {
   check_dim(permuted_tokens_, 2, "permuted_tokens");
   check_float(permuted_tokens_, "permuted_tokens");
   const int64_t E = check_unpermute_args(permuted_tokens_, "permuted_tokens",
                                          permuted_tokens_.size(0), sorted_indices_, num_tokens,
                                          probs_, expert_offsets_);
   const int64_t R = permuted_tokens_.size(0), H = permuted_tokens_.size(1);
-  at::Tensor x = permuted_tokens_.contiguous(), idx = sorted_indices_.contiguous(), probs, offsets;
+  Tensor x = permuted_tokens_.contiguous(), idx = sorted_indices_.contiguous(), probs, offsets;
   if (probs_.has_value()) probs = probs_->contiguous(), offsets = expert_offsets_->contiguous();
-  at::Tensor out = at::empty({num_tokens, H}, x.options());
-  MOE_DEVICE_GUARD(x);
-  const Workspace ws = workspace(x, MOE_CALL(x, unpermute_workspace_size, num_tokens, R));
-  check_status(MOE_CALL(x, unpermute_fwd, out.data_ptr(), x.data_ptr(), idx.data_ptr<int64_t>(),
-                        data_or_null(probs), data_or_null<int64_t>(offsets), num_tokens, H, E, R,
-                        to_moe_dtype(x.scalar_type(), "permuted_tokens"),
-                        dtype_or(probs, "probs", MOE_DTYPE_FP32), ws.ptr, ws.bytes,
-                        stream_of(x)),
+  Tensor out = at::empty({num_tokens, H}, x.options());
+  const OnDevice on(d, x);
+  const Workspace ws = workspace(x, d.unpermute_workspace_size(num_tokens, R));
+  check_status(d.unpermute_fwd(out.data_ptr(), x.data_ptr(), idx.data_ptr<int64_t>(),
+                               data_or_null(probs), data_or_null<int64_t>(offsets), num_tokens, H,
+                               E, R, to_moe_dtype(x.scalar_type(), "permuted_tokens"),
+                               dtype_or(probs, "probs", MOE_DTYPE_FP32), ws.ptr, ws.bytes,
+                               on.stream()),
                "unpermute");
   return out;
 }
 
 // grad_probs is computed iff permuted_tokens is given (the forward's rows, needed for it); without
 // it the autograd graph does not keep the rows alive.
-std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor &grad_output_,
-                                                 const at::Tensor &sorted_indices_,
-                                                 const c10::optional<at::Tensor> &probs_,
-                                                 const c10::optional<at::Tensor> &expert_offsets_,
-                                                 const c10::optional<at::Tensor> &permuted_tokens_) {
+Tensor2 unpermute_bwd(const Device &d, const Tensor &grad_output_, const Tensor &sorted_indices_,
+                      const optional<Tensor> &probs_, const optional<Tensor> &expert_offsets_,
+                      const optional<Tensor> &permuted_tokens_) {
   check_dim(grad_output_, 2, "grad_output");
   check_float(grad_output_, "grad_output");
   check_dim(sorted_indices_, 1, "sorted_indices");
   const int64_t T = grad_output_.size(0), H = grad_output_.size(1), R = sorted_indices_.size(0);
   const int64_t E = check_unpermute_args(grad_output_, "grad_output", R, sorted_indices_, T,
                                          probs_, expert_offsets_);
-  at::Tensor x;
+  Tensor x;
   if (permuted_tokens_.has_value()) {
     MOE_CHECK_VALUE(probs_.has_value(), "permuted_tokens is given (grad of probs requested) but "
                       "probs is None");
@@ -286,68 +279,67 @@ std::tuple<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor &grad_output_,
     check_dtype(x, grad_output_.scalar_type(), "permuted_tokens");
     check_same_device(x, grad_output_, "permuted_tokens", "grad_output");
   }
-  at::Tensor g = grad_output_.contiguous(), idx = sorted_indices_.contiguous(), probs, offsets;
+  Tensor g = grad_output_.contiguous(), idx = sorted_indices_.contiguous(), probs, offsets;
   if (probs_.has_value()) probs = probs_->contiguous(), offsets = expert_offsets_->contiguous();
-  at::Tensor grad_x = at::empty({R, H}, g.options());
-  at::Tensor grad_probs;  // with permuted_tokens only
+  Tensor grad_x = at::empty({R, H}, g.options());
+  Tensor grad_probs;  // with permuted_tokens only
   if (x.defined()) grad_probs = at::empty({T, E}, probs.options());
-  MOE_DEVICE_GUARD(g);
-  const Workspace ws = workspace(g, MOE_CALL(g, unpermute_workspace_size, T, R));
-  check_status(MOE_CALL(g, unpermute_bwd, grad_x.data_ptr(), data_or_null(grad_probs),
-                        g.data_ptr(), data_or_null(x), idx.data_ptr<int64_t>(),
-                        data_or_null(probs), data_or_null<int64_t>(offsets), T, H, E, R,
-                        to_moe_dtype(g.scalar_type(), "grad_output"),
-                        dtype_or(probs, "probs", MOE_DTYPE_FP32), ws.ptr, ws.bytes, stream_of(g)),
+  const OnDevice on(d, g);
+  const Workspace ws = workspace(g, d.unpermute_workspace_size(T, R));
+  check_status(d.unpermute_bwd(grad_x.data_ptr(), data_or_null(grad_probs), g.data_ptr(),
+                               data_or_null(x), idx.data_ptr<int64_t>(), data_or_null(probs),
+                               data_or_null<int64_t>(offsets), T, H, E, R,
+                               to_moe_dtype(g.scalar_type(), "grad_output"),
+                               dtype_or(probs, "probs", MOE_DTYPE_FP32), ws.ptr, ws.bytes,
+                               on.stream()),
                "unpermute_bwd");
   return {grad_x, or_empty(grad_probs, g)};
 }
 
 // Rows are dim 0; everything after it moves as one row of `row_elems` elements.
-static at::Tensor sort_chunks_impl(const at::Tensor &input_, const at::Tensor &split_sizes_,
-                                   const at::Tensor &sorted_idxs_, bool backward) {
+static Tensor sort_chunks_impl(const Device &d, const Tensor &input_, const Tensor &split_sizes_,
+                               const Tensor &sorted_idxs_, bool backward) {
   const char *in_name = backward ? "grad_output" : "input";
   MOE_CHECK_VALUE(input_.dim() >= 1, in_name, " must be at least 1-D, got a 0-D tensor");
   check_index_vector(split_sizes_, -1, "split_sizes", "", input_, in_name);
   check_index_vector(sorted_idxs_, split_sizes_.size(0), "sorted_idxs",
                      "split_sizes.shape[0] (num_chunks)", input_, in_name);
-  at::Tensor x = input_.contiguous(), sizes = split_sizes_.contiguous();
-  at::Tensor order = sorted_idxs_.contiguous();
+  Tensor x = input_.contiguous(), sizes = split_sizes_.contiguous();
+  Tensor order = sorted_idxs_.contiguous();
   const int64_t rows = x.size(0), row_elems = rows > 0 ? x.numel() / rows : 0;
-  at::Tensor out = at::empty_like(x);
+  Tensor out = at::empty_like(x);
   const int64_t C = sizes.size(0);
   const moe_dtype_t dt = to_moe_dtype(x.scalar_type(), in_name);
-  MOE_DEVICE_GUARD(x);
-  const Workspace ws = workspace(x, MOE_CALL(x, sort_chunks_by_idxs_workspace_size, C));
-  check_status(backward ? MOE_CALL(x, sort_chunks_by_idxs_bwd, out.data_ptr(), x.data_ptr(),
-                                   sizes.data_ptr<int64_t>(), order.data_ptr<int64_t>(), rows,
-                                   row_elems, C, dt, ws.ptr, ws.bytes, stream_of(x))
-                        : MOE_CALL(x, sort_chunks_by_idxs_fwd, out.data_ptr(), x.data_ptr(),
-                                   sizes.data_ptr<int64_t>(), order.data_ptr<int64_t>(), rows,
-                                   row_elems, C, dt, ws.ptr, ws.bytes, stream_of(x)),
+  const OnDevice on(d, x);
+  const Workspace ws = workspace(x, d.sort_chunks_by_idxs_workspace_size(C));
+  const auto fn = backward ? d.sort_chunks_by_idxs_bwd : d.sort_chunks_by_idxs_fwd;
+  check_status(fn(out.data_ptr(), x.data_ptr(), sizes.data_ptr<int64_t>(),
+                  order.data_ptr<int64_t>(), rows, row_elems, C, dt, ws.ptr, ws.bytes,
+                  on.stream()),
                backward ? "sort_chunks_by_idxs_bwd" : "sort_chunks_by_idxs");
   return out;
 }
 
-at::Tensor sort_chunks_by_idxs(const at::Tensor &input, const at::Tensor &split_sizes,
-                               const at::Tensor &sorted_idxs) {
-  return sort_chunks_impl(input, split_sizes, sorted_idxs, false);
+Tensor sort_chunks_by_idxs(const Device &d, const Tensor &input, const Tensor &split_sizes,
+                           const Tensor &sorted_idxs) {
+  return sort_chunks_impl(d, input, split_sizes, sorted_idxs, false);
 }
 
-at::Tensor sort_chunks_by_idxs_bwd(const at::Tensor &grad_output, const at::Tensor &split_sizes,
-                                   const at::Tensor &sorted_idxs) {
-  return sort_chunks_impl(grad_output, split_sizes, sorted_idxs, true);
+Tensor sort_chunks_by_idxs_bwd(const Device &d, const Tensor &grad_output,
+                               const Tensor &split_sizes, const Tensor &sorted_idxs) {
+  return sort_chunks_impl(d, grad_output, split_sizes, sorted_idxs, true);
 }
 
-at::Tensor tokens_per_expert(const at::Tensor &routing_map_,
-                             const c10::optional<at::Tensor> &padding_mask) {
+Tensor tokens_per_expert(const Device &d, const Tensor &routing_map_,
+                         const optional<Tensor> &padding_mask) {
   check_routing_map(routing_map_, "routing_map");
   const int64_t T = routing_map_.size(0), E = routing_map_.size(1);
-  at::Tensor map = routing_map_.contiguous(), mask;
+  Tensor map = routing_map_.contiguous(), mask;
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, map, "routing_map");
-  at::Tensor counts = at::empty({E}, map.options().dtype(at::kLong));
-  MOE_DEVICE_GUARD(map);
-  check_status(MOE_CALL(map, tokens_per_expert_fwd, counts.data_ptr<int64_t>(),
-                        (const uint8_t *)map.data_ptr(), m, T, E, nullptr, 0, stream_of(map)),
+  Tensor counts = at::empty({E}, map.options().dtype(at::kLong));
+  const OnDevice on(d, map);
+  check_status(d.tokens_per_expert_fwd(counts.data_ptr<int64_t>(), (const uint8_t *)map.data_ptr(),
+                                       m, T, E, nullptr, 0, on.stream()),
                "tokens_per_expert");
   return counts;
 }

@@ -10,9 +10,10 @@ namespace moe_torch {
 
 // routing_mode packs the rules beyond Megatron's (moe_core/ops/router_topk.py, routing_mode):
 // bits 0-1 the moe_topk_norm_t, bits 2.. the group_score_topk (0: topk / group_topk).
-static moe_router_topk_params_t make_topk_params(int64_t topk, bool use_pre_softmax, int64_t num_groups,
-                                                 int64_t group_topk, double scaling_factor,
-                                                 c10::string_view score_function,
+static moe_router_topk_params_t make_topk_params(int64_t topk, bool use_pre_softmax,
+                                                 int64_t num_groups, int64_t group_topk,
+                                                 double scaling_factor,
+                                                 string_view score_function,
                                                  int64_t routing_mode) {
   MOE_CHECK_VALUE(routing_mode >= 0, "routing_mode must be >= 0, got ", routing_mode);
   moe_router_topk_params_t p;
@@ -29,9 +30,8 @@ static moe_router_topk_params_t make_topk_params(int64_t topk, bool use_pre_soft
 
 // ---- router_gating_linear -----------------------------------------------------------------------
 
-at::Tensor router_gating_linear(const at::Tensor &inp_, const at::Tensor &weight_,
-                                const c10::optional<at::Tensor> &bias_,
-                                at::ScalarType router_dtype) {
+Tensor router_gating_linear(const Device &d, const Tensor &inp_, const Tensor &weight_,
+                            const optional<Tensor> &bias_, at::ScalarType router_dtype) {
   check_dim(inp_, 2, "inp");
   check_dim(weight_, 2, "weight");
   check_float(inp_, "inp");
@@ -41,7 +41,7 @@ at::Tensor router_gating_linear(const at::Tensor &inp_, const at::Tensor &weight
   check_same_device(weight_, inp_, "weight", "inp");
   check_size(weight_, 1, inp_.size(1), "weight", "inp.shape[1] (hidden)");
   const int64_t T = inp_.size(0), H = inp_.size(1), E = weight_.size(0);
-  at::Tensor inp = inp_.contiguous(), weight = weight_.contiguous(), bias;
+  Tensor inp = inp_.contiguous(), weight = weight_.contiguous(), bias;
   if (bias_.has_value()) {
     bias = bias_->contiguous();
     check_dim(bias, 1, "bias");
@@ -52,19 +52,19 @@ at::Tensor router_gating_linear(const at::Tensor &inp_, const at::Tensor &weight
   const moe_dtype_t id = to_moe_dtype(inp.scalar_type(), "inp");
   const moe_dtype_t wd = to_moe_dtype(weight.scalar_type(), "weight");
   const moe_dtype_t rd = to_moe_dtype(router_dtype, "router_dtype");
-  MOE_DEVICE_GUARD(inp);
-  at::Tensor logits = at::empty({T, E}, inp.options().dtype(router_dtype));
-  const Workspace ws = workspace(
-      inp, MOE_CALL(inp, router_gating_linear_workspace_size, T, H, E, id, wd, rd, 0));
-  check_status(MOE_CALL(inp, router_gating_linear_fwd, logits.data_ptr(), inp.data_ptr(),
-                        weight.data_ptr(), data_or_null(bias), T, H, E, id, wd, rd, ws.ptr,
-                        ws.bytes, stream_of(inp)),
+  const OnDevice on(d, inp);
+  Tensor logits = at::empty({T, E}, inp.options().dtype(router_dtype));
+  const Workspace ws =
+      workspace(inp, d.router_gating_linear_workspace_size(T, H, E, id, wd, rd, 0));
+  check_status(d.router_gating_linear_fwd(logits.data_ptr(), inp.data_ptr(), weight.data_ptr(),
+                                          data_or_null(bias), T, H, E, id, wd, rd, ws.ptr, ws.bytes,
+                                          on.stream()),
                "router_gating_linear");
   return logits;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> router_gating_linear_bwd(
-    const at::Tensor &grad_logits_, const at::Tensor &inp_, const at::Tensor &weight_) {
+Tensor3 router_gating_linear_bwd(const Device &d, const Tensor &grad_logits_, const Tensor &inp_,
+                                 const Tensor &weight_) {
   check_dim(grad_logits_, 2, "grad_logits");
   check_dim(inp_, 2, "inp");
   check_dim(weight_, 2, "weight");
@@ -78,18 +78,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_gating_linear_bwd(
   check_size(grad_logits_, 1, E, "grad_logits", "weight.shape[0] (num_experts)");
   check_same_device(inp_, grad_logits_, "inp", "grad_logits");
   check_same_device(weight_, grad_logits_, "weight", "grad_logits");
-  at::Tensor g = grad_logits_.contiguous(), inp = inp_.contiguous(), weight = weight_.contiguous();
+  Tensor g = grad_logits_.contiguous(), inp = inp_.contiguous(), weight = weight_.contiguous();
   const moe_dtype_t id = to_moe_dtype(inp.scalar_type(), "inp");
   const moe_dtype_t wd = to_moe_dtype(weight.scalar_type(), "weight");
   const moe_dtype_t rd = to_moe_dtype(g.scalar_type(), "grad_logits");
-  MOE_DEVICE_GUARD(g);
-  at::Tensor grad_inp = at::empty_like(inp), grad_weight = at::empty_like(weight);
-  at::Tensor grad_bias = at::empty({E}, weight.options());
-  const Workspace ws =
-      workspace(g, MOE_CALL(g, router_gating_linear_workspace_size, T, H, E, id, wd, rd, 1));
-  check_status(MOE_CALL(g, router_gating_linear_bwd, grad_inp.data_ptr(), grad_weight.data_ptr(),
-                        grad_bias.data_ptr(), g.data_ptr(), inp.data_ptr(), weight.data_ptr(), T,
-                        H, E, id, wd, rd, ws.ptr, ws.bytes, stream_of(g)),
+  const OnDevice on(d, g);
+  Tensor grad_inp = at::empty_like(inp), grad_weight = at::empty_like(weight);
+  Tensor grad_bias = at::empty({E}, weight.options());
+  const Workspace ws = workspace(g, d.router_gating_linear_workspace_size(T, H, E, id, wd, rd, 1));
+  check_status(d.router_gating_linear_bwd(grad_inp.data_ptr(), grad_weight.data_ptr(),
+                                          grad_bias.data_ptr(), g.data_ptr(), inp.data_ptr(),
+                                          weight.data_ptr(), T, H, E, id, wd, rd, ws.ptr, ws.bytes,
+                                          on.stream()),
                "router_gating_linear_bwd");
   return {grad_inp, grad_weight, grad_bias};
 }
@@ -99,16 +99,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_gating_linear_bwd(
 // The routing inputs every router op validates alike: logits [T, E], the optional fp32 bias [E],
 // and the options checked against E.
 struct TopkInputs {
-  at::Tensor logits, bias;
+  Tensor logits, bias;
   moe_router_topk_params_t p;
   int64_t T, E;
 };
 
-static TopkInputs topk_inputs(const at::Tensor &logits_, int64_t topk, bool use_pre_softmax,
+static TopkInputs topk_inputs(const Tensor &logits_, int64_t topk, bool use_pre_softmax,
                               int64_t num_groups, int64_t group_topk, double scaling_factor,
-                              c10::string_view score_function,
-                              const c10::optional<at::Tensor> &expert_bias_, int64_t routing_mode,
-                              const char *op) {
+                              string_view score_function, const optional<Tensor> &expert_bias_,
+                              int64_t routing_mode, const char *op) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   TopkInputs in;
@@ -129,34 +128,31 @@ static TopkInputs topk_inputs(const at::Tensor &logits_, int64_t topk, bool use_
   return in;
 }
 
-std::tuple<at::Tensor, at::Tensor> router_topk(const at::Tensor &logits_, int64_t topk,
-                                               bool use_pre_softmax, int64_t num_groups,
-                                               int64_t group_topk, double scaling_factor,
-                                               c10::string_view score_function,
-                                               const c10::optional<at::Tensor> &expert_bias_,
-                                               int64_t routing_mode) {
+Tensor2 router_topk(const Device &d, const Tensor &logits_, int64_t topk, bool use_pre_softmax,
+                    int64_t num_groups, int64_t group_topk, double scaling_factor,
+                    string_view score_function, const optional<Tensor> &expert_bias_,
+                    int64_t routing_mode) {
   TopkInputs in = topk_inputs(logits_, topk, use_pre_softmax, num_groups, group_topk,
                               scaling_factor, score_function, expert_bias_, routing_mode,
                               "router_topk");
-  const at::Tensor &logits = in.logits;
-  MOE_DEVICE_GUARD(logits);
-  at::Tensor probs = at::empty({in.T, topk}, logits.options());
-  at::Tensor indices = at::empty({in.T, topk}, logits.options().dtype(at::kLong));
-  const Workspace ws =
-      workspace(logits, MOE_CALL(logits, router_topk_workspace_size, in.T, in.E, &in.p));
-  check_status(MOE_CALL(logits, router_topk_fwd, probs.data_ptr(), indices.data_ptr<int64_t>(),
-                        logits.data_ptr(), data_or_null<float>(in.bias), in.T, in.E,
-                        to_moe_dtype(logits.scalar_type(), "logits"), &in.p, ws.ptr, ws.bytes,
-                        stream_of(logits)),
+  const Tensor &logits = in.logits;
+  const OnDevice on(d, logits);
+  Tensor probs = at::empty({in.T, topk}, logits.options());
+  Tensor indices = at::empty({in.T, topk}, logits.options().dtype(at::kLong));
+  const Workspace ws = workspace(logits, d.router_topk_workspace_size(in.T, in.E, &in.p));
+  check_status(d.router_topk_fwd(probs.data_ptr(), indices.data_ptr<int64_t>(), logits.data_ptr(),
+                                 data_or_null<float>(in.bias), in.T, in.E,
+                                 to_moe_dtype(logits.scalar_type(), "logits"), &in.p, ws.ptr,
+                                 ws.bytes, on.stream()),
                "router_topk");
   return {probs, indices};
 }
 
 // Backward of router_topk (grad_probs [T, topk]) and of the dense routers (grad_probs [T, E]).
-static at::Tensor topk_bwd(const at::Tensor &grad_probs_, const at::Tensor &logits_,
-                           const at::Tensor &topk_indices_, int64_t topk, bool use_pre_softmax,
-                           int64_t num_groups, int64_t group_topk, double scaling_factor,
-                           c10::string_view score_function, int64_t routing_mode, bool dense) {
+static Tensor topk_bwd(const Device &d, const Tensor &grad_probs_, const Tensor &logits_,
+                       const Tensor &topk_indices_, int64_t topk, bool use_pre_softmax,
+                       int64_t num_groups, int64_t group_topk, double scaling_factor,
+                       string_view score_function, int64_t routing_mode, bool dense) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
@@ -173,59 +169,55 @@ static at::Tensor topk_bwd(const at::Tensor &grad_probs_, const at::Tensor &logi
   check_dtype(topk_indices_, at::kLong, "topk_indices");
   check_same_device(grad_probs_, logits_, "grad_probs", "logits");
   check_same_device(topk_indices_, logits_, "topk_indices", "logits");
-  at::Tensor logits = logits_.contiguous(), indices = topk_indices_.contiguous();
-  at::Tensor grad_probs = grad_probs_.to(logits.scalar_type()).contiguous();
+  Tensor logits = logits_.contiguous(), indices = topk_indices_.contiguous();
+  Tensor grad_probs = grad_probs_.to(logits.scalar_type()).contiguous();
   moe_router_topk_params_t p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk,
                                                 scaling_factor, score_function, routing_mode);
-  MOE_DEVICE_GUARD(logits);
-  at::Tensor grad_logits = at::empty_like(logits);
-  const Workspace ws = workspace(logits, MOE_CALL(logits, router_topk_workspace_size, T, E, &p));
+  const OnDevice on(d, logits);
+  Tensor grad_logits = at::empty_like(logits);
+  const Workspace ws = workspace(logits, d.router_topk_workspace_size(T, E, &p));
   const moe_dtype_t dt = to_moe_dtype(logits.scalar_type(), "logits");
-  const moe_status_t st =
-      dense ? MOE_CALL(logits, router_topk_dense_bwd, grad_logits.data_ptr(),
-                       grad_probs.data_ptr(), logits.data_ptr(), indices.data_ptr<int64_t>(), T, E,
-                       dt, &p, ws.ptr, ws.bytes, stream_of(logits))
-            : MOE_CALL(logits, router_topk_bwd, grad_logits.data_ptr(), grad_probs.data_ptr(),
-                       logits.data_ptr(), indices.data_ptr<int64_t>(), T, E, dt, &p, ws.ptr,
-                       ws.bytes, stream_of(logits));
+  const auto fn = dense ? d.router_topk_dense_bwd : d.router_topk_bwd;
+  const moe_status_t st = fn(grad_logits.data_ptr(), grad_probs.data_ptr(), logits.data_ptr(),
+                             indices.data_ptr<int64_t>(), T, E, dt, &p, ws.ptr, ws.bytes,
+                             on.stream());
   check_status(st, dense ? "router_topk_dense_bwd" : "router_topk_bwd");
   return grad_logits;
 }
 
-at::Tensor router_topk_bwd(const at::Tensor &grad_probs, const at::Tensor &logits,
-                           const at::Tensor &topk_indices, int64_t topk, bool use_pre_softmax,
-                           int64_t num_groups, int64_t group_topk, double scaling_factor,
-                           c10::string_view score_function, int64_t routing_mode) {
-  return topk_bwd(grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups,
+Tensor router_topk_bwd(const Device &d, const Tensor &grad_probs, const Tensor &logits,
+                       const Tensor &topk_indices, int64_t topk, bool use_pre_softmax,
+                       int64_t num_groups, int64_t group_topk, double scaling_factor,
+                       string_view score_function, int64_t routing_mode) {
+  return topk_bwd(d, grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups,
                   group_topk, scaling_factor, score_function, routing_mode, false);
 }
 
-at::Tensor router_topk_dense_bwd(const at::Tensor &grad_probs, const at::Tensor &logits,
-                                 const at::Tensor &topk_indices, int64_t topk,
-                                 bool use_pre_softmax, int64_t num_groups, int64_t group_topk,
-                                 double scaling_factor, c10::string_view score_function,
-                                 int64_t routing_mode) {
-  return topk_bwd(grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups,
+Tensor router_topk_dense_bwd(const Device &d, const Tensor &grad_probs, const Tensor &logits,
+                             const Tensor &topk_indices, int64_t topk, bool use_pre_softmax,
+                             int64_t num_groups, int64_t group_topk, double scaling_factor,
+                             string_view score_function, int64_t routing_mode) {
+  return topk_bwd(d, grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups,
                   group_topk, scaling_factor, score_function, routing_mode, true);
 }
 
 // Outputs not asked for come back empty ([0, E] and [0]) so the schema stays all-Tensor.
 // The dense router with its optional extras; `op` names the caller in messages.
-static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_router(
-           const TopkInputs &in, int64_t topk, const c10::optional<at::Tensor> &padding_mask,
-           bool with_aux, bool with_lse, const char *op) {
-  const at::Tensor &logits = in.logits;
+static Tensor6 fused_router(const Device &d, const TopkInputs &in, int64_t topk,
+                            const optional<Tensor> &padding_mask, bool with_aux, bool with_lse,
+                            const char *op) {
+  const Tensor &logits = in.logits;
   const int64_t T = in.T, E = in.E;
-  at::Tensor mask;
+  Tensor mask;
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
-  MOE_DEVICE_GUARD(logits);
+  const OnDevice on(d, logits);
   const at::ScalarType st = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor probs = at::empty({T, E}, logits.options());
-  at::Tensor routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
-  at::Tensor indices = at::empty({T, topk}, logits.options().dtype(at::kLong));
-  at::Tensor aux_scores = at::empty({with_aux ? T : 0, E}, logits.options().dtype(st));
-  at::Tensor aux_map = at::empty({with_aux ? T : 0, E}, logits.options().dtype(at::kBool));
-  at::Tensor lse = at::empty({with_lse ? T : 0}, logits.options().dtype(at::kDouble));
+  Tensor probs = at::empty({T, E}, logits.options());
+  Tensor routing_map = at::empty({T, E}, logits.options().dtype(at::kBool));
+  Tensor indices = at::empty({T, topk}, logits.options().dtype(at::kLong));
+  Tensor aux_scores = at::empty({with_aux ? T : 0, E}, logits.options().dtype(st));
+  Tensor aux_map = at::empty({with_aux ? T : 0, E}, logits.options().dtype(at::kBool));
+  Tensor lse = at::empty({with_lse ? T : 0}, logits.options().dtype(at::kDouble));
   moe_router_topk_extras_t extras;
   extras.aux_scores = with_aux ? aux_scores.data_ptr() : nullptr;
   extras.aux_map = with_aux ? (uint8_t *)aux_map.data_ptr() : nullptr;
@@ -233,42 +225,41 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at
   extras.padding_mask = m;
   const moe_dtype_t dt = to_moe_dtype(logits.scalar_type(), "logits");
   const Workspace ws = workspace(
-      logits, MOE_CALL(logits, router_topk_fused_workspace_size, T, E, &in.p, dt, with_aux));
-  check_status(MOE_CALL(logits, router_topk_fused_fwd, probs.data_ptr(),
-                        (uint8_t *)routing_map.data_ptr(), indices.data_ptr<int64_t>(), &extras,
-                        logits.data_ptr(), data_or_null<float>(in.bias), T, E, dt, &in.p, ws.ptr,
-                        ws.bytes, stream_of(logits)),
+      logits, d.router_topk_fused_workspace_size(T, E, &in.p, dt, with_aux));
+  check_status(d.router_topk_fused_fwd(probs.data_ptr(), (uint8_t *)routing_map.data_ptr(),
+                                       indices.data_ptr<int64_t>(), &extras, logits.data_ptr(),
+                                       data_or_null<float>(in.bias), T, E, dt, &in.p, ws.ptr,
+                                       ws.bytes, on.stream()),
                op);
   return {probs, routing_map, indices, aux_scores, aux_map, lse};
 }
 
 // Outputs not asked for come back empty ([0, E] and [0]) so the schema stays all-Tensor.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-router_topk_fused(const at::Tensor &logits, int64_t topk, bool use_pre_softmax,
-                  int64_t num_groups, int64_t group_topk, double scaling_factor,
-                  c10::string_view score_function, const c10::optional<at::Tensor> &expert_bias,
-                  const c10::optional<at::Tensor> &padding_mask, bool with_aux, bool with_lse,
-                  int64_t routing_mode) {
+Tensor6 router_topk_fused(const Device &d, const Tensor &logits, int64_t topk, bool use_pre_softmax,
+                          int64_t num_groups, int64_t group_topk, double scaling_factor,
+                          string_view score_function, const optional<Tensor> &expert_bias,
+                          const optional<Tensor> &padding_mask, bool with_aux, bool with_lse,
+                          int64_t routing_mode) {
   const TopkInputs in = topk_inputs(logits, topk, use_pre_softmax, num_groups, group_topk,
                                     scaling_factor, score_function, expert_bias, routing_mode,
                                     "router_topk_fused");
-  return fused_router(in, topk, padding_mask, with_aux, with_lse, "router_topk_fused");
+  return fused_router(d, in, topk, padding_mask, with_aux, with_lse, "router_topk_fused");
 }
 
 // The fused router in Megatron's dense layout: (probs [T, E], routing_map [T, E], indices [T, k]).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> router_topk_dense(
-    const at::Tensor &logits, int64_t topk, bool use_pre_softmax, int64_t num_groups,
-    int64_t group_topk, double scaling_factor, c10::string_view score_function,
-    const c10::optional<at::Tensor> &expert_bias, int64_t routing_mode) {
+Tensor3 router_topk_dense(const Device &d, const Tensor &logits, int64_t topk, bool use_pre_softmax,
+                          int64_t num_groups, int64_t group_topk, double scaling_factor,
+                          string_view score_function, const optional<Tensor> &expert_bias,
+                          int64_t routing_mode) {
   const TopkInputs in = topk_inputs(logits, topk, use_pre_softmax, num_groups, group_topk,
                                     scaling_factor, score_function, expert_bias, routing_mode,
                                     "router_topk");
-  auto out = fused_router(in, topk, c10::nullopt, false, false, "router_topk_dense");
+  auto out = fused_router(d, in, topk, c10::nullopt, false, false, "router_topk_dense");
   return {std::get<0>(out), std::get<1>(out), std::get<2>(out)};
 }
 
-at::Tensor router_lse_bwd(const at::Tensor &grad_lse_, const at::Tensor &logits_,
-                          const at::Tensor &lse_, const c10::optional<at::Tensor> &padding_mask) {
+Tensor router_lse_bwd(const Device &d, const Tensor &grad_lse_, const Tensor &logits_,
+                      const Tensor &lse_, const optional<Tensor> &padding_mask) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
@@ -280,15 +271,15 @@ at::Tensor router_lse_bwd(const at::Tensor &grad_lse_, const at::Tensor &logits_
   check_dtype(lse_, at::kDouble, "lse");
   check_same_device(grad_lse_, logits_, "grad_lse", "logits");
   check_same_device(lse_, logits_, "lse", "logits");
-  at::Tensor logits = logits_.contiguous(), lse = lse_.contiguous(), mask;
-  at::Tensor g = grad_lse_.to(at::kDouble).contiguous();
+  Tensor logits = logits_.contiguous(), lse = lse_.contiguous(), mask;
+  Tensor g = grad_lse_.to(at::kDouble).contiguous();
   const uint8_t *m = padding_mask_ptr(padding_mask, mask, T, logits, "logits");
-  MOE_DEVICE_GUARD(logits);
-  at::Tensor grad_logits = at::empty_like(logits);
-  check_status(MOE_CALL(logits, router_lse_bwd, grad_logits.data_ptr(), g.data_ptr<double>(),
-                        logits.data_ptr(), lse.data_ptr<double>(), m, T, E,
-                        to_moe_dtype(logits.scalar_type(), "logits"), nullptr, 0,
-                        stream_of(logits)),
+  const OnDevice on(d, logits);
+  Tensor grad_logits = at::empty_like(logits);
+  check_status(d.router_lse_bwd(grad_logits.data_ptr(), g.data_ptr<double>(), logits.data_ptr(),
+                                lse.data_ptr<double>(), m, T, E,
+                                to_moe_dtype(logits.scalar_type(), "logits"), nullptr, 0,
+                                on.stream()),
                "router_lse_bwd");
   return grad_logits;
 }

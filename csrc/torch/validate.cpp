@@ -2,9 +2,7 @@
 // status as a Python exception, the current stream and the workspace allocation.
 #include <ATen/ops/empty.h>
 
-#ifdef MOE_CORE_WITH_CUDA
-#include <c10/cuda/CUDAStream.h>
-#endif
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <cstdio>
 
@@ -115,17 +113,17 @@ const uint8_t *padding_mask_ptr(const c10::optional<at::Tensor> &mask_, at::Tens
   return num_tokens == 0 ? &no_tokens : (const uint8_t *)keep.data_ptr();
 }
 
-// ---- device, stream, workspace ------------------------------------------------------------------
+// ---- devices ------------------------------------------------------------------------------------
 
-bool on_cuda(const at::Tensor &t) { return t.device().is_cuda(); }
-
-void *stream_of(const at::Tensor &t) {
-#ifdef MOE_CORE_WITH_CUDA
-  if (on_cuda(t)) return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
-#endif
-  (void)t;
-  return nullptr;
+OnDevice::OnDevice(const Device &d, const at::Tensor &t) {
+  if (!d.cuda) return;
+  // Through c10's device-generic interface: the binding needs no CUDA header for this.
+  guard_.reset_device(t.device());
+  c10::impl::VirtualGuardImpl impl(t.device().type());
+  stream_ = impl.getStream(t.device()).native_handle();
 }
+
+// ---- workspace ----------------------------------------------------------------------------------
 
 Workspace workspace(const at::Tensor &like, size_t bytes) {
   MOE_CHECK_VALUE(bytes != MOE_SIZE_OVERFLOW, moe_last_error());
