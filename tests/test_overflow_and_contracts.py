@@ -4,7 +4,7 @@ written; every backward validates its inputs as its forward does.
 
 Checks that need only the sizes run on the host for both devices (parametrized on ``device``);
 checks of values in device memory (expert offsets, sorted indices, top-k ids) would need a host
-sync on CUDA, so they are CPU-only there (documented in csrc/moe_core.h and the .cu files).
+sync on CUDA, so they are CPU-only there (documented in the csrc/moe_*.h headers and the .cu files).
 """
 import pytest
 import torch

@@ -57,7 +57,7 @@ _FUSED = torch.ops.moe_core.router_topk_fused
 _LSE_BWD = torch.ops.moe_core.router_lse_bwd
 _AUX_BWD = torch.ops.moe_core.aux_loss_scores_bwd
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
-# the kernels' moe_topk_norm_t (csrc/moe_core.h) for each value of `normalize`
+# the kernels' moe_topk_norm_t (csrc/moe_router.h) for each value of `normalize`
 _NORM_CODES = {None: 0, False: 1, True: 2}
 
 
@@ -219,7 +219,7 @@ def router_topk_fused(
     come out of that pass instead of two more over the logits. On the CPU they are bit for bit
     ``compute_routing_scores_for_aux_loss(logits, topk, score_function, padding_mask)`` and the
     ``lse`` of ``z_loss_func``; on CUDA the row sums are warp reductions, equal up to the last bit
-    of fp64 before rounding (see ``moe_router_topk_extras_t`` in csrc/moe_core.h). The fp32 / bf16
+    of fp64 before rounding (see ``moe_router_topk_extras_t`` in csrc/moe_router.h). The fp32 / bf16
     / fp16 warp kernel (up to 1024 experts) computes them from registers; fp64 and wider rows
     run a second kernel over the logits for them.
 
