@@ -41,6 +41,37 @@ size_t moe_aux_loss_scores_workspace_size(int64_t num_tokens, int64_t num_expert
     return moe_checked_bytes(words, (int64_t)(sizeof(double) + sizeof(int64_t)));
 }
 
+static moe_status_t check_common(int64_t num_tokens, int64_t num_experts,
+                                 moe_dtype_t logits_dtype, moe_score_function_t score_function) {
+    MOE_TRY(check_sizes(num_tokens, num_experts, "num_experts"));
+    MOE_CHECK(moe_is_float_dtype(logits_dtype), "logits must be a float dtype, got %s",
+              moe_dtype_name(logits_dtype));
+    return check_score_function(score_function);
+}
+
+moe_status_t moe_aux_loss_scores_fwd_check(const void *scores, const uint8_t *routing_map,
+                                           const void *logits, int64_t num_tokens,
+                                           int64_t num_experts, int64_t topk,
+                                           moe_dtype_t logits_dtype,
+                                           moe_score_function_t score_function) {
+    MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, score_function));
+    MOE_CHECK(topk >= 1 && topk <= num_experts, "topk must be in [1, num_experts=%lld], got %lld",
+              (long long)num_experts, (long long)topk);
+    MOE_CHECK(num_tokens == 0 || (scores && routing_map && logits),
+              "scores, routing_map and logits must not be NULL");
+    return MOE_OK;
+}
+
+moe_status_t moe_aux_loss_scores_bwd_check(const void *grad_logits, const void *grad_scores,
+                                           const void *logits, int64_t num_tokens,
+                                           int64_t num_experts, moe_dtype_t logits_dtype,
+                                           moe_score_function_t score_function) {
+    MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, score_function));
+    MOE_CHECK(num_tokens == 0 || (grad_logits && grad_scores && logits),
+              "grad_logits, grad_scores and logits must not be NULL");
+    return MOE_OK;
+}
+
 moe_status_t moe_aux_loss_scores_fwd(void *scores, uint8_t *routing_map, const void *logits,
                                      const uint8_t *padding_mask, int64_t num_tokens,
                                      int64_t num_experts, int64_t topk, moe_dtype_t logits_dtype,
@@ -48,14 +79,9 @@ moe_status_t moe_aux_loss_scores_fwd(void *scores, uint8_t *routing_map, const v
                                      size_t workspace_bytes, void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_TRY(check_sizes(num_tokens, num_experts, "num_experts"));
-    MOE_CHECK(moe_is_float_dtype(logits_dtype), "logits must be a float dtype, got %s",
-              moe_dtype_name(logits_dtype));
-    MOE_CHECK(topk >= 1 && topk <= num_experts, "topk must be in [1, num_experts=%lld], got %lld",
-              (long long)num_experts, (long long)topk);
-    MOE_TRY(check_score_function(score_function));
+    MOE_TRY(moe_aux_loss_scores_fwd_check(scores, routing_map, logits, num_tokens, num_experts,
+                                          topk, logits_dtype, score_function));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(scores && routing_map && logits, "scores, routing_map and logits must not be NULL");
     const size_t per_thread = moe_checked_bytes(topk, (int64_t)(sizeof(double) + sizeof(int64_t)));
     MOE_CHECK(per_thread != MOE_SIZE_OVERFLOW, "topk=%lld: its scratch overflows int64 bytes",
               (long long)topk);
@@ -123,13 +149,9 @@ moe_status_t moe_aux_loss_scores_bwd(void *grad_logits, const void *grad_scores,
     (void)workspace;
     (void)workspace_bytes;
     moe_clear_error();
-    MOE_TRY(check_sizes(num_tokens, num_experts, "num_experts"));
-    MOE_CHECK(moe_is_float_dtype(logits_dtype), "logits must be a float dtype, got %s",
-              moe_dtype_name(logits_dtype));
-    MOE_TRY(check_score_function(score_function));
+    MOE_TRY(moe_aux_loss_scores_bwd_check(grad_logits, grad_scores, logits, num_tokens,
+                                          num_experts, logits_dtype, score_function));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(grad_logits && grad_scores && logits,
-              "grad_logits, grad_scores and logits must not be NULL");
     const int fp64 = logits_dtype == MOE_DTYPE_FP64;
     const moe_dtype_t sdt = compute_dtype(logits_dtype);
     const int64_t E = num_experts;

@@ -55,6 +55,19 @@ MOE_HD static inline void moe_load_stats(const int64_t *tokens_per_expert, int64
     stats[2] = (float)ent;
 }
 
+/* |A ∩ B| of two rows of k distinct expert ids: the top-k overlap of one token, an exact integer
+ * (the CPU loop and the CUDA thread of a token count alike). */
+MOE_HD static inline int64_t moe_topk_row_overlap(const int64_t *a, const int64_t *b, int64_t k) {
+    int64_t shared = 0;
+    for (int64_t i = 0; i < k; ++i)
+        for (int64_t j = 0; j < k; ++j)
+            if (a[i] == b[j]) {
+                ++shared;
+                break;
+            }
+    return shared;
+}
+
 /* sigmoid or sqrt(softplus) of one logit at compute precision (softplus: beta 1, threshold 20). */
 MOE_HD static inline double moe_bal_unnorm_score(int fp64, moe_score_function_t sf, double x) {
     if (sf == MOE_SCORE_SIGMOID) return rnd(fp64, 1.0 / (1.0 + exp(-x)));
@@ -90,31 +103,11 @@ static inline moe_status_t check_sizes(int64_t num_tokens, int64_t num_experts, 
     return moe_check_mul(num_tokens, "num_tokens", num_experts, cols);
 }
 
-static inline moe_status_t check_switch(const void *probs, const float *tpe, const double *total,
-                                        int64_t num_tokens, int64_t num_columns, moe_dtype_t dt,
-                                        const moe_switch_aux_loss_params_t *p) {
-    MOE_TRY(check_sizes(num_tokens, num_columns, "num_columns"));
-    MOE_CHECK(moe_is_float_dtype(dt), "probs must be a float dtype, got %s", moe_dtype_name(dt));
-    MOE_CHECK(p != NULL, "params must not be NULL");
-    MOE_CHECK(p->topk >= 1, "topk must be >= 1, got %lld", (long long)p->topk);
-    MOE_CHECK(p->num_experts >= 1, "num_experts must be >= 1, got %lld",
-              (long long)p->num_experts);
-    MOE_CHECK(isfinite(p->coeff), "coeff must be finite, got %g", p->coeff);
-    MOE_CHECK(tpe && total && (probs || num_tokens == 0),
-              "probs, tokens_per_expert and total_num_tokens must not be NULL");
-    return MOE_OK;
-}
-
 static inline moe_status_t check_score_function(moe_score_function_t sf) {
     MOE_CHECK(sf == MOE_SCORE_SOFTMAX || sf == MOE_SCORE_SIGMOID || sf == MOE_SCORE_SQRTSOFTPLUS,
               "score_function must be softmax (0), sigmoid (1) or sqrtsoftplus (2), got %d",
               (int)sf);
     return MOE_OK;
-}
-
-static inline moe_status_t check_workspace(const void *workspace, size_t have, size_t need,
-                                    const char *fn) {
-    return moe_check_workspace(workspace, have, need, fn);
 }
 
 #endif /* MOE_CORE_BALANCING_MATH_H_ */

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "checks.h" /* every op's argument check, shared by its CPU and CUDA entry points */
 #include "moe_core.h"
 
 /* Marks the small helpers that the CUDA kernels share with the C kernels. */
@@ -53,25 +54,6 @@ moe_status_t moe_check_mul(int64_t a, const char *a_name, int64_t b, const char 
 /* Checks a workspace against the bytes its size function asked for. MOE_SIZE_OVERFLOW (the size
  * function has already recorded why) is an invalid argument, not a request for SIZE_MAX bytes. */
 moe_status_t moe_check_workspace(const void *workspace, size_t have, size_t need, const char *fn);
-
-/* Sizes, layout and dtypes of a grouped GEMM (grouped_gemm.c); the CPU and CUDA entry points
- * share it so that both reject bad params with the same message. */
-moe_status_t moe_grouped_gemm_check_params(const moe_grouped_gemm_params_t *p);
-
-/* The size checks of the token layout ops, shared by the CPU and CUDA entry points so that both
- * reject the same arguments with the same message (none reads a buffer):
- *   moe_permute_check_params: permute's sizes and params, the row bound (checked, into
- *     *num_rows) and every element count of its buffers (permute.c);
- *   moe_layout_check_sizes: unpermute / permute_bwd sizes, the dtype of the rows (`what` names
- *     the buffer) and the element counts of [num_tokens | num_rows, hidden] and
- *     [num_tokens, num_experts] (layout.c);
- *   moe_topk_to_dense_check_sizes: topk_to_dense's sizes and dtype (topk_to_dense.c). */
-moe_status_t moe_permute_check_params(int64_t num_tokens, int64_t hidden, int64_t num_experts,
-                                      const moe_permute_params_t *p, int64_t *num_rows);
-moe_status_t moe_layout_check_sizes(int64_t num_tokens, int64_t hidden, int64_t num_experts,
-                                    int64_t num_rows, moe_dtype_t dtype, const char *what);
-moe_status_t moe_topk_to_dense_check_sizes(int64_t num_tokens, int64_t num_experts, int64_t topk,
-                                           moe_dtype_t dtype);
 
 #ifdef __cplusplus
 }
@@ -115,6 +97,11 @@ static inline int moe_checked_section(int64_t *total, int64_t count, int64_t ele
         return 1;
     return moe_checked_add_i64(*total, b & ~(align - 1), total);
 }
+
+/* Checks an entry point's `workspace` / `workspace_bytes` against what size_fn(...) asks for; the
+ * message names size_fn. */
+#define MOE_CHECK_WORKSPACE(size_fn, ...)                                                  \
+    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, size_fn(__VA_ARGS__), #size_fn))
 
 /* Propagates a non-OK status. */
 #define MOE_TRY(expr)                          \

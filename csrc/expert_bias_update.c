@@ -9,6 +9,20 @@
  */
 #include "balancing_math.h"
 
+moe_status_t moe_expert_bias_update_check(const float *updated_bias,
+                                          const float *tokens_per_expert,
+                                          const float *expert_bias, int64_t num_rows,
+                                          int64_t num_experts, double update_rate) {
+    MOE_CHECK(num_rows >= 0, "num_rows must be >= 0, got %lld", (long long)num_rows);
+    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
+    MOE_CHECK(isfinite(update_rate), "expert_bias_update_rate must be finite, got %g",
+              update_rate);
+    MOE_TRY(moe_check_mul(num_rows, "num_rows", num_experts, "num_experts"));
+    MOE_CHECK(num_rows == 0 || (updated_bias && tokens_per_expert && expert_bias),
+              "updated_bias, tokens_per_expert and expert_bias must not be NULL");
+    return MOE_OK;
+}
+
 moe_status_t moe_expert_bias_update_fwd(float *updated_bias, const float *tokens_per_expert,
                                         const float *expert_bias, int64_t num_rows,
                                         int64_t num_experts, double update_rate, void *workspace,
@@ -17,14 +31,8 @@ moe_status_t moe_expert_bias_update_fwd(float *updated_bias, const float *tokens
     (void)workspace;
     (void)workspace_bytes;
     moe_clear_error();
-    MOE_CHECK(num_rows >= 0, "num_rows must be >= 0, got %lld", (long long)num_rows);
-    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
-    MOE_CHECK(isfinite(update_rate), "expert_bias_update_rate must be finite, got %g",
-              update_rate);
-    MOE_TRY(moe_check_mul(num_rows, "num_rows", num_experts, "num_experts"));
-    if (num_rows == 0) return MOE_OK;
-    MOE_CHECK(updated_bias && tokens_per_expert && expert_bias,
-              "updated_bias, tokens_per_expert and expert_bias must not be NULL");
+    MOE_TRY(moe_expert_bias_update_check(updated_bias, tokens_per_expert, expert_bias, num_rows,
+                                         num_experts, update_rate));
     /* Megatron: sign(sum/E − count) · rate, each an fp32 tensor op. Float arithmetic here rounds
      * at the same points; sign of a rounded difference is the sign of the exact one. */
     const float rate = (float)update_rate;

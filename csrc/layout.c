@@ -12,9 +12,7 @@
 moe_status_t moe_token_rows_build(moe_token_rows_t *out, const int64_t *sorted_indices,
                                   int64_t num_tokens, int64_t num_rows, void *workspace,
                                   size_t workspace_bytes) {
-    MOE_TRY(moe_check_workspace(workspace, workspace_bytes,
-                                moe_unpermute_workspace_size(num_tokens, num_rows),
-                                "moe_unpermute_workspace_size"));
+    MOE_CHECK_WORKSPACE(moe_unpermute_workspace_size, num_tokens, num_rows);
     int64_t *start = (int64_t *)workspace;
     int64_t *rows = start + num_tokens + 1;
     for (int64_t t = 0; t <= num_tokens; ++t) start[t] = 0;

@@ -383,7 +383,7 @@ moe_status_t moe_cuda_routing_metrics_fwd(int64_t *tokens_per_expert, float *sta
 /** Workspace bytes of moe_topk_overlap_fwd. CPU: 0 (integer counts, reduced exactly). */
 size_t moe_topk_overlap_workspace_size(int64_t num_tokens, int64_t topk);
 
-/** CUDA: the per-block partial counts. */
+/** CUDA: two int64 partial counts per block of tokens. */
 size_t moe_cuda_topk_overlap_workspace_size(int64_t num_tokens, int64_t topk);
 
 /**

@@ -32,7 +32,9 @@
  * cuBLAS handle per device), never synchronises with the host and never exits. On failure a
  * function returns a status other than MOE_OK and leaves a message naming the argument and its
  * bad value in a thread-local buffer, read with moe_last_error(). Sizes and indices are int64
- * throughout.
+ * throughout. An op's CPU and CUDA entry points check their arguments with the same host code
+ * (csrc/checks.h), so both reject the same values with the same message; what lies in device
+ * memory is checked on the CPU only (on CUDA that would need a host sync), as each op says.
  *
  * Overflow: every size the core derives from its arguments (element counts, row bounds, byte
  * counts) is computed with checked int64 arithmetic. An op whose sizes do not fit returns

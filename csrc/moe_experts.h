@@ -269,8 +269,8 @@ moe_status_t moe_grouped_gemm_glu_probs_fwd(void *h, void *a, const void *x, con
                                             size_t workspace_bytes, void *stream);
 
 /**
- * CUDA: on Hopper the GEMM's epilogue computes h from a's values as they are rounded; other GPUs
- * and shapes run the two kernels back to back. Workspace: moe_cuda_grouped_gemm_workspace_size.
+ * CUDA: the composition's bits, whichever path runs (see csrc/cuda/grouped_gemm.cu); expert_offsets
+ * in device memory, not validated. Workspace: moe_cuda_grouped_gemm_workspace_size(gemm) bytes.
  */
 moe_status_t moe_cuda_grouped_gemm_glu_probs_fwd(void *h, void *a, const void *x,
                                                  const void *weight, const int64_t *expert_offsets,

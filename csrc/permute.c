@@ -83,6 +83,30 @@ moe_status_t moe_permute_check_params(int64_t num_tokens, int64_t hidden, int64_
     return MOE_OK;
 }
 
+moe_status_t moe_permute_fwd_check(const void *permuted_tokens, const void *permuted_probs,
+                                   const int64_t *sorted_indices, const int64_t *expert_offsets,
+                                   const int64_t *tokens_per_expert, const void *tokens,
+                                   const uint8_t *routing_map, const void *probs,
+                                   int64_t num_tokens, int64_t hidden, int64_t num_experts,
+                                   moe_dtype_t dtype, moe_dtype_t probs_dtype,
+                                   const moe_permute_params_t *params, int64_t *num_rows) {
+    int64_t R;
+    MOE_TRY(moe_permute_check_params(num_tokens, hidden, num_experts, params, &R));
+    MOE_CHECK(moe_dtype_size(dtype) > 0, "tokens has an unknown dtype (%d)", (int)dtype);
+    MOE_CHECK(!permuted_probs || moe_is_float_dtype(probs_dtype),
+              "probs must be a float dtype, got %s", moe_dtype_name(probs_dtype));
+    MOE_CHECK(!permuted_probs || num_tokens == 0 || probs,
+              "probs must not be NULL when permuted_probs is requested");
+    MOE_CHECK(expert_offsets && tokens_per_expert,
+              "expert_offsets and tokens_per_expert must not be NULL");
+    MOE_CHECK(R == 0 || (permuted_tokens && sorted_indices),
+              "permuted_tokens and sorted_indices must not be NULL");
+    MOE_CHECK(num_tokens == 0 || (tokens && routing_map),
+              "tokens and routing_map must not be NULL");
+    *num_rows = R;
+    return MOE_OK;
+}
+
 moe_status_t moe_permute_fwd(void *permuted_tokens, void *permuted_probs, int64_t *sorted_indices,
                              int64_t *expert_offsets, int64_t *tokens_per_expert,
                              const void *tokens, const uint8_t *routing_map, const void *probs,
@@ -93,19 +117,11 @@ moe_status_t moe_permute_fwd(void *permuted_tokens, void *permuted_probs, int64_
     (void)workspace, (void)workspace_bytes, (void)stream;
     moe_clear_error();
     int64_t R;
-    MOE_TRY(moe_permute_check_params(num_tokens, hidden, num_experts, params, &R));
+    MOE_TRY(moe_permute_fwd_check(permuted_tokens, permuted_probs, sorted_indices, expert_offsets,
+                                  tokens_per_expert, tokens, routing_map, probs, num_tokens,
+                                  hidden, num_experts, dtype, probs_dtype, params, &R));
     const size_t esize = moe_dtype_size(dtype);
-    MOE_CHECK(esize > 0, "tokens has an unknown dtype (%d)", (int)dtype);
-    MOE_CHECK(!permuted_probs || moe_is_float_dtype(probs_dtype),
-              "probs must be a float dtype, got %s", moe_dtype_name(probs_dtype));
-    MOE_CHECK(!permuted_probs || num_tokens == 0 || probs,
-              "probs must not be NULL when permuted_probs is requested");
-    MOE_CHECK(expert_offsets && tokens_per_expert,
-              "expert_offsets and tokens_per_expert must not be NULL");
     const int64_t T = num_tokens, E = num_experts;
-    MOE_CHECK(R == 0 || (permuted_tokens && sorted_indices),
-              "permuted_tokens and sorted_indices must not be NULL");
-    MOE_CHECK(T == 0 || (tokens && routing_map), "tokens and routing_map must not be NULL");
     const int dap = params->drop_and_pad != 0;
     const int64_t align = params->align_size > 1 ? params->align_size : 1;
     const int64_t capacity = dap ? params->num_out_tokens / E : 0;
@@ -160,6 +176,24 @@ moe_status_t moe_permute_fwd(void *permuted_tokens, void *permuted_probs, int64_
     return MOE_OK;
 }
 
+moe_status_t moe_permute_bwd_check(const void *grad_tokens, const void *grad_probs,
+                                   const void *grad_permuted_tokens,
+                                   const void *grad_permuted_probs, const int64_t *expert_offsets,
+                                   int64_t num_tokens, int64_t hidden, int64_t num_experts,
+                                   int64_t num_rows, moe_dtype_t dtype, moe_dtype_t probs_dtype) {
+    MOE_TRY(moe_layout_check_sizes(num_tokens, hidden, num_experts, num_rows, dtype,
+                                   "grad_permuted_tokens"));
+    MOE_CHECK(!grad_probs || moe_is_float_dtype(probs_dtype),
+              "grad_permuted_probs must be a float dtype, got %s", moe_dtype_name(probs_dtype));
+    MOE_CHECK(!grad_probs || num_rows == 0 || grad_permuted_probs,
+              "grad_permuted_probs must not be NULL when grad_probs is requested");
+    MOE_CHECK(!grad_probs || expert_offsets,
+              "expert_offsets must not be NULL when grad_probs is requested");
+    MOE_CHECK(num_tokens == 0 || grad_tokens, "grad_tokens must not be NULL");
+    MOE_CHECK(num_rows == 0 || grad_permuted_tokens, "grad_permuted_tokens must not be NULL");
+    return MOE_OK;
+}
+
 moe_status_t moe_permute_bwd(void *grad_tokens, void *grad_probs, const void *grad_permuted_tokens,
                              const void *grad_permuted_probs, const int64_t *sorted_indices,
                              const int64_t *expert_offsets, int64_t num_tokens, int64_t hidden,
@@ -168,14 +202,10 @@ moe_status_t moe_permute_bwd(void *grad_tokens, void *grad_probs, const void *gr
                              void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_TRY(moe_layout_check_sizes(num_tokens, hidden, num_experts, num_rows, dtype,
-                                   "grad_permuted_tokens"));
-    MOE_CHECK(!grad_probs || moe_is_float_dtype(probs_dtype),
-              "grad_permuted_probs must be a float dtype, got %s", moe_dtype_name(probs_dtype));
-    MOE_CHECK(!grad_probs || num_rows == 0 || grad_permuted_probs,
-              "grad_permuted_probs must not be NULL when grad_probs is requested");
-    MOE_CHECK(num_tokens == 0 || grad_tokens, "grad_tokens must not be NULL");
-    MOE_CHECK(num_rows == 0 || grad_permuted_tokens, "grad_permuted_tokens must not be NULL");
+    MOE_TRY(moe_permute_bwd_check(grad_tokens, grad_probs, grad_permuted_tokens,
+                                  grad_permuted_probs, expert_offsets, num_tokens, hidden,
+                                  num_experts, num_rows, dtype, probs_dtype));
+    /* the values of the host buffers: the CUDA entry point cannot read them without a sync */
     MOE_TRY(moe_check_sorted_indices(sorted_indices, num_tokens, num_rows));
     if (grad_probs)
         MOE_TRY(moe_check_expert_offsets(expert_offsets, num_experts, sorted_indices, num_rows));

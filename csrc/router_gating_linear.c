@@ -12,9 +12,9 @@
 
 #define MOE_GATING_BLOCK 64 /* columns of the output accumulated per pass, held on the stack */
 
-static moe_status_t check_args(int64_t num_tokens, int64_t hidden, int64_t num_experts,
-                               moe_dtype_t inp_dtype, moe_dtype_t weight_dtype,
-                               moe_dtype_t router_dtype) {
+moe_status_t moe_router_gating_linear_check(int64_t num_tokens, int64_t hidden,
+                                            int64_t num_experts, moe_dtype_t inp_dtype,
+                                            moe_dtype_t weight_dtype, moe_dtype_t router_dtype) {
     MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
     MOE_CHECK(hidden >= 1, "hidden must be >= 1, got %lld", (long long)hidden);
     MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
@@ -98,7 +98,8 @@ moe_status_t moe_router_gating_linear_fwd(void *logits, const void *inp, const v
                                           void *workspace, size_t workspace_bytes, void *stream) {
     (void)workspace, (void)workspace_bytes, (void)stream;
     moe_clear_error();
-    MOE_TRY(check_args(num_tokens, hidden, num_experts, inp_dtype, weight_dtype, router_dtype));
+    MOE_TRY(moe_router_gating_linear_check(num_tokens, hidden, num_experts, inp_dtype,
+                                           weight_dtype, router_dtype));
     if (num_tokens == 0) return MOE_OK;
     MOE_CHECK(logits && inp && weight, "logits, inp and weight must not be NULL");
 
@@ -133,7 +134,8 @@ moe_status_t moe_router_gating_linear_bwd(void *grad_inp, void *grad_weight, voi
                                           void *workspace, size_t workspace_bytes, void *stream) {
     (void)workspace, (void)workspace_bytes, (void)stream;
     moe_clear_error();
-    MOE_TRY(check_args(num_tokens, hidden, num_experts, inp_dtype, weight_dtype, router_dtype));
+    MOE_TRY(moe_router_gating_linear_check(num_tokens, hidden, num_experts, inp_dtype,
+                                           weight_dtype, router_dtype));
     MOE_CHECK(num_tokens == 0 || (grad_logits && inp && weight),
               "grad_logits, inp and weight must not be NULL");
 

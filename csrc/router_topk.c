@@ -105,13 +105,22 @@ moe_status_t moe_router_topk_check(const moe_router_topk_params_t *p, int64_t nu
     return MOE_OK;
 }
 
+moe_status_t moe_router_topk_check_args(int64_t num_tokens, int64_t num_experts,
+                                        moe_dtype_t logits_dtype,
+                                        const moe_router_topk_params_t *params,
+                                        int has_expert_bias) {
+    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
+    MOE_CHECK(moe_is_float_dtype(logits_dtype), "logits must be a float dtype, got %s",
+              moe_dtype_name(logits_dtype));
+    MOE_TRY(moe_router_topk_check(params, num_experts, has_expert_bias));
+    /* [T, E] logits and probs; [T, topk] with topk <= E fits whenever this does */
+    return moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts");
+}
+
+/* The CPU's own limit on top of the shared check: its per-thread scratch must be countable. */
 static moe_status_t check_common(int64_t num_tokens, int64_t num_experts, moe_dtype_t dt,
                                  const moe_router_topk_params_t *p, int has_bias) {
-    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(moe_is_float_dtype(dt), "logits must be a float dtype, got %s", moe_dtype_name(dt));
-    MOE_TRY(moe_router_topk_check(p, num_experts, has_bias));
-    /* [T, E] logits and probs; [T, topk] with topk <= E fits whenever this does */
-    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
+    MOE_TRY(moe_router_topk_check_args(num_tokens, num_experts, dt, p, has_bias));
     MOE_CHECK(thread_words(moe_topk_scratch_k(p), p->num_groups) >= 0,
               "topk=%lld, num_groups=%lld, group_score_topk=%lld: the per-thread scratch "
               "overflows int64",
@@ -214,6 +223,19 @@ moe_status_t moe_router_topk_fused_fwd(void *probs, uint8_t *routing_map, int64_
                     num_tokens, num_experts, logits_dtype, params, workspace, workspace_bytes);
 }
 
+moe_status_t moe_router_lse_bwd_check(const void *grad_logits, const double *grad_lse,
+                                      const void *logits, const double *lse, int64_t num_tokens,
+                                      int64_t num_experts, moe_dtype_t logits_dtype) {
+    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
+    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
+    MOE_CHECK(moe_is_float_dtype(logits_dtype), "logits must be a float dtype, got %s",
+              moe_dtype_name(logits_dtype));
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
+    MOE_CHECK(num_tokens == 0 || (grad_logits && grad_lse && logits && lse),
+              "grad_logits, grad_lse, logits and lse must not be NULL");
+    return MOE_OK;
+}
+
 moe_status_t moe_router_lse_bwd(void *grad_logits, const double *grad_lse, const void *logits,
                                 const double *lse, const uint8_t *padding_mask,
                                 int64_t num_tokens, int64_t num_experts, moe_dtype_t logits_dtype,
@@ -222,14 +244,8 @@ moe_status_t moe_router_lse_bwd(void *grad_logits, const double *grad_lse, const
     (void)workspace_bytes;
     (void)stream;
     moe_clear_error();
-    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
-    MOE_CHECK(moe_is_float_dtype(logits_dtype), "logits must be a float dtype, got %s",
-              moe_dtype_name(logits_dtype));
-    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
-    if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(grad_logits && grad_lse && logits && lse,
-              "grad_logits, grad_lse, logits and lse must not be NULL");
+    MOE_TRY(moe_router_lse_bwd_check(grad_logits, grad_lse, logits, lse, num_tokens, num_experts,
+                                     logits_dtype));
     const int64_t E = num_experts;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < num_tokens; ++t) {

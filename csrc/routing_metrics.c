@@ -22,13 +22,10 @@ size_t moe_routing_metrics_workspace_size(int64_t num_tokens, int64_t num_expert
     return bytes;
 }
 
-moe_status_t moe_routing_metrics_fwd(int64_t *tokens_per_expert, float *stats,
-                                     const uint8_t *routing_map, const void *scores,
-                                     const uint8_t *padding_mask, int64_t num_tokens,
-                                     int64_t num_experts, moe_dtype_t scores_dtype,
-                                     void *workspace, size_t workspace_bytes, void *stream) {
-    (void)stream;
-    moe_clear_error();
+moe_status_t moe_routing_metrics_check(const int64_t *tokens_per_expert, const float *stats,
+                                       const uint8_t *routing_map, const void *scores,
+                                       int64_t num_tokens, int64_t num_experts,
+                                       moe_dtype_t scores_dtype) {
     MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
     MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
     MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
@@ -36,9 +33,19 @@ moe_status_t moe_routing_metrics_fwd(int64_t *tokens_per_expert, float *stats,
               "scores must be a float dtype, got %s", moe_dtype_name(scores_dtype));
     MOE_CHECK(tokens_per_expert && stats && (routing_map || num_tokens == 0),
               "tokens_per_expert, stats and routing_map must not be NULL");
-    const size_t need = moe_routing_metrics_workspace_size(num_tokens, num_experts);
-    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, need,
-                                "moe_routing_metrics_workspace_size"));
+    return MOE_OK;
+}
+
+moe_status_t moe_routing_metrics_fwd(int64_t *tokens_per_expert, float *stats,
+                                     const uint8_t *routing_map, const void *scores,
+                                     const uint8_t *padding_mask, int64_t num_tokens,
+                                     int64_t num_experts, moe_dtype_t scores_dtype,
+                                     void *workspace, size_t workspace_bytes, void *stream) {
+    (void)stream;
+    moe_clear_error();
+    MOE_TRY(moe_routing_metrics_check(tokens_per_expert, stats, routing_map, scores, num_tokens,
+                                      num_experts, scores_dtype));
+    MOE_CHECK_WORKSPACE(moe_routing_metrics_workspace_size, num_tokens, num_experts);
     const int64_t T = num_tokens, E = num_experts;
 
 #pragma omp parallel for schedule(static)
@@ -81,6 +88,19 @@ size_t moe_topk_overlap_workspace_size(int64_t num_tokens, int64_t topk) {
     return 0; /* integer counts, reduced by OpenMP */
 }
 
+moe_status_t moe_topk_overlap_check(const float *overlap, const int64_t *indices_a,
+                                    const int64_t *indices_b, int64_t num_tokens, int64_t topk,
+                                    int64_t num_experts) {
+    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
+    MOE_CHECK(topk >= 1, "topk must be >= 1, got %lld", (long long)topk);
+    MOE_CHECK(num_experts >= topk, "num_experts must be >= topk=%lld, got %lld", (long long)topk,
+              (long long)num_experts);
+    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", topk, "topk"));
+    MOE_CHECK(overlap && ((indices_a && indices_b) || num_tokens == 0),
+              "overlap, indices_a and indices_b must not be NULL");
+    return MOE_OK;
+}
+
 moe_status_t moe_topk_overlap_fwd(float *overlap, const int64_t *indices_a,
                                   const int64_t *indices_b, const uint8_t *padding_mask,
                                   int64_t num_tokens, int64_t topk, int64_t num_experts,
@@ -89,13 +109,8 @@ moe_status_t moe_topk_overlap_fwd(float *overlap, const int64_t *indices_a,
     (void)workspace;
     (void)workspace_bytes;
     moe_clear_error();
-    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(topk >= 1, "topk must be >= 1, got %lld", (long long)topk);
-    MOE_CHECK(num_experts >= topk, "num_experts must be >= topk=%lld, got %lld", (long long)topk,
-              (long long)num_experts);
-    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", topk, "topk"));
-    MOE_CHECK(overlap && ((indices_a && indices_b) || num_tokens == 0),
-              "overlap, indices_a and indices_b must not be NULL");
+    MOE_TRY(moe_topk_overlap_check(overlap, indices_a, indices_b, num_tokens, topk, num_experts));
+    /* the ids' values (host memory; the CUDA entry point cannot read them without a sync) */
     const int64_t n = num_tokens * topk;
     int64_t bad_a = -1, bad_b = -1;
     for (int64_t i = 0; i < n && bad_a < 0; ++i)
@@ -114,13 +129,7 @@ moe_status_t moe_topk_overlap_fwd(float *overlap, const int64_t *indices_a,
     for (int64_t t = 0; t < num_tokens; ++t) {
         if (is_pad(padding_mask, t)) continue;
         ++valid;
-        const int64_t *a = indices_a + t * topk, *b = indices_b + t * topk;
-        for (int64_t i = 0; i < topk; ++i)
-            for (int64_t j = 0; j < topk; ++j)
-                if (a[i] == b[j]) {
-                    ++shared;
-                    break;
-                }
+        shared += moe_topk_row_overlap(indices_a + t * topk, indices_b + t * topk, topk);
     }
     *overlap = valid > 0 ? (float)((double)shared / ((double)valid * (double)topk)) : 0.0f;
     return MOE_OK;

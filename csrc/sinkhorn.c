@@ -91,17 +91,54 @@ static moe_status_t check_common(int64_t T, int64_t E, moe_dtype_t dt, const cha
     return moe_check_mul(T, "num_tokens", E, "num_experts");
 }
 
+moe_status_t moe_sinkhorn_fwd_check(const void *out, const void *cost, int64_t num_tokens,
+                                    int64_t num_experts, moe_dtype_t cost_dtype, double tol,
+                                    int64_t max_iters) {
+    MOE_TRY(check_common(num_tokens, num_experts, cost_dtype, "cost"));
+    MOE_CHECK(tol >= 0.0, "tol must be >= 0, got %g", tol); /* also rejects NaN */
+    MOE_CHECK(max_iters >= 0, "max_iters must be >= 0, got %lld", (long long)max_iters);
+    MOE_CHECK(num_tokens == 0 || (out && cost), "out and cost must not be NULL");
+    return MOE_OK;
+}
+
+static moe_status_t check_topk(int64_t num_experts, int64_t topk) {
+    MOE_CHECK(topk >= 1 && topk <= num_experts, "topk must be in [1, num_experts=%lld], got %lld",
+              (long long)num_experts, (long long)topk);
+    return MOE_OK;
+}
+
+moe_status_t moe_sinkhorn_routing_fwd_check(const void *probs, const uint8_t *routing_map,
+                                            const void *logits, int64_t num_tokens,
+                                            int64_t num_experts, int64_t topk,
+                                            moe_dtype_t logits_dtype, double tol) {
+    MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, "logits"));
+    MOE_TRY(check_topk(num_experts, topk));
+    MOE_CHECK(tol >= 0.0, "tol must be >= 0, got %g", tol);
+    MOE_CHECK(num_tokens == 0 || (probs && routing_map && logits),
+              "probs, routing_map and logits must not be NULL");
+    return MOE_OK;
+}
+
+moe_status_t moe_sinkhorn_routing_bwd_check(const void *grad_logits, const void *grad_probs,
+                                            const void *logits, const uint8_t *routing_map,
+                                            int64_t num_tokens, int64_t num_experts, int64_t topk,
+                                            moe_dtype_t logits_dtype) {
+    MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, "logits"));
+    MOE_TRY(check_topk(num_experts, topk));
+    MOE_CHECK(num_tokens == 0 || (grad_logits && grad_probs && logits && routing_map),
+              "grad_logits, grad_probs, logits and routing_map must not be NULL");
+    return MOE_OK;
+}
+
 moe_status_t moe_sinkhorn_fwd(void *out, const void *cost, int64_t num_tokens,
                               int64_t num_experts, moe_dtype_t cost_dtype, double tol,
                               int64_t max_iters, void *workspace, size_t workspace_bytes,
                               void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_TRY(check_common(num_tokens, num_experts, cost_dtype, "cost"));
-    MOE_CHECK(tol >= 0.0, "tol must be >= 0, got %g", tol); /* also rejects NaN */
-    MOE_CHECK(max_iters >= 0, "max_iters must be >= 0, got %lld", (long long)max_iters);
+    MOE_TRY(moe_sinkhorn_fwd_check(out, cost, num_tokens, num_experts, cost_dtype, tol,
+                                   max_iters));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(out && cost, "out and cost must not be NULL");
     const int64_t T = num_tokens, E = num_experts;
     MOE_TRY(moe_check_workspace(workspace, workspace_bytes, moe_sinkhorn_workspace_size(T, E, 0),
                                 "moe_sinkhorn_workspace_size, topk=0"));
@@ -143,16 +180,11 @@ moe_status_t moe_sinkhorn_routing_fwd(void *probs, uint8_t *routing_map, const v
                                       void *workspace, size_t workspace_bytes, void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, "logits"));
-    MOE_CHECK(topk >= 1 && topk <= num_experts, "topk must be in [1, num_experts=%lld], got %lld",
-              (long long)num_experts, (long long)topk);
-    MOE_CHECK(tol >= 0.0, "tol must be >= 0, got %g", tol);
+    MOE_TRY(moe_sinkhorn_routing_fwd_check(probs, routing_map, logits, num_tokens, num_experts,
+                                           topk, logits_dtype, tol));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(probs && routing_map && logits, "probs, routing_map and logits must not be NULL");
     const int64_t T = num_tokens, E = num_experts, k = topk;
-    MOE_TRY(moe_check_workspace(workspace, workspace_bytes,
-                                moe_sinkhorn_routing_workspace_size(T, E, k, training),
-                                "moe_sinkhorn_routing_workspace_size"));
+    MOE_CHECK_WORKSPACE(moe_sinkhorn_routing_workspace_size, T, E, k, training);
     const int fp64 = logits_dtype == MOE_DTYPE_FP64;
     double *d0 = (double *)workspace, *d1 = d0 + T, *d1_old = d1 + E, *C = d1_old + E;
     double *lists = C + T * E;
@@ -205,12 +237,9 @@ moe_status_t moe_sinkhorn_routing_bwd(void *grad_logits, const void *grad_probs,
     (void)workspace;
     (void)workspace_bytes;
     moe_clear_error();
-    MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, "logits"));
-    MOE_CHECK(topk >= 1 && topk <= num_experts, "topk must be in [1, num_experts=%lld], got %lld",
-              (long long)num_experts, (long long)topk);
+    MOE_TRY(moe_sinkhorn_routing_bwd_check(grad_logits, grad_probs, logits, routing_map,
+                                           num_tokens, num_experts, topk, logits_dtype));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(grad_logits && grad_probs && logits && routing_map,
-              "grad_logits, grad_probs, logits and routing_map must not be NULL");
     const int fp64 = logits_dtype == MOE_DTYPE_FP64;
     const int64_t E = num_experts;
 #pragma omp parallel for schedule(static)

@@ -13,17 +13,28 @@ size_t moe_sort_chunks_by_idxs_workspace_size(int64_t num_chunks) {
     return 0; /* each chunk's two starts are running sums, recomputed per chunk */
 }
 
-static moe_status_t check_args(const void *dst, const void *src, const int64_t *split_sizes,
-                               const int64_t *sorted_idxs, int64_t num_rows, int64_t row_elems,
-                               int64_t num_chunks, moe_dtype_t dtype) {
+moe_status_t moe_sort_chunks_by_idxs_check(const void *dst, const void *src,
+                                           const int64_t *split_sizes, const int64_t *sorted_idxs,
+                                           int64_t num_rows, int64_t row_elems,
+                                           int64_t num_chunks, moe_dtype_t dtype) {
     MOE_CHECK(num_rows >= 0, "num_rows must be >= 0, got %lld", (long long)num_rows);
     MOE_CHECK(row_elems >= 0, "row_elems must be >= 0, got %lld", (long long)row_elems);
     MOE_CHECK(num_chunks >= 0, "num_chunks must be >= 0, got %lld", (long long)num_chunks);
     MOE_CHECK(moe_dtype_size(dtype) > 0, "input has an unknown dtype (%d)", (int)dtype);
+    MOE_TRY(moe_check_mul(num_rows, "num_rows", row_elems, "row_elems"));
+    /* the one thing the sizes say about split_sizes: no chunk, no rows */
+    MOE_CHECK(num_chunks > 0 || num_rows == 0,
+              "split_sizes must sum to the rows of input (%lld), got 0 (no chunks)",
+              (long long)num_rows);
     MOE_CHECK(num_chunks == 0 || (split_sizes && sorted_idxs),
               "split_sizes and sorted_idxs must not be NULL");
-    MOE_TRY(moe_check_mul(num_rows, "num_rows", row_elems, "row_elems"));
     MOE_CHECK(num_rows == 0 || row_elems == 0 || (dst && src), "input and output must not be NULL");
+    return MOE_OK;
+}
+
+/* The values of split_sizes and sorted_idxs (host memory; on CUDA the caller's contract). */
+static moe_status_t check_values(const int64_t *split_sizes, const int64_t *sorted_idxs,
+                                 int64_t num_rows, int64_t num_chunks) {
     /* A checked sum: sizes whose wrapped sum equals num_rows would otherwise pass and move chunks
      * far past the buffer. Every partial sum fits, so the running starts of move_chunks do too. */
     int64_t total = 0;
@@ -83,8 +94,9 @@ moe_status_t moe_sort_chunks_by_idxs_fwd(void *output, const void *input,
                                          size_t workspace_bytes, void *stream) {
     (void)workspace, (void)workspace_bytes, (void)stream;
     moe_clear_error();
-    MOE_TRY(check_args(output, input, split_sizes, sorted_idxs, num_rows, row_elems, num_chunks,
-                       dtype));
+    MOE_TRY(moe_sort_chunks_by_idxs_check(output, input, split_sizes, sorted_idxs, num_rows,
+                                          row_elems, num_chunks, dtype));
+    MOE_TRY(check_values(split_sizes, sorted_idxs, num_rows, num_chunks));
     move_chunks(output, input, split_sizes, sorted_idxs, row_elems, num_chunks,
                 moe_dtype_size(dtype), 0);
     return MOE_OK;
@@ -97,8 +109,9 @@ moe_status_t moe_sort_chunks_by_idxs_bwd(void *grad_input, const void *grad_outp
                                          size_t workspace_bytes, void *stream) {
     (void)workspace, (void)workspace_bytes, (void)stream;
     moe_clear_error();
-    MOE_TRY(check_args(grad_input, grad_output, split_sizes, sorted_idxs, num_rows, row_elems,
-                       num_chunks, dtype));
+    MOE_TRY(moe_sort_chunks_by_idxs_check(grad_input, grad_output, split_sizes, sorted_idxs,
+                                          num_rows, row_elems, num_chunks, dtype));
+    MOE_TRY(check_values(split_sizes, sorted_idxs, num_rows, num_chunks));
     move_chunks(grad_input, grad_output, split_sizes, sorted_idxs, row_elems, num_chunks,
                 moe_dtype_size(dtype), 1);
     return MOE_OK;

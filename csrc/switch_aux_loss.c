@@ -19,6 +19,27 @@ size_t moe_switch_aux_loss_workspace_size(int64_t num_tokens, int64_t num_column
     return bytes;
 }
 
+moe_status_t moe_switch_aux_loss_check(const void *out, const void *probs_or_grad,
+                                       const float *tokens_per_expert,
+                                       const double *total_num_tokens, int64_t num_tokens,
+                                       int64_t num_columns, moe_dtype_t probs_dtype,
+                                       const moe_switch_aux_loss_params_t *params,
+                                       const char *out_name) {
+    const moe_switch_aux_loss_params_t *p = params;
+    MOE_TRY(check_sizes(num_tokens, num_columns, "num_columns"));
+    MOE_CHECK(moe_is_float_dtype(probs_dtype), "probs must be a float dtype, got %s",
+              moe_dtype_name(probs_dtype));
+    MOE_CHECK(p != NULL, "params must not be NULL");
+    MOE_CHECK(p->topk >= 1, "topk must be >= 1, got %lld", (long long)p->topk);
+    MOE_CHECK(p->num_experts >= 1, "num_experts must be >= 1, got %lld",
+              (long long)p->num_experts);
+    MOE_CHECK(isfinite(p->coeff), "coeff must be finite, got %g", p->coeff);
+    MOE_CHECK(tokens_per_expert && total_num_tokens && (probs_or_grad || num_tokens == 0),
+              "probs, tokens_per_expert and total_num_tokens must not be NULL");
+    MOE_CHECK(out != NULL, "%s must not be NULL", out_name);
+    return MOE_OK;
+}
+
 moe_status_t moe_switch_aux_loss_fwd(void *loss, const void *probs,
                                      const float *tokens_per_expert,
                                      const double *total_num_tokens, const uint8_t *padding_mask,
@@ -28,12 +49,9 @@ moe_status_t moe_switch_aux_loss_fwd(void *loss, const void *probs,
                                      size_t workspace_bytes, void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_TRY(check_switch(probs, tokens_per_expert, total_num_tokens, num_tokens, num_columns,
-                         probs_dtype, params));
-    MOE_CHECK(loss != NULL, "loss must not be NULL");
-    MOE_TRY(check_workspace(workspace, workspace_bytes,
-                            moe_switch_aux_loss_workspace_size(num_tokens, num_columns),
-                            "moe_switch_aux_loss_workspace_size"));
+    MOE_TRY(moe_switch_aux_loss_check(loss, probs, tokens_per_expert, total_num_tokens,
+                                      num_tokens, num_columns, probs_dtype, params, "loss"));
+    MOE_CHECK_WORKSPACE(moe_switch_aux_loss_workspace_size, num_tokens, num_columns);
     const int64_t C = num_columns;
     double *colsum = (double *)workspace;
     /* a thread owns whole columns; each column is summed in token order */
@@ -63,9 +81,8 @@ moe_status_t moe_switch_aux_loss_bwd(void *grad_probs, const void *grad_loss,
     (void)workspace;
     (void)workspace_bytes;
     moe_clear_error();
-    MOE_TRY(check_switch(grad_probs, tokens_per_expert, total_num_tokens, num_tokens, num_columns,
-                         probs_dtype, params));
-    MOE_CHECK(grad_loss != NULL, "grad_loss must not be NULL");
+    MOE_TRY(moe_switch_aux_loss_check(grad_loss, grad_probs, tokens_per_expert, total_num_tokens,
+                                      num_tokens, num_columns, probs_dtype, params, "grad_loss"));
     const int64_t C = num_columns;
     const double g = moe_load(grad_loss, compute_dtype(probs_dtype), 0) *
                      moe_switch_factor(params->num_experts, params->topk, params->coeff,

@@ -54,12 +54,36 @@ size_t moe_token_dropping_workspace_size(int64_t num_tokens, int64_t num_experts
     return bytes;
 }
 
-static moe_status_t check_common(int64_t num_tokens, int64_t num_experts, moe_dtype_t dtype) {
+static moe_status_t check_sizes(int64_t num_tokens, int64_t num_experts, moe_dtype_t dtype) {
     MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
     MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
     MOE_CHECK(moe_is_float_dtype(dtype), "routing_probs must be a float dtype, got %s",
               moe_dtype_name(dtype));
     return moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts");
+}
+
+moe_status_t moe_token_dropping_fwd_check(const void *final_probs, const uint8_t *final_map,
+                                          const void *routing_probs, const uint8_t *routing_map,
+                                          int64_t num_tokens, int64_t num_experts,
+                                          int64_t capacity, moe_drop_policy_t policy,
+                                          moe_dtype_t dtype) {
+    MOE_TRY(check_sizes(num_tokens, num_experts, dtype));
+    MOE_CHECK(capacity >= 0, "capacity must be >= 0, got %lld", (long long)capacity);
+    MOE_CHECK(policy == MOE_DROP_PROBS || policy == MOE_DROP_POSITION,
+              "drop_policy must be probs (0) or position (1), got %d", (int)policy);
+    MOE_CHECK(num_tokens == 0 || (final_probs && final_map && routing_probs && routing_map),
+              "final_probs, final_map, routing_probs and routing_map must not be NULL");
+    return MOE_OK;
+}
+
+moe_status_t moe_token_dropping_bwd_check(const void *grad_routing_probs,
+                                          const void *grad_final_probs, const uint8_t *final_map,
+                                          int64_t num_tokens, int64_t num_experts,
+                                          moe_dtype_t dtype) {
+    MOE_TRY(check_sizes(num_tokens, num_experts, dtype));
+    MOE_CHECK(num_tokens == 0 || (grad_routing_probs && grad_final_probs && final_map),
+              "grad_routing_probs, grad_final_probs and final_map must not be NULL");
+    return MOE_OK;
 }
 
 moe_status_t moe_token_dropping_fwd(void *final_probs, uint8_t *final_map,
@@ -70,13 +94,9 @@ moe_status_t moe_token_dropping_fwd(void *final_probs, uint8_t *final_map,
                                     void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_TRY(check_common(num_tokens, num_experts, dtype));
-    MOE_CHECK(capacity >= 0, "capacity must be >= 0, got %lld", (long long)capacity);
-    MOE_CHECK(policy == MOE_DROP_PROBS || policy == MOE_DROP_POSITION,
-              "drop_policy must be probs (0) or position (1), got %d", (int)policy);
+    MOE_TRY(moe_token_dropping_fwd_check(final_probs, final_map, routing_probs, routing_map,
+                                         num_tokens, num_experts, capacity, policy, dtype));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(final_probs && final_map && routing_probs && routing_map,
-              "final_probs, final_map, routing_probs and routing_map must not be NULL");
     const int64_t T = num_tokens, E = num_experts;
     const int sorting = policy == MOE_DROP_PROBS && capacity < T;
     const int nthreads = moe_max_threads();
@@ -138,10 +158,9 @@ moe_status_t moe_token_dropping_bwd(void *grad_routing_probs, const void *grad_f
                                     size_t workspace_bytes, void *stream) {
     (void)workspace, (void)workspace_bytes, (void)stream;
     moe_clear_error();
-    MOE_TRY(check_common(num_tokens, num_experts, dtype));
+    MOE_TRY(moe_token_dropping_bwd_check(grad_routing_probs, grad_final_probs, final_map,
+                                         num_tokens, num_experts, dtype));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(grad_routing_probs && grad_final_probs && final_map,
-              "grad_routing_probs, grad_final_probs and final_map must not be NULL");
     const int64_t n = num_tokens * num_experts;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i)

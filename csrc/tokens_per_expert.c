@@ -6,6 +6,14 @@
  */
 #include "balancing_math.h"
 
+moe_status_t moe_tokens_per_expert_check(const int64_t *counts, const uint8_t *routing_map,
+                                         int64_t num_tokens, int64_t num_experts) {
+    MOE_TRY(check_sizes(num_tokens, num_experts, "num_experts"));
+    MOE_CHECK(counts != NULL && (routing_map != NULL || num_tokens == 0),
+              "counts and routing_map must not be NULL");
+    return MOE_OK;
+}
+
 moe_status_t moe_tokens_per_expert_fwd(int64_t *counts, const uint8_t *routing_map,
                                        const uint8_t *padding_mask, int64_t num_tokens,
                                        int64_t num_experts, void *workspace,
@@ -14,9 +22,7 @@ moe_status_t moe_tokens_per_expert_fwd(int64_t *counts, const uint8_t *routing_m
     (void)workspace;
     (void)workspace_bytes;
     moe_clear_error();
-    MOE_TRY(check_sizes(num_tokens, num_experts, "num_experts"));
-    MOE_CHECK(counts != NULL && (routing_map != NULL || num_tokens == 0),
-              "counts and routing_map must not be NULL");
+    MOE_TRY(moe_tokens_per_expert_check(counts, routing_map, num_tokens, num_experts));
 #pragma omp parallel for schedule(static)
     for (int64_t e = 0; e < num_experts; ++e) {
         int64_t n = 0;

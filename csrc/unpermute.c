@@ -10,18 +10,54 @@
  */
 #include "layout.h"
 
-static moe_status_t check_args(const void *probs, const int64_t *sorted_indices,
-                               const int64_t *expert_offsets, int64_t num_tokens, int64_t hidden,
-                               int64_t num_experts, int64_t num_rows, moe_dtype_t dtype,
-                               moe_dtype_t probs_dtype) {
+/* The sizes, the probs' dtype and expert_offsets of both directions. */
+static moe_status_t check_probs(const void *probs, const int64_t *expert_offsets,
+                                int64_t num_tokens, int64_t hidden, int64_t num_experts,
+                                int64_t num_rows, moe_dtype_t dtype, moe_dtype_t probs_dtype) {
     MOE_TRY(moe_layout_check_sizes(num_tokens, hidden, num_experts, num_rows, dtype,
                                    "permuted_tokens"));
+    MOE_CHECK(!probs || moe_is_float_dtype(probs_dtype), "probs must be a float dtype, got %s",
+              moe_dtype_name(probs_dtype));
+    MOE_CHECK(!probs || expert_offsets, "expert_offsets must not be NULL when probs are given");
+    return MOE_OK;
+}
+
+moe_status_t moe_unpermute_fwd_check(const void *output, const void *permuted_tokens,
+                                     const void *probs, const int64_t *expert_offsets,
+                                     int64_t num_tokens, int64_t hidden, int64_t num_experts,
+                                     int64_t num_rows, moe_dtype_t dtype,
+                                     moe_dtype_t probs_dtype) {
+    MOE_TRY(check_probs(probs, expert_offsets, num_tokens, hidden, num_experts, num_rows, dtype,
+                        probs_dtype));
+    MOE_CHECK(num_tokens == 0 || output, "output must not be NULL");
+    MOE_CHECK(num_rows == 0 || permuted_tokens, "permuted_tokens must not be NULL");
+    return MOE_OK;
+}
+
+moe_status_t moe_unpermute_bwd_check(const void *grad_permuted_tokens, const void *grad_probs,
+                                     const void *grad_output, const void *permuted_tokens,
+                                     const void *probs, const int64_t *expert_offsets,
+                                     int64_t num_tokens, int64_t hidden, int64_t num_experts,
+                                     int64_t num_rows, moe_dtype_t dtype,
+                                     moe_dtype_t probs_dtype) {
+    MOE_TRY(check_probs(probs, expert_offsets, num_tokens, hidden, num_experts, num_rows, dtype,
+                        probs_dtype));
+    MOE_CHECK(!grad_probs || probs, "grad_probs needs probs (the forward had none)");
+    MOE_CHECK(num_rows == 0 || grad_permuted_tokens, "grad_permuted_tokens must not be NULL");
+    MOE_CHECK(num_tokens == 0 || grad_output, "grad_output must not be NULL");
+    MOE_CHECK(!grad_probs || num_rows == 0 || permuted_tokens,
+              "permuted_tokens must not be NULL when grad_probs is requested");
+    return MOE_OK;
+}
+
+/* The values of the host buffers, after the shared check: the CUDA entry points cannot read
+ * them without a sync. */
+static moe_status_t check_values(const void *probs, const int64_t *sorted_indices,
+                                 const int64_t *expert_offsets, int64_t num_tokens,
+                                 int64_t num_experts, int64_t num_rows) {
     MOE_TRY(moe_check_sorted_indices(sorted_indices, num_tokens, num_rows));
-    if (probs) {
-        MOE_CHECK(moe_is_float_dtype(probs_dtype), "probs must be a float dtype, got %s",
-                  moe_dtype_name(probs_dtype));
+    if (probs)
         MOE_TRY(moe_check_expert_offsets(expert_offsets, num_experts, sorted_indices, num_rows));
-    }
     return MOE_OK;
 }
 
@@ -33,10 +69,10 @@ moe_status_t moe_unpermute_fwd(void *output, const void *permuted_tokens,
                                void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_TRY(check_args(probs, sorted_indices, expert_offsets, num_tokens, hidden, num_experts,
-                       num_rows, dtype, probs_dtype));
-    MOE_CHECK(num_tokens == 0 || output, "output must not be NULL");
-    MOE_CHECK(num_rows == 0 || permuted_tokens, "permuted_tokens must not be NULL");
+    MOE_TRY(moe_unpermute_fwd_check(output, permuted_tokens, probs, expert_offsets, num_tokens,
+                                    hidden, num_experts, num_rows, dtype, probs_dtype));
+    MOE_TRY(check_values(probs, sorted_indices, expert_offsets, num_tokens, num_experts,
+                         num_rows));
     moe_token_rows_t map;
     MOE_TRY(moe_token_rows_build(&map, sorted_indices, num_tokens, num_rows, workspace,
                                  workspace_bytes));
@@ -59,13 +95,11 @@ moe_status_t moe_unpermute_bwd(void *grad_permuted_tokens, void *grad_probs,
                                void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_TRY(check_args(probs, sorted_indices, expert_offsets, num_tokens, hidden, num_experts,
-                       num_rows, dtype, probs_dtype));
-    MOE_CHECK(!grad_probs || probs, "grad_probs needs probs (the forward had none)");
-    MOE_CHECK(num_rows == 0 || grad_permuted_tokens, "grad_permuted_tokens must not be NULL");
-    MOE_CHECK(num_tokens == 0 || grad_output, "grad_output must not be NULL");
-    MOE_CHECK(!grad_probs || num_rows == 0 || permuted_tokens,
-              "permuted_tokens must not be NULL when grad_probs is requested");
+    MOE_TRY(moe_unpermute_bwd_check(grad_permuted_tokens, grad_probs, grad_output,
+                                    permuted_tokens, probs, expert_offsets, num_tokens, hidden,
+                                    num_experts, num_rows, dtype, probs_dtype));
+    MOE_TRY(check_values(probs, sorted_indices, expert_offsets, num_tokens, num_experts,
+                         num_rows));
     moe_token_rows_t map;
     MOE_TRY(moe_token_rows_build(&map, sorted_indices, num_tokens, num_rows, workspace,
                                  workspace_bytes));

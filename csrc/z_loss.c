@@ -34,8 +34,8 @@ size_t moe_z_loss_workspace_size(int64_t num_tokens, int64_t num_experts) {
     return bytes;
 }
 
-static moe_status_t check_z(const void *logits, int64_t num_tokens, int64_t num_experts,
-                            double coeff, moe_dtype_t dt) {
+moe_status_t moe_z_loss_check(const void *logits, int64_t num_tokens, int64_t num_experts,
+                              double coeff, moe_dtype_t dt) {
     MOE_TRY(check_sizes(num_tokens, num_experts, "num_experts"));
     MOE_CHECK(moe_is_float_dtype(dt), "logits must be a float dtype, got %s", moe_dtype_name(dt));
     MOE_CHECK(isfinite(coeff), "z_loss_coeff must be finite, got %g", coeff);
@@ -57,11 +57,9 @@ moe_status_t moe_z_loss_fwd(void *loss, const void *logits, const uint8_t *paddi
                             void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_TRY(check_z(logits, num_tokens, num_experts, coeff, logits_dtype));
+    MOE_TRY(moe_z_loss_check(logits, num_tokens, num_experts, coeff, logits_dtype));
     MOE_CHECK(loss != NULL, "loss must not be NULL");
-    MOE_TRY(check_workspace(workspace, workspace_bytes,
-                            moe_z_loss_workspace_size(num_tokens, num_experts),
-                            "moe_z_loss_workspace_size"));
+    MOE_CHECK_WORKSPACE(moe_z_loss_workspace_size, num_tokens, num_experts);
     double *z = (double *)workspace;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < num_tokens; ++t) {
@@ -84,7 +82,7 @@ moe_status_t moe_z_loss_bwd(void *grad_logits, const void *grad_loss, const void
     (void)workspace;
     (void)workspace_bytes;
     moe_clear_error();
-    MOE_TRY(check_z(logits, num_tokens, num_experts, coeff, logits_dtype));
+    MOE_TRY(moe_z_loss_check(logits, num_tokens, num_experts, coeff, logits_dtype));
     MOE_CHECK(grad_loss != NULL, "grad_loss must not be NULL");
     /* an empty grad_logits may have no storage: 0 tokens have nothing to write */
     if (num_tokens == 0) return MOE_OK;

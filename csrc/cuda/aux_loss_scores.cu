@@ -107,13 +107,10 @@ moe_aux_loss_scores_bwd_kernel(void *grad_logits, const void *grad_scores, const
     }
 }
 
-static moe_status_t check_args(int64_t num_tokens, int64_t num_experts, moe_dtype_t dt,
-                               moe_score_function_t sf) {
-    MOE_TRY(check_sizes(num_tokens, num_experts, "num_experts"));
+/* The kernels' own limit (a lane's expert index is an int), after the op's shared check. */
+static moe_status_t check_cuda_limits(int64_t num_experts) {
     MOE_CHECK(num_experts <= 0x7fffffff, "num_experts must be < 2^31, got %lld",
               (long long)num_experts);
-    MOE_CHECK(moe_is_float_dtype(dt), "logits must be a float dtype, got %s", moe_dtype_name(dt));
-    MOE_TRY(check_score_function(sf));
     return MOE_OK;
 }
 
@@ -133,11 +130,10 @@ extern "C" moe_status_t moe_cuda_aux_loss_scores_fwd(void *scores, uint8_t *rout
                                                      void *stream) {
     (void)workspace, (void)workspace_bytes;
     moe_clear_error();
-    MOE_TRY(check_args(num_tokens, num_experts, logits_dtype, score_function));
-    MOE_CHECK(topk >= 1 && topk <= num_experts, "topk must be in [1, num_experts=%lld], got %lld",
-              (long long)num_experts, (long long)topk);
+    MOE_TRY(moe_aux_loss_scores_fwd_check(scores, routing_map, logits, num_tokens, num_experts,
+                                          topk, logits_dtype, score_function));
+    MOE_TRY(check_cuda_limits(num_experts));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(scores && routing_map && logits, "scores, routing_map and logits must not be NULL");
     moe_aux_loss_scores_fwd_kernel<<<moe_blocks_for(num_tokens, MOE_BAL_WARPS), 32 * MOE_BAL_WARPS,
                                      0, (cudaStream_t)stream>>>(
         scores, routing_map, logits, padding_mask, num_tokens, num_experts, topk, logits_dtype,
@@ -156,10 +152,10 @@ extern "C" moe_status_t moe_cuda_aux_loss_scores_bwd(void *grad_logits, const vo
                                                      void *stream) {
     (void)workspace, (void)workspace_bytes;
     moe_clear_error();
-    MOE_TRY(check_args(num_tokens, num_experts, logits_dtype, score_function));
+    MOE_TRY(moe_aux_loss_scores_bwd_check(grad_logits, grad_scores, logits, num_tokens,
+                                          num_experts, logits_dtype, score_function));
+    MOE_TRY(check_cuda_limits(num_experts));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(grad_logits && grad_scores && logits,
-              "grad_logits, grad_scores and logits must not be NULL");
     moe_aux_loss_scores_bwd_kernel<<<moe_blocks_for(num_tokens, MOE_BAL_WARPS), 32 * MOE_BAL_WARPS,
                                      0, (cudaStream_t)stream>>>(
         grad_logits, grad_scores, logits, padding_mask, num_tokens, num_experts, logits_dtype,

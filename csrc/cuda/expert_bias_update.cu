@@ -40,15 +40,11 @@ extern "C" moe_status_t moe_cuda_expert_bias_update_fwd(float *updated_bias,
                                                         void *stream) {
     (void)workspace, (void)workspace_bytes;
     moe_clear_error();
-    MOE_CHECK(num_rows >= 0, "num_rows must be >= 0, got %lld", (long long)num_rows);
-    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
-    MOE_CHECK(isfinite(update_rate), "expert_bias_update_rate must be finite, got %g",
-              update_rate);
+    MOE_TRY(moe_expert_bias_update_check(updated_bias, tokens_per_expert, expert_bias, num_rows,
+                                         num_experts, update_rate));
+    /* one block per row */
     MOE_CHECK(num_rows <= 0x7fffffff, "num_rows must be < 2^31, got %lld", (long long)num_rows);
-    MOE_TRY(moe_check_mul(num_rows, "num_rows", num_experts, "num_experts"));
     if (num_rows == 0) return MOE_OK;
-    MOE_CHECK(updated_bias && tokens_per_expert && expert_bias,
-              "updated_bias, tokens_per_expert and expert_bias must not be NULL");
     moe_expert_bias_update_kernel<<<(unsigned)num_rows, MOE_CUDA_THREADS, 0,
                                     (cudaStream_t)stream>>>(updated_bias, tokens_per_expert,
                                                             expert_bias, num_experts,

@@ -604,8 +604,7 @@ static moe_status_t check_common(const int64_t *offsets, const moe_grouped_gemm_
                                  void *workspace, size_t workspace_bytes) {
     MOE_TRY(moe_grouped_gemm_check_params(p));
     MOE_CHECK(offsets != NULL, "expert_offsets must not be NULL");
-    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, moe_cuda_grouped_gemm_workspace_size(p),
-                                "moe_cuda_grouped_gemm_workspace_size"));
+    MOE_CHECK_WORKSPACE(moe_cuda_grouped_gemm_workspace_size, p);
     MOE_CHECK(aligned16(workspace), "workspace must be 16-byte aligned");
     return MOE_OK;
 }

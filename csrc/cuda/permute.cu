@@ -527,27 +527,17 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
                                              size_t workspace_bytes, void *stream) {
     moe_clear_error();
     int64_t R;
-    MOE_TRY(moe_permute_check_params(num_tokens, hidden, num_experts, params, &R));
+    MOE_TRY(moe_permute_fwd_check(permuted_tokens, permuted_probs, sorted_indices, expert_offsets,
+                                  tokens_per_expert, tokens, routing_map, probs, num_tokens,
+                                  hidden, num_experts, dtype, probs_dtype, params, &R));
     const int64_t T = num_tokens, E = num_experts;
     const size_t esize = moe_dtype_size(dtype);
-    MOE_CHECK(esize > 0, "tokens has an unknown dtype (%d)", (int)dtype);
-    MOE_CHECK(!permuted_probs || moe_is_float_dtype(probs_dtype),
-              "probs must be a float dtype, got %s", moe_dtype_name(probs_dtype));
-    MOE_CHECK(!permuted_probs || T == 0 || probs,
-              "probs must not be NULL when permuted_probs is requested");
-    MOE_CHECK(expert_offsets && tokens_per_expert,
-              "expert_offsets and tokens_per_expert must not be NULL");
-    MOE_CHECK(R == 0 || (permuted_tokens && sorted_indices),
-              "permuted_tokens and sorted_indices must not be NULL");
-    MOE_CHECK(T == 0 || (tokens && routing_map), "tokens and routing_map must not be NULL");
     /* the per-chunk ranks and the scatter's row lists are int32 */
     MOE_CHECK(T <= INT32_MAX, "num_tokens=%lld; the CUDA kernel supports at most %d",
               (long long)T, INT32_MAX);
     MOE_CHECK(R <= INT32_MAX, "the permuted buffer has %lld rows; the CUDA kernel supports at "
               "most %d", (long long)R, INT32_MAX);
-    MOE_TRY(moe_check_workspace(workspace, workspace_bytes,
-                                moe_cuda_permute_workspace_size(T, E, params),
-                                "moe_cuda_permute_workspace_size"));
+    MOE_CHECK_WORKSPACE(moe_cuda_permute_workspace_size, T, E, params);
     perm_ws_t ws;
     perm_ws_layout(T, E, &ws, workspace);
     cudaStream_t st = (cudaStream_t)stream;

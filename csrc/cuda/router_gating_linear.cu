@@ -226,24 +226,6 @@ static gating_plan_t gating_plan(int64_t T, int64_t H, int64_t E, moe_dtype_t id
     return p;
 }
 
-static moe_status_t check_args(int64_t num_tokens, int64_t hidden, int64_t num_experts,
-                               moe_dtype_t inp_dtype, moe_dtype_t weight_dtype,
-                               moe_dtype_t router_dtype) {
-    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(hidden >= 1, "hidden must be >= 1, got %lld", (long long)hidden);
-    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
-    MOE_CHECK(moe_is_float_dtype(inp_dtype), "inp must be a float dtype, got %s",
-              moe_dtype_name(inp_dtype));
-    MOE_CHECK(moe_is_float_dtype(weight_dtype), "weight must be a float dtype, got %s",
-              moe_dtype_name(weight_dtype));
-    MOE_CHECK(moe_is_float_dtype(router_dtype), "router_dtype must be a float dtype, got %s",
-              moe_dtype_name(router_dtype));
-    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", hidden, "hidden"));
-    MOE_TRY(moe_check_mul(num_experts, "num_experts", hidden, "hidden"));
-    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
-    return MOE_OK;
-}
-
 extern "C" size_t moe_cuda_router_gating_linear_workspace_size(
     int64_t num_tokens, int64_t hidden, int64_t num_experts, moe_dtype_t inp_dtype,
     moe_dtype_t weight_dtype, moe_dtype_t router_dtype, int backward) {
@@ -274,13 +256,14 @@ extern "C" moe_status_t moe_cuda_router_gating_linear_fwd(
     int64_t hidden, int64_t num_experts, moe_dtype_t inp_dtype, moe_dtype_t weight_dtype,
     moe_dtype_t router_dtype, void *workspace, size_t workspace_bytes, void *stream) {
     moe_clear_error();
-    MOE_TRY(check_args(num_tokens, hidden, num_experts, inp_dtype, weight_dtype, router_dtype));
+    MOE_TRY(moe_router_gating_linear_check(num_tokens, hidden, num_experts, inp_dtype,
+                                           weight_dtype, router_dtype));
     if (num_tokens == 0) return MOE_OK;
     MOE_CHECK(logits && inp && weight, "logits, inp and weight must not be NULL");
     const gating_plan_t p = gating_plan(num_tokens, hidden, num_experts, inp_dtype, weight_dtype,
                                         router_dtype, 0);
-    MOE_TRY(check_workspace(workspace, workspace_bytes, p.total,
-                            "moe_cuda_router_gating_linear_workspace_size, backward=0"));
+    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, p.total,
+                                "moe_cuda_router_gating_linear_workspace_size, backward=0"));
     cudaStream_t s = (cudaStream_t)stream;
     const int64_t T = num_tokens, H = hidden, E = num_experts;
     char *ws = (char *)workspace;
@@ -314,13 +297,14 @@ extern "C" moe_status_t moe_cuda_router_gating_linear_bwd(
     moe_dtype_t inp_dtype, moe_dtype_t weight_dtype, moe_dtype_t router_dtype, void *workspace,
     size_t workspace_bytes, void *stream) {
     moe_clear_error();
-    MOE_TRY(check_args(num_tokens, hidden, num_experts, inp_dtype, weight_dtype, router_dtype));
+    MOE_TRY(moe_router_gating_linear_check(num_tokens, hidden, num_experts, inp_dtype,
+                                           weight_dtype, router_dtype));
     MOE_CHECK(num_tokens == 0 || (grad_logits && inp && weight),
               "grad_logits, inp and weight must not be NULL");
     const gating_plan_t p = gating_plan(num_tokens, hidden, num_experts, inp_dtype, weight_dtype,
                                         router_dtype, 1);
-    MOE_TRY(check_workspace(workspace, workspace_bytes, p.total,
-                            "moe_cuda_router_gating_linear_workspace_size, backward=1"));
+    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, p.total,
+                                "moe_cuda_router_gating_linear_workspace_size, backward=1"));
     cudaStream_t s = (cudaStream_t)stream;
     const int64_t T = num_tokens, H = hidden, E = num_experts;
     const moe_dtype_t rd = router_dtype;

@@ -1230,10 +1230,7 @@ extern "C" size_t moe_cuda_router_topk_workspace_size(int64_t num_tokens, int64_
 static moe_status_t check_common(int64_t num_tokens, int64_t num_experts, moe_dtype_t dt,
                                  const moe_router_topk_params_t *p, int has_bias,
                                  size_t workspace_bytes) {
-    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(moe_is_float_dtype(dt), "logits must be a float dtype, got %s", moe_dtype_name(dt));
-    MOE_TRY(moe_router_topk_check(p, num_experts, has_bias));
-    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
+    MOE_TRY(moe_router_topk_check_args(num_tokens, num_experts, dt, p, has_bias));
     if (workspace_bytes == MOE_SIZE_OVERFLOW) return MOE_OK; /* the caller checks its own size */
     const size_t need = moe_cuda_router_topk_workspace_size(num_tokens, num_experts, p);
     if (need == MOE_SIZE_OVERFLOW) return MOE_ERR_INVALID_ARGUMENT; /* the size function said why */
@@ -1403,14 +1400,9 @@ extern "C" moe_status_t moe_cuda_router_lse_bwd(void *grad_logits, const double 
     (void)workspace;
     (void)workspace_bytes;
     moe_clear_error();
-    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
-    MOE_CHECK(moe_is_float_dtype(logits_dtype), "logits must be a float dtype, got %s",
-              moe_dtype_name(logits_dtype));
-    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
+    MOE_TRY(moe_router_lse_bwd_check(grad_logits, grad_lse, logits, lse, num_tokens, num_experts,
+                                     logits_dtype));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(grad_logits && grad_lse && logits && lse,
-              "grad_logits, grad_lse, logits and lse must not be NULL");
     int64_t blocks = (num_tokens * num_experts + 255) / 256;
     if (blocks > (1 << 20)) blocks = 1 << 20; /* grid-stride beyond */
     moe_router_lse_bwd_kernel<<<(unsigned)blocks, 256, 0, (cudaStream_t)stream>>>(

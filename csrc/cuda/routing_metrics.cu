@@ -69,13 +69,7 @@ moe_topk_overlap_partial_kernel(int64_t *partial, const int64_t *a, const int64_
     int64_t shared = 0, valid = 0;
     if (t < num_tokens && !is_pad(padding_mask, t)) {
         valid = 1;
-        const int64_t *ra = a + t * k, *rb = b + t * k;
-        for (int64_t i = 0; i < k; ++i)
-            for (int64_t j = 0; j < k; ++j)
-                if (ra[i] == rb[j]) {
-                    ++shared;
-                    break;
-                }
+        shared = moe_topk_row_overlap(a + t * k, b + t * k, k);
     }
     red[threadIdx.x][0] = shared;
     red[threadIdx.x][1] = valid;
@@ -137,16 +131,9 @@ extern "C" moe_status_t moe_cuda_routing_metrics_fwd(int64_t *tokens_per_expert,
                                                      moe_dtype_t scores_dtype, void *workspace,
                                                      size_t workspace_bytes, void *stream) {
     moe_clear_error();
-    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
-    MOE_CHECK(scores == NULL || moe_is_float_dtype(scores_dtype),
-              "scores must be a float dtype, got %s", moe_dtype_name(scores_dtype));
-    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
-    MOE_CHECK(tokens_per_expert && stats && (routing_map || num_tokens == 0),
-              "tokens_per_expert, stats and routing_map must not be NULL");
-    const size_t need = moe_cuda_routing_metrics_workspace_size(num_tokens, num_experts);
-    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, need,
-                                "moe_cuda_routing_metrics_workspace_size"));
+    MOE_TRY(moe_routing_metrics_check(tokens_per_expert, stats, routing_map, scores, num_tokens,
+                                      num_experts, scores_dtype));
+    MOE_CHECK_WORKSPACE(moe_cuda_routing_metrics_workspace_size, num_tokens, num_experts);
     cudaStream_t s = (cudaStream_t)stream;
     const int64_t T = num_tokens, E = num_experts;
     double *counts = (double *)workspace;
@@ -181,16 +168,8 @@ extern "C" moe_status_t moe_cuda_topk_overlap_fwd(float *overlap, const int64_t 
                                                   int64_t num_experts, void *workspace,
                                                   size_t workspace_bytes, void *stream) {
     moe_clear_error();
-    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(topk >= 1, "topk must be >= 1, got %lld", (long long)topk);
-    MOE_CHECK(num_experts >= topk, "num_experts must be >= topk=%lld, got %lld", (long long)topk,
-              (long long)num_experts);
-    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", topk, "topk"));
-    MOE_CHECK(overlap && ((indices_a && indices_b) || num_tokens == 0),
-              "overlap, indices_a and indices_b must not be NULL");
-    const size_t need = moe_cuda_topk_overlap_workspace_size(num_tokens, topk);
-    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, need,
-                                "moe_cuda_topk_overlap_workspace_size"));
+    MOE_TRY(moe_topk_overlap_check(overlap, indices_a, indices_b, num_tokens, topk, num_experts));
+    MOE_CHECK_WORKSPACE(moe_cuda_topk_overlap_workspace_size, num_tokens, topk);
     cudaStream_t s = (cudaStream_t)stream;
     int64_t *partial = (int64_t *)workspace;
     const int64_t nblocks = num_tokens > 0 ? moe_ceil_div(num_tokens, MOE_BAL_FINAL_THREADS) : 0;

@@ -163,13 +163,10 @@ moe_sinkhorn_routing_bwd_kernel(void *grad_logits, const void *grad_probs, const
     }
 }
 
-static moe_status_t check_common(int64_t T, int64_t E, moe_dtype_t dt, const char *name) {
-    MOE_CHECK(T >= 0, "num_tokens must be >= 0, got %lld", (long long)T);
-    MOE_CHECK(E >= 1, "num_experts must be >= 1, got %lld", (long long)E);
+/* The kernels' own limit (an expert index is an int), after the op's shared check. */
+static moe_status_t check_cuda_limits(int64_t E) {
     MOE_CHECK(E <= 0x7fffffff, "num_experts must be < 2^31, got %lld", (long long)E);
-    MOE_CHECK(moe_is_float_dtype(dt), "%s must be a float dtype, got %s", name,
-              moe_dtype_name(dt));
-    return moe_check_mul(T, "num_tokens", E, "num_experts");
+    return MOE_OK;
 }
 
 extern "C" size_t moe_cuda_sinkhorn_workspace_size(int64_t num_tokens, int64_t num_experts,
@@ -231,14 +228,11 @@ extern "C" moe_status_t moe_cuda_sinkhorn_fwd(void *out, const void *cost, int64
                                               double tol, int64_t max_iters, void *workspace,
                                               size_t workspace_bytes, void *stream) {
     moe_clear_error();
-    MOE_TRY(check_common(num_tokens, num_experts, cost_dtype, "cost"));
-    MOE_CHECK(tol >= 0.0, "tol must be >= 0, got %g", tol); /* also rejects NaN */
-    MOE_CHECK(max_iters >= 0, "max_iters must be >= 0, got %lld", (long long)max_iters);
+    MOE_TRY(moe_sinkhorn_fwd_check(out, cost, num_tokens, num_experts, cost_dtype, tol,
+                                   max_iters));
+    MOE_TRY(check_cuda_limits(num_experts));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(out && cost, "out and cost must not be NULL");
-    MOE_TRY(check_workspace(workspace, workspace_bytes,
-                            moe_cuda_sinkhorn_workspace_size(num_tokens, num_experts, 0),
-                            "moe_cuda_sinkhorn_workspace_size"));
+    MOE_CHECK_WORKSPACE(moe_cuda_sinkhorn_workspace_size, num_tokens, num_experts, 0);
     const moe_dtype_t odt = cost_dtype == MOE_DTYPE_FP64 ? MOE_DTYPE_FP64 : MOE_DTYPE_FP32;
     return run_sinkhorn(out, odt, cost, cost_dtype, num_tokens, num_experts, tol, max_iters,
                         workspace, (cudaStream_t)stream, NULL);
@@ -251,20 +245,16 @@ extern "C" moe_status_t moe_cuda_sinkhorn_routing_fwd(void *probs, uint8_t *rout
                                                       double tol, void *workspace,
                                                       size_t workspace_bytes, void *stream) {
     moe_clear_error();
-    MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, "logits"));
-    MOE_CHECK(topk >= 1 && topk <= num_experts, "topk must be in [1, num_experts=%lld], got %lld",
-              (long long)num_experts, (long long)topk);
-    MOE_CHECK(tol >= 0.0, "tol must be >= 0, got %g", tol);
+    MOE_TRY(moe_sinkhorn_routing_fwd_check(probs, routing_map, logits, num_tokens, num_experts,
+                                           topk, logits_dtype, tol));
+    MOE_TRY(check_cuda_limits(num_experts));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(probs && routing_map && logits, "probs, routing_map and logits must not be NULL");
     cudaStream_t s = (cudaStream_t)stream;
     void *balanced = NULL;
     const moe_dtype_t bdt = logits_dtype == MOE_DTYPE_FP64 ? MOE_DTYPE_FP64 : MOE_DTYPE_FP32;
     if (training) {
-        MOE_TRY(check_workspace(workspace, workspace_bytes,
-                                moe_cuda_sinkhorn_routing_workspace_size(num_tokens, num_experts,
-                                                                         topk, training),
-                                "moe_cuda_sinkhorn_routing_workspace_size"));
+        MOE_CHECK_WORKSPACE(moe_cuda_sinkhorn_routing_workspace_size, num_tokens, num_experts,
+                            topk, training);
         /* Megatron: sinkhorn(logits.to(float32)) under no_grad; the balanced matrix in place */
         MOE_TRY(run_sinkhorn(NULL, bdt, logits, logits_dtype, num_tokens, num_experts, tol, 0,
                              workspace, s, &balanced));
@@ -285,12 +275,10 @@ extern "C" moe_status_t moe_cuda_sinkhorn_routing_bwd(void *grad_logits, const v
                                                       void *stream) {
     (void)workspace, (void)workspace_bytes;
     moe_clear_error();
-    MOE_TRY(check_common(num_tokens, num_experts, logits_dtype, "logits"));
-    MOE_CHECK(topk >= 1 && topk <= num_experts, "topk must be in [1, num_experts=%lld], got %lld",
-              (long long)num_experts, (long long)topk);
+    MOE_TRY(moe_sinkhorn_routing_bwd_check(grad_logits, grad_probs, logits, routing_map,
+                                           num_tokens, num_experts, topk, logits_dtype));
+    MOE_TRY(check_cuda_limits(num_experts));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(grad_logits && grad_probs && logits && routing_map,
-              "grad_logits, grad_probs, logits and routing_map must not be NULL");
     moe_sinkhorn_routing_bwd_kernel<<<moe_blocks_for(num_tokens, MOE_BAL_WARPS),
                                       32 * MOE_BAL_WARPS, 0, (cudaStream_t)stream>>>(
         grad_logits, grad_probs, logits, routing_map, num_tokens, num_experts, topk,

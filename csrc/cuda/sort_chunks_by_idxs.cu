@@ -85,23 +85,11 @@ static moe_status_t sort_chunks(void *dst, const void *src, const int64_t *split
                                 const int64_t *sorted_idxs, int64_t num_rows, int64_t row_elems,
                                 int64_t num_chunks, moe_dtype_t dtype, void *workspace,
                                 size_t workspace_bytes, cudaStream_t st, int backward) {
-    MOE_CHECK(num_rows >= 0, "num_rows must be >= 0, got %lld", (long long)num_rows);
-    MOE_CHECK(row_elems >= 0, "row_elems must be >= 0, got %lld", (long long)row_elems);
-    MOE_CHECK(num_chunks >= 0, "num_chunks must be >= 0, got %lld", (long long)num_chunks);
+    MOE_TRY(moe_sort_chunks_by_idxs_check(dst, src, split_sizes, sorted_idxs, num_rows, row_elems,
+                                          num_chunks, dtype));
     const size_t esize = moe_dtype_size(dtype);
-    MOE_CHECK(esize > 0, "input has an unknown dtype (%d)", (int)dtype);
-    MOE_TRY(moe_check_mul(num_rows, "num_rows", row_elems, "row_elems"));
-    MOE_CHECK(num_chunks > 0 || num_rows == 0,
-              "split_sizes must sum to the rows of input (%lld), got 0 (no chunks)",
-              (long long)num_rows);
-    MOE_CHECK(num_chunks == 0 || (split_sizes && sorted_idxs),
-              "split_sizes and sorted_idxs must not be NULL");
-    MOE_CHECK(num_rows == 0 || row_elems == 0 || (dst && src),
-              "input and output must not be NULL");
     if (num_chunks == 0 || num_rows == 0 || row_elems == 0) return MOE_OK;
-    MOE_TRY(moe_check_workspace(workspace, workspace_bytes,
-                                moe_cuda_sort_chunks_by_idxs_workspace_size(num_chunks),
-                                "moe_cuda_sort_chunks_by_idxs_workspace_size"));
+    MOE_CHECK_WORKSPACE(moe_cuda_sort_chunks_by_idxs_workspace_size, num_chunks);
     int64_t *unsorted_start = (int64_t *)workspace;
     int64_t *sorted_start = unsorted_start + num_chunks + 1;
     int64_t *inv = sorted_start + num_chunks + 1;

@@ -62,12 +62,9 @@ extern "C" moe_status_t moe_cuda_switch_aux_loss_fwd(
     int64_t num_columns, moe_dtype_t probs_dtype, const moe_switch_aux_loss_params_t *params,
     void *workspace, size_t workspace_bytes, void *stream) {
     moe_clear_error();
-    MOE_TRY(check_switch(probs, tokens_per_expert, total_num_tokens, num_tokens, num_columns,
-                         probs_dtype, params));
-    MOE_CHECK(loss != NULL, "loss must not be NULL");
-    MOE_TRY(check_workspace(workspace, workspace_bytes,
-                            moe_cuda_switch_aux_loss_workspace_size(num_tokens, num_columns),
-                            "moe_cuda_switch_aux_loss_workspace_size"));
+    MOE_TRY(moe_switch_aux_loss_check(loss, probs, tokens_per_expert, total_num_tokens,
+                                      num_tokens, num_columns, probs_dtype, params, "loss"));
+    MOE_CHECK_WORKSPACE(moe_cuda_switch_aux_loss_workspace_size, num_tokens, num_columns);
     cudaStream_t s = (cudaStream_t)stream;
     double *partial = (double *)workspace;
     MOE_TRY(moe_launch_col_partial(0, partial, probs, probs_dtype, padding_mask, num_tokens,
@@ -87,9 +84,8 @@ extern "C" moe_status_t moe_cuda_switch_aux_loss_bwd(
     void *workspace, size_t workspace_bytes, void *stream) {
     (void)workspace, (void)workspace_bytes;
     moe_clear_error();
-    MOE_TRY(check_switch(grad_probs, tokens_per_expert, total_num_tokens, num_tokens, num_columns,
-                         probs_dtype, params));
-    MOE_CHECK(grad_loss != NULL, "grad_loss must not be NULL");
+    MOE_TRY(moe_switch_aux_loss_check(grad_loss, grad_probs, tokens_per_expert, total_num_tokens,
+                                      num_tokens, num_columns, probs_dtype, params, "grad_loss"));
     const int64_t n = num_tokens * num_columns;
     if (n == 0) return MOE_OK;
     moe_switch_aux_loss_bwd_kernel<<<moe_blocks_for(n, 256), 256, 0, (cudaStream_t)stream>>>(

@@ -241,21 +241,11 @@ extern "C" moe_status_t moe_cuda_token_dropping_fwd(void *final_probs, uint8_t *
                                                     void *workspace, size_t workspace_bytes,
                                                     void *stream) {
     moe_clear_error();
-    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
-    MOE_CHECK(moe_is_float_dtype(dtype), "routing_probs must be a float dtype, got %s",
-              moe_dtype_name(dtype));
-    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
-    MOE_CHECK(capacity >= 0, "capacity must be >= 0, got %lld", (long long)capacity);
-    MOE_CHECK(policy == MOE_DROP_PROBS || policy == MOE_DROP_POSITION,
-              "drop_policy must be probs (0) or position (1), got %d", (int)policy);
+    MOE_TRY(moe_token_dropping_fwd_check(final_probs, final_map, routing_probs, routing_map,
+                                         num_tokens, num_experts, capacity, policy, dtype));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(final_probs && final_map && routing_probs && routing_map,
-              "final_probs, final_map, routing_probs and routing_map must not be NULL");
-    MOE_TRY(moe_check_workspace(workspace, workspace_bytes,
-                                moe_cuda_token_dropping_workspace_size(num_tokens, num_experts,
-                                                                       policy, dtype),
-                                "moe_cuda_token_dropping_workspace_size"));
+    MOE_CHECK_WORKSPACE(moe_cuda_token_dropping_workspace_size, num_tokens, num_experts, policy,
+                        dtype);
     const int position = policy == MOE_DROP_POSITION;
     cudaStream_t st = (cudaStream_t)stream;
     if (key_bytes(policy, dtype) == 8)
@@ -275,14 +265,9 @@ extern "C" moe_status_t moe_cuda_token_dropping_bwd(void *grad_routing_probs,
                                                     void *stream) {
     (void)workspace, (void)workspace_bytes;
     moe_clear_error();
-    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
-    MOE_CHECK(moe_is_float_dtype(dtype), "routing_probs must be a float dtype, got %s",
-              moe_dtype_name(dtype));
-    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
+    MOE_TRY(moe_token_dropping_bwd_check(grad_routing_probs, grad_final_probs, final_map,
+                                         num_tokens, num_experts, dtype));
     if (num_tokens == 0) return MOE_OK;
-    MOE_CHECK(grad_routing_probs && grad_final_probs && final_map,
-              "grad_routing_probs, grad_final_probs and final_map must not be NULL");
     const int64_t n = num_tokens * num_experts;
     moe_drop_bwd_kernel<<<moe_blocks_for(n, 256), 256, 0, (cudaStream_t)stream>>>(
         grad_routing_probs, grad_final_probs, final_map, dtype, n);

@@ -30,11 +30,7 @@ extern "C" moe_status_t moe_cuda_tokens_per_expert_fwd(int64_t *counts,
                                                        void *stream) {
     (void)workspace, (void)workspace_bytes;
     moe_clear_error();
-    MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
-    MOE_TRY(moe_check_mul(num_tokens, "num_tokens", num_experts, "num_experts"));
-    MOE_CHECK(counts != NULL && (routing_map != NULL || num_tokens == 0),
-              "counts and routing_map must not be NULL");
+    MOE_TRY(moe_tokens_per_expert_check(counts, routing_map, num_tokens, num_experts));
     cudaStream_t st = (cudaStream_t)stream;
     cudaError_t err = cudaMemsetAsync(counts, 0, (size_t)num_experts * sizeof(int64_t), st);
     if (err != cudaSuccess)

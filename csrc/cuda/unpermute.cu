@@ -204,8 +204,7 @@ __global__ void moe_token_rows_sort_kernel(int64_t *rows, int64_t *rexp, const i
 /* What both maps (CSR, slots) need: the workspace (one size for both) and the indices. */
 static moe_status_t check_map_args(const void *workspace, size_t workspace_bytes,
                                    const int64_t *sorted_indices, int64_t T, int64_t R) {
-    MOE_TRY(moe_check_workspace(workspace, workspace_bytes, moe_cuda_unpermute_workspace_size(T, R),
-                                "moe_cuda_unpermute_workspace_size"));
+    MOE_CHECK_WORKSPACE(moe_cuda_unpermute_workspace_size, T, R);
     MOE_CHECK(R == 0 || sorted_indices, "sorted_indices must not be NULL");
     return MOE_OK;
 }
@@ -824,9 +823,8 @@ static moe_status_t launch_zero_pad(void *rows_base, const int64_t *sorted_indic
     return MOE_OK;
 }
 
-static moe_status_t check_common(int64_t num_tokens, int64_t hidden, int64_t num_experts,
-                                 int64_t num_rows, moe_dtype_t dtype, const char *what) {
-    MOE_TRY(moe_layout_check_sizes(num_tokens, hidden, num_experts, num_rows, dtype, what));
+/* The kernels' own limit, after the op's shared check. */
+static moe_status_t check_cuda_limits(int64_t num_tokens) {
     MOE_CHECK(num_tokens <= 0x7fffffffLL, "num_tokens=%lld; the CUDA kernels take at most 2^31-1",
               (long long)num_tokens);
     return MOE_OK;
@@ -842,12 +840,9 @@ extern "C" moe_status_t moe_cuda_unpermute_fwd(void *output, const void *permute
                                                moe_dtype_t probs_dtype, void *workspace,
                                                size_t workspace_bytes, void *stream) {
     moe_clear_error();
-    MOE_TRY(check_common(num_tokens, hidden, num_experts, num_rows, dtype, "permuted_tokens"));
-    MOE_CHECK(!probs || moe_is_float_dtype(probs_dtype), "probs must be a float dtype, got %s",
-              moe_dtype_name(probs_dtype));
-    MOE_CHECK(!probs || expert_offsets, "expert_offsets must not be NULL when probs are given");
-    MOE_CHECK(num_tokens == 0 || output, "output must not be NULL");
-    MOE_CHECK(num_rows == 0 || permuted_tokens, "permuted_tokens must not be NULL");
+    MOE_TRY(moe_unpermute_fwd_check(output, permuted_tokens, probs, expert_offsets, num_tokens,
+                                    hidden, num_experts, num_rows, dtype, probs_dtype));
+    MOE_TRY(check_cuda_limits(num_tokens));
     cudaStream_t st = (cudaStream_t)stream;
     const int64_t *offsets = probs ? expert_offsets : NULL;
     token_rows_t m;
@@ -875,16 +870,10 @@ extern "C" moe_status_t moe_cuda_permute_bwd(void *grad_tokens, void *grad_probs
                                              moe_dtype_t probs_dtype, void *workspace,
                                              size_t workspace_bytes, void *stream) {
     moe_clear_error();
-    MOE_TRY(check_common(num_tokens, hidden, num_experts, num_rows, dtype,
-                         "grad_permuted_tokens"));
-    MOE_CHECK(!grad_probs || moe_is_float_dtype(probs_dtype),
-              "grad_permuted_probs must be a float dtype, got %s", moe_dtype_name(probs_dtype));
-    MOE_CHECK(!grad_probs || num_rows == 0 || grad_permuted_probs,
-              "grad_permuted_probs must not be NULL when grad_probs is requested");
-    MOE_CHECK(!grad_probs || expert_offsets,
-              "expert_offsets must not be NULL when grad_probs is requested");
-    MOE_CHECK(num_tokens == 0 || grad_tokens, "grad_tokens must not be NULL");
-    MOE_CHECK(num_rows == 0 || grad_permuted_tokens, "grad_permuted_tokens must not be NULL");
+    MOE_TRY(moe_permute_bwd_check(grad_tokens, grad_probs, grad_permuted_tokens,
+                                  grad_permuted_probs, expert_offsets, num_tokens, hidden,
+                                  num_experts, num_rows, dtype, probs_dtype));
+    MOE_TRY(check_cuda_limits(num_tokens));
     cudaStream_t st = (cudaStream_t)stream;
     token_rows_t m;
     token_slots_t sl;
@@ -921,15 +910,10 @@ extern "C" moe_status_t moe_cuda_unpermute_bwd(void *grad_permuted_tokens, void 
                                                moe_dtype_t probs_dtype, void *workspace,
                                                size_t workspace_bytes, void *stream) {
     moe_clear_error();
-    MOE_TRY(check_common(num_tokens, hidden, num_experts, num_rows, dtype, "permuted_tokens"));
-    MOE_CHECK(!probs || moe_is_float_dtype(probs_dtype), "probs must be a float dtype, got %s",
-              moe_dtype_name(probs_dtype));
-    MOE_CHECK(!probs || expert_offsets, "expert_offsets must not be NULL when probs are given");
-    MOE_CHECK(!grad_probs || probs, "grad_probs needs probs (the forward had none)");
-    MOE_CHECK(num_rows == 0 || grad_permuted_tokens, "grad_permuted_tokens must not be NULL");
-    MOE_CHECK(num_tokens == 0 || grad_output, "grad_output must not be NULL");
-    MOE_CHECK(!grad_probs || num_rows == 0 || permuted_tokens,
-              "permuted_tokens must not be NULL when grad_probs is requested");
+    MOE_TRY(moe_unpermute_bwd_check(grad_permuted_tokens, grad_probs, grad_output,
+                                    permuted_tokens, probs, expert_offsets, num_tokens, hidden,
+                                    num_experts, num_rows, dtype, probs_dtype));
+    MOE_TRY(check_cuda_limits(num_tokens));
     cudaStream_t st = (cudaStream_t)stream;
     const size_t esize = moe_dtype_size(dtype);
     if (!probs && use_slots(num_tokens)) { /* a plain copy back to the rows */

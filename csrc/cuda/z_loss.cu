@@ -102,15 +102,6 @@ moe_z_loss_bwd_kernel(void *grad_logits, const void *grad_loss, moe_dtype_t loss
     }
 }
 
-static moe_status_t check_z(const void *logits, int64_t num_tokens, int64_t num_experts,
-                            double coeff, moe_dtype_t dt) {
-    MOE_TRY(check_sizes(num_tokens, num_experts, "num_experts"));
-    MOE_CHECK(moe_is_float_dtype(dt), "logits must be a float dtype, got %s", moe_dtype_name(dt));
-    MOE_CHECK(isfinite(coeff), "z_loss_coeff must be finite, got %g", coeff);
-    MOE_CHECK(logits != NULL || num_tokens == 0, "logits must not be NULL");
-    return MOE_OK;
-}
-
 extern "C" size_t moe_cuda_z_loss_workspace_size(int64_t num_tokens, int64_t num_experts) {
     (void)num_experts;
     /* forward: two words per block; backward: one word (the divisor). Blocks are a fraction of
@@ -128,11 +119,9 @@ extern "C" moe_status_t moe_cuda_z_loss_fwd(void *loss, const void *logits,
                                             moe_dtype_t logits_dtype, void *workspace,
                                             size_t workspace_bytes, void *stream) {
     moe_clear_error();
-    MOE_TRY(check_z(logits, num_tokens, num_experts, coeff, logits_dtype));
+    MOE_TRY(moe_z_loss_check(logits, num_tokens, num_experts, coeff, logits_dtype));
     MOE_CHECK(loss != NULL, "loss must not be NULL");
-    MOE_TRY(check_workspace(workspace, workspace_bytes,
-                            moe_cuda_z_loss_workspace_size(num_tokens, num_experts),
-                            "moe_cuda_z_loss_workspace_size"));
+    MOE_CHECK_WORKSPACE(moe_cuda_z_loss_workspace_size, num_tokens, num_experts);
     cudaStream_t s = (cudaStream_t)stream;
     double *partial = (double *)workspace;
     const int64_t nblocks = moe_tok_blocks(num_tokens);
@@ -154,7 +143,7 @@ extern "C" moe_status_t moe_cuda_z_loss_bwd(void *grad_logits, const void *grad_
                                             moe_dtype_t logits_dtype, void *workspace,
                                             size_t workspace_bytes, void *stream) {
     moe_clear_error();
-    MOE_TRY(check_z(logits, num_tokens, num_experts, coeff, logits_dtype));
+    MOE_TRY(moe_z_loss_check(logits, num_tokens, num_experts, coeff, logits_dtype));
     MOE_CHECK(grad_loss != NULL, "grad_loss must not be NULL");
     /* an empty grad_logits may have no storage: 0 tokens have nothing to write */
     if (num_tokens == 0) return MOE_OK;
@@ -162,8 +151,8 @@ extern "C" moe_status_t moe_cuda_z_loss_bwd(void *grad_logits, const void *grad_
     cudaStream_t s = (cudaStream_t)stream;
     double *divisor = NULL;
     if (padding_mask) {
-        MOE_TRY(check_workspace(workspace, workspace_bytes, sizeof(double),
-                                "moe_cuda_z_loss_workspace_size"));
+        MOE_TRY(moe_check_workspace(workspace, workspace_bytes, sizeof(double),
+                                    "moe_cuda_z_loss_workspace_size"));
         divisor = (double *)workspace;
         moe_z_loss_count_kernel<<<1, MOE_BAL_FINAL_THREADS, 0, s>>>(divisor, padding_mask,
                                                                     num_tokens);

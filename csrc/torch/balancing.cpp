@@ -168,9 +168,7 @@ Tensor expert_bias_update(const Device &d, const Tensor &tokens_per_expert_,
                     "expert_bias must be 1-D [num_experts] or 2-D [num_layers, num_experts], got "
                     "a ", expert_bias_.dim(), "-D tensor of shape ", expert_bias_.sizes());
   check_dtype(expert_bias_, at::kFloat, "expert_bias");
-  MOE_CHECK_VALUE(tokens_per_expert_.sizes() == expert_bias_.sizes(),
-                    "tokens_per_expert shape ", tokens_per_expert_.sizes(),
-                    " must equal expert_bias shape ", expert_bias_.sizes());
+  check_same_shape(tokens_per_expert_, "tokens_per_expert", expert_bias_, "expert_bias");
   MOE_CHECK_TYPE(!tokens_per_expert_.is_complex() &&
                        tokens_per_expert_.scalar_type() != at::kBool,
                    "tokens_per_expert must be a real number dtype, got ",
@@ -231,10 +229,8 @@ Tensor sinkhorn_routing_bwd(const Device &d, const Tensor &grad_probs_, const Te
   check_float(logits_, "logits");
   check_routing_map(routing_map_, "routing_map");
   check_float(grad_probs_, "grad_probs");
-  MOE_CHECK_VALUE(grad_probs_.sizes() == logits_.sizes(), "grad_probs shape ",
-                    grad_probs_.sizes(), " must equal logits shape ", logits_.sizes());
-  MOE_CHECK_VALUE(routing_map_.sizes() == logits_.sizes(), "routing_map shape ",
-                    routing_map_.sizes(), " must equal logits shape ", logits_.sizes());
+  check_same_shape(grad_probs_, "grad_probs", logits_, "logits");
+  check_same_shape(routing_map_, "routing_map", logits_, "logits");
   check_same_device(grad_probs_, logits_, "grad_probs", "logits");
   check_same_device(routing_map_, logits_, "routing_map", "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
@@ -257,8 +253,7 @@ Tensor2 routing_metrics(const Device &d, const Tensor &routing_map_,
   Tensor map = routing_map_.contiguous(), scores, mask;
   if (scores_.has_value()) {
     check_float(*scores_, "scores");
-    MOE_CHECK_VALUE(scores_->sizes() == map.sizes(), "scores shape ", scores_->sizes(),
-                      " must equal routing_map shape ", map.sizes());
+    check_same_shape(*scores_, "scores", map, "routing_map");
     check_same_device(*scores_, map, "scores", "routing_map");
     scores = scores_->contiguous();
   }
@@ -281,8 +276,7 @@ Tensor topk_overlap(const Device &d, const Tensor &indices_a_, const Tensor &ind
   check_dim(indices_b_, 2, "indices_b");
   check_dtype(indices_a_, at::kLong, "indices_a");
   check_dtype(indices_b_, at::kLong, "indices_b");
-  MOE_CHECK_VALUE(indices_a_.sizes() == indices_b_.sizes(), "indices_b shape ",
-                    indices_b_.sizes(), " must equal indices_a shape ", indices_a_.sizes());
+  check_same_shape(indices_b_, "indices_b", indices_a_, "indices_a");
   check_same_device(indices_b_, indices_a_, "indices_b", "indices_a");
   const int64_t T = indices_a_.size(0), k = indices_a_.size(1);
   Tensor a = indices_a_.contiguous(), b = indices_b_.contiguous(), mask;

@@ -62,6 +62,9 @@ void check_dim(const at::Tensor &t, int64_t dim, const char *name);
 void check_size(const at::Tensor &t, int64_t dim, int64_t size, const char *name, const char *what);
 void check_same_device(const at::Tensor &t, const at::Tensor &ref, const char *name,
                        const char *ref_name);
+// t.shape == ref.shape.
+void check_same_shape(const at::Tensor &t, const char *name, const at::Tensor &ref,
+                      const char *ref_name);
 // A [num_tokens, num_experts] bool map.
 void check_routing_map(const at::Tensor &routing_map, const char *name);
 
@@ -171,18 +174,20 @@ Tensor2 router_topk(const Device &d, const Tensor &logits, int64_t topk, bool us
                     int64_t num_groups, int64_t group_topk, double scaling_factor,
                     string_view score_function, const optional<Tensor> &expert_bias,
                     int64_t routing_mode);
-Tensor router_topk_bwd(const Device &d, const Tensor &grad_probs, const Tensor &logits,
-                       const Tensor &topk_indices, int64_t topk, bool use_pre_softmax,
-                       int64_t num_groups, int64_t group_topk, double scaling_factor,
-                       string_view score_function, int64_t routing_mode);
 Tensor3 router_topk_dense(const Device &d, const Tensor &logits, int64_t topk, bool use_pre_softmax,
                           int64_t num_groups, int64_t group_topk, double scaling_factor,
                           string_view score_function, const optional<Tensor> &expert_bias,
                           int64_t routing_mode);
-Tensor router_topk_dense_bwd(const Device &d, const Tensor &grad_probs, const Tensor &logits,
-                             const Tensor &topk_indices, int64_t topk, bool use_pre_softmax,
-                             int64_t num_groups, int64_t group_topk, double scaling_factor,
-                             string_view score_function, int64_t routing_mode);
+// router_topk_bwd (grad_probs [T, topk]) and router_topk_dense_bwd (the dense [T, E] gradient)
+template <bool dense>
+struct RouterTopkBwd {
+  static Tensor op(const Device &d, const Tensor &grad_probs, const Tensor &logits,
+                   const Tensor &topk_indices, int64_t topk, bool use_pre_softmax,
+                   int64_t num_groups, int64_t group_topk, double scaling_factor,
+                   string_view score_function, int64_t routing_mode);
+};
+inline constexpr auto router_topk_bwd = &RouterTopkBwd<false>::op;
+inline constexpr auto router_topk_dense_bwd = &RouterTopkBwd<true>::op;
 Tensor6 router_topk_fused(const Device &d, const Tensor &logits, int64_t topk, bool use_pre_softmax,
                           int64_t num_groups, int64_t group_topk, double scaling_factor,
                           string_view score_function, const optional<Tensor> &expert_bias,

@@ -42,70 +42,72 @@ static moe_grouped_gemm_params_t grouped_gemm_params(const Tensor &a, const char
   return p;
 }
 
-Tensor grouped_gemm(const Device &d, const Tensor &x_, const Tensor &weight_,
-                    const Tensor &expert_offsets_, bool trans_w,
+// The params of a product of rows with the weight: the forward (x [R, K] · W, a's columns meet
+// K) or dgrad (grad_y [R, N] · Wᵀ, they meet N). The weight is [E, K, N], or [E, N, K] with
+// trans_w; `what` names a's columns in the message when the weight does not match them.
+static moe_grouped_gemm_params_t weight_product(const Tensor &a, const char *a_name,
+                                                const char *what, const Tensor &weight,
+                                                const Tensor &offsets, bool trans_w, bool dgrad,
+                                                at::ScalarType out_dtype) {
+  check_dim(a, 2, a_name);
+  check_dim(weight, 3, "weight");
+  const int meet = trans_w != dgrad ? 2 : 1;  // the weight dim a's columns meet
+  check_size(weight, meet, a.size(1), "weight", what);
+  const int64_t other = weight.size(3 - meet);
+  const int64_t K = dgrad ? other : a.size(1), N = dgrad ? a.size(1) : other;
+  return grouped_gemm_params(a, a_name, weight, "weight", offsets, weight.size(0),
+                             "weight.shape[0]", K, N, trans_w, out_dtype);
+}
+
+// One of the three products: the operands made contiguous, `out` allocated, the call.
+using GroupedGemmFn = decltype(&moe_grouped_gemm_fwd);
+static Tensor run_product(const Device &d, GroupedGemmFn fn, const char *op, const Tensor &in0_,
+                          const Tensor &in1_, const Tensor &offsets_,
+                          const moe_grouped_gemm_params_t &p, at::IntArrayRef out_shape,
+                          at::ScalarType out_dtype) {
+  Tensor in0 = in0_.contiguous(), in1 = in1_.contiguous(), off = offsets_.contiguous();
+  const OnDevice on(d, in0);
+  Tensor out = at::empty(out_shape, in0.options().dtype(out_dtype));
+  const Workspace ws = workspace(in0, d.grouped_gemm_workspace_size(&p));
+  check_status(fn(out.data_ptr(), in0.data_ptr(), in1.data_ptr(), off.data_ptr<int64_t>(), &p,
+                  ws.ptr, ws.bytes, on.stream()),
+               op);
+  return out;
+}
+
+Tensor grouped_gemm(const Device &d, const Tensor &x, const Tensor &weight,
+                    const Tensor &expert_offsets, bool trans_w,
                     optional<at::ScalarType> out_dtype) {
-  check_dim(x_, 2, "x");
-  check_dim(weight_, 3, "weight");
-  const int64_t E = weight_.size(0), K = x_.size(1);
-  const int64_t N = trans_w ? weight_.size(1) : weight_.size(2);
-  check_size(weight_, trans_w ? 2 : 1, K, "weight", "x.shape[1] (in_features)");
-  auto p = grouped_gemm_params(x_, "x", weight_, "weight", expert_offsets_, E,
-                               "weight.shape[0]", K, N, trans_w,
-                               out_dtype.value_or(x_.scalar_type()));
-  Tensor x = x_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
-  const OnDevice on(d, x);
-  Tensor y = at::empty({p.num_rows, N},
-                           x.options().dtype(out_dtype.value_or(x.scalar_type())));
-  const Workspace ws = workspace(x, d.grouped_gemm_workspace_size(&p));
-  check_status(d.grouped_gemm_fwd(y.data_ptr(), x.data_ptr(), w.data_ptr(), off.data_ptr<int64_t>(),
-                                  &p, ws.ptr, ws.bytes, on.stream()),
-               "grouped_gemm");
-  return y;
+  const at::ScalarType odt = out_dtype.value_or(x.scalar_type());
+  const auto p = weight_product(x, "x", "x.shape[1] (in_features)", weight, expert_offsets,
+                                trans_w, false, odt);
+  return run_product(d, d.grouped_gemm_fwd, "grouped_gemm", x, weight, expert_offsets, p,
+                     {p.num_rows, p.out_features}, odt);
 }
 
-Tensor grouped_gemm_dgrad(const Device &d, const Tensor &grad_y_, const Tensor &weight_,
-                          const Tensor &expert_offsets_, bool trans_w,
+Tensor grouped_gemm_dgrad(const Device &d, const Tensor &grad_y, const Tensor &weight,
+                          const Tensor &expert_offsets, bool trans_w,
                           optional<at::ScalarType> out_dtype) {
-  check_dim(grad_y_, 2, "grad_y");
-  check_dim(weight_, 3, "weight");
-  const int64_t E = weight_.size(0), N = grad_y_.size(1);
-  const int64_t K = trans_w ? weight_.size(2) : weight_.size(1);
-  check_size(weight_, trans_w ? 1 : 2, N, "weight", "grad_y.shape[1] (out_features)");
-  auto p = grouped_gemm_params(grad_y_, "grad_y", weight_, "weight", expert_offsets_, E,
-                               "weight.shape[0]", K, N, trans_w,
-                               out_dtype.value_or(grad_y_.scalar_type()));
-  Tensor g = grad_y_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
-  const OnDevice on(d, g);
-  Tensor dx = at::empty({p.num_rows, K},
-                            g.options().dtype(out_dtype.value_or(g.scalar_type())));
-  const Workspace ws = workspace(g, d.grouped_gemm_workspace_size(&p));
-  check_status(d.grouped_gemm_dgrad(dx.data_ptr(), g.data_ptr(), w.data_ptr(),
-                                    off.data_ptr<int64_t>(), &p, ws.ptr, ws.bytes, on.stream()),
-               "grouped_gemm_dgrad");
-  return dx;
+  const at::ScalarType odt = out_dtype.value_or(grad_y.scalar_type());
+  const auto p = weight_product(grad_y, "grad_y", "grad_y.shape[1] (out_features)", weight,
+                                expert_offsets, trans_w, true, odt);
+  return run_product(d, d.grouped_gemm_dgrad, "grouped_gemm_dgrad", grad_y, weight,
+                     expert_offsets, p, {p.num_rows, p.in_features}, odt);
 }
 
-Tensor grouped_gemm_wgrad(const Device &d, const Tensor &x_, const Tensor &grad_y_,
-                          const Tensor &expert_offsets_, bool trans_w,
+Tensor grouped_gemm_wgrad(const Device &d, const Tensor &x, const Tensor &grad_y,
+                          const Tensor &expert_offsets, bool trans_w,
                           optional<at::ScalarType> out_dtype) {
-  check_dim(x_, 2, "x");
-  check_dim(grad_y_, 2, "grad_y");
-  check_dim(expert_offsets_, 1, "expert_offsets");
-  check_size(grad_y_, 0, x_.size(0), "grad_y", "x.shape[0] (num_rows)");
-  const int64_t E = expert_offsets_.size(0) - 1, K = x_.size(1), N = grad_y_.size(1);
-  auto p = grouped_gemm_params(x_, "x", grad_y_, "grad_y", expert_offsets_, E,
-                               "expert_offsets.shape[0] - 1", K, N, trans_w,
-                               out_dtype.value_or(x_.scalar_type()));
-  Tensor x = x_.contiguous(), g = grad_y_.contiguous(), off = expert_offsets_.contiguous();
-  const OnDevice on(d, x);
-  Tensor dw = at::empty(trans_w ? at::IntArrayRef({E, N, K}) : at::IntArrayRef({E, K, N}),
-                            x.options().dtype(out_dtype.value_or(x.scalar_type())));
-  const Workspace ws = workspace(x, d.grouped_gemm_workspace_size(&p));
-  check_status(d.grouped_gemm_wgrad(dw.data_ptr(), x.data_ptr(), g.data_ptr(),
-                                    off.data_ptr<int64_t>(), &p, ws.ptr, ws.bytes, on.stream()),
-               "grouped_gemm_wgrad");
-  return dw;
+  check_dim(x, 2, "x");
+  check_dim(grad_y, 2, "grad_y");
+  check_dim(expert_offsets, 1, "expert_offsets");
+  check_size(grad_y, 0, x.size(0), "grad_y", "x.shape[0] (num_rows)");
+  const int64_t E = expert_offsets.size(0) - 1, K = x.size(1), N = grad_y.size(1);
+  const at::ScalarType odt = out_dtype.value_or(x.scalar_type());
+  const auto p = grouped_gemm_params(x, "x", grad_y, "grad_y", expert_offsets, E,
+                                     "expert_offsets.shape[0] - 1", K, N, trans_w, odt);
+  return run_product(d, d.grouped_gemm_wgrad, "grouped_gemm_wgrad", x, grad_y, expert_offsets, p,
+                     trans_w ? at::IntArrayRef({E, N, K}) : at::IntArrayRef({E, K, N}), odt);
 }
 
 // ---- glu_probs ----------------------------------------------------------------------------------
@@ -122,7 +124,7 @@ static moe_activation_t to_activation(string_view name) {
   return MOE_ACT_SILU;
 }
 
-// The activation options of glu_probs and of fc1 + glu_probs, validated.
+// The activation options of glu_probs and of fc1 + glu_probs (the core checks their values).
 static moe_glu_probs_params_t glu_options(string_view activation, bool gated_linear_unit,
                                           double linear_offset, optional<double> clamp_value) {
   moe_glu_probs_params_t p;
@@ -131,10 +133,29 @@ static moe_glu_probs_params_t glu_options(string_view activation, bool gated_lin
   p.linear_offset = linear_offset;
   p.has_clamp = clamp_value.has_value() ? 1 : 0;
   p.clamp_value = clamp_value.value_or(0.0);
-  MOE_CHECK_VALUE(!clamp_value.has_value() || *clamp_value >= 0.0,
-                  "clamp_value must be >= 0 (the linear half is clamped to [-v, v]), got ",
-                  p.clamp_value);
   return p;
+}
+
+// F of the activation input whose dim `dim` of `t` is its width: 2F with GLU, else F.
+static int64_t glu_ffn(const Tensor &t, const char *name, int dim, bool gated_linear_unit) {
+  const int64_t width = t.size(dim);
+  if (gated_linear_unit) {
+    MOE_CHECK_VALUE(width >= 2 && width % 2 == 0, name, ".shape[", dim,
+                    "] must be 2F (even, >= 2) with gated_linear_unit, got shape ", t.sizes());
+    return width / 2;
+  }
+  MOE_CHECK_VALUE(width >= 1, name, ".shape[", dim, "] must be F >= 1, got shape ", t.sizes());
+  return width;
+}
+
+// The optional per-row probs: [rows] float on the device of `ref`; `rows_of` names the rows.
+static void check_row_probs(const optional<Tensor> &probs, int64_t rows, const Tensor &ref,
+                            const char *ref_name, const char *rows_of) {
+  if (!probs.has_value()) return;
+  check_dim(*probs, 1, "probs");
+  check_float(*probs, "probs");
+  check_size(*probs, 0, rows, "probs", rows_of);
+  check_same_device(*probs, ref, "probs", ref_name);
 }
 
 // Validates a and probs; returns the options and F.
@@ -146,20 +167,8 @@ static moe_glu_probs_params_t glu_probs_params(const Tensor &a, const optional<T
   check_float(a, "a");
   const moe_glu_probs_params_t p =
       glu_options(activation, gated_linear_unit, linear_offset, clamp_value);
-  const int64_t width = a.size(1);
-  if (gated_linear_unit) {
-    MOE_CHECK_VALUE(width >= 2 && width % 2 == 0, "a.shape[1] must be 2F (even, >= 2) with "
-                    "gated_linear_unit, got shape ", a.sizes());
-  } else {
-    MOE_CHECK_VALUE(width >= 1, "a.shape[1] must be F >= 1, got shape ", a.sizes());
-  }
-  *ffn = gated_linear_unit ? width / 2 : width;
-  if (probs.has_value()) {
-    check_dim(*probs, 1, "probs");
-    check_float(*probs, "probs");
-    check_size(*probs, 0, a.size(0), "probs", "a.shape[0] (num_rows)");
-    check_same_device(*probs, a, "probs", "a");
-  }
+  *ffn = glu_ffn(a, "a", 1, gated_linear_unit);
+  check_row_probs(probs, a.size(0), a, "a", "a.shape[0] (num_rows)");
   return p;
 }
 
@@ -254,33 +263,15 @@ Tensor2 grouped_gemm_glu_probs(const Device &d, const Tensor &x_, const Tensor &
                                const Tensor &expert_offsets_, const optional<Tensor> &probs_,
                                string_view activation, bool gated_linear_unit, double linear_offset,
                                optional<double> clamp_value, bool trans_w) {
-  check_dim(x_, 2, "x");
-  check_dim(weight_, 3, "weight");
-  const int64_t E = weight_.size(0), K = x_.size(1), R = x_.size(0);
-  const int64_t N = trans_w ? weight_.size(1) : weight_.size(2);
-  check_size(weight_, trans_w ? 2 : 1, K, "weight", "x.shape[1] (in_features)");
-  auto p = grouped_gemm_params(x_, "x", weight_, "weight", expert_offsets_, E, "weight.shape[0]",
-                               K, N, trans_w, x_.scalar_type());
-  const int n_dim = trans_w ? 1 : 2;
-  if (gated_linear_unit) {
-    MOE_CHECK_VALUE(N >= 2 && N % 2 == 0, "weight.shape[", n_dim, "] must be 2F (even, >= 2) "
-                    "with gated_linear_unit, got shape ", weight_.sizes());
-  } else {
-    MOE_CHECK_VALUE(N >= 1, "weight.shape[", n_dim, "] must be F >= 1, got shape ",
-                    weight_.sizes());
-  }
-  const int64_t F = gated_linear_unit ? N / 2 : N;
+  const auto p = weight_product(x_, "x", "x.shape[1] (in_features)", weight_, expert_offsets_,
+                                trans_w, false, x_.scalar_type());
+  const int64_t R = p.num_rows, N = p.out_features;
+  const int64_t F = glu_ffn(weight_, "weight", trans_w ? 1 : 2, gated_linear_unit);
   const moe_glu_probs_params_t g =
       glu_options(activation, gated_linear_unit, linear_offset, clamp_value);
-  Tensor probs;
-  if (probs_.has_value()) {
-    check_dim(*probs_, 1, "probs");
-    check_float(*probs_, "probs");
-    check_size(*probs_, 0, R, "probs", "x.shape[0] (num_rows)");
-    check_same_device(*probs_, x_, "probs", "x");
-    probs = probs_->contiguous();
-  }
-  Tensor x = x_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous();
+  check_row_probs(probs_, R, x_, "x", "x.shape[0] (num_rows)");
+  Tensor x = x_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous(), probs;
+  if (probs_.has_value()) probs = probs_->contiguous();
   const OnDevice on(d, x);
   Tensor h = at::empty({R, F}, x.options());
   Tensor a = at::empty({R, N}, x.options());

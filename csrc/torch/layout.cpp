@@ -3,7 +3,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
-#include "common.h"  // the core's checked int64 arithmetic (moe_checked_mul_i64)
+#include "checks.h"  // moe_permute_check_params: the row bound sizes the outputs
 
 #include "binding.h"
 
@@ -17,8 +17,7 @@ Tensor2 topk_to_dense(const Device &d, const Tensor &topk_probs_, const Tensor &
   check_dim(topk_indices_, 2, "topk_indices");
   check_float(topk_probs_, "topk_probs");
   check_dtype(topk_indices_, at::kLong, "topk_indices");
-  MOE_CHECK_VALUE(topk_probs_.sizes() == topk_indices_.sizes(), "topk_probs shape ",
-                    topk_probs_.sizes(), " must equal topk_indices shape ", topk_indices_.sizes());
+  check_same_shape(topk_probs_, "topk_probs", topk_indices_, "topk_indices");
   check_same_device(topk_indices_, topk_probs_, "topk_indices", "topk_probs");
   const int64_t T = topk_probs_.size(0), k = topk_probs_.size(1);
   Tensor tp = topk_probs_.contiguous(), ti = topk_indices_.contiguous();
@@ -68,20 +67,23 @@ static moe_drop_policy_t to_drop_policy(string_view name) {
   return MOE_DROP_PROBS;
 }
 
+// Dense probs [T, E] (float, E >= 1) and their bool map of the same shape, on one device.
+static void check_probs_and_map(const Tensor &probs, const char *probs_name, const Tensor &map,
+                                const char *map_name) {
+  check_dim(probs, 2, probs_name);
+  check_float(probs, probs_name);
+  check_routing_map(map, map_name);
+  check_same_shape(map, map_name, probs, probs_name);
+  check_same_device(map, probs, map_name, probs_name);
+  MOE_CHECK_VALUE(probs.size(1) >= 1, probs_name,
+                  " must have at least one expert column, got shape ", probs.sizes());
+}
+
 Tensor2 token_dropping(const Device &d, const Tensor &routing_probs_, const Tensor &routing_map_,
                        int64_t capacity, string_view drop_policy, bool pad_to_capacity) {
-  check_dim(routing_probs_, 2, "routing_probs");
-  check_float(routing_probs_, "routing_probs");
-  check_routing_map(routing_map_, "routing_map");
-  MOE_CHECK_VALUE(routing_map_.sizes() == routing_probs_.sizes(), "routing_map shape ",
-                    routing_map_.sizes(), " must equal routing_probs shape ",
-                    routing_probs_.sizes());
-  check_same_device(routing_map_, routing_probs_, "routing_map", "routing_probs");
-  MOE_CHECK_VALUE(capacity >= 0, "capacity must be >= 0, got ", capacity);
+  check_probs_and_map(routing_probs_, "routing_probs", routing_map_, "routing_map");
   const moe_drop_policy_t policy = to_drop_policy(drop_policy);
   const int64_t T = routing_probs_.size(0), E = routing_probs_.size(1);
-  MOE_CHECK_VALUE(E >= 1, "routing_probs must have at least one expert column, got shape ",
-                    routing_probs_.sizes());
   Tensor probs = routing_probs_.contiguous(), map = routing_map_.contiguous();
   Tensor final_probs = at::empty_like(probs), final_map = at::empty_like(map);
   const moe_dtype_t dt = to_moe_dtype(probs.scalar_type(), "routing_probs");
@@ -97,16 +99,7 @@ Tensor2 token_dropping(const Device &d, const Tensor &routing_probs_, const Tens
 
 Tensor token_dropping_bwd(const Device &d, const Tensor &grad_final_probs_,
                           const Tensor &final_map_) {
-  check_dim(grad_final_probs_, 2, "grad_final_probs");
-  check_float(grad_final_probs_, "grad_final_probs");
-  check_routing_map(final_map_, "final_map");
-  MOE_CHECK_VALUE(final_map_.sizes() == grad_final_probs_.sizes(), "final_map shape ",
-                    final_map_.sizes(), " must equal grad_final_probs shape ",
-                    grad_final_probs_.sizes());
-  check_same_device(final_map_, grad_final_probs_, "final_map", "grad_final_probs");
-  MOE_CHECK_VALUE(grad_final_probs_.size(1) >= 1,
-                  "grad_final_probs must have at least one expert column, got shape ",
-                  grad_final_probs_.sizes());
+  check_probs_and_map(grad_final_probs_, "grad_final_probs", final_map_, "final_map");
   Tensor g = grad_final_probs_.contiguous(), map = final_map_.contiguous();
   Tensor out = at::empty_like(g);
   const OnDevice on(d, g);
@@ -130,28 +123,22 @@ Tensor5 permute(const Device &d, const Tensor &tokens_, const Tensor &routing_ma
   MOE_CHECK_VALUE(H >= 1, "tokens must have hidden >= 1, got shape ", tokens_.sizes());
   MOE_CHECK_VALUE(E >= 1, "routing_map must have at least one expert column, got shape ",
                     routing_map_.sizes());
-  MOE_CHECK_VALUE(num_out_tokens >= 0, "num_out_tokens must be >= 0, got ", num_out_tokens);
-  MOE_CHECK_VALUE(align_size >= 0, "align_size must be >= 0, got ", align_size);
   Tensor tokens = tokens_.contiguous(), map = routing_map_.contiguous(), probs;
   if (probs_.has_value()) {
     probs = probs_->contiguous();
     check_dim(probs, 2, "probs");
     check_float(probs, "probs");
-    MOE_CHECK_VALUE(probs.sizes() == map.sizes(), "probs shape ", probs.sizes(),
-                      " must equal routing_map shape ", map.sizes());
+    check_same_shape(probs, "probs", map, "routing_map");
     check_same_device(probs, tokens, "probs", "tokens");
   }
   moe_permute_params_t p;
   p.num_out_tokens = num_out_tokens;
   p.align_size = align_size;
   p.drop_and_pad = drop_and_pad ? 1 : 0;
-  // the row bound is checked arithmetic in the core: -1 (with the reason) when it overflows
-  const int64_t R = moe_permute_num_rows(T, E, &p);
-  MOE_CHECK_VALUE(R >= 0, "permute: ", moe_last_error());
-  int64_t elems = 0;
-  MOE_CHECK_VALUE(!moe_checked_mul_i64(R, H, &elems), "permute: the permuted buffer has ", R,
-                  " rows (num_out_tokens=", num_out_tokens, ", align_size=", align_size,
-                  ") of hidden=", H, " elements, which overflows int64");
+  // The outputs' row bound comes from the params: the core's check of them (checked int64
+  // arithmetic, the row bound and [rows, hidden] included) runs before anything is allocated.
+  int64_t R = 0;
+  check_status(moe_permute_check_params(T, H, E, &p, &R), "permute");
   Tensor out = at::empty({R, H}, tokens.options());
   Tensor out_probs;  // with probs only
   if (probs.defined()) out_probs = at::empty({R}, probs.options());

@@ -17,7 +17,7 @@ using namespace moe_torch;
 
 namespace {
 
-// Every op: X(name, schema after the name). The implementation is moe_torch::name.
+// Every op: X(name, schema after the name). Its implementation is moe_torch::name.
 #define MOE_OPS(X)                                                                                 \
   /* router.cpp */                                                                                 \
   X(router_gating_linear, "(Tensor inp, Tensor weight, Tensor? bias, ScalarType router_dtype)"     \
@@ -121,7 +121,7 @@ struct OnDeviceOp<D, Op> {
 
 template <const Device &D>
 void register_kernels(torch::Library &m) {
-#define MOE_IMPL(name, schema) m.impl(#name, &OnDeviceOp<D, &name>::call);
+#define MOE_IMPL(name, schema) m.impl(#name, &OnDeviceOp<D, moe_torch::name>::call);
   MOE_OPS(MOE_IMPL)
 #undef MOE_IMPL
 }

@@ -124,6 +124,7 @@ static TopkInputs topk_inputs(const Tensor &logits_, int64_t topk, bool use_pre_
   }
   in.p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
                           score_function, routing_mode);
+  // topk sizes the outputs: the core's check of the params runs before anything is allocated
   check_status(moe_router_topk_check(&in.p, in.E, in.bias.defined()), op);
   return in;
 }
@@ -148,11 +149,11 @@ Tensor2 router_topk(const Device &d, const Tensor &logits_, int64_t topk, bool u
   return {probs, indices};
 }
 
-// Backward of router_topk (grad_probs [T, topk]) and of the dense routers (grad_probs [T, E]).
-static Tensor topk_bwd(const Device &d, const Tensor &grad_probs_, const Tensor &logits_,
-                       const Tensor &topk_indices_, int64_t topk, bool use_pre_softmax,
-                       int64_t num_groups, int64_t group_topk, double scaling_factor,
-                       string_view score_function, int64_t routing_mode, bool dense) {
+template <bool dense>
+Tensor RouterTopkBwd<dense>::op(const Device &d, const Tensor &grad_probs_, const Tensor &logits_,
+                                const Tensor &topk_indices_, int64_t topk, bool use_pre_softmax,
+                                int64_t num_groups, int64_t group_topk, double scaling_factor,
+                                string_view score_function, int64_t routing_mode) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
@@ -185,21 +186,8 @@ static Tensor topk_bwd(const Device &d, const Tensor &grad_probs_, const Tensor 
   return grad_logits;
 }
 
-Tensor router_topk_bwd(const Device &d, const Tensor &grad_probs, const Tensor &logits,
-                       const Tensor &topk_indices, int64_t topk, bool use_pre_softmax,
-                       int64_t num_groups, int64_t group_topk, double scaling_factor,
-                       string_view score_function, int64_t routing_mode) {
-  return topk_bwd(d, grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups,
-                  group_topk, scaling_factor, score_function, routing_mode, false);
-}
-
-Tensor router_topk_dense_bwd(const Device &d, const Tensor &grad_probs, const Tensor &logits,
-                             const Tensor &topk_indices, int64_t topk, bool use_pre_softmax,
-                             int64_t num_groups, int64_t group_topk, double scaling_factor,
-                             string_view score_function, int64_t routing_mode) {
-  return topk_bwd(d, grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups,
-                  group_topk, scaling_factor, score_function, routing_mode, true);
-}
+template struct RouterTopkBwd<false>;
+template struct RouterTopkBwd<true>;
 
 // Outputs not asked for come back empty ([0, E] and [0]) so the schema stays all-Tensor.
 // The dense router with its optional extras; `op` names the caller in messages.

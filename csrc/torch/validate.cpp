@@ -94,6 +94,12 @@ moe_score_function_t to_score_function(c10::string_view name) {
   return MOE_SCORE_SOFTMAX;
 }
 
+void check_same_shape(const at::Tensor &t, const char *name, const at::Tensor &ref,
+                      const char *ref_name) {
+  MOE_CHECK_VALUE(t.sizes() == ref.sizes(), name, " shape ", t.sizes(), " must equal ", ref_name,
+                  " shape ", ref.sizes());
+}
+
 void check_routing_map(const at::Tensor &routing_map, const char *name) {
   check_dim(routing_map, 2, name);
   check_dtype(routing_map, at::kBool, name);
