@@ -116,7 +116,7 @@ def patch_megatron_for_cpu() -> None:
     gating without .cuda(), eager expert-bias counting, ``torch.cuda.current_device`` answering
     "cpu", and for the alltoall dispatcher no side stream and host split sizes)."""
     sys.path.insert(0, TESTS_DIR)
-    import megatron_ep
+    from helpers import megatron_ep
 
     megatron_ep.patch_megatron_for_cpu_ep()
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-import megatron_layer  # noqa: E402
+from helpers import megatron_layer  # noqa: E402
 
 from moe_core import MoEConfig, MoELayer, load_megatron_state_dict  # noqa: E402
 from moe_core.ops import AuxLossScale  # noqa: E402

@@ -1,10 +1,7 @@
-"""Shared pytest fixtures: megatron-core (the parity oracle), devices, seeding.
+"""Shared pytest fixtures: devices, seeding, poisoned outputs, the router kernel on CUDA.
 
-megatron-core is a hard requirement of the test suite: `make test` installs it, and a missing
-install fails the parity tests instead of skipping them.
-"""
+Code the tests import lives in helpers/ (tests/ is on sys.path)."""
 import os
-import warnings
 
 import pytest
 import torch
@@ -18,18 +15,11 @@ import moe_core  # noqa: E402,F401  (registers the ops)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def megatron_moe_utils():
-    """megatron.core.transformer.moe.moe_utils, imported quietly (it warns about TE and apex)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.transformer.moe import moe_utils
-    return moe_utils
-
-
 @pytest.fixture
 def poison():
-    """Outputs start as NaN / the dtype's max (gg_utils.poisoned), so unwritten rows show."""
-    from gg_utils import poisoned
+    """Outputs start as NaN / the dtype's max (helpers.grouped_gemm.poisoned), so unwritten rows
+    show."""
+    from helpers.grouped_gemm import poisoned
 
     with poisoned():
         yield

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moe_core.ops as ops
-from tolerances import assert_close_ulps, eps
+from helpers.tolerances import assert_close_ulps, eps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 

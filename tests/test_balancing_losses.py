@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import moe_core.ops as ops
-from balancing_utils import world_group  # noqa: F401  (fixture)
-from tolerances import assert_close_ulps
+from helpers.tolerances import assert_close_ulps
+from helpers.world_group import world_group  # noqa: F401  (fixture)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

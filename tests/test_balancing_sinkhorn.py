@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moe_core.ops as ops
-from tolerances import assert_close_ulps
+from helpers.tolerances import assert_close_ulps
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

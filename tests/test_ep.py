@@ -28,8 +28,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_utils import run_ranks
-from tolerances import eps
+from helpers.dist import run_ranks
+from helpers.tolerances import eps
 
 H, FFN, S, B = 16, 24, 6, 2
 

@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from helpers.tolerances import eps
 from moe_core import MoEConfig, MoELayer
-from tolerances import eps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 

@@ -52,10 +52,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import megatron_ep
-from dist_utils import run_ranks
+from helpers import megatron_ep
+from helpers.dist import run_ranks
+from helpers.tolerances import eps
 from moe_core.ops import get_capacity
-from tolerances import eps
 
 H, FFN, E, K, S, B = 32, 48, 8, 2, 12, 2
 ROUNDINGS = {torch.bfloat16: 2, torch.float32: 64}

@@ -10,8 +10,8 @@ CUDA when there is a GPU.
 import pytest
 import torch
 
+from helpers.grouped_gemm import offsets_of
 from moe_core import MoEConfig, MoELayer, ops
-from gg_utils import offsets_of
 
 OPS = torch.ops.moe_core
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -11,9 +11,9 @@ allocation in the binding) is filled with NaN, so a row the kernel forgets to wr
 import pytest
 import torch
 
+from helpers.grouped_gemm import offsets_of
+from helpers.tolerances import assert_error_at_most
 from moe_core import ops
-from gg_utils import offsets_of
-from tolerances import assert_error_at_most
 
 OPS = torch.ops.moe_core
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -14,9 +14,9 @@ torch's cuBLAS references run outside that mode (cuBLAS refuses it without a wor
 import pytest
 import torch
 
+from helpers.grouped_gemm import capture_graph, offsets_of, poisoned
+from helpers.tolerances import assert_error_at_most
 from moe_core import ops
-from gg_utils import capture_graph, offsets_of, poisoned
-from tolerances import assert_error_at_most
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.grouped_gemm import offsets_of
+from helpers.tolerances import assert_error_at_most
 from moe_core import MoEConfig, ops
 from moe_core.experts import GroupedMLP, activation_times_probs, apply_activation
-from gg_utils import offsets_of
-from tolerances import assert_error_at_most
 
 OPS = torch.ops.moe_core
 ACTS = ["silu", "gelu", "gelu_tanh", "relu", "squared_relu", "quick_gelu"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import megatron_layer
+from helpers import megatron_layer
 from moe_core import MoEConfig, MoELayer, load_megatron_state_dict
 from moe_core.ops import AuxLossScale
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import megatron_layer
+from helpers import megatron_layer
 from moe_core import MoEConfig, MoELayer, finalize_step, load_megatron_state_dict, ops
 from moe_core.ops import AuxLossScale
 

@@ -11,10 +11,10 @@ import itertools
 import pytest
 import torch
 
-import reference_layout as ref
-from conftest import megatron_moe_utils
+from helpers import reference_layout as ref
+from helpers.megatron_moe import megatron_moe_utils
+from helpers.tolerances import assert_close_ulps, eps
 from moe_core import ops
-from tolerances import assert_close_ulps, eps
 
 mcore = megatron_moe_utils()  # a missing megatron-core fails here, it never skips
 

@@ -10,8 +10,8 @@ only when no GPU is present.
 import pytest
 import torch
 
+from helpers.tolerances import eps
 from moe_core import ops
-from tolerances import eps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

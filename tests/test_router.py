@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
-import reference as ref
-from conftest import DEVICES, megatron_moe_utils
+from conftest import DEVICES
+from helpers import reference_router as ref
+from helpers.megatron_moe import megatron_moe_utils
+from helpers.tolerances import assert_close_ulps, eps
 from moe_core import ops
-from tolerances import assert_close_ulps, eps
 
 mcore = megatron_moe_utils()
 

@@ -15,9 +15,9 @@ from typing import Optional, Tuple
 import pytest
 import torch
 
+from helpers.tolerances import assert_close_ulps, eps
 from moe_core import ops
 from moe_core.ops.router_topk import router_topk_fused
-from tolerances import assert_close_ulps, eps
 
 Pair = Tuple[torch.Tensor, torch.Tensor]
 

@@ -16,11 +16,11 @@ import torch
 from hypothesis import given, strategies as st
 
 from fuzz_utils import FLOATS, assert_bitwise, assert_close_or_same_special, gen, sprinkle
-from gg_utils import offsets_of
+from helpers.grouped_gemm import offsets_of
+from helpers.tolerances import assert_error_at_most, eps
 from moe_core import ops
 from test_glu_probs import ACTS, autograd_grads, grad_probs_truth, off_rounded_clamp, reference
 from test_grouped_gemm import reference as gg_reference
-from tolerances import assert_error_at_most, eps
 
 OPS = torch.ops.moe_core
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import reference as ref
 from fuzz_utils import FLOATS, assert_bitwise, assert_close_or_same_special, gen, grid, sprinkle
+from helpers import reference_router as ref
+from helpers.tolerances import eps
 from moe_core import ops
 from test_router import prob_ulps
-from tolerances import eps
 
 TOKENS = st.one_of(st.sampled_from([0, 1, 2, 3, 5, 16]), st.integers(0, 40),
                    st.sampled_from([257, 1024]))
@@ -145,7 +145,7 @@ def test_group_limited_router_topk_vs_reference(case):
 def test_sigmoid_renormalisation_sum_is_as_accurate_as_torch(score):
     """Found by test_router_topk_vs_reference: T=1, E=topk=256, fp32 logits from {-1/8, 0, 1/8}.
     tests/tolerances.py's rule: our error against the fp64 truth at most 2x torch's + 1 ulp."""
-    from tolerances import assert_error_at_most
+    from helpers.tolerances import assert_error_at_most
 
     vals = torch.tensor([0.125, -0.125, 0.0])
     logits = vals[torch.randint(0, 3, (1, 256), generator=gen(0))]

@@ -1,5 +1,5 @@
 """Megatron-Core's own MoELayer at expert parallel N on the CPU over gloo, beside moe-core's EP
-layer, for the multi-process parity tests (run inside ``dist_utils.run_ranks``).
+layer, for the multi-process parity tests (run inside ``helpers.dist.run_ranks``).
 
 Patches, applied in the rank process only (no Megatron file is edited; the approach of
 ``megatron_layer`` and of the EP spec's CPU probe): ``megatron_layer``'s ``Router.gating`` without
@@ -28,7 +28,8 @@ from typing import Callable, Dict, Iterator, Optional
 
 import torch
 
-import megatron_layer  # importing it applies its Router.gating / _apply_expert_bias patches
+# importing megatron_layer applies its Router.gating / _apply_expert_bias patches
+from helpers import megatron_layer
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -1,0 +1,12 @@
+"""Code the tests share (imported as ``helpers.<module>``; tests/ is on sys.path through the
+``pythonpath`` option in pyproject.toml, and tests/conftest.py's folder):
+
+* ``reference_router`` / ``reference_layout``: pure-PyTorch references of the ops, from the spec;
+* ``tolerances``: float tolerances derived from the dtype;
+* ``megatron_moe``: megatron-core's moe_utils, imported quietly;
+* ``megatron_layer`` / ``megatron_ep``: megatron-core's real MoELayer on the CPU, at world size 1
+  and at EP > 1 over gloo;
+* ``dist``: the multi-process harness (N gloo ranks); ``world_group``: a one-rank gloo group
+  fixture;
+* ``grouped_gemm``: poisoned outputs, expert offsets, CUDA-graph capture.
+"""
