@@ -15,12 +15,13 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+from experts.test_glu_probs import (ACTS, autograd_grads, grad_probs_truth, off_rounded_clamp,
+                                     reference)
+from experts.test_grouped_gemm import reference as gg_reference
 from fuzz_utils import FLOATS, assert_bitwise, assert_close_or_same_special, gen, sprinkle
 from helpers.grouped_gemm import offsets_of
 from helpers.tolerances import assert_error_at_most, eps
 from moe_core import ops
-from test_glu_probs import ACTS, autograd_grads, grad_probs_truth, off_rounded_clamp, reference
-from test_grouped_gemm import reference as gg_reference
 
 OPS = torch.ops.moe_core
 

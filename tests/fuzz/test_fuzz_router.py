@@ -21,7 +21,7 @@ from fuzz_utils import FLOATS, assert_bitwise, assert_close_or_same_special, gen
 from helpers import reference_router as ref
 from helpers.tolerances import eps
 from moe_core import ops
-from test_router import prob_ulps
+from router.test_ops import prob_ulps
 
 TOKENS = st.one_of(st.sampled_from([0, 1, 2, 3, 5, 16]), st.integers(0, 40),
                    st.sampled_from([257, 1024]))

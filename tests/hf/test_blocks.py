@@ -15,12 +15,12 @@ import copy
 import pytest
 import torch
 
-from test_hf_models import (one_thread,  # noqa: F401  (autouse fixture)
+from hf.test_models import (one_thread,  # noqa: F401  (autouse fixture)
                             SWAP_FAMILIES, assert_close_grads, assert_fp32_grads_close,
                             assert_tie_free, inputs, rel_err, run_step, tiny_model)
 
 import torch.nn.functional as F
-from test_router_hf_rules import hf_deepseek_v2, hf_deepseek_v3
+from router.test_hf_rules import hf_deepseek_v2, hf_deepseek_v3
 
 import moe_core
 from moe_core.hf import MoECoreSparseMoeBlock, UnsupportedMoEBlockError, replace_moe_blocks

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import test_opcheck
+from hardening import test_opcheck
 from moe_core import MoEConfig, MoELayer
 from moe_core.ops import _guards
 

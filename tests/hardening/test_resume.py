@@ -123,8 +123,8 @@ def test_resume_in_a_fresh_process_is_bitwise_exact(tmp_path):
     reference = snapshot(layer, opt, losses[SAVE_AFTER:])
 
     out = str(tmp_path / "resumed.pt")
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {tests_dir!r}); import test_resume; "
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (f"import sys; sys.path.insert(0, {tests_dir!r}); from hardening import test_resume; "
             f"test_resume.resume({ckpt!r}, {out!r})")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, cwd=os.path.dirname(tests_dir))

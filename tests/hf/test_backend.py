@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 
-from test_hf_models import (one_thread,  # noqa: F401  (autouse fixture)
+from hf.test_models import (one_thread,  # noqa: F401  (autouse fixture)
                             FAMILIES, assert_close_grads, assert_fp32_grads_close,
                             assert_tie_free, inputs, rel_err, run_step, tiny_model)
 
