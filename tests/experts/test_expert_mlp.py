@@ -14,7 +14,6 @@ from helpers.grouped_gemm import offsets_of
 from moe_core import MoEConfig, MoELayer, ops
 
 OPS = torch.ops.moe_core
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CASES = [  # (activation, gated, offset, clamp)
     ("silu", True, 0.0, None), ("gelu", False, 0.0, None), ("quick_gelu", True, -0.5, 2.01)]
 
@@ -85,7 +84,6 @@ def probs_table_of(T, E, k, device, seed=3):
     return ((torch.rand(T, E, generator=g) + 0.1) * mask).to(device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("act,gated,offset,clamp", CASES)
 @pytest.mark.parametrize("source", [True, False])
@@ -104,7 +102,6 @@ def test_bitwise_equal_to_the_two_ops(device, dtype, act, gated, offset, clamp, 
         assert torch.equal(a, b), f"{name}: max |diff| {(a.double() - b.double()).abs().max()}"
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_saves_neither_rows_nor_h(device):
     T, H, E, k, F_ = 64, 48, 4, 2, 40
     tokens, rows, row_probs, idx, off = routed(T, H, E, k, torch.float32, device)
@@ -131,7 +128,6 @@ def test_saves_neither_rows_nor_h(device):
     assert (R, H) in saved_shapes(False)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_second_backward_raises(device):
     T, H, E, k, F_ = 16, 8, 4, 2, 8
     tokens, rows, row_probs, idx, off = routed(T, H, E, k, torch.float32, device)
@@ -142,7 +138,6 @@ def test_second_backward_raises(device):
         y.sum().backward()
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_raw_op_with_fc1_output_used(device):
     """The op's second output (fc1's output) used downstream: it is kept, not overwritten, and
     the gradient it receives is added, as autograd through the two ops does."""
@@ -182,7 +177,6 @@ def test_mismatched_source_arguments():
 
 
 # ---- glu_probs_bwd_: the activation backward in place ----------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 @pytest.mark.parametrize("act,gated,offset,clamp", CASES)
 @pytest.mark.parametrize("with_probs", [True, False])
@@ -218,14 +212,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
                     b.masked_fill(nan, 0).view(ints[b.element_size()]))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_glu_probs_bwd_inplace_noncontiguous_raises(device):
     a = torch.randn(8, 16, device=device).t()  # [16, 8], not contiguous
     with pytest.raises(ValueError, match="must be contiguous"):
         OPS.glu_probs_bwd_(torch.randn(16, 4, device=device), a, None, "silu", True)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_glu_probs_bwd_inplace_overlap_raises(device):
     buf = torch.randn(8, 16, device=device)
     with pytest.raises(ValueError, match="must not share memory"):
@@ -233,7 +225,6 @@ def test_glu_probs_bwd_inplace_overlap_raises(device):
 
 
 # ---- through the layer ------------------------------------------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
 def test_layer_saves_only_fc1_output(device):
     """The single-device layer keeps fc1's output and small tensors, not the permuted rows."""
     cfg = MoEConfig(hidden_size=32, moe_ffn_hidden_size=48, num_moe_experts=4, moe_router_topk=2,
@@ -253,7 +244,6 @@ def test_layer_saves_only_fc1_output(device):
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     """Schemas, fake kernels, autograd registration and AOT dispatch (fullgraph compile) of both
     ops, the mutating one included."""

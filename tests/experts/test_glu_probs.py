@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEVICES
 from helpers.tolerances import assert_close_ulps, assert_error_at_most, eps
 from moe_core import MoEConfig, ops
 from moe_core.experts import activation_times_probs, apply_activation

@@ -17,7 +17,6 @@ import copy
 import pytest
 import torch
 
-from conftest import DEVICES
 from moe_core import ops
 from moe_core.config import MoEConfig
 from moe_core.ops.aux_loss_autoscaler import AuxLossScale

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from conftest import DEVICES
 from helpers import reference_router as ref
 from helpers.megatron_moe import megatron_moe_utils
 from helpers.tolerances import assert_close_ulps, eps
@@ -89,7 +88,6 @@ def prob_ulps(dtype, num_experts):
     return 4 + num_experts**0.5 if dtype in (torch.float32, torch.float64) else 1
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant", ["plain", "full"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("score,pre", MODES)
@@ -149,7 +147,6 @@ def test_group_limited_topk_vs_megatron(T, E, k, G, gk, dtype):
 @pytest.mark.parametrize("router_dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(0, 64), (1, 64), (37, 96), (4, 8, 256)])
-@pytest.mark.parametrize("device", DEVICES)
 def test_gating_linear_vs_megatron(shape, inp_dtype, router_dtype, bias, device):
     E = 24
     inp = torch.randn(shape).to(inp_dtype).to(device)
@@ -213,7 +210,6 @@ def test_gradcheck_fp64(score, pre, variant):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("device", DEVICES)
 def test_gating_linear_gradcheck_fp64(bias, device):
     inp = torch.randn(5, 12, dtype=torch.float64, device=device, requires_grad=True)
     w = torch.randn(6, 12, dtype=torch.float64, device=device, requires_grad=True)
@@ -505,7 +501,6 @@ def test_cuda_row_widths_and_alignment_like_cpu(E, k, offset, score, router_kern
     assert torch.equal(i_cpu, i_gpu.cpu()) and torch.equal(c_cpu, c_gpu.cpu())
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("score,pre", MODES)
 @pytest.mark.parametrize("T,E,k", [(0, 8, 2), (5, 3, 3), (300, 64, 6), (129, 256, 8), (33, 2048, 4)])
