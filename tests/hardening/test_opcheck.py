@@ -1,5 +1,6 @@
-"""Tier 3: torch.library.opcheck on every op (schema, fake tensor, autograd registration, AOT
-dispatch), and torch.compile(fullgraph=True) through the router with no graph break."""
+"""torch.library.opcheck (schema, fake tensor, autograd registration, AOT dispatch) on every op,
+a check that each op registered with the dispatcher is opcheck-ed by some test module, and
+torch.compile(fullgraph=True) through the router with no graph break."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the grouped-GEMM tests: poisoned outputs, expert offsets, graph capture."""
+"""Helpers of the expert tests: poisoned outputs, expert offsets, CUDA-graph capture."""
 import contextlib
 
 import torch

@@ -1,4 +1,4 @@
-"""Pure-PyTorch references for the ops, written from the spec (not from our kernels).
+"""Pure-PyTorch references of the router ops, written from the spec (not from our kernels).
 
 They follow Megatron-Core's unfused code step by step, with one change: every top-k ranks by
 descending value with ties to the lowest index and NaN first (a stable descending sort), which is

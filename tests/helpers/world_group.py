@@ -1,4 +1,4 @@
-"""Helpers shared by the load-balancing tests: a one-rank gloo process group."""
+"""The one-rank gloo process group (a module fixture) that the load-balancing tests need."""
 import os
 import socket
 

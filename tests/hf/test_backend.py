@@ -5,12 +5,12 @@ Tolerances. fp64: the logits and every parameter gradient of the whole model wit
 (the same math; measured ~1e-15). fp32: the logits and every gradient within 1e-6 relative
 (``||ours - hf|| / ||hf||``; the two sides differ only in GEMM summation order and where the probs
 are applied), except a gradient that HF's fp32 model itself gets only to e > 5e-7 of its fp64
-value (GPT-OSS's router bias, ~1.1e-6: a sum with cancellation), which must be within 2e. bf16: the logits within 1e-2 relative of HF's bf16 logits, and every
-gradient no further from the fp32 model's than twice HF bf16's own distance plus 1e-2 (bf16
-rounding, ~4e-3 per op, compounds differently along the two paths; measured: logits <= 1.4e-3
-apart, gradients <= 8e-3). PEFT LoRA factor gradients: within 1e-5 (they contract a whole
-expert stack's gradient to rank r, with cancellation; HF's own batched_mm and eager differ there
-by up to 4.6e-6).
+value (GPT-OSS's router bias, ~1.1e-6: a sum with cancellation), which must be within 2e. bf16: the
+logits within 1e-2 relative of HF's bf16 logits, and every gradient no further from the fp32 model's
+than twice HF bf16's own distance plus 1e-2 (bf16 rounding, ~4e-3 per op, compounds differently
+along the two paths; measured: logits <= 1.4e-3 apart, gradients <= 8e-3). PEFT LoRA factor
+gradients: within 1e-5 (they contract a whole expert stack's gradient to rank r, with cancellation;
+HF's own batched_mm and eager differ there by up to 4.6e-6).
 """
 import copy
 

@@ -1,13 +1,13 @@
 """replace_moe_blocks: moe-core's MoELayer in place of HF's sparse-MoE blocks, against HF eager.
 
-Tolerances as in test_hf_backend.py (LoRA factor gradients within 1e-5 too), but fp64 within 2e-7 (HF's routers compute their softmax in
-fp32 even in an fp64 model; measured 2e-8 to 4e-8); fp32 within 1e-6 relative (or twice HF
-fp32's own distance from fp64 for a gradient with cancellation); bf16 logits within 1e-2 of HF
-bf16's and every gradient no further from the fp32 model's than twice HF bf16's distance plus
-1e-2. On top of the backend's differences, the swapped router sums the softmax and its
-renormalisation in its own order, and the experts apply the probs before fc2 (Megatron's order)
-rather than after. Each family's routing rule is its HF rule op for op; the rule variants
-(DeepSeek-V2 group_limited_greedy and V3 at any top_k, V3 without norm_topk_prob, Mixtral's
+Tolerances as in test_hf_backend.py (LoRA factor gradients within 1e-5 too), but fp64 within 2e-7
+(HF's routers compute their softmax in fp32 even in an fp64 model; measured 2e-8 to 4e-8); fp32
+within 1e-6 relative (or twice HF fp32's own distance from fp64 for a gradient with cancellation);
+bf16 logits within 1e-2 of HF bf16's and every gradient no further from the fp32 model's than twice
+HF bf16's distance plus 1e-2. On top of the backend's differences, the swapped router sums the
+softmax and its renormalisation in its own order, and the experts apply the probs before fc2
+(Megatron's order) rather than after. Each family's routing rule is its HF rule op for op; the rule
+variants (DeepSeek-V2 group_limited_greedy and V3 at any top_k, V3 without norm_topk_prob, Mixtral's
 jitter) are tested on their own.
 """
 import copy

@@ -3,14 +3,14 @@
 router_topk_fused must give, next to router_topk_dense's routing, exactly what the separate ops
 give: compute_routing_scores_for_aux_loss's scores and map, and an lse whose z-loss
 (z_loss_from_lse) is z_loss_func's; its gradient must be the unfused composition's; and
-TopKRouter, which now makes one fused call in training, must report the same losses and
-gradients as the old three-call path. On the CPU the fused extras run the separate ops' own loops
-(bitwise); on CUDA the row sums are warp reductions (the last fp64 bit may differ before the
-fp32 rounding), so CUDA is checked to 1 ulp of the compute precision, plus exact maps wherever
-the scores agree bitwise, against the CPU ops (and the CUDA separate ops where they exist).
-fp64 router math on CUDA is not bitwise to the CPU (CUDA's exp vs glibc's, a warp-tree row sum vs
-the CPU's ascending one, and no wider type to round from): it is held to fp64_ulps(E), the
-bound derived below, with maps and indices still exact.
+TopKRouter, which makes one fused call in training, must report the same losses and gradients as a
+forward making the three separate calls. On the CPU the fused extras run the separate ops' own loops
+(bitwise); on CUDA the row sums are warp reductions (the last fp64 bit may differ before the fp32
+rounding), so CUDA is checked to 1 ulp of the compute precision, plus exact maps wherever the scores
+agree bitwise, against the CPU ops (and the CUDA separate ops where they exist). fp64 router math on
+CUDA is not bitwise to the CPU (CUDA's exp vs glibc's, a warp-tree row sum vs the CPU's ascending
+one, and no wider type to round from): it is held to fp64_ulps(E), the bound derived below, with
+maps and indices still exact.
 """
 import copy
 
@@ -210,7 +210,7 @@ def test_outputs_not_asked_for_are_none_and_routing_unchanged(device):
 
 
 def unfused_grad(logits, k, sf, pre, mask, coeff, w_probs, w_scores, g_z):
-    """The three separate ops' gradients, summed as autograd sums them in the old router:
+    """The three separate ops' gradients, summed as autograd sums them in an unfused router:
     (router + aux scores) + z-loss, each in the logits' dtype."""
     x = logits.detach().cpu().requires_grad_()
     m = mask.cpu() if mask is not None else None
@@ -313,7 +313,7 @@ def test_cpu_cuda_same_extras(dtype, E, k, router_kernel):
         close_ulps(gpu[5], cpu[5], torch.float64, 8, "lse")
 
 
-# ---- the router: one fused call vs the old three-call path -------------------------------------
+# ---- the router: one fused call vs three separate calls ----------------------------------------
 
 def old_forward(router: TopKRouter, hidden, padding_mask=None):
     """TopKRouter.forward with the losses computed apart (separate z_loss_func and aux-score passes)."""
