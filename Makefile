@@ -43,11 +43,12 @@ SAN_OBJECTS := $(patsubst csrc/%.c,$(SAN)/core/%.o,$(C_SOURCES))
 SAN_PRELOAD = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -print-file-name=libubsan.so)
 SAN_ENV = LD_PRELOAD="$(SAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=$(CURDIR)/$(SAN)/lib
-SAN_PYTESTS := tests/test_layout.py tests/test_router.py tests/test_router_errors.py \
-	tests/test_router_fused_losses.py tests/test_balancing_losses.py \
-	tests/test_balancing_errors.py tests/test_balancing_bias.py tests/test_balancing_sinkhorn.py \
-	tests/test_balancing_metrics.py tests/test_glu_probs.py tests/test_grouped_gemm.py \
-	tests/test_grouped_gemm_glu_probs.py tests/test_expert_mlp.py tests/fuzz
+SAN_PYTESTS := tests/layout/test_ops.py tests/router/test_ops.py tests/router/test_errors.py \
+	tests/router/test_fused_losses.py tests/balancing/test_losses.py tests/balancing/test_errors.py \
+	tests/balancing/test_expert_bias.py tests/balancing/test_sinkhorn.py \
+	tests/balancing/test_metrics.py tests/experts/test_glu_probs.py \
+	tests/experts/test_grouped_gemm.py tests/experts/test_grouped_gemm_glu_probs.py \
+	tests/experts/test_expert_mlp.py tests/fuzz
 
 .PHONY: all venv build test ctest pytest demo bench clean test-sanitize ctest-sanitize \
 	pytest-sanitize test-fuzz

@@ -37,8 +37,9 @@ stream-blocking operation that ``torch.cuda.set_sync_debug_mode("warn")`` report
 one backward after the timing.
 
 On the CPU (``--device cpu``, gloo) the same code runs for a smoke test at ``--shape tiny``,
-Megatron with the CPU patches of tests/megatron_layer.py plus two for its alltoall dispatcher
-(no side stream; split sizes read with ``.tolist()``); times then come from ``perf_counter``.
+Megatron with the CPU patches of tests/helpers/megatron_layer.py plus two for its alltoall
+dispatcher (no side stream; split sizes read with ``.tolist()``); times then come from
+``perf_counter``.
 
     torchrun --nproc-per-node N benchmarks/bench_ep.py
         [--shape qwen3_30b_a3b|dsv3_like|mixtral|tiny] [--tokens T] [--experts E]
@@ -112,9 +113,10 @@ def init_distributed(device_kind: str) -> torch.device:
 
 
 def patch_megatron_for_cpu() -> None:
-    """Megatron's MoELayer on the CPU: the patches of the gloo parity tests (tests/megatron_ep.py:
-    gating without .cuda(), eager expert-bias counting, ``torch.cuda.current_device`` answering
-    "cpu", and for the alltoall dispatcher no side stream and host split sizes)."""
+    """Megatron's MoELayer on the CPU: the patches of the gloo parity tests
+    (tests/helpers/megatron_ep.py: gating without .cuda(), eager expert-bias counting,
+    ``torch.cuda.current_device`` answering "cpu", and for the alltoall dispatcher no side stream
+    and host split sizes)."""
     sys.path.insert(0, TESTS_DIR)
     from helpers import megatron_ep
 

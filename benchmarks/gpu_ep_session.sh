@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session for expert parallelism on one GPU: build with CUDA, the EP GPU tests
-# (tests/test_ep_cuda.py: NCCL world of one), the layer GPU tests (test_layer.py,
-# test_cuda_graph.py), then benchmarks/bench_ep.py at a world of one on qwen3_30b_a3b and
-# dsv3_like (ours vs Megatron-Core's alltoall MoELayer, our EP path vs the plain layer,
-# dispatch + combine vs a bare all_to_all_single); a summary and the benchmark tables last.
+# (tests/ep/test_nccl_single_gpu.py: NCCL world of one), the layer GPU tests
+# (layer/test_megatron_parity.py, hardening/test_cuda_graph.py), then benchmarks/bench_ep.py at a
+# world of one on qwen3_30b_a3b and dsv3_like (ours vs Megatron-Core's alltoall MoELayer, our EP
+# path vs the plain layer, dispatch + combine vs a bare all_to_all_single); a summary and the
+# benchmark tables last.
 # Run on any CUDA machine from the repo root: `bash benchmarks/gpu_ep_session.sh`; megatron-core
 # from the environment or from a wheel copied into .whl/ (device_env.sh installs it).
 #
@@ -44,11 +45,12 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARG=(--timeout 200)
   python3 -c "import xdist" 2>/dev/null && XDIST_ARG=(-n "${NPROC:-16}")
   # one process: the module's NCCL world of one on the one GPU
-  run_step test_ep_cuda 240 python3 -m pytest tests/test_ep_cuda.py -q -p no:cacheprovider \
-      -rfE --tb=short --durations=5 "${TIMEOUT_ARG[@]}"
+  run_step test_ep_cuda 240 python3 -m pytest tests/ep/test_nccl_single_gpu.py \
+      -q -p no:cacheprovider -rfE --tb=short --durations=5 "${TIMEOUT_ARG[@]}"
   pytest_report "$OUT/test_ep_cuda.log"
-  run_step test_layer 180 env OMP_NUM_THREADS=1 python3 -m pytest tests/test_layer.py \
-      tests/test_cuda_graph.py -q -p no:cacheprovider -rfE --tb=line --durations=5 \
+  run_step test_layer 180 env OMP_NUM_THREADS=1 python3 -m pytest \
+      tests/layer/test_megatron_parity.py tests/hardening/test_cuda_graph.py \
+      -q -p no:cacheprovider -rfE --tb=line --durations=5 \
       "${XDIST_ARG[@]}" "${TIMEOUT_ARG[@]}"
   pytest_report "$OUT/test_layer.log"
 fi

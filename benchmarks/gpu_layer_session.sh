@@ -24,10 +24,12 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   TIMEOUT_ARG=() XDIST_ARG=()
   python3 -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARG=(--timeout 200)
   python3 -c "import xdist" 2>/dev/null && XDIST_ARG=(-n "${NPROC:-8}")
-  run_step test_expert_path 240 env OMP_NUM_THREADS=1 python3 -m pytest tests/test_expert_mlp.py \
-      tests/test_glu_probs.py tests/test_grouped_gemm_glu_probs.py tests/test_layer.py \
-      tests/test_cuda_graph.py "tests/test_balancing_cuda.py::test_gating_linear_cpu_cuda" \
-      "tests/test_balancing_cuda.py::test_gating_linear_bwd_bf16_on_tensor_cores" \
+  run_step test_expert_path 240 env OMP_NUM_THREADS=1 python3 -m pytest \
+      tests/experts/test_expert_mlp.py tests/experts/test_glu_probs.py \
+      tests/experts/test_grouped_gemm_glu_probs.py tests/layer/test_megatron_parity.py \
+      tests/hardening/test_cuda_graph.py \
+      "tests/balancing/test_cuda_vs_cpu.py::test_gating_linear_cpu_cuda" \
+      "tests/balancing/test_cuda_vs_cpu.py::test_gating_linear_bwd_bf16_on_tensor_cores" \
       -q -p no:cacheprovider -rfE --tb=short "${XDIST_ARG[@]}" "${TIMEOUT_ARG[@]}"
   pytest_report "$OUT/test_expert_path.log"
 fi

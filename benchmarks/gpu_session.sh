@@ -27,7 +27,7 @@ make -s ctest 2>&1 | tail -n 2
 # xdist workers: a test that crashes its process is reported as failed instead of ending the run.
 # One pytest per group, each under its own time cap, so a summary (with the failures' messages)
 # prints for every group even when one runs long.
-TEST_GROUPS=${TESTS:-"tests/test_router*.py tests/test_cuda_graph.py tests/test_opcheck.py|tests/test_layout*.py|tests/test_balancing*.py|tests/test_grouped_gemm*.py tests/test_glu_probs.py|tests/test_layer*.py"}
+TEST_GROUPS=${TESTS:-"tests/router tests/hardening/test_cuda_graph.py tests/hardening/test_opcheck.py|tests/layout|tests/balancing|tests/experts/test_grouped_gemm*.py tests/experts/test_glu_probs.py|tests/layer"}
 IFS='|' read -ra GROUP_LIST <<< "$TEST_GROUPS"
 for g in "${GROUP_LIST[@]}"; do
   # SIGINT at the cap: pytest still prints its summary; per-test timeouts name a hanging test.
@@ -41,8 +41,9 @@ done
 if [ -z "${SKIP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; then
   for tool in ${SAN_TOOLS:-memcheck racecheck}; do
     timeout -s INT ${SCAP:-300} compute-sanitizer --tool $tool --error-exitcode 9 \
-        python3 -m pytest -q -p no:cacheprovider ${SAN_TESTS:-tests/test_router.py \
-        tests/test_layout_cuda.py tests/test_balancing_cuda.py tests/test_grouped_gemm_cuda.py} \
+        python3 -m pytest -q -p no:cacheprovider ${SAN_TESTS:-tests/router/test_ops.py \
+        tests/layout/test_cuda_vs_cpu.py tests/balancing/test_cuda_vs_cpu.py \
+        tests/experts/test_grouped_gemm_cuda.py} \
         -k "${SAN_K:-cuda and (deterministic or cpu_cuda or nan or small)}" \
         > "$OUT/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_$tool.log") clean summaries, $(grep -c 'ERROR SUMMARY: [1-9]' "$OUT/sanitizer_$tool.log") with errors; $(tail -n 1 "$OUT/sanitizer_$tool.log" | cut -c1-120))"

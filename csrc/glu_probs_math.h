@@ -16,9 +16,10 @@
  * constants, same libm call), so the CPU result equals torch's scalar path bit for bit in every
  * dtype. (torch's vectorised lanes call SLEEF instead of libm for exp/erf/tanh; the two can differ
  * by one fp32/fp64 ulp before rounding, so torch's own fp32 result depends on an element's position
- * in the tensor. After rounding to bf16/fp16 the difference almost never survives; tests/
- * test_glu_probs.py measures it exhaustively.) Products and sums go through MOE_GP_MUL/ADD so that
- * nvcc cannot contract them into FMAs: CUDA then differs from the CPU only inside expf/erff/tanhf.
+ * in the tensor. After rounding to bf16/fp16 the difference almost never survives;
+ * tests/experts/test_glu_probs.py measures it exhaustively.) Products and sums go through
+ * MOE_GP_MUL/ADD so that nvcc cannot contract them into FMAs: CUDA then differs from the CPU only
+ * inside expf/erff/tanhf.
  * torch's AVX2/AVX-512 CPU kernels are built by GCC with -mfma and FP contraction on, so some a*b+c
  * of their scalar lambdas are fused; MOE_GP_FMA* marks exactly those (found by comparing against
  * torch 2.14's scalar path: gelu_tanh's inner polynomial, its 1 - t*t and 1 + 3k x^2; silu

@@ -8,7 +8,8 @@ and data parallel groups of one), plus the routing rules of moe_core.config's fi
 lacks (``moe_router_norm_topk_prob``, ``moe_router_group_score_topk``, a softmax-pre expert
 bias, the layer-wide input jitter of ``moe_input_jitter_mode="layer"``). One fused op reads the
 logits once for the routing, the aux-loss scores and the z-loss's logsumexp (Megatron makes three
-passes; Sinkhorn routing keeps them separate); the losses and gradients are the separate ops' (tests/test_router_fused_losses.py).
+passes; Sinkhorn routing keeps them separate); the losses and gradients are the separate ops'
+(tests/router/test_fused_losses.py).
 
 Aux-loss gradients reach the parameters through MoEAuxLossAutoScaler (no extra backward). The
 scale they are multiplied by is ``self.aux_loss_scale`` when set (an AuxLossScale holder, e.g.

@@ -9,7 +9,7 @@ Precision contract
 * CPU and CUDA agree bit for bit for fp32/fp16/bf16 logits (both round each fp64 intermediate to
   fp32 at the same points). For fp64 logits they agree in routing map and indices, and in probs,
   aux scores and gradients within 2E + 4 ulps (CUDA's exp/log1p differ from glibc's in the last
-  bit, and the CUDA row sums are warp trees): tests/test_router_fused_losses.py derives the bound.
+  bit, and the CUDA row sums are warp trees): tests/router/test_fused_losses.py derives the bound.
 * Renormalisation (sigmoid/sqrtsoftplus with topk > 1, and softmax over the picked logits): the
   sum of the k picked fp32 scores is accumulated in fp64 in rank order and rounded to fp32 once,
   so it is within 0.5 + (k - 1)·2^-29 fp32 ulps of their exact sum (under 1 ulp for every k below

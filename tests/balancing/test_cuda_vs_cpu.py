@@ -4,7 +4,7 @@ kernels (the C reference path), bitwise determinism run to run, and capture into
 from the roundings in which the two devices may differ (the order of a sum, the math library).
 
 The parity against Megatron-Core on CUDA tensors lives in the op families' own modules
-(test_balancing_*.py, test_router.py), parametrised over the `device` fixture."""
+(tests/balancing/, tests/router/test_ops.py), parametrised over the `device` fixture."""
 import pytest
 import torch
 

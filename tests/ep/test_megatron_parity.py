@@ -1,7 +1,7 @@
 """Expert parallelism against Megatron-Core's own MoELayer (megatron-core, local spec: SequentialMLP
 experts, SwiGLU, no biases, fp32 router, aux loss on) at EP = 2 and EP = 4 over gloo on the CPU,
 world = EP, ETP = 1: the same global weights (rank r holds experts [r·E/N, (r+1)·E/N) on both
-sides), per-rank random inputs (no routing ties) and output gradients (``megatron_ep``).
+sides), per-rank random inputs (no routing ties) and output gradients (``helpers.megatron_ep``).
 
 Compared on every rank: the routing map exactly, the probs, the output, the input gradient, the
 router weight gradient and the local experts' fc1 / fc2 weight gradients. Cases: the alltoall
@@ -12,10 +12,10 @@ to the activation dtype before the fp32 reduce-scatter (moe-core reduces the fp3
 bf16 the two differ by roundings of the partial sums, which can exceed the output's scale where
 the partials of a token's experts on different ranks cancel.
 
-Tolerances (``tests/tolerances.py``'s units: ``eps`` per dtype, one rounding = eps / 2), at the
-compared tensor's scale (its largest magnitude on Megatron's side), per rank:
-* bf16 runs: two bf16 roundings, as ``test_layer.py``: both sides round the same bf16 GEMMs and
-  the same top-k sum (K = 2), only their fp32 summation orders differ.
+Tolerances (``tests/helpers/tolerances.py``'s units: ``eps`` per dtype, one rounding = eps / 2), at
+the compared tensor's scale (its largest magnitude on Megatron's side), per rank:
+* bf16 runs: two bf16 roundings, as ``tests/layer/test_megatron_parity.py``: both sides round the
+  same bf16 GEMMs and the same top-k sum (K = 2), only their fp32 summation orders differ.
 * fp32 runs, and the probs of every run (the router is fp32 on identical inputs): 64 fp32
   roundings, ~4e-6 relative. Every compared value ends a chain of dot products (H, F, the rank's
   tokens) that the two sides sum in different orders (BLAS blocks against moe-core's ordered fp32
@@ -23,26 +23,26 @@ compared tensor's scale (its largest magnitude on Megatron's side), per rank:
   the tokens, where cancellation leaves values well below the terms summed. Still three orders of
   magnitude below one bf16 rounding: a wrong token, expert, rank block or prob fails it.
 
-Routing, where Megatron leaves something unspecified (the ``test_layer.py`` / ``test_layout.py``
-rules): with padding to capacity the filler tokens (prob 0) are Megatron's torch.topk choice among
-ties, so the real assignments and the column counts are compared; with the "position" policy
-moe-core keeps the first ``capacity`` routed tokens of an over-full expert (Megatron's CUDA
-behaviour) and Megatron's CPU code another subset, so both routers' maps before dropping are
-compared exactly, moe-core's kept set against the first-routed closed form, and Megatron's on
-what is defined (columns that fit, kept counts, kept within routed); the layers are then compared
-with moe-core's router given Megatron's kept set, which leaves dispatch, experts, combine and
-every gradient to the comparison.
+Routing, where Megatron leaves something unspecified (the ``tests/layer/test_megatron_parity.py`` /
+``tests/layout/test_ops.py`` rules): with padding to capacity the filler tokens (prob 0) are
+Megatron's torch.topk choice among ties, so the real assignments and the column counts are compared;
+with the "position" policy moe-core keeps the first ``capacity`` routed tokens of an over-full
+expert (Megatron's CUDA behaviour) and Megatron's CPU code another subset, so both routers' maps
+before dropping are compared exactly, moe-core's kept set against the first-routed closed form, and
+Megatron's on what is defined (columns that fit, kept counts, kept within routed); the layers are
+then compared with moe-core's router given Megatron's kept set, which leaves dispatch, experts,
+combine and every gradient to the comparison.
 
 Dispatcher metadata (the EP spec's test 1), in the same process groups, for nle ∈ {1, 2, 4}
 local experts per rank (E = N·nle): moe-core's ``AlltoAllDispatcher.preprocess`` and Megatron's
 ``MoEAlltoAllTokenDispatcher.preprocess`` (built as its MoELayer builds it) on the same per-rank
 routing maps, which include empty experts, a rank that receives nothing, a rank that sends nothing
-and unequal token counts (``megatron_ep.metadata_maps``). The split sizes, the per-(source, local
-expert) counts and the local experts' row counts decide where every row goes, so they are integers
-compared exactly: with each other and with closed forms from all ranks' maps. The chunk-sort
-permutations (permutation 2 and its inverse) are compared the same way. Drop-and-pad has static
-sizes: Megatron's preprocess gives every local expert ``capacity·N`` rows, and the moe-core EP
-layer's dispatch of a padded map must give the local offsets ``arange(nle + 1)·N·capacity``.
+and unequal token counts (``helpers.megatron_ep.metadata_maps``). The split sizes, the per-(source,
+local expert) counts and the local experts' row counts decide where every row goes, so they are
+integers compared exactly: with each other and with closed forms from all ranks' maps. The
+chunk-sort permutations (permutation 2 and its inverse) are compared the same way. Drop-and-pad has
+static sizes: Megatron's preprocess gives every local expert ``capacity·N`` rows, and the moe-core
+EP layer's dispatch of a padded map must give the local offsets ``arange(nle + 1)·N·capacity``.
 
 Both world sizes run all their cases in one process group each (``run_ranks``).
 """

@@ -31,7 +31,7 @@ single GPU we can then check, bit for bit:
   gradient within two bf16 roundings (autograd sums its three parts in another order).
 
 Small shapes (T = 256, H = 256, E = 8, F = 512, bf16 parameters, fp32 router). Skipped without a
-GPU; the CPU versions of these checks over gloo at 2 and 4 ranks are in test_ep.py.
+GPU; the CPU versions of these checks over gloo at 2 and 4 ranks are in tests/ep/test_layer.py.
 """
 import contextlib
 import datetime
@@ -358,8 +358,8 @@ def test_shared_expert_overlap_equals_no_overlap(group, mode):
     contributions (shared expert, router, dispatch) in the order autograd reaches them, and
     overlapping moves the shared expert's nodes from first to between the exchanges, so that sum
     runs in another order (Megatron documents the same of its overlap): within two roundings,
-    2 eps(bf16) of max |dx| (test_ep.py's rule; on the CPU, this config, six seeds, the largest
-    difference was 0.5-1.0 eps of max |dx|)."""
+    2 eps(bf16) of max |dx| (tests/ep/test_layer.py's rule; on the CPU, this config, six seeds, the
+    largest difference was 0.5-1.0 eps of max |dx|)."""
     kw = config_kwargs("sigmoid_groups_bias_top4_shared", mode, "alltoall")
     first = make_layer(kw, group)
     state = {k: v.clone() for k, v in first.state_dict().items()}

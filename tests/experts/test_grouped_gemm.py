@@ -3,9 +3,9 @@ reference, autograd, opcheck, determinism, compile, and bad input (one test per 
 taking the `device` fixture also run on CUDA when a GPU is present (more in
 test_grouped_gemm_cuda.py).
 
-Accuracy rule (tests/tolerances.py): our error against the fp64 truth is at most 2x the error of
-torch's own per-expert matmul in the same dtype, plus one ulp at the output scale. Outputs are
-poisoned: with deterministic algorithms on, every torch.empty (including the op's own output
+Accuracy rule (tests/helpers/tolerances.py): our error against the fp64 truth is at most 2x the
+error of torch's own per-expert matmul in the same dtype, plus one ulp at the output scale. Outputs
+are poisoned: with deterministic algorithms on, every torch.empty (including the op's own output
 allocation in the binding) is filled with NaN, so a row the kernel forgets to write shows as NaN.
 """
 import pytest

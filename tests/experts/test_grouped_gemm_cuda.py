@@ -5,8 +5,8 @@ counts no multiple of any tile, rows past the last offset), K/N on and off the t
 where every sum is exact, determinism, CUDA-graph capture of forward and backward, and many
 experts.
 
-Accuracy rule (tests/tolerances.py): our error against the fp64 truth is at most 2x the error of
-torch's own per-expert CUDA matmul in the same dtype, plus one ulp at the output scale.
+Accuracy rule (tests/helpers/tolerances.py): our error against the fp64 truth is at most 2x the
+error of torch's own per-expert CUDA matmul in the same dtype, plus one ulp at the output scale.
 Poisoning: deterministic algorithms make every torch.empty (the op's own output allocation in
 the binding included) fill with NaN, so an element the kernel forgets to write shows as NaN;
 torch's cuBLAS references run outside that mode (cuBLAS refuses it without a workspace config).

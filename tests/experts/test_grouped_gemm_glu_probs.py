@@ -7,7 +7,8 @@ Two references:
   forward (h and a) and backward (dx, dW, dprobs through the registered autograd), so every
   comparison with it is torch.equal-strict;
 * an fp64 truth (per-expert matmul and the activation in fp64 from the same rounded inputs): our
-  error is at most 2x that of torch's own unfused sequence in the same dtype (tests/tolerances.py).
+  error is at most 2x that of torch's own unfused sequence in the same dtype
+  (tests/helpers/tolerances.py).
 Outputs are poisoned (deterministic algorithms fill every torch.empty with NaN), so an element the
 op forgets to write shows; counts are uneven, with empty experts, one expert holding every row,
 and rows past the last offset.

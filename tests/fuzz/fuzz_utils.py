@@ -68,7 +68,7 @@ def assert_bitwise(ours, ref, msg=""):
 
 def assert_close_or_same_special(ours, ref, n_ulps, dtype=None, floor=1e-30, msg=""):
     """Where the reference is NaN or infinite, ours must be the same special value; elsewhere
-    within n_ulps (tests/tolerances.py's rule)."""
+    within n_ulps (tests/helpers/tolerances.py's rule)."""
     from helpers.tolerances import assert_close_ulps
 
     assert ours.shape == ref.shape, f"{msg}: shape {tuple(ours.shape)} vs {tuple(ref.shape)}"

@@ -1,11 +1,11 @@
 """Property-based tests of the expert ops (glu_probs, grouped_gemm) and the load-balancing losses
 (switch aux loss, z-loss) against PyTorch references.
 
-* glu_probs: bit for bit torch's scalar-path sequence (tests/test_glu_probs.py's reference),
+* glu_probs: bit for bit torch's scalar-path sequence (tests/experts/test_glu_probs.py's reference),
   forward and grad_a, NaN and inf included; grad_probs within test_glu_probs' rounding bound.
 * grouped_gemm (fwd, dgrad, wgrad) on small shapes, empty experts and K or N of 1: every element
   within the worst-case error of a running fp32 (fp64) sum against the fp64 per-expert truth;
-  on larger outputs also at most 2x torch's own matmul error (tests/tolerances.py).
+  on larger outputs also at most 2x torch's own matmul error (tests/helpers/tolerances.py).
 * switch aux loss and z-loss: their formulas in fp64, rounded once, as the contracts say; a few
   ulps of slack for the fp64 sums' order (more for fp64 results, which nothing rounds away).
 """
@@ -108,8 +108,8 @@ def test_grouped_gemm_vs_per_expert_matmul(case):
     # Every element: the worst case of a running sum of n products in the fp32 (fp64)
     # accumulator, (n + 1) eps x sum of |products|, plus the final rounding to the dtype (relative
     # for normal results, half a subnormal step below the dtype's smallest normal).
-    # tests/tolerances.py's statistical rule (max error at most 2x torch's) only on outputs of
-    # 1024+ elements: on a handful, torch's blocked sums can be luckier than any one running sum
+    # tests/helpers/tolerances.py's statistical rule (max error at most 2x torch's) only on outputs
+    # of 1024+ elements: on a handful, torch's blocked sums can be luckier than any one running sum
     # (e.g. 4.5 vs 0.5 ulps on a [2, 130] x [130, 1] fwd), and in fp64 torch *is* the truth.
     acc_eps = 2.0**-52 if dtype == torch.float64 else 2.0**-23
     mags = gg_reference(x.abs(), w.abs(), dy.abs(), off, trans_w, torch.float64)

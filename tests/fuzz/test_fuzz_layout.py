@@ -1,6 +1,6 @@
-"""Property-based tests of the token layout ops against tests/reference_layout.py and plain torch
-indexing: permute (dropless, cut-off / spare row bounds, drop-and-pad, aligned blocks), unpermute
-(with and without probs), their round trip, sort_chunks_by_idxs, topk_to_dense and
+"""Property-based tests of the token layout ops against tests/helpers/reference_layout.py and plain
+torch indexing: permute (dropless, cut-off / spare row bounds, drop-and-pad, aligned blocks),
+unpermute (with and without probs), their round trip, sort_chunks_by_idxs, topk_to_dense and
 tokens_per_expert. All of these are data movement or a fixed-order sum whose rounding the
 contracts spell out, so every comparison is bitwise.
 """

@@ -1,4 +1,5 @@
-"""Property-based tests of router_topk (dense and compact forms) against tests/reference.py.
+"""Property-based tests of router_topk (dense and compact forms) against
+tests/helpers/reference_router.py.
 
 Selection must equal the reference's exactly: descending score, NaN first, ties to the lowest
 expert index (and the lowest group index). To keep that an exact property, logits come from a
@@ -8,10 +9,10 @@ Expert biases come from multiples of 1/8 in [-1/2, 1/2]; over the whole grid the
 distinct sigmoid / sqrt-softplus scores plus bias are 1e-5 apart, against an fp32 ulp of 1.2e-7.
 Group-limited routing on scores (sigmoid, sqrtsoftplus, softmax before the top-k) draws each
 group's logits from its own band of the grid, so group scores are either far apart or exactly
-tied (a copied group). Probs are compared within tests/test_router.py's ulp bound, with a floor
+tied (a copied group). Probs are compared within tests/router/test_ops.py's ulp bound, with a floor
 at the dtype's smallest normal (fp16 probs below 6.1e-5 are subnormal: one rounding is a step of
 2**-24 there, more than an ulp relative to the value); with only finite logits the logits'
-gradients are checked against an fp64 truth as tests/test_router.py does.
+gradients are checked against an fp64 truth as tests/router/test_ops.py does.
 """
 import pytest
 import torch
@@ -90,7 +91,7 @@ def routing_cases(draw, grouped: bool):
 
 
 def check_grads(logits, opts):
-    """tests/test_router.py's gradient rule: against the fp64 truth, our error is at most 2x the
+    """tests/router/test_ops.py's gradient rule: against the fp64 truth, our error is at most 2x the
     reference's (in the same dtype) plus 4 ulps of the output scale."""
     E = logits.shape[1]
     x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
@@ -114,7 +115,7 @@ def check(logits, opts):
     dtype = logits.dtype
     # fp64: the core sums a row's E softmax terms left to right in fp64, torch pairwise; with
     # many tied (equal) terms their rounding errors add up instead of averaging out, so the
-    # sqrt(E) estimate of tests/test_router.py becomes the worst case of two summation orders
+    # sqrt(E) estimate of tests/router/test_ops.py becomes the worst case of two summation orders
     # of E positive terms, 2E ulps
     ulps = 4 + 2 * E if dtype == torch.float64 else prob_ulps(dtype, E)
     floor = torch.finfo(dtype).tiny
@@ -144,7 +145,8 @@ def test_group_limited_router_topk_vs_reference(case):
 @pytest.mark.parametrize("score", ["sigmoid", "sqrtsoftplus"])
 def test_sigmoid_renormalisation_sum_is_as_accurate_as_torch(score):
     """Found by test_router_topk_vs_reference: T=1, E=topk=256, fp32 logits from {-1/8, 0, 1/8}.
-    tests/tolerances.py's rule: our error against the fp64 truth at most 2x torch's + 1 ulp."""
+    tests/helpers/tolerances.py's rule: our error against the fp64 truth at most 2x torch's + 1
+    ulp."""
     from helpers.tolerances import assert_error_at_most
 
     vals = torch.tensor([0.125, -0.125, 0.0])

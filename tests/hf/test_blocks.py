@@ -1,6 +1,6 @@
 """replace_moe_blocks: moe-core's MoELayer in place of HF's sparse-MoE blocks, against HF eager.
 
-Tolerances as in test_hf_backend.py (LoRA factor gradients within 1e-5 too), but fp64 within 2e-7
+Tolerances as in test_backend.py (LoRA factor gradients within 1e-5 too), but fp64 within 2e-7
 (HF's routers compute their softmax in fp32 even in an fp64 model; measured 2e-8 to 4e-8); fp32
 within 1e-6 relative (or twice HF fp32's own distance from fp64 for a gradient with cancellation);
 bf16 logits within 1e-2 of HF bf16's and every gradient no further from the fp32 model's than twice
@@ -265,7 +265,7 @@ def _exact_fp64_routers(model):
     """HF's DeepSeek routers cast to fp32 even in an fp64 model, so that model's router
     gradients carry fp32 rounding (1e-6 relative without renormalisation, where nothing
     cancels it): for an fp64 truth, its routers run the same math in fp64 (references in
-    test_router_hf_rules.py)."""
+    tests/router/test_hf_rules.py)."""
     for m in model.modules():
         kind = type(m).__name__
         if kind == "DeepseekV2TopkRouter":

@@ -1,6 +1,6 @@
 """Token layout ops: capacity, token dropping, permute / unpermute, sort_chunks_by_idxs.
 
-Compared with tests/reference_layout.py (our defined semantics, loop by loop) and with
+Compared with tests/helpers/reference_layout.py (our defined semantics, loop by loop) and with
 megatron-core's real functions. Integer outputs, moved rows and probs must be exactly equal;
 the combine is exactly equal for up to two rows per token and within derived ulps otherwise.
 Where Megatron leaves a choice to torch.topk's unspecified tie-breaking, the inputs are tie-free

@@ -1,5 +1,5 @@
 """Bad input to the router ops: one test per rejected case; each message names the argument and
-the bad value. Non-contiguous input is accepted (tested in test_router.py)."""
+the bad value. Non-contiguous input is accepted (tested in test_ops.py)."""
 import pytest
 import torch
 

@@ -6,7 +6,7 @@ forward and backward, on the CPU; the CUDA kernels against the CPU (skipped with
 Inputs are tie-free (Gaussian fp32 / fp64 logits, and a permuted exact grid for bf16), so the
 references' ``torch.topk`` and our ranking pick the same experts in the same order (best first).
 Prob tolerance: the softmax over E experts is summed in another order than torch's vectorised sum
-(sqrt(E) ulps, as tests/test_router.py), the renormalisation sum over k terms likewise (k ulps),
+(sqrt(E) ulps, as tests/router/test_ops.py), the renormalisation sum over k terms likewise (k ulps),
 plus one ulp for each of the divisions and products; bf16 probs are one rounding of nearly equal
 fp32 values (1 ulp).
 """

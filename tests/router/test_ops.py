@@ -1,7 +1,9 @@
-"""Router ops: topk routing and gating linear vs tests/reference.py and megatron-core.
+"""Router ops: topk routing and gating linear vs tests/helpers/reference_router.py and
+megatron-core.
 
 Inputs are tie-free wherever the comparison involves torch.topk (whose tie-breaking is
-unspecified); our own tie rule is tested separately. Tolerances come from tests/tolerances.py.
+unspecified); our own tie rule is tested separately. Tolerances come from
+tests/helpers/tolerances.py.
 """
 import math
 
