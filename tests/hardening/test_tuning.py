@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moe_core
-from gg_utils import offsets_of
+from helpers.grouped_gemm import offsets_of
 from moe_core import ops, tuning
 
 # (variable, value, field, the field's value)
