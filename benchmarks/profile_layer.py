@@ -13,7 +13,7 @@ Three tables per shape (``bench_ep``'s layer builders, bf16, dropless, the same 
   parameter gradients.
 
     python benchmarks/profile_layer.py [--shapes mixtral,qwen3_30b_a3b,dsv3_like] [--top 15]
-        [--device cuda|cpu]
+        [--device cuda|cpu] [--gaps 20] [--trace /tmp/out/trace]
     python benchmarks/profile_layer.py --shapes tiny --device cpu     (smoke: no kernel table)
 """
 import os
@@ -74,21 +74,26 @@ def free_grads(layer, x: torch.Tensor) -> None:
         t.grad = None
 
 
-def kernel_table(layer, x: torch.Tensor, g: torch.Tensor, top: int) -> List[str]:
+def kernel_table(layer, x: torch.Tensor, g: torch.Tensor, top: int, gaps: int,
+                 trace: str) -> List[str]:
     for _ in range(2):
         layer(x).backward(g)
         free_grads(layer, x)
     sync(x.device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if gaps or trace else [])
+    with profile(activities=activities) as prof:
         layer(x).backward(g)
         sync(x.device)
     free_grads(layer, x)
+    if trace:
+        prof.export_chrome_trace(trace)
     per: Dict[str, List[float]] = defaultdict(list)
-    spans = []
+    spans, kernels = [], []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             per[ev.name].append(ev.device_time)
             spans.append((ev.time_range.start, ev.time_range.end))
+            kernels.append((ev.time_range.start, ev.time_range.end, ev.name))
     total = sum(sum(v) for v in per.values())
     # the step's span on the GPU and the time in it when no kernel ran (launch gaps, host waits)
     spans.sort()
@@ -106,6 +111,31 @@ def kernel_table(layer, x: torch.Tensor, g: torch.Tensor, top: int) -> List[str]
     for name, ts in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"  {sum(ts) / 1e3:7.3f} ms {100 * sum(ts) / total:5.1f}%  x{len(ts):<3d} "
                      f"{name[:110]}")
+    if gaps:
+        lines += idle_gaps(prof, kernels, gaps)
+    return lines
+
+
+def idle_gaps(prof, kernels: List[Tuple[float, float, str]], n: int) -> List[str]:
+    """The n longest stretches with no kernel running, each with the kernels around it and the
+    host ops that ran during it (what the GPU was waiting for: launches, allocations, Python)."""
+    kernels.sort()
+    holes, end, prev = [], None, ""
+    for a, b, name in kernels:
+        if end is not None and a > end:
+            holes.append((a - end, end, a, prev, name))
+        if end is None or b > end:
+            end, prev = b, name
+    host = [(ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+            if ev.device_type == torch.autograd.DeviceType.CPU]
+    lines = [f"  idle stretches: {len(holes)}, {sum(h[0] for h in holes) / 1e3:.2f} ms; "
+             f"the {n} longest (us, kernel before -> after; host ops running in it, outermost):"]
+    for dt, a, b, before, after in sorted(holes, reverse=True)[:n]:
+        inside = [h for h in host if h[0] < b and h[1] > a]
+        outer = [h for h in inside if not any(o is not h and o[0] <= h[0] and o[1] >= h[1]
+                                              and (o[1] - o[0]) > (h[1] - h[0]) for o in inside)]
+        names = ", ".join(sorted({h[2][:40] for h in outer}))[:150]
+        lines.append(f"  {dt:8.1f}  {before[:40]} -> {after[:40]} | {names}")
     return lines
 
 
@@ -132,6 +162,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="mixtral,qwen3_30b_a3b,dsv3_like")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--gaps", type=int, default=0,
+                    help="also list the N longest stretches the GPU sat idle (with host ops)")
+    ap.add_argument("--trace", default="",
+                    help="write each shape's chrome trace to TRACE_<shape>.json")
     args = ap.parse_args()
     dev = torch.device(args.device)
     for name in args.shapes.split(","):
@@ -149,7 +183,8 @@ def main() -> None:
         print("\n".join(lines))
         print(memory(layer, x, g))
         if dev.type == "cuda":
-            print("\n".join(kernel_table(layer, x, g, args.top)), flush=True)
+            trace = f"{args.trace}_{name}.json" if args.trace else ""
+            print("\n".join(kernel_table(layer, x, g, args.top, args.gaps, trace)), flush=True)
         del layer, x, g
         if dev.type == "cuda":
             torch.cuda.empty_cache()
