@@ -4,8 +4,8 @@
 # Run on any CUDA machine from the repo root: `bash benchmarks/gpu_session.sh`. megatron-core
 # comes from the environment, or from a wheel copied into .whl/ (device_env.sh installs it).
 # Logs go to $OUT (default /tmp/out).
-# Durations on one H200: build 62-70 s; test groups (-n 16) router + graphs + opcheck 34 s,
-# layout 30 s, grouped GEMM + glu 24 s, balancing 25 s, layer 21 s; bench_ops 60 s (--graph 45 s),
+# Durations on one H200: build 62-70 s; each default test group (-n 16) 20-40 s,
+# bench_ops 60 s (--graph 45 s),
 # bench_grouped_gemm 60 s (--fused only 25 s); compute-sanitizer on the default selection (239
 # tests) memcheck 20 s, racecheck 76 s. The whole suite + bench_ops --graph + profiles: ~275 s.
 # Knobs: TESTS='g1|g2' (pytest groups), TCAP / PT_TIMEOUT (group / per-test caps, s), NFAIL,
@@ -27,7 +27,8 @@ make -s ctest 2>&1 | tail -n 2
 # xdist workers: a test that crashes its process is reported as failed instead of ending the run.
 # One pytest per group, each under its own time cap, so a summary (with the failures' messages)
 # prints for every group even when one runs long.
-TEST_GROUPS=${TESTS:-"tests/router tests/hardening/test_cuda_graph.py tests/hardening/test_opcheck.py|tests/layout|tests/balancing|tests/experts/test_grouped_gemm*.py tests/experts/test_glu_probs.py|tests/layer"}
+# the default groups cover every folder of tests/ but fuzz (CPU only: `make test-fuzz`)
+TEST_GROUPS=${TESTS:-"tests/router tests/hardening|tests/layout tests/balancing|tests/experts|tests/layer tests/hf tests/ep"}
 IFS='|' read -ra GROUP_LIST <<< "$TEST_GROUPS"
 for g in "${GROUP_LIST[@]}"; do
   # SIGINT at the cap: pytest still prints its summary; per-test timeouts name a hanging test.
@@ -48,7 +49,7 @@ if [ -z "${SKIP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; then
         > "$OUT/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_$tool.log") clean summaries, $(grep -c 'ERROR SUMMARY: [1-9]' "$OUT/sanitizer_$tool.log") with errors; $(tail -n 1 "$OUT/sanitizer_$tool.log" | cut -c1-120))"
     # cuBLAS's split-K kernels (nvjet_*, run by the tests' reference matmuls) report shared-memory
-    # hazards under racecheck (CUDA 13.0, 2026-12-03). Excluding them with --kernel-name-exclude
+    # hazards under racecheck (CUDA 13.0). Excluding them with --kernel-name-exclude
     # made the sanitizer itself fail ("failed to handle a hardware exception"), so they run and
     # are counted apart: the hazards that matter are the others.
     [ "$tool" = racecheck ] && echo "  racecheck hazards in cuBLAS nvjet kernels: $(grep 'Race reported' "$OUT/sanitizer_$tool.log" | grep -c nvjet), in any other kernel: $(grep 'Race reported' "$OUT/sanitizer_$tool.log" | grep -vc nvjet)"
