@@ -8,5 +8,6 @@
   and at EP > 1 over gloo;
 * ``dist``: the multi-process harness (N gloo ranks); ``world_group``: a one-rank gloo group
   fixture;
-* ``grouped_gemm``: poisoned outputs, expert offsets, CUDA-graph capture.
+* ``grouped_gemm``: poisoned outputs, expert offsets, CUDA-graph capture;
+* ``hf_models``: tiny random Hugging Face MoE models and the comparison helpers of tests/hf/.
 """

@@ -17,9 +17,8 @@ import copy
 import pytest
 import torch
 
-from hf.test_models import (one_thread,  # noqa: F401  (autouse fixture)
-                            FAMILIES, assert_close_grads, assert_fp32_grads_close,
-                            assert_tie_free, inputs, rel_err, run_step, tiny_model)
+from helpers.hf_models import (FAMILIES, assert_close_grads, assert_fp32_grads_close,
+                               assert_tie_free, inputs, rel_err, run_step, tiny_model)
 
 import moe_core.hf as mh
 from moe_core.hf.backend import moe_core_experts_forward, routing_tensors

@@ -14,12 +14,10 @@ import copy
 
 import pytest
 import torch
-
-from hf.test_models import (one_thread,  # noqa: F401  (autouse fixture)
-                            SWAP_FAMILIES, assert_close_grads, assert_fp32_grads_close,
-                            assert_tie_free, inputs, rel_err, run_step, tiny_model)
-
 import torch.nn.functional as F
+
+from helpers.hf_models import (SWAP_FAMILIES, assert_close_grads, assert_fp32_grads_close,
+                               assert_tie_free, inputs, rel_err, run_step, tiny_model)
 from router.test_hf_rules import hf_deepseek_v2, hf_deepseek_v3
 
 import moe_core
