@@ -9,5 +9,6 @@
 * ``dist``: the multi-process harness (N gloo ranks); ``world_group``: a one-rank gloo group
   fixture;
 * ``grouped_gemm``: poisoned outputs, expert offsets, CUDA-graph capture;
-* ``hf_models``: tiny random Hugging Face MoE models and the comparison helpers of tests/hf/.
+* ``hf_models``: tiny random Hugging Face MoE models and the comparison helpers of tests/hf/;
+* ``hf_router_rules``: plain-torch references of the HF families' router math.
 """

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from helpers.hf_models import (SWAP_FAMILIES, assert_close_grads, assert_fp32_grads_close,
                                assert_tie_free, inputs, rel_err, run_step, tiny_model)
-from router.test_hf_rules import hf_deepseek_v2, hf_deepseek_v3
+from helpers.hf_router_rules import hf_deepseek_v2, hf_deepseek_v3
 
 import moe_core
 from moe_core.hf import MoECoreSparseMoeBlock, UnsupportedMoEBlockError, replace_moe_blocks
@@ -263,7 +263,7 @@ def _exact_fp64_routers(model):
     """HF's DeepSeek routers cast to fp32 even in an fp64 model, so that model's router
     gradients carry fp32 rounding (1e-6 relative without renormalisation, where nothing
     cancels it): for an fp64 truth, its routers run the same math in fp64 (references in
-    tests/router/test_hf_rules.py)."""
+    helpers/hf_router_rules.py)."""
     for m in model.modules():
         kind = type(m).__name__
         if kind == "DeepseekV2TopkRouter":
