@@ -110,6 +110,11 @@ class MoECoreRouter(TopKRouter):
             raise AttributeError("the expert bias of an HF router is its e_score_correction_bias "
                                  "buffer")
 
+    def update_expert_bias(self, group=None) -> None:
+        """Nothing to do: the HF router's expert bias is a checkpoint constant that HF never
+        updates, and this router counts no tokens for it (``moe_router_enable_expert_bias`` is
+        off), so ``moe_core.finalize_step`` leaves it as loaded."""
+
     def gating(self, inp: torch.Tensor) -> torch.Tensor:
         logits = super().gating(inp)
         self._logits = logits  # handed to HF by forward (TopKRouter.forward keeps them local)

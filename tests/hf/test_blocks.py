@@ -208,8 +208,15 @@ def test_moe_core_losses_are_reported_and_reach_the_router():
 
 def test_finalize_step_and_cast_after_the_swap():
     model = tiny_model("deepseek_v3")
-    swapped = _swapped(model)
-    moe_core.finalize_step(swapped)  # finds the blocks as MoELayers; HF's bias is not trained
+    swapped = _swapped(model).train()
+    run_step(swapped, inputs())
+    biases = {n: b.clone() for n, b in swapped.named_buffers()
+              if n.endswith("e_score_correction_bias")}
+    assert biases
+    # finds the blocks as MoELayers; HF's expert bias is a checkpoint constant, left as it is
+    moe_core.finalize_step(swapped)
+    assert all(torch.equal(b, biases[n]) for n, b in swapped.named_buffers() if n in biases)
+    swapped.eval()
     swapped.to(torch.bfloat16)
     block = next(m for m in swapped.modules() if isinstance(m, MoECoreSparseMoeBlock))
     assert block.experts.gate_up_proj.dtype == torch.bfloat16
