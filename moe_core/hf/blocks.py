@@ -6,23 +6,31 @@ unpermute) that runs on the HF block's own parameters, registered under HF's nam
 
     gate.weight                [E, H]       the router (MoE-core's TopKRouter; its class is also a
                                             subclass of the family's router class, so HF's output
-                                            recording of ``router_logits`` sees it); GPT-OSS names
-                                            it ``router`` and adds ``router.bias`` [E]
+                                            recording of ``router_logits`` sees it); GPT-OSS and
+                                            Llama-4 name it ``router``, GPT-OSS adds
+                                            ``router.bias`` [E]
     gate.e_score_correction_bias [E]        DeepSeek-V3's expert bias (a buffer, as in HF)
+    gate.moe_statics.e_score_correction_bias [1, E]
+                                            Ernie-4.5's (a frozen Parameter of HF's own
+                                            moe_statics module)
     experts.gate_up_proj       [E, 2F, H]   gate rows first: GroupedMLP's ``weight1`` as is
                                             (GPT-OSS: [E, H, 2F], gate and up columns interleaved,
-                                            with ``gate_up_proj_bias`` [E, 2F])
+                                            with ``gate_up_proj_bias`` [E, 2F]; Llama-4:
+                                            [E, H, 2F], gate columns then up columns)
     experts.down_proj          [E, H, F]    GroupedMLP's ``weight2`` (GPT-OSS: [E, F, H], with
-                                            ``down_proj_bias`` [E, H])
-    shared_expert.*, shared_expert_gate.*   Qwen2-MoE's shared expert and its sigmoid gate
-    shared_experts.*                        DeepSeek's shared experts
+                                            ``down_proj_bias`` [E, H]; Llama-4: [E, F, H])
+    shared_expert.*, shared_expert_gate.*   Qwen2-MoE's shared expert and its sigmoid gate;
+                                            Llama-4's shared expert (no gate)
+    shared_experts.*                        DeepSeek's and Ernie-4.5's shared experts
 
 The Parameter objects are HF's (nothing is copied), so ``state_dict()`` has the HF block's keys
 and shapes and loads both ways, and PEFT's ``target_parameters`` LoRA (a parametrization of
 ``experts.gate_up_proj`` / ``experts.down_proj``) is read at every forward. The block returns what
-the HF block returns (a tensor of the input's shape; GPT-OSS: with the router scores) and the
-router returns HF's ``(router_logits, probs, routing_map)``, so ``output_router_logits=True``
-records the same logits and HF's ``load_balancing_loss_func`` gives the same aux loss.
+the HF block returns (a tensor of the input's shape; GPT-OSS: with the router scores; Llama-4:
+the flat tokens with the router logits) and the router returns HF's ``(router_logits, probs,
+routing_map)`` (Llama-4: ``(probs, router_logits, routing_map)``, as its HF router puts the
+logits second), so ``output_router_logits=True`` records the same logits and HF's
+``load_balancing_loss_func`` gives the same aux loss.
 
 Routing rules per family, each one of moe-core's rules (MoEConfig), op for op HF's:
 
@@ -44,10 +52,22 @@ GLM-4.5         their top-2 sum (``moe_router_group_score_topk=2``, any top_k), 
 GPT-OSS         top-k of the logits of the router linear with its bias (``add_bias_linear``),
                 softmax over the k (post-softmax); the experts run on HF's transposed,
                 interleaved weights with their biases and the clamped SwiGLU
+Ernie-4.5-MoE   fp32 softmax over all experts, ``e_score_correction_bias`` added for the choice
+                only (softmax-pre with a selection bias), the chosen probs renormalised; HF
+                divides by ``max(sum, moe_norm_min)``, moe-core by ``sum + 1e-20``: the same
+                wherever the sum reaches ``moe_norm_min`` (a documented difference below it,
+                see :func:`_ernie45_rules`); shared experts
+Llama-4         top-1 (``num_experts_per_tok > 1`` is refused), sigmoid of the chosen logit,
+                not renormalised, applied to the expert's input (``moe_apply_probs_on_input``);
+                experts on HF's [E, in, out] weights as they are; the shared expert. HF ranks
+                logits, moe-core fp32 sigmoid scores: tokens whose best two logits share an
+                fp32 sigmoid go to the lower index (a documented difference, see
+                :func:`_llama4_rules`)
 ==============  ==================================================================================
 
 Anything else raises :class:`UnsupportedMoEBlockError` naming the family and the rule moe-core
-lacks (nothing is approximated). moe-core's own aux loss and z-loss can be switched on
+lacks (nothing is approximated beyond the two documented corner cases above, each pinned by a
+test in tests/hf/test_blocks.py). moe-core's own aux loss and z-loss can be switched on
 (``aux_loss_coeff``, ``z_loss_coeff``): their gradients reach the routers through moe-core's
 autoscaler, and their values are put on the model's output as ``moe_core_losses``.
 """
@@ -93,15 +113,24 @@ class MoECoreRouter(TopKRouter):
     ``forward(hidden [T, H]) -> (router_logits [T, E], probs [T, E], routing_map [T, E] bool)``:
     the logits in the router dtype (what HF records for ``output_router_logits``), the probs in the
     router dtype (zero off the map; moe-core's aux / z losses attached) and the routing map.
-    Instances are made by :func:`_router_class`, whose class also derives from the family's HF
-    router class.
+    With ``logits_index`` 1 (Llama-4, whose router returns ``(router_scores, router_logits)`` and
+    whose recorder reads index 1) the first two swap places: ``(probs, router_logits,
+    routing_map)``, the probs being HF's dense router scores. Instances are made by
+    :func:`_router_class`, whose class also derives from the family's HF router class.
     """
+
+    # where the logits are in forward's output: HF's output recording index for the family
+    logits_index = 0
 
     @property
     def expert_bias(self) -> Optional[torch.Tensor]:
-        # HF's name for DeepSeek-V3's expert bias (a buffer of the HF router, loaded as is);
+        # HF's e_score_correction_bias, loaded as is: DeepSeek-V3's buffer of the router [E], or
+        # Ernie-4.5's Parameter [1, E] (requires_grad=False) of the router's moe_statics module.
         # HF keeps it fp32, but a model cast with .to(dtype) rounds it: the score math is fp32
         bias = self._buffers.get("e_score_correction_bias")
+        statics = self._modules.get("moe_statics")
+        if bias is None and statics is not None:
+            bias = statics.e_score_correction_bias.reshape(-1)
         return bias if bias is None or bias.dtype == torch.float32 else bias.float()
 
     @expert_bias.setter
@@ -125,7 +154,10 @@ class MoECoreRouter(TopKRouter):
         """Route ``hidden`` ``[T, H]``; see the class docstring for the outputs."""
         probs, routing_map = TopKRouter.forward(self, hidden, padding_mask)
         logits, self._logits = self._logits, None
-        return logits.reshape(-1, self.config.num_moe_experts), probs, routing_map
+        logits = logits.reshape(-1, self.config.num_moe_experts)
+        if self.logits_index == 1:
+            return probs, logits, routing_map
+        return logits, probs, routing_map
 
 
 _ROUTER_PREFIX = "MoECoreRouter__"
@@ -254,13 +286,40 @@ class HFTransposedGroupedMLP(HFGroupedMLP):
         return y + (self.down_proj_bias[row_expert] * probs.unsqueeze(-1)).to(y.dtype)
 
 
+class HFLlama4GroupedMLP(HFGroupedMLP):
+    """Llama-4's experts module as MoELayer's experts: its own Parameters, under HF's names.
+
+    Parameters: ``gate_up_proj`` ``[E, H, 2F]`` (the gate columns, then the up columns) and
+    ``down_proj`` ``[E, F, H]``: ``[E, in, out]``, which the grouped GEMMs read as they are
+    (``trans_w=False``, no copy). fc1's output then has the gate half first, GroupedMLP's order,
+    so nothing is rearranged either: ``x <- p * x`` (``moe_apply_probs_on_input``, top-1), ``h =
+    act(x @ W1[:, :F]) * (x @ W1[:, F:])`` in ``ops.grouped_gemm_glu_probs``, ``y = h @ W2``.
+    HF's experts module has no ``is_transposed`` flag, so neither has this one: PEFT's parameter
+    LoRA gives both the same adapter shapes.
+    """
+
+    def forward(self, x: torch.Tensor, expert_offsets: torch.Tensor, probs: torch.Tensor,
+                tokens: Optional[torch.Tensor] = None,
+                sorted_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As :meth:`GroupedMLP.forward` (``tokens`` / ``sorted_indices`` unused)."""
+        cfg = self.config
+        if cfg.moe_apply_probs_on_input:
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)
+            probs = torch.ones_like(probs)
+        h, _ = ops.grouped_gemm_glu_probs(
+            x, self.gate_up_proj.contiguous(), expert_offsets, probs,
+            ops.activation_name(cfg.activation_func), True, 0.0, None, trans_w=False)
+        return ops.grouped_gemm(h, self.down_proj.contiguous(), expert_offsets, trans_w=False)
+
+
 # ---- the block --------------------------------------------------------------------------------
 class MoECoreSparseMoeBlock(MoELayer):
     """A MoELayer standing in for an HF sparse-MoE block (see the module docstring).
 
-    ``forward(hidden_states [B, S, H]) -> [B, S, H]`` in the input's dtype, as the HF block.
-    Submodules (HF's names): ``gate`` (the router; also reachable as ``router``, MoELayer's name),
-    ``experts``, and the family's shared expert modules, which are HF's own.
+    ``forward(hidden_states [B, S, H]) -> [B, S, H]`` in the input's dtype, as the HF block
+    (GPT-OSS and Llama-4 return a pair, as theirs do). Submodules (HF's names): ``gate`` (the
+    router; also reachable as ``router``, MoELayer's name; GPT-OSS and Llama-4 call it
+    ``router``), ``experts``, and the family's shared expert modules, which are HF's own.
     """
 
     def __init__(self, config: MoEConfig, gate: MoECoreRouter, experts: HFGroupedMLP,
@@ -276,10 +335,13 @@ class MoECoreSparseMoeBlock(MoELayer):
         self.experts = experts
         self.family = family
         self.shared_kind = None
-        for name, module in (shared or {}).items():
+        shared = {n: m for n, m in (shared or {}).items() if m is not None}
+        for name, module in shared.items():
             setattr(self, name, module)
         if shared:
             self.shared_kind = "gated" if "shared_expert_gate" in shared else "plain"
+        # the one plain shared module: DeepSeek's / Ernie's shared_experts, Llama-4's shared_expert
+        self._plain_shared = next(iter(shared)) if self.shared_kind == "plain" else None
 
     @property
     def router(self) -> MoECoreRouter:
@@ -288,22 +350,27 @@ class MoECoreSparseMoeBlock(MoELayer):
         return self._modules[self._gate_name]
 
     def forward(self, hidden_states: torch.Tensor):
-        """``[B, S, H] -> [B, S, H]``; GPT-OSS: ``(out, router_scores [B·S, k])`` as HF's."""
+        """``[B, S, H] -> [B, S, H]``; GPT-OSS: ``(out, router_scores [B·S, k])`` and Llama-4:
+        ``(out [B·S, H], router_logits [B·S, E])``, as HF's."""
         hidden_states = self.router.apply_layer_jitter(hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        logits, probs, routing_map = self.router(x)
+        routed = self.router(x)
+        li = self.router.logits_index
+        logits, probs, routing_map = routed[li], routed[1 - li], routed[2]
         rows, row_probs, sorted_indices, offsets, _ = ops.permute(
             x, routing_map, probs, num_out_tokens=self.num_permuted_rows(x.shape[0]))
         y = self.experts(rows, offsets, row_probs, x, sorted_indices)
         out = ops.unpermute(y, sorted_indices, restore_shape=x.shape)
         if self.shared_kind == "gated":  # Qwen2-MoE: sigmoid(x·g) * shared(x)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        elif self.shared_kind == "plain":  # DeepSeek: shared experts added as they are
-            out = out + self.shared_experts(x)
+        elif self.shared_kind == "plain":  # DeepSeek, Ernie, Llama-4: added as they are
+            out = out + self._modules[self._plain_shared](x)
         if self.family == "gpt_oss":  # HF's MLP also returns the scores, in its top-k order
             order = logits.topk(self.config.moe_router_topk, dim=-1).indices
             return out.reshape(shape), probs.gather(1, order)
+        if self.family == "llama4":  # HF's block returns the flat tokens and the logits
+            return out, logits
         return out.reshape(shape)
 
     def extra_repr(self) -> str:
@@ -416,6 +483,63 @@ def _gpt_oss_rules(block: nn.Module) -> dict:
     return dict(moe_router_score_function="softmax", moe_router_pre_softmax=False)
 
 
+def _ernie45_rules(block: nn.Module) -> dict:
+    """Ernie-4.5-MoE's router (Ernie4_5_MoeTopKRouter): fp32 logits, a softmax over all experts,
+    the top-k of the softmax plus ``e_score_correction_bias`` (the bias for the choice only), the
+    chosen experts' unbiased softmax values divided by ``clamp(sum, min=moe_norm_min)``: moe-core's
+    softmax-pre with a selection bias (``moe_router_pre_softmax``, the bias read from HF's
+    ``moe_statics``) and ``moe_router_norm_topk_prob=True``, in fp32.
+
+    A documented difference: moe-core divides by ``sum + 1e-20`` (Megatron's renormalisation),
+    not by ``max(sum, moe_norm_min)``. In fp32 the 1e-20 is below half an ulp of any sum from
+    2**-42 (2.3e-13) up, so the two agree exactly wherever the chosen probs sum to at least
+    ``moe_norm_min`` (HF's default, 1e-12, included). Below it, HF's weights sum to
+    ``sum / moe_norm_min < 1`` and moe-core's to 1. Without the bias the chosen probs sum to at
+    least ``top_k / num_experts``, so that happens only where the bias picks experts the softmax
+    gives almost nothing (with 1e-12: about 28 nats below the best expert's logit). A
+    ``moe_norm_min`` above ``top_k / num_experts`` would change ordinary tokens too, and is
+    refused.
+    """
+    gate = block.gate
+    k, E, norm_min = int(gate.top_k), int(gate.num_experts), float(gate.norm_min)
+    if k == 1:
+        raise _unsupported("ernie4_5_moe", "top-1 routing renormalised by its own prob gives every "
+                                           "token the prob 1.0 (no router gradient); moe-core "
+                                           "rejects that config")
+    if norm_min > k / E:
+        raise _unsupported("ernie4_5_moe", f"moe_norm_min={norm_min} is above top_k / num_experts "
+                                           f"= {k / E:g}: HF's clamp of the renormalising sum "
+                                           f"would act on ordinary tokens, and moe-core "
+                                           f"renormalises by sum + 1e-20")
+    return dict(moe_router_score_function="softmax", moe_router_pre_softmax=True,
+                moe_router_dtype="fp32", moe_router_norm_topk_prob=True)
+
+
+def _llama4_rules(block: nn.Module) -> dict:
+    """Llama-4's router (Llama4Router) and block (Llama4TextMoe): the top-1 logit's sigmoid (in
+    fp32, cast to the model's dtype, not renormalised) scales the chosen expert's input; HF runs
+    every expert on every token, but the others' inputs are scaled by sigmoid(-inf) = 0 and an
+    expert without biases maps 0 to 0, so that is top-1 routing with the probs on the input:
+    ``moe_router_score_function="sigmoid"``, ``moe_router_norm_topk_prob=False``,
+    ``moe_apply_probs_on_input``. The shared expert is added to the output.
+
+    A documented difference: HF ranks the logits, moe-core the fp32 sigmoid scores (Megatron's
+    order), with ties to the lower expert index. A token whose two best logits have the same fp32
+    sigmoid (both above ~16.6, where it rounds to 1.0, or, below that, closer than the sigmoid's
+    rounding resolves) goes to the lower-indexed of the two, with the same weight, where HF takes
+    the larger logit. HF allows ``num_experts_per_tok > 1`` (each chosen expert's input scaled by
+    its own sigmoid); moe-core applies probs on the input for top-1 only, so that is refused.
+    """
+    k = int(block.router.top_k)
+    if k != 1:
+        raise _unsupported("llama4", f"num_experts_per_tok={k}: HF scales the input of each of "
+                                     f"the k chosen experts by its sigmoid score, and moe-core "
+                                     f"applies the probs on the input (moe_apply_probs_on_input) "
+                                     f"for top-1 routing only")
+    return dict(moe_router_score_function="sigmoid", moe_router_norm_topk_prob=False,
+                moe_apply_probs_on_input=True)
+
+
 # block class name -> (family, routing rules, shared modules)
 _FAMILIES: Dict[str, Tuple[str, Callable[[nn.Module], dict], Tuple[str, ...]]] = {
     "MixtralSparseMoeBlock": ("mixtral", _mixtral_rules, ()),
@@ -428,17 +552,19 @@ _FAMILIES: Dict[str, Tuple[str, Callable[[nn.Module], dict], Tuple[str, ...]]] =
     "Glm4MoeMoE": ("glm4_moe", functools.partial(_deepseek_v3_rules, family="glm4_moe"),
                    ("shared_experts",)),
     "GptOssMLP": ("gpt_oss", _gpt_oss_rules, ()),
+    "Ernie4_5_MoeSparseMoeBlock": ("ernie4_5_moe", _ernie45_rules, ("shared_experts",)),
+    "Llama4TextMoe": ("llama4", _llama4_rules, ("shared_expert",)),
 }
 
 # the families whose router is not called "gate"
-_GATE_NAMES = {"gpt_oss": "router"}
+_GATE_NAMES = {"gpt_oss": "router", "llama4": "router"}
 
-# blocks known not to fit, with the rule moe-core lacks
-_UNSUPPORTED: Dict[str, Tuple[str, str]] = {
-    "Llama4TextMoe": ("llama4", "it runs every expert on every token with the input scaled by "
-                      "sigmoid(top-1 logit) and stores gate_up_proj as [E, H, 2F]; MoELayer's "
-                      "GroupedMLP takes [E, 2F, H]"),
-}
+# the families whose experts module HF does not dispatch through its experts interface (no
+# use_experts_implementation flags): the class it must be
+_UNDISPATCHED_EXPERTS = {"llama4": "Llama4TextExperts"}
+
+# the families whose router returns the logits second (HF's output recording index)
+_LOGITS_INDEX = {"llama4": 1}
 
 
 def _is_sparse_moe_block(module: nn.Module) -> bool:
@@ -451,17 +577,19 @@ def _build_block(block: nn.Module, family: str, rules: dict, shared_names: Tuple
                  aux_loss_coeff: float, z_loss_coeff: Optional[float]) -> MoECoreSparseMoeBlock:
     gate_name = _GATE_NAMES.get(family, "gate")
     gate, experts = getattr(block, gate_name), block.experts
-    if "_is_expert_parallel" not in experts.__dict__:
+    undispatched = _UNDISPATCHED_EXPERTS.get(family)
+    if (type(experts).__name__ != undispatched if undispatched
+            else "_is_expert_parallel" not in experts.__dict__):
         raise UnsupportedMoEBlockError(
             f"replace_moe_blocks: the experts of a {family} block are a {type(experts).__name__}, "
             f"not HF's experts module (a PEFT or other wrapper?): swap the blocks first, then wrap "
             f"the model")
-    if experts._is_expert_parallel:
+    if getattr(experts, "_is_expert_parallel", False):
         raise _unsupported(family, "the block is sharded by HF's expert parallelism; moe-core's "
                                    "own (MoEConfig.expert_model_parallel_size) is separate")
     W1, W2 = experts.gate_up_proj, experts.down_proj
     transposed = getattr(experts, "is_transposed", False)
-    if transposed:  # GPT-OSS: [E, H, 2F] interleaved, with biases
+    if transposed or family == "llama4":  # [E, H, 2F]; GPT-OSS's interleaved, with biases
         E, H, F1 = W1.shape
     else:
         E, F1, H = W1.shape
@@ -490,8 +618,17 @@ def _build_block(block: nn.Module, family: str, rules: dict, shared_names: Tuple
     bias = gate._buffers.get("e_score_correction_bias")
     if bias is not None:
         router.register_buffer("e_score_correction_bias", bias)
+    for name, child in gate.named_children():  # Ernie's moe_statics (its expert bias)
+        router.add_module(name, child)
+    if family in _LOGITS_INDEX:
+        router.logits_index = _LOGITS_INDEX[family]
     shared = {n: getattr(block, n) for n in shared_names}
-    mlp = HFTransposedGroupedMLP(cfg, experts, spec) if transposed else HFGroupedMLP(cfg, W1, W2)
+    if transposed:
+        mlp = HFTransposedGroupedMLP(cfg, experts, spec)
+    elif family == "llama4":
+        mlp = HFLlama4GroupedMLP(cfg, W1, W2)
+    else:
+        mlp = HFGroupedMLP(cfg, W1, W2)
     new = MoECoreSparseMoeBlock(cfg, router, mlp, family, shared, gate_name)
     # the HF block's child order, so that state_dict() lists the keys in HF's order
     order = [n for n, _ in block.named_children() if n in new._modules]
@@ -524,8 +661,6 @@ def replace_moe_blocks(model: nn.Module, aux_loss_coeff: float = 0.0,
             cls = type(child).__name__
             if isinstance(child, MoECoreSparseMoeBlock):
                 continue
-            if cls in _UNSUPPORTED:
-                raise _unsupported(*_UNSUPPORTED[cls])
             if cls in _FAMILIES:
                 family, rule, shared_names = _FAMILIES[cls]
                 found.append((parent, name, child, family, rule(child), shared_names))
@@ -557,7 +692,8 @@ def _after_swap(model: nn.Module, blocks: List[MoECoreSparseMoeBlock]) -> None:
             inside = {id(m) for m in sub.modules()}
             for block in blocks:
                 if id(block) in inside and id(block) not in hooked:
-                    install_output_capuring_hook(block.router, "router_logits", 0)
+                    install_output_capuring_hook(block.router, "router_logits",
+                                                 block.router.logits_index)
                     hooked.add(id(block))
     if any(b.config.moe_z_loss_coeff is not None or any(b.config.aux_loss_coeffs)
            for b in blocks) and not getattr(model, "_moe_core_loss_hook", False):

@@ -2,9 +2,9 @@
 family's config class (nothing is downloaded), and the comparison helpers.
 
 Weights: HF initialises routers to zero in some families (every logit equal: top-k would be all
-ties), so the builders redraw the router weights (and DeepSeek-V3's expert bias) at a scale that
-spreads the logits; the routers' choices are then tie-free for the fixed inputs used here
-(``assert_tie_free`` checks it).
+ties), so the builders redraw the router weights at a scale that spreads the logits, and the
+biases (DeepSeek-V3's and Ernie-4.5's expert bias, GPT-OSS's biases) so that they matter; the
+routers' choices are then tie-free for the fixed inputs used here (``assert_tie_free`` checks it).
 """
 from typing import Callable, Dict, Tuple
 
@@ -57,12 +57,24 @@ def _configs() -> Dict[str, Tuple[Callable, Callable]]:
                                            num_local_experts=4, num_experts_per_tok=2,
                                            layer_types=["full_attention"] * 2),
                     T.GptOssForCausalLM),
+        "ernie4_5_moe": (lambda: T.Ernie4_5_MoeConfig(**_COMMON, intermediate_size=48,
+                                                      moe_intermediate_size=16, moe_num_experts=8,
+                                                      moe_k=2, moe_num_shared_experts=1,
+                                                      moe_layer_start_index=1),
+                         T.Ernie4_5_MoeForCausalLM),
+        "llama4": (lambda: T.Llama4TextConfig(**_COMMON, head_dim=8, intermediate_size=16,
+                                              intermediate_size_mlp=48, num_local_experts=4,
+                                              num_experts_per_tok=1),
+                   T.Llama4ForCausalLM),
     }
 
 
-FAMILIES = list(_configs())
+ALL_FAMILIES = list(_configs())
+# the families whose experts HF dispatches through its experts interface (the "moe_core" experts
+# backend): all but Llama-4, whose experts module has no use_experts_implementation
+FAMILIES = [f for f in ALL_FAMILIES if f != "llama4"]
 # the families whose whole block moe-core swaps (replace_moe_blocks): all of them
-SWAP_FAMILIES = list(FAMILIES)
+SWAP_FAMILIES = list(ALL_FAMILIES)
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -80,10 +92,12 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0,
     model = cls(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("gate.weight") and p.dim() == 2:
+            router = name.endswith("gate.weight") or (family == "llama4"
+                                                      and name.endswith("router.weight"))
+            if router and p.dim() == 2:
                 p.normal_(0.0, 0.5)  # spread the router logits (some families init them to 0)
             elif "bias" in name:
-                p.normal_(0.0, 0.1)  # GPT-OSS's biases, so that they matter
+                p.normal_(0.0, 0.1)  # GPT-OSS's biases, Ernie's expert bias: so that they matter
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)

@@ -8,7 +8,10 @@ HF bf16's distance plus 1e-2. On top of the backend's differences, the swapped r
 softmax and its renormalisation in its own order, and the experts apply the probs before fc2
 (Megatron's order) rather than after. Each family's routing rule is its HF rule op for op; the rule
 variants (DeepSeek-V2 group_limited_greedy and V3 at any top_k, V3 without norm_topk_prob, Mixtral's
-jitter) are tested on their own.
+jitter, Ernie-4.5 at other top_k and without shared experts) are tested on their own, and so are
+the two documented differences, each on a token crafted to hit it: Ernie-4.5's renormalisation
+when the chosen probs sum below moe_norm_min, and Llama-4's choice between two logits with the
+same fp32 sigmoid.
 """
 import copy
 
@@ -18,28 +21,28 @@ import torch.nn.functional as F
 
 from helpers.hf_models import (SWAP_FAMILIES, assert_close_grads, assert_fp32_grads_close,
                                assert_tie_free, inputs, rel_err, run_step, tiny_model)
-from helpers.hf_router_rules import hf_deepseek_v2, hf_deepseek_v3
+from helpers.hf_router_rules import hf_deepseek_v2, hf_deepseek_v3, hf_ernie45
 
 import moe_core
 from moe_core.hf import MoECoreSparseMoeBlock, UnsupportedMoEBlockError, replace_moe_blocks
+from moe_core.hf.blocks import _FAMILIES, _GATE_NAMES
 
 FP32_TOL = 1e-6
 LORA_TOL = 1e-5
 FP64_TOL = 2e-7
 
 
-def _num_sparse_blocks(model) -> int:
-    return sum(1 for m in model.modules()
-               if hasattr(getattr(m, "experts", None), "_is_expert_parallel")
-               or isinstance(m, MoECoreSparseMoeBlock))
+def _hf_blocks(model) -> list:
+    """The model's HF sparse-MoE blocks (of the families replace_moe_blocks knows)."""
+    return [m for m in model.modules() if type(m).__name__ in _FAMILIES]
 
 
 def _swapped(model):
     new = copy.deepcopy(model)
     n = replace_moe_blocks(new)
-    assert n == _num_sparse_blocks(model) > 0
-    assert all(type(m).__name__ != type(model).__name__ for m in new.modules()
-               if hasattr(getattr(m, "experts", None), "_is_expert_parallel"))
+    assert n == len(_hf_blocks(model)) > 0
+    assert not _hf_blocks(new)
+    assert sum(isinstance(m, MoECoreSparseMoeBlock) for m in new.modules()) == n
     return new
 
 
@@ -66,8 +69,13 @@ def test_fp32_logits_grads_and_aux_loss_equal_eager(family):
 def test_fp64_logits_and_grads_equal_eager(family):
     model = tiny_model(family, torch.float64)
     ids = inputs()
-    want_logits, want_grads, _ = run_step(model, ids)
     got_logits, got_grads, _ = run_step(_swapped(model), ids)
+    if family == "llama4":
+        # HF's Llama-4 router rounds its sigmoid to fp32 (moe-core's stays fp64), and with the
+        # probs on the input and no renormalisation that rounding reaches the router gradient
+        # whole (3.7e-7): the reference is HF's math in fp64
+        model = _exact_fp64_routers(model)
+    want_logits, want_grads, _ = run_step(model, ids)
     # HF's routers take the softmax in fp32 even in an fp64 model (moe-core's stays fp64), so
     # the two differ by fp32 rounding of the probs, not more
     assert rel_err(got_logits, want_logits) <= FP64_TOL
@@ -146,7 +154,7 @@ def test_state_dict_round_trip_both_ways(family):
     # the swapped block holds HF's Parameter objects: nothing was copied
     block = next(m for m in swapped.modules() if isinstance(m, MoECoreSparseMoeBlock))
     assert block.experts.weight1 is block.experts.gate_up_proj
-    hf_name = "router" if family == "gpt_oss" else "gate"
+    hf_name = _GATE_NAMES.get(family, "gate")
     assert isinstance(block, moe_core.MoELayer) and block.router is block._modules[hf_name]
 
 
@@ -166,8 +174,10 @@ def test_deepseek_v2_greedy_routing_equals_eager():
     assert_close_grads(got_grads, want_grads, FP32_TOL)
 
 
-def test_swapped_model_pickles(tmp_path):
-    model = tiny_model("mixtral")
+@pytest.mark.parametrize("family", ["mixtral", "llama4"])
+def test_swapped_model_pickles(tmp_path, family):
+    # the router classes are made at run time (Llama-4's also derives from nn.Linear)
+    model = tiny_model(family)
     swapped = _swapped(model)
     torch.save(swapped, tmp_path / "m.pt")
     loaded = torch.load(tmp_path / "m.pt", weights_only=False)
@@ -176,11 +186,20 @@ def test_swapped_model_pickles(tmp_path):
         assert torch.equal(loaded(ids).logits, swapped(ids).logits)
 
 
-def test_router_logits_recorded_when_hooks_were_installed_before_the_swap():
-    model = tiny_model("qwen3_moe")
+@pytest.mark.parametrize("hooked_before", [True, False], ids=["hooked-before", "hooked-after"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama4"])
+def test_router_logits_recorded_whenever_hf_installed_its_hooks(family, hooked_before):
+    # HF installs its recording hooks at the first forward, by router class and output index
+    # (Llama-4's recorder reads the router's second output): before the swap, the swap adds
+    # them to the new routers; after it, HF finds the new routers by their class
+    model = tiny_model(family)
     ids = inputs()
     with torch.no_grad():
-        want = model(ids, output_router_logits=True).router_logits  # installs HF's hooks
+        # the first forward installs HF's hooks (on a copy when they must come after the swap)
+        want = (model if hooked_before else copy.deepcopy(model))(
+            ids, output_router_logits=True).router_logits
+        assert hooked_before == any(getattr(m, "_output_capturing_hooks_installed", False)
+                                    for m in model.modules())
         replace_moe_blocks(model)
         got = model(ids, output_router_logits=True).router_logits
     assert len(got) == len(want) == model.config.num_hidden_layers
@@ -206,16 +225,19 @@ def test_moe_core_losses_are_reported_and_reach_the_router():
                if n not in router and ".layers.1." in n and "mlp" in n)
 
 
-def test_finalize_step_and_cast_after_the_swap():
-    model = tiny_model("deepseek_v3")
+@pytest.mark.parametrize("family", ["deepseek_v3", "ernie4_5_moe"])
+def test_finalize_step_and_cast_after_the_swap(family):
+    # DeepSeek-V3's expert bias is a buffer of the router, Ernie-4.5's a frozen Parameter of the
+    # router's moe_statics
+    model = tiny_model(family)
     swapped = _swapped(model).train()
     run_step(swapped, inputs())
-    biases = {n: b.clone() for n, b in swapped.named_buffers()
+    biases = {n: b.clone() for n, b in swapped.state_dict().items()
               if n.endswith("e_score_correction_bias")}
     assert biases
     # finds the blocks as MoELayers; HF's expert bias is a checkpoint constant, left as it is
     moe_core.finalize_step(swapped)
-    assert all(torch.equal(b, biases[n]) for n, b in swapped.named_buffers() if n in biases)
+    assert all(torch.equal(swapped.state_dict()[n], b) for n, b in biases.items())
     swapped.eval()
     swapped.to(torch.bfloat16)
     block = next(m for m in swapped.modules() if isinstance(m, MoECoreSparseMoeBlock))
@@ -248,18 +270,6 @@ def test_swap_after_peft_wrapping_raises():
         replace_moe_blocks(model)
 
 
-def test_known_unsupported_block_raises_naming_the_family_and_the_rule():
-    from torch import nn
-
-    model = tiny_model("qwen3_moe")
-    block = next(m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock")
-    block.__class__ = type("Llama4TextMoe", (nn.Module,), {})
-    before = [type(m) for m in model.modules()]
-    with pytest.raises(UnsupportedMoEBlockError, match=r"llama4.*every expert on every token"):
-        replace_moe_blocks(model)
-    assert [type(m) for m in model.modules()] == before  # nothing replaced
-
-
 # ---- the routing-rule variants, each against HF eager ----------------------------------------
 def _rule_of(swapped, field):
     return {getattr(m.router.config, field) for m in swapped.modules()
@@ -267,10 +277,10 @@ def _rule_of(swapped, field):
 
 
 def _exact_fp64_routers(model):
-    """HF's DeepSeek routers cast to fp32 even in an fp64 model, so that model's router
-    gradients carry fp32 rounding (1e-6 relative without renormalisation, where nothing
+    """HF's DeepSeek and Llama-4 routers cast to fp32 even in an fp64 model, so that model's
+    router gradients carry fp32 rounding (1e-6 relative without renormalisation, where nothing
     cancels it): for an fp64 truth, its routers run the same math in fp64 (references in
-    helpers/hf_router_rules.py)."""
+    helpers/hf_router_rules.py; Llama-4's inline). Returns ``model``, patched in place."""
     for m in model.modules():
         kind = type(m).__name__
         if kind == "DeepseekV2TopkRouter":
@@ -285,6 +295,13 @@ def _exact_fp64_routers(model):
                 return (logits, *hf_deepseek_v3(logits, m.top_k, m.e_score_correction_bias,
                                                  m.num_group, m.topk_group, m.norm_topk_prob,
                                                  m.routed_scaling_factor))
+            m.forward = forward
+        elif kind == "Llama4Router":
+            def forward(h, m=m):
+                logits = F.linear(h, m.weight)
+                top, idx = logits.topk(m.top_k, dim=1)
+                scores = torch.full_like(logits, float("-inf")).scatter_(1, idx, top)
+                return scores.sigmoid(), logits
             m.forward = forward
     return model
 
@@ -386,6 +403,150 @@ def test_gpt_oss_top1_raises():
     model = tiny_model("gpt_oss", num_experts_per_tok=1)
     with pytest.raises(UnsupportedMoEBlockError, match=r"gpt_oss.*top-1"):
         replace_moe_blocks(model)
+
+
+@pytest.mark.parametrize("k,shared", [(2, 0), (3, 2)])
+def test_ernie45_top_k_and_shared_experts_equal_eager(k, shared):
+    # without shared experts HF's block holds shared_experts = None, and so does the swapped one
+    swapped = _assert_swap_equals_eager("ernie4_5_moe", num_experts_per_tok=k,
+                                        moe_num_shared_experts=shared)
+    block = next(m for m in swapped.modules() if isinstance(m, MoECoreSparseMoeBlock))
+    assert ("shared_experts" in block._modules) == (shared > 0)
+    assert _rule_of(swapped, "moe_router_pre_softmax") == {True}
+    assert _rule_of(swapped, "moe_router_norm_topk_prob") == {True}
+
+
+def _logits_token(weight: torch.Tensor, logits: list) -> torch.Tensor:
+    """``[1, H]`` input whose router logits ``x @ weight.T`` are ``logits`` (weight ``[E, H]``,
+    E < H: full row rank)."""
+    target = torch.tensor([logits], dtype=torch.float64)
+    x = torch.linalg.lstsq(weight.double(), target.T).solution.T
+    return x.to(weight.dtype)
+
+
+def test_ernie45_renormalisation_below_moe_norm_min_is_the_documented_difference():
+    # a token whose chosen probs sum below moe_norm_min (HF's default, 1e-12): logit 29 on
+    # expert 0, the rest near 0 (probs ~2.5e-13 each), and a selection bias that picks experts
+    # 6 and 7 anyway. HF divides by moe_norm_min (weights summing to ~0.6), moe-core by the sum
+    # (weights summing to 1); the other tokens (sums far above moe_norm_min) agree
+    model = tiny_model("ernie4_5_moe")
+    hf = model.model.layers[1].mlp
+    assert hf.gate.norm_min == 1e-12
+    with torch.no_grad():
+        hf.gate.moe_statics.e_score_correction_bias.zero_()
+        hf.gate.moe_statics.e_score_correction_bias[0, 6:] = 1.5
+    ours = _swapped(model).model.layers[1].mlp
+    H = model.config.hidden_size
+    crafted = _logits_token(hf.gate.weight, [29.0, 0, 0, 0, 0, 0, 0.3, 0.1])
+    x = torch.cat([torch.randn(6, H), crafted]).unsqueeze(0)  # [1, 7, H], the last one crafted
+    with torch.no_grad():
+        want, got = hf(x)[0], ours(x)[0]
+        logits, hf_w, hf_idx = hf.gate(x[0])
+        _, probs, _ = ours.gate(x[0])
+        bias = hf.gate.moe_statics.e_score_correction_bias.reshape(-1)
+        rule_w, rule_idx = hf_ernie45(logits, 2, bias, norm_min=0.0)  # divided by the sum itself
+        # the routed part computed with either set of weights, through HF's own experts
+        shared = hf.shared_experts(x[0])
+        with_hf_w = shared + hf.experts(x[0], hf_idx, hf_w)
+        with_sum_w = shared + hf.experts(x[0], rule_idx, rule_w)
+    chosen = logits.softmax(-1).gather(1, hf_idx).sum(-1)  # the chosen probs' sum
+    assert hf_idx[-1].sort().values.tolist() == [6, 7] and 2**-42 < chosen[-1] < 1e-12
+    assert (chosen[:-1] > 1e-3).all()  # ordinary tokens: far above moe_norm_min
+    # HF's weights sum to 1 on the ordinary tokens and to sum / 1e-12 on the crafted one;
+    # moe-core's to 1 on all of them
+    total = hf_w.sum(-1)
+    assert torch.allclose(total[:-1], torch.ones(6))
+    assert torch.allclose(total[-1], chosen[-1] / 1e-12) and total[-1] < 0.9
+    assert (probs.sum(-1) - 1).abs().max() < 1e-6
+    assert torch.equal(hf_idx, rule_idx)
+    # ordinary tokens: the same output; the crafted one: HF's weights vs the renormalised ones
+    assert rel_err(got[:-1], want[:-1]) <= FP32_TOL
+    assert rel_err(want[-1], with_hf_w[-1]) <= FP32_TOL
+    assert rel_err(got[-1], with_sum_w[-1]) <= FP32_TOL
+    assert rel_err(got[-1], want[-1]) > 0.1
+
+
+def test_ernie45_top1_raises():
+    model = tiny_model("ernie4_5_moe", num_experts_per_tok=1)
+    with pytest.raises(UnsupportedMoEBlockError, match=r"ernie4_5_moe.*top-1"):
+        replace_moe_blocks(model)
+
+
+def test_ernie45_moe_norm_min_above_top_k_over_experts_raises():
+    # 2 of 8 experts: the chosen probs sum to at least 0.25 without the bias
+    model = tiny_model("ernie4_5_moe", moe_norm_min=0.3)
+    with pytest.raises(UnsupportedMoEBlockError, match=r"ernie4_5_moe.*moe_norm_min=0.3.*0.25"):
+        replace_moe_blocks(model)
+    assert replace_moe_blocks(tiny_model("ernie4_5_moe", moe_norm_min=0.25)) == 1
+
+
+def _llama4_reference(block, x: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """HF's Llama4TextMoe math with the dense router scores ``scores`` ``[T, E]`` given: every
+    expert on every token, its input scaled by the token's score, plus the shared expert."""
+    E, H = scores.shape[1], x.shape[-1]
+    routed = block.experts(x.repeat(E, 1) * scores.T.reshape(-1, 1))
+    return block.shared_expert(x) + routed.reshape(E, -1, H).sum(0)
+
+
+def test_llama4_block_returns_hf_outputs_on_hf_weights():
+    model = tiny_model("llama4")
+    hf = model.model.layers[0].feed_forward
+    x = torch.randn(2, 5, model.config.hidden_size)
+    with torch.no_grad():
+        want_out, want_logits = hf(x)
+        want_scores, _ = hf.router(x.reshape(-1, x.shape[-1]))
+    replace_moe_blocks(model)
+    block = model.model.layers[0].feed_forward
+    assert isinstance(block, MoECoreSparseMoeBlock) and "gate" not in block._modules
+    with torch.no_grad():
+        got_out, got_logits = block(x)
+        scores, logits, routing_map = block.router(x.reshape(-1, x.shape[-1]))
+    assert got_out.shape == want_out.shape == (10, model.config.hidden_size)
+    assert rel_err(got_out, want_out) <= FP32_TOL and rel_err(got_logits, want_logits) <= FP32_TOL
+    # the router's (dense scores, logits): HF's router output, and the map of the nonzero scores
+    assert rel_err(scores, want_scores) <= FP32_TOL and torch.equal(logits, got_logits)
+    assert torch.equal(routing_map, want_scores > 0) and routing_map.sum(-1).eq(1).all()
+    # HF's [E, H, 2F] / [E, F, H] Parameters, read in place
+    assert block.experts.gate_up_proj is hf.experts.gate_up_proj
+    assert block.experts.down_proj is hf.experts.down_proj
+    assert block.router.weight is hf.router.weight
+    assert block.shared_expert is hf.shared_expert
+    assert not hasattr(block.experts, "is_transposed")  # as HF's (PEFT's adapter layout)
+
+
+def test_llama4_ranking_of_saturated_sigmoids_is_the_documented_difference():
+    # a token whose two best logits (20 and 21) have the same fp32 sigmoid, 1.0: HF ranks the
+    # logits and takes expert 1, moe-core ranks the sigmoid scores and takes the lower index,
+    # expert 0, with the same weight; the other tokens agree
+    model = tiny_model("llama4")
+    hf = model.model.layers[0].feed_forward
+    ours = _swapped(model).model.layers[0].feed_forward
+    H, E = model.config.hidden_size, model.config.num_local_experts
+    crafted = _logits_token(hf.router.weight, [20.0, 21.0, -5.0, -5.0])
+    x = torch.cat([torch.randn(6, H), crafted])
+    with torch.no_grad():
+        want, _ = hf(x)
+        got, _ = ours(x)
+        scores, logits = hf.router(x)
+        assert torch.sigmoid(logits[-1, :2]).tolist() == [1.0, 1.0]
+        assert scores[-1].tolist() == [0.0, 1.0, 0.0, 0.0]
+        ours_scores = torch.zeros(1, E)
+        ours_scores[0, 0] = 1.0
+        hf_rule = _llama4_reference(hf, x[-1:], scores[-1:])
+        lower_index = _llama4_reference(hf, x[-1:], ours_scores)
+    assert rel_err(got[:-1], want[:-1]) <= FP32_TOL
+    assert rel_err(want[-1:], hf_rule) <= FP32_TOL
+    assert rel_err(got[-1:], lower_index) <= FP32_TOL
+    assert rel_err(got[-1:], want[-1:]) > 0.1
+
+
+def test_llama4_top_k_above_1_raises():
+    model = tiny_model("llama4", num_experts_per_tok=2)
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(UnsupportedMoEBlockError,
+                       match=r"llama4.*num_experts_per_tok=2.*top-1 routing only"):
+        replace_moe_blocks(model)
+    assert [type(m) for m in model.modules()] == before  # nothing replaced
 
 
 def test_unknown_block_raises_naming_its_class():

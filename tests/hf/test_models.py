@@ -5,10 +5,10 @@ import copy
 import pytest
 import torch
 
-from helpers.hf_models import FAMILIES, VOCAB, inputs, run_step, tiny_model
+from helpers.hf_models import ALL_FAMILIES, VOCAB, inputs, run_step, tiny_model
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_tiny_model_builds_and_runs(family):
     model = tiny_model(family)
     logits, grads, _ = run_step(model, inputs())
