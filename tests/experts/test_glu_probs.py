@@ -1,7 +1,7 @@
 """glu_probs: the gated activation and the router-probs multiply in one op, against the unfused
 torch sequence it replaces (moe_core.experts.apply_activation, then (h * p).to(h.dtype)).
 
-Two torch references:
+Two torch references (tests/helpers/glu_probs.py's reference, scalar=True / False):
 * "scalar": the sequence with the activation fed a strided (non-contiguous) view, which sends torch's
   CPU kernels down their scalar path (libm's exp/erf/tanh, like our C). The op must equal it bit for
   bit, forward and grad_a, in every dtype.
@@ -11,45 +11,20 @@ Two torch references:
   else within a few ulps.
 """
 import functools
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.glu_probs import (ACTS, autograd_grads, grad_probs_truth, off_rounded_clamp,
+                               reference)
 from helpers.tolerances import assert_close_ulps, assert_error_at_most, eps
 from moe_core import MoEConfig, ops
 from moe_core.experts import activation_times_probs, apply_activation
 
 OPS = torch.ops.moe_core
-ACTS = ["silu", "gelu", "gelu_tanh", "relu", "squared_relu", "quick_gelu"]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 NO_TRANSCENDENTAL = {"relu", "squared_relu"}
-
-
-def strided(x: torch.Tensor) -> torch.Tensor:
-    """x's values in a non-contiguous view (last-dim stride 2), differentiable."""
-    buf = x.new_empty(*x.shape[:-1], 2 * x.shape[-1])
-    return buf[..., ::2].copy_(x) if not x.requires_grad else \
-        torch.as_strided(buf, x.shape, (buf.stride(0), 2)).copy_(x)
-
-
-def act_fn(name: str, scalar: bool):
-    base = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
-            "relu": F.relu, "squared_relu": lambda x: torch.pow(F.relu(x), 2)}
-    wrap = strided if scalar else (lambda x: x)
-    if name == "quick_gelu":
-        return lambda x: x * torch.sigmoid(wrap(1.702 * x))
-    return lambda x: base[name](wrap(x))
-
-
-def reference(a, probs, act, gated, offset=0.0, clamp=None, scalar=True):
-    """The unfused torch sequence (Megatron's MLP activation, then the probs multiply)."""
-    cfg = MoEConfig(hidden_size=8, num_moe_experts=2, moe_router_topk=2, gated_linear_unit=gated,
-                    activation_func=act_fn(act, scalar), glu_linear_offset=offset,
-                    activation_func_clamp_value=clamp)
-    h = apply_activation(cfg, a)
-    return h if probs is None else (h * probs.unsqueeze(-1)).to(h.dtype)
 
 
 def inputs(rows, ffn, dtype, gated, probs_dtype, device="cpu", scale=3.0):
@@ -81,16 +56,6 @@ def _torch_passes_grad_at_rounded_clamp() -> bool:
 
 
 TORCH_BOUNDARY_GRAD = _torch_passes_grad_at_rounded_clamp()
-
-
-def off_rounded_clamp(a: torch.Tensor, clamp) -> torch.Tensor:
-    """a with the values whose magnitude is exactly dtype(clamp) moved to 0.5 (the one input
-    where torch versions disagree on the clamp's gradient, and where the fp64 truth, whose bound
-    is not rounded, disagrees with every dtype; test_clamp_boundaries covers it)."""
-    if clamp is None:
-        return a
-    v = float(torch.tensor(clamp, dtype=a.dtype))  # compared as a Python float: no dtype cast
-    return torch.where(a.abs().double() == v, torch.full_like(a, 0.5), a)
 
 
 def probs_dtypes(dtype):
@@ -199,21 +164,6 @@ def test_clamp_boundaries():
 
 
 # ---- backward ---------------------------------------------------------------------------------
-
-def autograd_grads(a, probs, dy, act, gated, offset, clamp, scalar=True):
-    aa = a.clone().requires_grad_()
-    pp = None if probs is None else probs.clone().requires_grad_()
-    reference(aa, pp, act, gated, offset, clamp, scalar=scalar).backward(dy)
-    return aa.grad, None if pp is None else pp.grad
-
-
-def grad_probs_truth(a, probs, dy, act, gated, offset, clamp):
-    """Σ_f of the product-dtype-rounded terms grad_h·h0, summed exactly (fsum) in fp64."""
-    h0 = reference(a, None, act, gated, offset, clamp)
-    pt = torch.promote_types(a.dtype, probs.dtype)
-    terms = (dy.to(pt) * h0).double()
-    return torch.tensor([math.fsum(r) for r in terms.tolist()], dtype=torch.float64), terms
-
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act", ACTS)

@@ -1,7 +1,7 @@
 """Grouped expert GEMM: forward, dgrad and wgrad against an fp64 per-expert
-reference, autograd, opcheck, determinism, compile, and bad input (one test per case). The tests
-taking the `device` fixture also run on CUDA when a GPU is present (more in
-test_grouped_gemm_cuda.py).
+reference (tests/helpers/grouped_gemm.py), autograd, opcheck, determinism, compile, and bad input
+(one test per case). The tests taking the `device` fixture also run on CUDA when a GPU is present
+(more in test_grouped_gemm_cuda.py).
 
 Accuracy rule (tests/helpers/tolerances.py): our error against the fp64 truth is at most 2x the
 error of torch's own per-expert matmul in the same dtype, plus one ulp at the output scale. Outputs
@@ -11,7 +11,7 @@ allocation in the binding) is filled with NaN, so a row the kernel forgets to wr
 import pytest
 import torch
 
-from helpers.grouped_gemm import offsets_of
+from helpers.grouped_gemm import offsets_of, per_expert, reference, w_e
 from helpers.tolerances import assert_error_at_most
 from moe_core import ops
 
@@ -35,27 +35,6 @@ def make_counts(case):
     c = torch.randint(0, 60, (12,))
     c[3] = c[7] = 0
     return c.tolist()
-
-
-def per_expert(fn, offsets, *tensors):
-    """Concatenates fn(e, slices...) over experts (row slices of each tensor)."""
-    off = offsets.tolist()
-    return [fn(e, *[t[off[e]:off[e + 1]] for t in tensors]) for e in range(len(off) - 1)]
-
-
-def w_e(weight, e, trans_w):
-    """Expert e's weight as a [K, N] matrix."""
-    return weight[e].t() if trans_w else weight[e]
-
-
-def reference(x, weight, dy, offsets, trans_w, dtype):
-    """fwd, dgrad, wgrad by per-expert torch.matmul in `dtype` (fp64 gives the truth)."""
-    x, weight, dy = x.to(dtype), weight.to(dtype), dy.to(dtype)
-    y = torch.cat(per_expert(lambda e, xe: xe @ w_e(weight, e, trans_w), offsets, x))
-    dx = torch.cat(per_expert(lambda e, ge: ge @ w_e(weight, e, trans_w).t(), offsets, dy))
-    dw = torch.stack(per_expert(lambda e, xe, ge: (ge.t() @ xe) if trans_w else (xe.t() @ ge),
-                                offsets, x, dy))
-    return y, dx, dw
 
 
 def make_inputs(counts, K, N, E_weight_layout_trans, dtype):

@@ -1,11 +1,13 @@
 """Property-based tests of the expert ops (glu_probs, grouped_gemm) and the load-balancing losses
 (switch aux loss, z-loss) against PyTorch references.
 
-* glu_probs: bit for bit torch's scalar-path sequence (tests/experts/test_glu_probs.py's reference),
-  forward and grad_a, NaN and inf included; grad_probs within test_glu_probs' rounding bound.
+* glu_probs: bit for bit torch's scalar-path sequence (tests/helpers/glu_probs.py's reference, as
+  tests/experts/test_glu_probs.py), forward and grad_a, NaN and inf included; grad_probs within
+  test_glu_probs' rounding bound.
 * grouped_gemm (fwd, dgrad, wgrad) on small shapes, empty experts and K or N of 1: every element
-  within the worst-case error of a running fp32 (fp64) sum against the fp64 per-expert truth;
-  on larger outputs also at most 2x torch's own matmul error (tests/helpers/tolerances.py).
+  within the worst-case error of a running fp32 (fp64) sum against the fp64 per-expert truth
+  (tests/helpers/grouped_gemm.py's reference); on larger outputs also at most 2x torch's own
+  matmul error (tests/helpers/tolerances.py).
 * switch aux loss and z-loss: their formulas in fp64, rounded once, as the contracts say; a few
   ulps of slack for the fp64 sums' order (more for fp64 results, which nothing rounds away).
 """
@@ -15,11 +17,10 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from experts.test_glu_probs import (ACTS, autograd_grads, grad_probs_truth, off_rounded_clamp,
-                                     reference)
-from experts.test_grouped_gemm import reference as gg_reference
-from fuzz_utils import FLOATS, assert_bitwise, assert_close_or_same_special, gen, sprinkle
-from helpers.grouped_gemm import offsets_of
+from helpers.fuzz import FLOATS, assert_bitwise, assert_close_or_same_special, gen, sprinkle
+from helpers.glu_probs import (ACTS, autograd_grads, grad_probs_truth, off_rounded_clamp,
+                               reference)
+from helpers.grouped_gemm import offsets_of, reference as gg_reference
 from helpers.tolerances import assert_error_at_most, eps
 from moe_core import ops
 

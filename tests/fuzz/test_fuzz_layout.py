@@ -7,9 +7,9 @@ contracts spell out, so every comparison is bitwise.
 import torch
 from hypothesis import given, strategies as st
 
-from fuzz_utils import FLOATS, assert_bitwise, gen, sprinkle
 from helpers import reference_router as ref
 from helpers import reference_layout as rl
+from helpers.fuzz import FLOATS, assert_bitwise, gen, sprinkle
 from moe_core import ops
 
 SMALL_T = st.one_of(st.sampled_from([0, 1, 2]), st.integers(0, 24))

@@ -9,20 +9,20 @@ Expert biases come from multiples of 1/8 in [-1/2, 1/2]; over the whole grid the
 distinct sigmoid / sqrt-softplus scores plus bias are 1e-5 apart, against an fp32 ulp of 1.2e-7.
 Group-limited routing on scores (sigmoid, sqrtsoftplus, softmax before the top-k) draws each
 group's logits from its own band of the grid, so group scores are either far apart or exactly
-tied (a copied group). Probs are compared within tests/router/test_ops.py's ulp bound, with a floor
-at the dtype's smallest normal (fp16 probs below 6.1e-5 are subnormal: one rounding is a step of
-2**-24 there, more than an ulp relative to the value); with only finite logits the logits'
-gradients are checked against an fp64 truth as tests/router/test_ops.py does.
+tied (a copied group). Probs are compared within tests/router/test_ops.py's ulp bound
+(tests/helpers/tolerances.py's router_prob_ulps), with a floor at the dtype's smallest normal (fp16
+probs below 6.1e-5 are subnormal: one rounding is a step of 2**-24 there, more than an ulp relative
+to the value); with only finite logits the logits' gradients are checked against an fp64 truth as
+tests/router/test_ops.py does.
 """
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from fuzz_utils import FLOATS, assert_bitwise, assert_close_or_same_special, gen, grid, sprinkle
 from helpers import reference_router as ref
-from helpers.tolerances import eps
+from helpers.fuzz import FLOATS, assert_bitwise, assert_close_or_same_special, gen, grid, sprinkle
+from helpers.tolerances import eps, router_prob_ulps
 from moe_core import ops
-from router.test_ops import prob_ulps
 
 TOKENS = st.one_of(st.sampled_from([0, 1, 2, 3, 5, 16]), st.integers(0, 40),
                    st.sampled_from([257, 1024]))
@@ -117,7 +117,7 @@ def check(logits, opts):
     # many tied (equal) terms their rounding errors add up instead of averaging out, so the
     # sqrt(E) estimate of tests/router/test_ops.py becomes the worst case of two summation orders
     # of E positive terms, 2E ulps
-    ulps = 4 + 2 * E if dtype == torch.float64 else prob_ulps(dtype, E)
+    ulps = 4 + 2 * E if dtype == torch.float64 else router_prob_ulps(dtype, E)
     floor = torch.finfo(dtype).tiny
     p_ref, i_ref = ref.topk_routing(logits, **opts)
     p, i = ops.router_topk(logits, **opts)

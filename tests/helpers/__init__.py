@@ -2,13 +2,15 @@
 ``pythonpath`` option in pyproject.toml, and tests/conftest.py's folder):
 
 * ``reference_router`` / ``reference_layout``: pure-PyTorch references of the ops, from the spec;
-* ``tolerances``: float tolerances derived from the dtype;
+* ``tolerances``: float tolerances derived from the dtype (and the router probs' ulp bound);
 * ``megatron_moe``: megatron-core's moe_utils, imported quietly;
 * ``megatron_layer`` / ``megatron_ep``: megatron-core's real MoELayer on the CPU, at world size 1
   and at EP > 1 over gloo;
 * ``dist``: the multi-process harness (N gloo ranks); ``world_group``: a one-rank gloo group
   fixture;
-* ``grouped_gemm``: poisoned outputs, expert offsets, CUDA-graph capture;
+* ``grouped_gemm``: poisoned outputs, expert offsets, the per-expert matmul reference, CUDA-graph
+  capture; ``glu_probs``: torch references of the glu_probs op (scalar and vectorised paths);
+* ``fuzz``: the hypothesis profiles, tensor builders and comparisons of the fuzz tier (tests/fuzz/);
 * ``hf_models``: tiny random Hugging Face MoE models and the comparison helpers of tests/hf/;
 * ``hf_router_rules``: plain-torch references of the HF families' router math.
 """

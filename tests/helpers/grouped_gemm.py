@@ -1,4 +1,5 @@
-"""Helpers of the expert tests: poisoned outputs, expert offsets, CUDA-graph capture."""
+"""Helpers of the expert tests: poisoned outputs, expert offsets, the per-expert matmul
+reference of grouped_gemm (CPU), CUDA-graph capture."""
 import contextlib
 
 import torch
@@ -21,6 +22,31 @@ def offsets_of(counts, device="cpu"):
     """[E + 1] int64 expert offsets: 0, then the running row counts."""
     return torch.tensor([0] + torch.tensor(counts, dtype=torch.long).cumsum(0).tolist(),
                         dtype=torch.long, device=device)
+
+
+def per_expert(fn, offsets, *tensors):
+    """Concatenates fn(e, slices...) over experts (row slices of each tensor)."""
+    off = offsets.tolist()
+    return [fn(e, *[t[off[e]:off[e + 1]] for t in tensors]) for e in range(len(off) - 1)]
+
+
+def w_e(weight, e, trans_w):
+    """Expert e's weight as a [K, N] matrix."""
+    return weight[e].t() if trans_w else weight[e]
+
+
+def reference(x, weight, dy, offsets, trans_w, dtype):
+    """fwd, dgrad, wgrad by per-expert torch.matmul in `dtype` (fp64 gives the truth).
+
+    x [R, K], weight [E, K, N] ([E, N, K] with trans_w), dy [R, N], offsets [E + 1] int64; the
+    rows of x and dy from offsets[-1] on are left out. Returns y [offsets[-1], N],
+    dx [offsets[-1], K] and dw of weight's shape, all in `dtype`."""
+    x, weight, dy = x.to(dtype), weight.to(dtype), dy.to(dtype)
+    y = torch.cat(per_expert(lambda e, xe: xe @ w_e(weight, e, trans_w), offsets, x))
+    dx = torch.cat(per_expert(lambda e, ge: ge @ w_e(weight, e, trans_w).t(), offsets, dy))
+    dw = torch.stack(per_expert(lambda e, xe, ge: (ge.t() @ xe) if trans_w else (xe.t() @ ge),
+                                offsets, x, dy))
+    return y, dx, dw
 
 
 def capture_graph(step):

@@ -5,6 +5,9 @@ Two rules (docs/design.md, "Tolerances"):
   n_ulps is the number of roundings the op does that its reference may do differently.
 * ``assert_error_at_most``: our error against an fp64 truth is at most ``factor`` x the error of
   PyTorch's own computation in the same dtype (plus one ulp of slack at the output scale).
+
+``router_prob_ulps`` is the first rule's n_ulps for router_topk's probs (tests/router/test_ops.py,
+tests/fuzz/test_fuzz_router.py).
 """
 import torch
 
@@ -49,3 +52,10 @@ def assert_error_at_most(ours, torch_same_dtype, truth64, factor: float = 2.0, m
     assert ours_err <= factor * torch_err + slack, (
         f"{msg} our max error {ours_err:.3e} > {factor} x torch's {torch_err:.3e} + {slack:.3e}"
     )
+
+
+def router_prob_ulps(dtype: torch.dtype, num_experts: int) -> float:
+    """n_ulps for router_topk's probs against a torch reference: softmax-pre probs carry a sum over
+    E experts whose rounding order differs from torch's vectorised sum (~sqrt(E) ulps); half dtypes
+    are rounded once from a nearly equal fp32 value."""
+    return 4 + num_experts**0.5 if dtype in (torch.float32, torch.float64) else 1

@@ -12,7 +12,7 @@ import torch
 
 from helpers import reference_router as ref
 from helpers.megatron_moe import megatron_moe_utils
-from helpers.tolerances import assert_close_ulps, eps
+from helpers.tolerances import assert_close_ulps, eps, router_prob_ulps
 from moe_core import ops
 
 mcore = megatron_moe_utils()
@@ -84,12 +84,6 @@ def check_routing(ours_fn, ref_fn, logits, dtype, prob_ulps, opts):
     assert ours_err <= 2 * ref_err + slack, f"grad error {ours_err:.3e} vs reference {ref_err:.3e}"
 
 
-def prob_ulps(dtype, num_experts):
-    """Softmax-pre probs carry a sum over E experts whose rounding order differs from torch's
-    vectorised sum (~sqrt(E) ulps); half dtypes are rounded once from a nearly equal fp32 value."""
-    return 4 + num_experts**0.5 if dtype in (torch.float32, torch.float64) else 1
-
-
 @pytest.mark.parametrize("variant", ["plain", "full"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("score,pre", MODES)
@@ -98,12 +92,12 @@ def test_routing_vs_reference(T, E, k, score, pre, dtype, variant, device):
     logits, opts = make_case(T, E, k, score, pre, variant, dtype, device)
     ours = lambda x: ops.topk_routing_with_score_function(x, **opts)  # noqa: E731
     refd = lambda x: ref.to_dense(*ref.topk_routing(x, **opts), E)  # noqa: E731
-    check_routing(ours, refd, logits, dtype, prob_ulps(dtype, E), opts)
+    check_routing(ours, refd, logits, dtype, router_prob_ulps(dtype, E), opts)
     # the compact form: same indices, best first
     p1, i1 = ops.topk_routing_with_score_function(logits, **opts, dense_output=True)
     p2, i2 = ref.topk_routing(logits, **opts)
     assert torch.equal(i1, i2)
-    assert_close_ulps(p1, p2, n_ulps=prob_ulps(dtype, E), floor=1e-30, dtype=dtype)
+    assert_close_ulps(p1, p2, n_ulps=router_prob_ulps(dtype, E), floor=1e-30, dtype=dtype)
 
 
 @pytest.mark.megatron
@@ -125,11 +119,11 @@ def test_routing_vs_megatron(T, E, k, score, pre, dtype, variant):
         return
     # Megatron's score math is fp32 even for fp64 logits (ours stays fp64): compare at fp32 level.
     tol_dtype = torch.float32 if dtype == torch.float64 else dtype
-    check_routing(ours, meg, logits, tol_dtype, prob_ulps(tol_dtype, E), opts)
+    check_routing(ours, meg, logits, tol_dtype, router_prob_ulps(tol_dtype, E), opts)
     p1, i1 = ops.topk_routing_with_score_function(logits, **opts, dense_output=True)
     p2, i2 = mcore.topk_routing_with_score_function(logits, **opts, dense_output=True)
     assert torch.equal(i1, i2), "compact indices (best first) differ"
-    assert_close_ulps(p1, p2, n_ulps=prob_ulps(tol_dtype, E), floor=1e-30, dtype=tol_dtype)
+    assert_close_ulps(p1, p2, n_ulps=router_prob_ulps(tol_dtype, E), floor=1e-30, dtype=tol_dtype)
 
 
 @pytest.mark.megatron

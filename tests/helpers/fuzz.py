@@ -1,5 +1,5 @@
-"""Shared pieces of the property-based (hypothesis) fuzz tier: the settings profiles, tensor
-builders and comparisons.
+"""Shared pieces of the property-based (hypothesis) fuzz tier, tests/fuzz/: the settings profiles,
+tensor builders and comparisons. Importing this module registers the profiles and loads one.
 
 Profiles (pick one with MOE_CORE_FUZZ_PROFILE; the default is "ci"):
 * ci        a bounded number of examples per property, derandomized (the same examples on every
@@ -15,6 +15,8 @@ import os
 
 import torch
 from hypothesis import HealthCheck, settings
+
+from helpers.tolerances import assert_close_ulps
 
 settings.register_profile(
     "ci", max_examples=40, derandomize=True, deadline=None, database=None, print_blob=True,
@@ -69,8 +71,6 @@ def assert_bitwise(ours, ref, msg=""):
 def assert_close_or_same_special(ours, ref, n_ulps, dtype=None, floor=1e-30, msg=""):
     """Where the reference is NaN or infinite, ours must be the same special value; elsewhere
     within n_ulps (tests/helpers/tolerances.py's rule)."""
-    from helpers.tolerances import assert_close_ulps
-
     assert ours.shape == ref.shape, f"{msg}: shape {tuple(ours.shape)} vs {tuple(ref.shape)}"
     o, r = ours.detach().double(), ref.detach().double()
     special = ~torch.isfinite(r)
