@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hardening import test_opcheck
+from helpers.op_samples import samples
 from moe_core import MoEConfig, MoELayer
 from moe_core.ops import _guards
 
@@ -25,8 +25,8 @@ Sample = Tuple[object, tuple]
 
 
 def extra_samples() -> Iterator[Sample]:
-    """Ops that test_opcheck.samples leaves to other modules (the SymInt variants, the fused fc1,
-    the in-place GLU backward, expert_mlp)."""
+    """Ops that helpers/op_samples.py's samples leaves to other modules (the SymInt variants, the
+    fused fc1, the in-place GLU backward, expert_mlp)."""
     T, E, H, k = 12, 4, 16, 2
     idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
     m = torch.zeros(T, E, dtype=torch.bool).scatter_(1, idx, True)
@@ -52,7 +52,7 @@ def extra_samples() -> Iterator[Sample]:
 
 
 def all_samples() -> List[Sample]:
-    return list(test_opcheck.samples("cpu")) + list(extra_samples())
+    return list(samples("cpu")) + list(extra_samples())
 
 
 def name_of(op) -> str:

@@ -10,6 +10,7 @@
   fixture;
 * ``grouped_gemm``: poisoned outputs, expert offsets, the per-expert matmul reference, CUDA-graph
   capture; ``glu_probs``: torch references of the glu_probs op (scalar and vectorised paths);
+* ``op_samples``: sample calls of the ops for torch.library.opcheck (tests/hardening/);
 * ``fuzz``: the hypothesis profiles, tensor builders and comparisons of the fuzz tier (tests/fuzz/);
 * ``hf_models``: tiny random Hugging Face MoE models and the comparison helpers of tests/hf/;
 * ``hf_router_rules``: plain-torch references of the HF families' router math.
