@@ -25,6 +25,17 @@ behaviour):
   ``router_jitter_noise``): it multiplies the layer's input (router, experts and shared experts
   see the same jittered tokens), in training mode only, by a ``uniform_(1 - eps, 1 + eps)`` draw
   in the input's dtype.
+
+Fields of moe-core's expert-parallel exchange (Megatron has no equivalent):
+
+* ``moe_alltoall_exchange``: "nccl" (default): the all-to-all dispatcher's dropless exchange
+  reads its split sizes on the host once per forward (NCCL ``all_to_all_single``). "symm_mem":
+  the exchange runs through torch's symmetric memory (NVSHMEM ``all_to_all_vdev``) with a
+  static receive buffer and no host read (``moe_core.symm_exchange``); only with
+  ``moe_token_dispatcher_type="alltoall"`` and dropless routing (no capacity factor).
+* ``moe_alltoall_recv_factor``: the "symm_mem" receive budget of each rank in units of the
+  balanced load ``T·topk`` rows (the buffer holds ``ceil(factor·T·topk)`` rows); rows beyond it
+  are dropped by a rule every rank computes alike (``MoELayer.last_dropped_rows`` counts them).
 """
 import dataclasses
 import math
@@ -95,6 +106,10 @@ class MoEConfig:
     moe_router_norm_topk_prob: Optional[bool] = None
     moe_router_group_score_topk: Optional[int] = None
     moe_input_jitter_mode: str = "router"
+
+    # ---- moe-core's expert-parallel exchange (see the module docstring) ----
+    moe_alltoall_exchange: str = "nccl"
+    moe_alltoall_recv_factor: float = 2.0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -237,6 +252,21 @@ class MoEConfig:
                 "(experts are split whole over expert_model_parallel_size ranks)")
         if self.moe_input_jitter_eps is not None and not 0 <= self.moe_input_jitter_eps < 1:
             bad("moe_input_jitter_eps", "must be in [0, 1)")
+        if self.moe_alltoall_exchange not in ("nccl", "symm_mem"):
+            bad("moe_alltoall_exchange", "must be 'nccl' or 'symm_mem'")
+        if self.moe_alltoall_exchange == "symm_mem":
+            if self.moe_token_dispatcher_type != "alltoall":
+                bad("moe_alltoall_exchange", "'symm_mem' is an exchange of the all-to-all "
+                    f"dispatcher: needs moe_token_dispatcher_type='alltoall', got "
+                    f"{self.moe_token_dispatcher_type!r}")
+            if self.moe_expert_capacity_factor is not None:
+                bad("moe_alltoall_exchange", "'symm_mem' is the dropless exchange: needs "
+                    f"moe_expert_capacity_factor=None, got {self.moe_expert_capacity_factor!r}")
+        f = self.moe_alltoall_recv_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) \
+                or f <= 0:
+            bad("moe_alltoall_recv_factor", "must be a finite number > 0 (the receive budget "
+                "in units of the balanced load T·topk rows)")
         if not math.isfinite(self.moe_router_bias_update_rate):
             bad("moe_router_bias_update_rate", "must be finite")
 

@@ -19,7 +19,9 @@ expert_offsets[-1]), so the layer runs under torch.compile(fullgraph=True) and i
 Expert parallel (``expert_model_parallel_size = N > 1``, or an ``ep_group`` given): the layer
 holds the ``E / N`` local experts of its rank and a dispatcher (``moe_core.dispatcher``) moves the
 permuted rows to their experts' ranks and back; routing and the combine stay on the token's rank.
-Only the dropless / dropping all-to-all reads its split sizes on the host (one wait per forward).
+Only the dropless / dropping all-to-all reads its split sizes on the host (one wait per forward),
+unless ``moe_alltoall_exchange="symm_mem"`` (dropless, NVSHMEM, a static receive budget:
+``moe_core.symm_exchange``).
 """
 from typing import Optional, Union
 
@@ -40,7 +42,8 @@ _SAME_ON_EVERY_RANK = ("hidden_size", "num_moe_experts", "moe_ffn_hidden_size", 
                        "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
                        "moe_token_drop_policy", "gated_linear_unit", "add_bias_linear",
                        "moe_latent_size", "moe_shared_expert_intermediate_size",
-                       "moe_shared_expert_overlap", "params_dtype")
+                       "moe_shared_expert_overlap", "params_dtype", "moe_alltoall_exchange",
+                       "moe_alltoall_recv_factor")
 
 
 class MoELayer(nn.Module):
@@ -81,8 +84,15 @@ class MoELayer(nn.Module):
         if self.ep_group is not None:
             if tp_dp_cp_group is None:
                 tp_dp_cp_group = dist.group.WORLD
-            self.dispatcher = DISPATCHERS[config.moe_token_dispatcher_type](
-                self.ep_group, config.num_moe_experts)
+            if config.moe_alltoall_exchange == "symm_mem":
+                from moe_core.symm_exchange import SymmMemAlltoAllDispatcher
+
+                self.dispatcher = SymmMemAlltoAllDispatcher(
+                    self.ep_group, config.num_moe_experts, config.moe_router_topk,
+                    config.moe_alltoall_recv_factor)
+            else:
+                self.dispatcher = DISPATCHERS[config.moe_token_dispatcher_type](
+                    self.ep_group, config.num_moe_experts)
             self._check_same_config_on_every_rank()
         self.tp_cp_group = as_group(tp_cp_group, "tp_cp_group")
         self.tp_dp_cp_group = as_group(tp_dp_cp_group, "tp_dp_cp_group")
@@ -180,8 +190,10 @@ class MoELayer(nn.Module):
         seen = [None] * self.dispatcher.ep_size
         dist.all_gather_object(seen, num_tokens, group=self.ep_group)
         if len(set(seen)) > 1:
-            why = ("the allgather dispatcher" if self.config.moe_token_dispatcher_type ==
-                   "allgather" else "moe_pad_expert_input_to_capacity")
+            cfg = self.config
+            why = ("the allgather dispatcher" if cfg.moe_token_dispatcher_type == "allgather"
+                   else "moe_pad_expert_input_to_capacity" if cfg.moe_pad_expert_input_to_capacity
+                   else "moe_alltoall_exchange='symm_mem' (symmetric buffers)")
             raise ValueError(f"hidden_states has {num_tokens} tokens on this rank; {why} needs "
                              f"the same number on every expert-parallel rank, got {seen}")
         self._validated_tokens = num_tokens
@@ -249,7 +261,8 @@ class MoELayer(nn.Module):
         CPU)."""
         cfg = self.config
         pad = cfg.moe_pad_expert_input_to_capacity
-        if pad or cfg.moe_token_dispatcher_type == "allgather":
+        if pad or cfg.moe_token_dispatcher_type == "allgather" or \
+                cfg.moe_alltoall_exchange == "symm_mem":
             self._check_equal_tokens(x.shape[0])
         box = {}
         run_shared = (lambda: box.update(out=self._shared_side(hidden_states))) if overlap else None
@@ -262,6 +275,13 @@ class MoELayer(nn.Module):
             torch.cuda.current_stream(shared.device).wait_stream(self._shared_stream)
             shared.record_stream(torch.cuda.current_stream(shared.device))
         return out, shared
+
+    @property
+    def last_dropped_rows(self) -> Optional[torch.Tensor]:
+        """With ``moe_alltoall_exchange="symm_mem"``: the number of this rank's permuted rows
+        the receive budget dropped in the last forward (int64 scalar on the device, never read
+        on the host by the layer); None for the other exchanges or before a forward."""
+        return getattr(self.dispatcher, "last_dropped_rows", None)
 
     def _shared_side(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if not hidden_states.is_cuda:
