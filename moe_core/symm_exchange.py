@@ -42,8 +42,12 @@ environment when the dispatcher is built, or ``emulate=True``; otherwise a group
 NCCL or a torch without NVSHMEM raises at construction.
 
 Limits: the same token count on every rank (the budget and the buffers must agree); the
-NVSHMEM heap (``NVSHMEM_SYMMETRIC_SIZE``) must hold the buffers of both directions,
-``(R + B) · C`` elements per distinct layer shape and dtype, plus small split tensors.
+NVSHMEM heap (``NVSHMEM_SYMMETRIC_SIZE``) must hold, per distinct (T, H, dtype), up to eight
+buffers (send / receive, rows with and without the probs' pad columns, in both directions):
+``2 · (R + B) · (C_probs + C)`` elements, plus small split tensors, allocated once and reused.
+The NVSHMEM exchange relies on ``all_to_all_vdev``'s own synchronisation: a peer writes into a
+rank's receive buffer only once that rank has entered the same exchange, which it does after it
+copied the previous result out (same stream).
 """
 import math
 import os
