@@ -298,3 +298,22 @@ def test_acceptance_rule():
     assert acc[0].tolist() == [[5, 3], [0, 0]]
     # receiver 1, chunks (e0,s0)=2 (e0,s1)=0 (e1,s0)=0 (e1,s1)=7 -> 2, 0, 0, 6
     assert acc[1].tolist() == [[2, 0], [0, 6]]
+
+
+def tokens_differ_worker(rank: int, world: int) -> str:
+    os.environ["MOE_SYMM_MEM_EMULATE"] = "1"
+    _, symm = _pair(rank, world, "softmax_top2", 2.0)
+    X, _, _ = global_batch(world, symm.config.params_dtype)
+    try:
+        symm(X[rank][: X.shape[1] - rank])  # a different token count on every rank
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_symm_mem_needs_equal_token_counts():
+    """The budget and the symmetric buffers are sized from T: raised on every rank."""
+    for rank, msg in enumerate(run_ranks(tokens_differ_worker, 2, timeout=300)):
+        assert "hidden_states has" in msg and "moe_alltoall_exchange='symm_mem' (symmetric " \
+               "buffers) needs the same number on every expert-parallel rank, got [12, 10]" in msg, \
+            f"rank {rank}: {msg}"
