@@ -32,7 +32,9 @@ waited on right before the first all-to-all, so permute runs meanwhile (Megatron
 ``cuda_sync_point`` schedule); the backward reuses the host splits. Drop-and-pad exchanges equal
 blocks of ``nle·capacity`` rows: no counts, no host read, so it compiles with
 ``torch.compile(fullgraph=True)`` and records into CUDA graphs. The allgather dispatcher sizes
-its buffers from static bounds and never reads the device either.
+its buffers from static bounds and never reads the device either. The dropless all-to-all
+without a host read (NVSHMEM, a static receive budget) is ``moe_core.symm_exchange``
+(``moe_alltoall_exchange="symm_mem"``).
 
 Collectives are ``torch.distributed._functional_collectives`` (autograd, traced by dynamo); their
 backward is the reverse exchange (all-to-all with swapped splits, reduce-scatter for all-gather),

@@ -4,7 +4,8 @@ primitive is tested on a GPU in tests/ep/test_symm_mem_gpu.py).
 
 * (a) a receive budget that cannot overflow (factor = world size): the symm_mem layer equals
   the NCCL-exchange layer with the same weights bitwise (output, input gradient, every parameter
-  gradient, the router's losses) over two steps, and drops nothing;
+  gradient, the router's losses) over two steps, also with the shared expert overlapped with the
+  exchanges, and drops nothing;
 * (b) a small budget with skewed routing (an expert bias that sends every token to expert 0):
   equals the NCCL-exchange layer whose routing map loses exactly the (token, expert) pairs the
   acceptance rule drops, computed here from every rank's routing map with plain loops, and
@@ -73,6 +74,13 @@ def generous_worker(rank: int, world: int) -> dict:
             want = _step(nccl, X[rank], G[rank], masks[rank])
             got = _step(symm, X[rank], G[rank], masks[rank])
             res[(case, seed)] = (_diff(got, want), int(symm.last_dropped_rows))
+    # the shared expert overlapped with the exchanges, against the NCCL exchange overlapped
+    case = "sigmoid_groups_bias_top8_shared"
+    nccl, symm = _pair(rank, world, case, float(world), moe_shared_expert_overlap=True)
+    X, G, masks = global_batch(world, symm.config.params_dtype)
+    want = _step(nccl, X[rank], G[rank], masks[rank])
+    got = _step(symm, X[rank], G[rank], masks[rank])
+    res[(case + "_overlap", 1)] = (_diff(got, want), int(symm.last_dropped_rows))
     return res
 
 
