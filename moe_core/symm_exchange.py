@@ -379,5 +379,5 @@ class SymmMemAlltoAllDispatcher(AlltoAllDispatcher):
         back = _Exchange.apply(y, None, self.exchanger, forward_route, backward_route)
         if overlap is not None:
             overlap()
-        H = y.shape[1]
-        return ops.unpermute(back, handle["sorted_indices"], restore_shape=(handle["num_tokens"], H))
+        shape = (handle["num_tokens"], y.shape[1])
+        return ops.unpermute(back, handle["sorted_indices"], restore_shape=shape)
