@@ -35,7 +35,8 @@ Autograd: the exchange has none, so ``_Exchange`` is a Function whose backward i
 exchange (its routes swapped); the gathers that compact and un-compact rows are masked index
 selects with their inverse as the backward (no scatter-add, no atomics).
 
-The exchange primitive is pluggable: ``NvshmemExchange`` (CUDA, ``all_to_all_vdev``) and
+The exchange primitive is pluggable: ``NvshmemExchange`` (CUDA, ``all_to_all_vdev``),
+``LocalExchange`` (an NCCL group of one rank, where NVSHMEM cannot rendezvous: a masked copy) and
 ``EmulatedExchange`` (any process group, reads the split sizes on the host: a test double for
 gloo). The emulation runs only when asked for explicitly: ``MOE_SYMM_MEM_EMULATE=1`` in the
 environment when the dispatcher is built, or ``emulate=True``; otherwise a group that is not
@@ -165,6 +166,23 @@ class NvshmemExchange:
         return out.clone(), recv
 
 
+class LocalExchange:
+    """The exchange in a group of one rank: the rows stay here (NVSHMEM's rendezvous needs two
+    ranks). Same result as the exchange, with no host read: the first ``splits[0]`` rows, zeros
+    after them."""
+
+    def buffer(self, rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+
+    def exchange(self, packed: torch.Tensor, splits: torch.Tensor,
+                 out_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        n = min(packed.shape[0], out_rows)
+        keep = torch.arange(n, device=packed.device) < splits[0]
+        out = packed.new_zeros(out_rows, packed.shape[1])
+        out[:n] = torch.where(keep.view(-1, 1), packed[:n], packed.new_zeros(()))
+        return out, splits.clone()
+
+
 def emulation_requested() -> bool:
     return os.environ.get(EMULATE_ENV, "0") not in ("", "0")
 
@@ -191,6 +209,8 @@ def make_exchange(group: dist.ProcessGroup, emulate: bool):
                          "distributed._symmetric_memory.is_nvshmem_available() is False or "
                          "torch.ops.symm_mem.all_to_all_vdev is missing in this torch); use "
                          "moe_alltoall_exchange='nccl'")
+    if dist.get_world_size(group) == 1:
+        return LocalExchange()
     return NvshmemExchange(group)
 
 

@@ -1,6 +1,9 @@
-"""The symmetric-memory exchange (``moe_alltoall_exchange="symm_mem"``) on one GPU with the real
-NVSHMEM ``all_to_all_vdev``, over an NCCL world of one (tests/ep/test_nccl_single_gpu.py's
-fixture) with the exchange forced on at one rank (``dispatcher.exchange = True``):
+"""The symmetric-memory dispatcher (``moe_alltoall_exchange="symm_mem"``) on one GPU, over an NCCL
+world of one (tests/ep/test_nccl_single_gpu.py's fixture) with the exchange forced on at one rank
+(``dispatcher.exchange = True``). NVSHMEM's rendezvous needs two ranks, so a group of one
+exchanges locally (``LocalExchange``, a masked copy); everything around the exchange runs on CUDA
+as at any size (counts, acceptance rule, packing, compaction, chunk sorts, the autograd of the
+exchange):
 
 * the symm_mem layer equals the NCCL-exchange layer bitwise (output, input gradient, every
   parameter gradient, the router's losses) over two steps, with a budget of exactly the rows

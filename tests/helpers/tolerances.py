@@ -59,3 +59,10 @@ def router_prob_ulps(dtype: torch.dtype, num_experts: int) -> float:
     E experts whose rounding order differs from torch's vectorised sum (~sqrt(E) ulps); half dtypes
     are rounded once from a nearly equal fp32 value."""
     return 4 + num_experts**0.5 if dtype in (torch.float32, torch.float64) else 1
+
+
+def cuda_cpu_fp64_ulps(num_experts: int) -> int:
+    """n_ulps between the CUDA and CPU router kernels in fp64 compute: two orders of an E-term
+    positive sum each err by at most (E - 1) ulps of the sum; exp/log1p/sqrt differ by at most
+    2 ulps between CUDA and glibc, the division rounds once more."""
+    return 2 * num_experts + 4

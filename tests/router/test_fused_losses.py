@@ -9,14 +9,15 @@ forward making the three separate calls. On the CPU the fused extras run the sep
 rounding), so CUDA is checked to 1 ulp of the compute precision, plus exact maps wherever the scores
 agree bitwise, against the CPU ops (and the CUDA separate ops where they exist). fp64 router math on
 CUDA is not bitwise to the CPU (CUDA's exp vs glibc's, a warp-tree row sum vs the CPU's ascending
-one, and no wider type to round from): it is held to fp64_ulps(E), the bound derived below, with
-maps and indices still exact.
+one, and no wider type to round from): it is held to cuda_cpu_fp64_ulps(E) (helpers/tolerances.py
+derives it), with maps and indices still exact.
 """
 import copy
 
 import pytest
 import torch
 
+from helpers.tolerances import cuda_cpu_fp64_ulps
 from moe_core import ops
 from moe_core.config import MoEConfig
 from moe_core.ops.aux_loss_autoscaler import AuxLossScale
@@ -61,13 +62,6 @@ def same(a, b, msg=""):
     assert bool(ok.all()), f"{msg}: {int((~ok).sum())} of {ok.numel()} elements differ"
 
 
-def fp64_ulps(E):
-    """CUDA vs CPU in fp64 compute: two orders of an E-term positive sum each err by at most
-    (E - 1) ulps of the sum; exp/log1p/sqrt differ by at most 2 ulps between CUDA and glibc, the
-    division rounds once more."""
-    return 2 * E + 4
-
-
 def close_ulps(a, b, dtype, n_ulps=1, msg="", scale=None):
     """Equal within n_ulps of `dtype` relative to max(|b|, scale) (scale: the magnitude the
     compared values are cancellations of, e.g. a gradient row's largest term), infinities and
@@ -95,7 +89,7 @@ def check_aux(scores, aux_map, logits, k, sf, mask, device):
         same(scores, ref_scores, "aux scores")
         same(aux_map, ref_map, "aux map")
         return
-    n = fp64_ulps(logits.shape[1]) if logits.dtype == torch.float64 else 1
+    n = cuda_cpu_fp64_ulps(logits.shape[1]) if logits.dtype == torch.float64 else 1
     close_ulps(scores, ref_scores, compute_dtype(logits.dtype), n, "aux scores (CUDA vs CPU op)")
     rows = ((scores.cpu() == ref_scores) | (scores.cpu().isnan() & ref_scores.isnan())).all(1)
     same(aux_map.cpu()[rows], ref_map[rows], "aux map on rows with bitwise scores")
@@ -245,7 +239,7 @@ def test_fused_grad_equals_unfused_composition(device, dtype, sf, pre, masked):
         same(grad, ref, "grad_logits vs the unfused ops")
     elif dtype == torch.float64:  # each gradient is a cancellation of terms of its row's size
         row = ref.abs().amax(dim=1, keepdim=True).expand_as(ref)
-        close_ulps(grad, ref, dtype, 2 * fp64_ulps(E), "grad_logits", scale=row)
+        close_ulps(grad, ref, dtype, 2 * cuda_cpu_fp64_ulps(E), "grad_logits", scale=row)
     else:  # CUDA exp / warp sums vs glibc: an ulp of the logits dtype
         close_ulps(grad, ref, dtype, 1, "grad_logits")
 
@@ -300,12 +294,12 @@ def test_cpu_cuda_same_extras(dtype, E, k, router_kernel):
         gpu = run_fused(logits.cuda(), k, sf, sf == "softmax", mask.cuda())
         fp64 = dtype == torch.float64
         if fp64:
-            close_ulps(gpu[0], cpu[0], dtype, fp64_ulps(E), "probs")
+            close_ulps(gpu[0], cpu[0], dtype, cuda_cpu_fp64_ulps(E), "probs")
         else:
             same(gpu[0].cpu(), cpu[0], "probs")
         same(gpu[1].cpu(), cpu[1], "routing map")
         same(gpu[2].cpu(), cpu[2], "indices")
-        close_ulps(gpu[3], cpu[3], compute_dtype(dtype), fp64_ulps(E) if fp64 else 1, "aux scores")
+        close_ulps(gpu[3], cpu[3], compute_dtype(dtype), cuda_cpu_fp64_ulps(E) if fp64 else 1, "aux scores")
         rows = (gpu[3].cpu() == cpu[3]).all(1)
         if not fp64:
             assert rows.float().mean() > 0.99

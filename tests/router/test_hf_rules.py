@@ -16,7 +16,7 @@ import torch
 
 from helpers.hf_router_rules import (hf_deepseek_v2, hf_deepseek_v3, hf_ernie45, hf_gpt_oss,
                                      hf_qwen)
-from helpers.tolerances import assert_close_ulps, eps
+from helpers.tolerances import assert_close_ulps, cuda_cpu_fp64_ulps, eps
 from moe_core import ops
 from moe_core.ops.router_topk import router_topk_fused
 
@@ -220,13 +220,15 @@ def test_rule_cuda_like_cpu(rule, E, k, dtype, router_kernel):
     pc, ic = ops.router_topk(xc, k, **opts)
     pg, ig = ops.router_topk(xg, k, **gopts)
     assert torch.equal(ic, ig.cpu())
-    n = 8 if dtype == torch.float64 else 1
+    n = cuda_cpu_fp64_ulps(E) if dtype == torch.float64 else 1
     assert_close_ulps(pg, pc, n_ulps=n, floor=1e-30, dtype=dtype)
     w = torch.randn(300, k, dtype=torch.float64)
     (pc.double() * w).sum().backward()
     (pg.double() * w.cuda()).sum().backward()
-    assert_close_ulps(xg.grad, xc.grad, n_ulps=2 * n, floor=xc.grad.abs().max().item(),
-                      dtype=dtype)
+    # each logit's gradient is a cancellation of terms of the incoming gradient's scale (at
+    # k = 1 renormalised, p / (p + 1e-20) is flat: its gradient is all rounding, ~1e-19)
+    scale = max(xc.grad.abs().max().item(), w.abs().max().item() * (opts.get("scaling_factor") or 1.0))
+    assert_close_ulps(xg.grad, xc.grad, n_ulps=2 * n, floor=scale, dtype=dtype)
     # the fused dense router with its extras (the fp32 lanes / strided kernels)
     fc = router_topk_fused(x, k, with_aux=True, with_lse=True, **opts)
     fg = router_topk_fused(x.cuda(), k, with_aux=True, with_lse=True, **gopts)
