@@ -8,7 +8,8 @@ primitive is tested on a GPU in tests/ep/test_symm_mem_gpu.py).
   exchanges, and drops nothing;
 * (b) a small budget with skewed routing (an expert bias that sends every token to expert 0):
   equals the NCCL-exchange layer whose routing map loses exactly the (token, expert) pairs the
-  acceptance rule drops, computed here from every rank's routing map with plain loops, and
+  acceptance rule drops, computed from every rank's routing map with plain loops
+  (``helpers.reference_symm_mem.expected_keep``), and
   ``last_dropped_rows`` equals the number of this rank's pairs dropped;
 * (c) nothing but the emulated primitive reads a tensor on the host (``tolist``, ``item``,
   ``nonzero`` and the dispatcher's host split reads raise elsewhere), forward and backward,
@@ -23,9 +24,10 @@ import os
 import pytest
 import torch
 
-from ep.test_layer import CONFIGS, config_kwargs, global_batch, global_layer, run_layer, \
-    shard_state
 from helpers.dist import run_ranks
+from helpers.ep_layer import CONFIGS, config_kwargs, global_batch, global_layer, run_layer, \
+    shard_state
+from helpers.reference_symm_mem import expected_keep
 
 CASES = sorted(CONFIGS)
 
@@ -95,26 +97,6 @@ def test_generous_budget_equals_nccl_exchange_bitwise(world):
 # ---- (b) small budget, skewed routing: the reference drops the rule's rows -----------------
 SKEW = dict(num_moe_experts=8, moe_router_topk=2, moe_router_score_function="sigmoid",
             moe_router_enable_expert_bias=True)
-
-
-def expected_keep(maps: list, world: int, budget: int) -> list:
-    """The acceptance rule, by loops: ``maps[s]`` is source s's routing map [T, E] (bool).
-    Receiver r fills ``budget`` rows over (local expert e, source s) chunks, each chunk's rows
-    in token order; returns keep masks [T, E] per source."""
-    E = maps[0].shape[1]
-    nle = E // world
-    keep = [m.clone() for m in maps]
-    for r in range(world):
-        filled = 0
-        for e in range(nle):
-            g = r * nle + e
-            for s in range(world):
-                tokens = maps[s][:, g].nonzero().flatten().tolist()
-                take = min(len(tokens), max(budget - filled, 0))
-                filled += take
-                for t in tokens[take:]:
-                    keep[s][t, g] = False
-    return keep
 
 
 def skewed_worker(rank: int, world: int, factor: float) -> dict:

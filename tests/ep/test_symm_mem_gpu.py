@@ -31,7 +31,7 @@ for _name, _value in (("NVSHMEM_DISABLE_NVLS", "1"), ("TORCH_SYMM_MEM_DISABLE_MU
 
 from ep.test_nccl_single_gpu import (assert_bitwise, batch, config_kwargs, group,  # noqa: E402,F401
                                      make_layer, no_blocking_sync, run_step, S, B)
-from ep.test_symm_mem import expected_keep  # noqa: E402
+from helpers.reference_symm_mem import expected_keep  # noqa: E402
 
 
 def _nvshmem_available() -> bool:
