@@ -1,11 +1,11 @@
 """Expert parallelism on one GPU: the EP code path over an NCCL world of one.
 
-One process, one GPU, an NCCL process group of one rank (a module fixture: a free port on
-127.0.0.1, destroyed at the end). An ``ep_group`` passed explicitly runs the expert-parallel path
-even at one rank; its dispatcher skips the collectives there (identities) unless
-``dispatcher.exchange`` is set, which these tests do (except where (a) checks the default too), so
-the NCCL exchanges, the counts all-gather and the host read of the split sizes all run. On a
-single GPU we can then check, bit for bit:
+One process, one GPU, an NCCL process group of one rank (the module-scoped ``group`` fixture of
+tests/ep/conftest.py: a free port on 127.0.0.1, destroyed at the end). An ``ep_group`` passed
+explicitly runs the expert-parallel path even at one rank; its dispatcher skips the collectives
+there (identities) unless ``dispatcher.exchange`` is set, which these tests do (except where (a)
+checks the default too), so the NCCL exchanges, the counts all-gather and the host read of the
+split sizes all run. On a single GPU we can then check, bit for bit:
 
 * (a) the EP path equals the plain layer (no group): output, input gradient, every parameter
   gradient and the router's losses, for the all-to-all dispatcher dropless, dropping (capacity
@@ -30,151 +30,36 @@ single GPU we can then check, bit for bit:
   stream) equals the layer that runs it first: output and parameter gradients bitwise, the input
   gradient within two bf16 roundings (autograd sums its three parts in another order).
 
-Small shapes (T = 256, H = 256, E = 8, F = 512, bf16 parameters, fp32 router). Skipped without a
-GPU; the CPU versions of these checks over gloo at 2 and 4 ranks are in tests/ep/test_layer.py.
+Small shapes (T = 256, H = 256, E = 8, F = 512, bf16 parameters, fp32 router; the layers,
+batches and comparisons are tests/helpers/ep_cuda.py's). Skipped without a GPU; the CPU versions
+of these checks over gloo at 2 and 4 ranks are in tests/ep/test_layer.py.
 """
 import contextlib
-import datetime
 import os
-import socket
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
+from helpers.ep_cuda import (CONFIGS, assert_bitwise, batch, config_kwargs, make_layer,
+                             no_blocking_sync, run_step)
 from helpers.tolerances import eps
-from moe_core import MoEConfig, MoELayer
+from moe_core import MoELayer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-
-S, B, H, E, FFN = 128, 2, 256, 8, 512
-
-BASE = dict(hidden_size=H, moe_ffn_hidden_size=FFN, num_moe_experts=E, add_bias_linear=False,
-            gated_linear_unit=True, activation_func=F.silu, params_dtype=torch.bfloat16,
-            moe_router_dtype="fp32")
-CONFIGS = {
-    "softmax_top2": dict(moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3),
-    "sigmoid_groups_bias_top4_shared": dict(
-        moe_router_topk=4, moe_router_score_function="sigmoid", moe_router_num_groups=4,
-        moe_router_group_topk=2, moe_router_enable_expert_bias=True,
-        moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=384,
-        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-3),
-}
-MODES = {
-    "dropless": dict(),
-    "dropping": dict(moe_expert_capacity_factor=0.5),
-    "drop_and_pad": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
-}
 
 # the sync-debug mode's warning for a blocking operation (its first use also warns that the mode
 # is a prototype, which is not a sync)
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
-# ---- the NCCL world of one ----------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def group():
-    """An NCCL group of this one process (the world, or a new group when another test module
-    already initialised a world of one); destroyed at the end when created here."""
-    torch.cuda.set_device(0)
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                world_size=1, timeout=datetime.timedelta(seconds=120),
-                                device_id=torch.device("cuda", 0))
-        pg = dist.group.WORLD
-    else:
-        if dist.get_world_size() != 1:
-            pytest.skip("these tests run in a world of one process")
-        pg = dist.new_group([0], backend="nccl")
-    yield pg
-    torch.cuda.synchronize()
-    if created:
-        dist.destroy_process_group()
-
-
 # ---- layers and steps -----------------------------------------------------------------------
-def config_kwargs(case: str, mode: str, dispatcher: str, **extra) -> dict:
-    return dict(BASE, **CONFIGS[case], **MODES[mode], moe_token_dispatcher_type=dispatcher, **extra)
-
-
-def make_layer(kw: dict, ep_group=None, state: Optional[dict] = None, build: str = "moved",
-               exchange: bool = True) -> MoELayer:
-    """A layer on the GPU: built on the CPU then moved (``build="moved"``) or built under
-    ``with torch.device("cuda")`` (``"device_context"``); seeded weights, or ``state``. An EP
-    layer runs its collectives at one rank too (``exchange``; its dispatcher skips these
-    identities at one rank by default) unless ``exchange=False``."""
-    torch.manual_seed(0)
-    cfg = MoEConfig(**kw)
-    extra = dict(tp_dp_cp_group=ep_group) if ep_group is not None else {}
-    if build == "device_context":
-        with torch.device("cuda"):
-            layer = MoELayer(cfg, ep_group=ep_group, **extra)
-    else:
-        layer = MoELayer(cfg, ep_group=ep_group, **extra).cuda()
-    if exchange and layer.dispatcher is not None and hasattr(layer.dispatcher, "exchange"):
-        layer.dispatcher.exchange = True
-    if state is not None:
-        layer.load_state_dict(state)
-    elif layer.router.expert_bias is not None:
-        with torch.no_grad():
-            layer.router.expert_bias.copy_(torch.randn(E, device="cuda") * 0.05)
-    return layer.train()
-
-
 def plain_and_ep(kw: dict, group, exchange: bool) -> Tuple[MoELayer, MoELayer]:
     plain = make_layer(kw)
     ep = make_layer(kw, group, {k: v.clone() for k, v in plain.state_dict().items()},
                     exchange=exchange)
     return plain, ep
-
-
-def batch(seed: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(S, B, H, device="cuda", generator=g).to(torch.bfloat16)
-    w = torch.randn(S, B, H, device="cuda", generator=g)
-    return x, w
-
-
-def run_step(module, layer: MoELayer, x: torch.Tensor, w: torch.Tensor) -> dict:
-    """Forward + backward of ``sum(out * w)`` through ``module`` (the layer or its compiled
-    form); returns the output, the input gradient, the parameter gradients and the losses, and
-    clears the gradients."""
-    x = x.clone().requires_grad_(True)
-    out = module(x)
-    (out.float() * w).sum().backward()
-    torch.cuda.synchronize()
-    res = {"out": out.detach(), "dx": x.grad}
-    for n, p in layer.named_parameters():
-        res[f"grad {n}"] = p.grad.clone() if p.grad is not None else None
-    for k, v in layer.router.last_losses.items():
-        res[f"loss {k}"] = v.clone()
-    layer.zero_grad(set_to_none=True)
-    return res
-
-
-def assert_bitwise(got: dict, want: dict, what: str) -> None:
-    assert sorted(got) == sorted(want), f"{what}: {sorted(got)} vs {sorted(want)}"
-    bad = []
-    for k in want:
-        a, b = got[k], want[k]
-        if a is None or b is None:
-            if a is not b:
-                bad.append(f"{k}: gradient missing on one side")
-            continue
-        if not torch.equal(a, b):
-            diff = (a.double() - b.double()).abs().max().item()
-            bad.append(f"{k}: max |diff| {diff:.3e} (scale {b.double().abs().max().item():.3e})")
-    assert not bad, f"{what} differ:\n  " + "\n  ".join(bad)
 
 
 # ---- (a) the EP path at one rank equals the plain layer ------------------------------------
@@ -283,16 +168,6 @@ def host_syncs(found: Dict[str, List[str]]):
     found.setdefault("blocking", []).extend(
         f"{os.path.relpath(w.filename)}:{w.lineno}" for w in seen
         if SYNC_WARNING in str(w.message))
-
-
-@contextlib.contextmanager
-def no_blocking_sync():
-    """Any stream-blocking operation inside raises (sync-debug mode "error")."""
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.fixture

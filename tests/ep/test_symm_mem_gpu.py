@@ -1,9 +1,9 @@
 """The symmetric-memory dispatcher (``moe_alltoall_exchange="symm_mem"``) on one GPU, over an NCCL
-world of one (tests/ep/test_nccl_single_gpu.py's fixture) with the exchange forced on at one rank
-(``dispatcher.exchange = True``). NVSHMEM's rendezvous needs two ranks, so a group of one
-exchanges locally (``LocalExchange``, a masked copy); everything around the exchange runs on CUDA
-as at any size (counts, acceptance rule, packing, compaction, chunk sorts, the autograd of the
-exchange):
+world of one (the ``group`` fixture of tests/ep/conftest.py; layers, batches and comparisons from
+tests/helpers/ep_cuda.py) with the exchange forced on at one rank (``dispatcher.exchange =
+True``). NVSHMEM's rendezvous needs two ranks, so a group of one exchanges locally
+(``LocalExchange``, a masked copy); everything around the exchange runs on CUDA as at any size
+(counts, acceptance rule, packing, compaction, chunk sorts, the autograd of the exchange):
 
 * the symm_mem layer equals the NCCL-exchange layer bitwise (output, input gradient, every
   parameter gradient, the router's losses) over two steps, with a budget of exactly the rows
@@ -29,8 +29,8 @@ for _name, _value in (("NVSHMEM_DISABLE_NVLS", "1"), ("TORCH_SYMM_MEM_DISABLE_MU
                       ("NCCL_NVLS_ENABLE", "0")):
     os.environ.setdefault(_name, _value)
 
-from ep.test_nccl_single_gpu import (assert_bitwise, batch, config_kwargs, group,  # noqa: E402,F401
-                                     make_layer, no_blocking_sync, run_step, S, B)
+from helpers.ep_cuda import (B, S, assert_bitwise, batch, config_kwargs,  # noqa: E402
+                             make_layer, no_blocking_sync, run_step)
 from helpers.reference_symm_mem import expected_keep  # noqa: E402
 
 
