@@ -1,10 +1,14 @@
-"""Multi-process test harness: N ranks over gloo on the CPU, one thread each.
+"""Multi-process test harness: N ranks over gloo on the CPU, one thread each, or over NCCL, one
+GPU each.
 
 ``run_ranks(fn, world, *args)`` spawns ``world`` processes (a free port on 127.0.0.1), runs
 ``fn(rank, world, *args)`` in each after ``init_process_group("gloo")`` and returns the ranks'
-results in rank order. Every collective has a timeout (``COLLECTIVE_TIMEOUT``), the parent waits
-at most ``timeout`` seconds for all results, and a rank that fails or is still running when
-another has failed is killed and reported: no test leaves a rank waiting in a collective.
+results in rank order. ``backend="nccl"`` gives rank r GPU r (``torch.cuda.set_device(r)``, the
+group bound to it); ``env`` is set in every rank before its process group starts (switches NCCL
+or NVSHMEM read when they start). Every collective has a timeout (``COLLECTIVE_TIMEOUT``), the
+parent waits at most ``timeout`` seconds for all results, and a rank that fails or is still
+running when another has failed is killed and reported: no test leaves a rank waiting in a
+collective, nor in a device-side wait that has no timeout of its own (NVSHMEM's exchanges).
 """
 import datetime
 import os
@@ -12,6 +16,7 @@ import queue
 import socket
 import traceback
 import warnings
+from typing import Dict, Optional
 
 import torch.multiprocessing as mp
 
@@ -24,17 +29,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, results, args):
+def _entry(fn, rank, world, port, results, args, backend, env):
     try:
         warnings.simplefilter("ignore")
+        os.environ.update(env)
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout,
+                                    device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         try:
             out = fn(rank, world, *args)
         finally:
@@ -46,15 +57,21 @@ def _entry(fn, rank, world, port, results, args):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 300.0):
-    """Results of ``fn(rank, world, *args)`` on ``world`` gloo ranks, in rank order.
+def run_ranks(fn, world: int, *args, timeout: float = 300.0, backend: str = "gloo",
+              env: Optional[Dict[str, str]] = None):
+    """Results of ``fn(rank, world, *args)`` on ``world`` ranks, in rank order: gloo ranks on
+    the CPU, or with ``backend="nccl"`` one GPU per rank (rank r on GPU r). ``env``: variables
+    set in every rank before its process group starts.
 
     Raises AssertionError with the failing rank's traceback if any rank raised, and names the
     ranks that were still running (left in a collective) when the first failure arrived."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: run_ranks runs 'gloo' or 'nccl'")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args, backend,
+                                              dict(env or {})), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
