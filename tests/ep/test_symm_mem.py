@@ -1,6 +1,7 @@
 """The symmetric-memory exchange (``moe_alltoall_exchange="symm_mem"``) on the CPU over gloo, at
 2 and 4 ranks, with the emulated exchange primitive (``MOE_SYMM_MEM_EMULATE=1``; the NVSHMEM
-primitive is tested on a GPU in tests/ep/test_symm_mem_gpu.py).
+primitive at 2 ranks on 2 GPUs is tested in tests/ep/test_symm_mem_multi_gpu.py, the layer on one
+GPU, where a group of one exchanges locally, in tests/ep/test_symm_mem_gpu.py).
 
 * (a) a receive budget that cannot overflow (factor = world size): the symm_mem layer equals
   the NCCL-exchange layer with the same weights bitwise (output, input gradient, every parameter

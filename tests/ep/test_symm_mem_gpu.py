@@ -15,7 +15,8 @@ True``). NVSHMEM's rendezvous needs two ranks, so a group of one exchanges local
 * forward and backward captured in one CUDA graph and replayed on new inputs equal eager.
 
 Skipped without a GPU, and without NVSHMEM (``is_nvshmem_available()`` False). The same checks
-at 2 and 4 ranks with an emulated exchange over gloo are in tests/ep/test_symm_mem.py.
+at 2 and 4 ranks with an emulated exchange over gloo are in tests/ep/test_symm_mem.py, and with the
+NVSHMEM exchange at 2 ranks on 2 GPUs in tests/ep/test_symm_mem_multi_gpu.py.
 """
 import math
 import os

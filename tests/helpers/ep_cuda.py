@@ -3,7 +3,8 @@
 Small shapes (T = S·B = 256 tokens, H = 256, E = 8, F = 512, bf16 parameters, fp32 router); every
 tensor lives on the current CUDA device. Used by the NCCL world of one (tests/ep/
 test_nccl_single_gpu.py, tests/ep/test_symm_mem_gpu.py; its process group is the ``group``
-fixture of tests/ep/conftest.py).
+fixture of tests/ep/conftest.py) and by the ranks of tests/ep/test_symm_mem_multi_gpu.py (one GPU
+each).
 """
 import contextlib
 from typing import List, Optional, Tuple

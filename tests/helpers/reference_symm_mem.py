@@ -1,7 +1,8 @@
 """The symmetric-memory exchange's acceptance rule (moe_core/symm_exchange.py ``acceptance``)
 written as plain loops over every rank's routing map: which (token, expert) pairs a receive
 budget keeps. The tests build the reference layer from it, an NCCL-exchange layer whose routing
-map loses exactly the pairs dropped (tests/ep/test_symm_mem.py, tests/ep/test_symm_mem_gpu.py)."""
+map loses exactly the pairs dropped (tests/ep/test_symm_mem.py, tests/ep/test_symm_mem_gpu.py,
+tests/ep/test_symm_mem_multi_gpu.py)."""
 from typing import List
 
 import torch
