@@ -30,6 +30,14 @@ def _configs() -> Dict[str, Tuple[Callable, Callable]]:
                                                shared_expert_intermediate_size=24, num_experts=8,
                                                num_experts_per_tok=2),
                       T.Qwen2MoeForCausalLM),
+        # the same with the chosen probs renormalised (Qwen2-MoE's default leaves them as they
+        # are): the two routing rules of the family
+        "qwen2_moe_norm": (lambda: T.Qwen2MoeConfig(**_COMMON, intermediate_size=48,
+                                                    moe_intermediate_size=16,
+                                                    shared_expert_intermediate_size=24,
+                                                    num_experts=8, num_experts_per_tok=2,
+                                                    norm_topk_prob=True),
+                           T.Qwen2MoeForCausalLM),
         "qwen3_moe": (lambda: T.Qwen3MoeConfig(**_COMMON, head_dim=8, intermediate_size=48,
                                                moe_intermediate_size=16, num_experts=8,
                                                num_experts_per_tok=2, norm_topk_prob=True),

@@ -566,3 +566,24 @@ def test_model_without_moe_blocks_is_left_alone():
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=1, num_attention_heads=4)
     assert replace_moe_blocks(transformers.LlamaForCausalLM(cfg)) == 0
+
+
+@pytest.mark.parametrize("family,norm", [("qwen2_moe", None), ("qwen2_moe_norm", True)])
+def test_qwen2_moe_both_norm_topk_prob_rules(family, norm):
+    # both of the family's settings swap to their own rule (each is also run against HF eager by
+    # the per-family tests above); the two models route alike and weigh the chosen experts
+    # differently
+    model = tiny_model(family)
+    assert model.config.norm_topk_prob == bool(norm)
+    swapped = _swapped(model)
+    assert _rule_of(swapped, "moe_router_norm_topk_prob") == {norm}
+    block = swapped.model.layers[0].mlp
+    x = torch.randn(5, model.config.hidden_size)
+    with torch.no_grad():
+        _, probs, routing_map = block.gate(x)
+    assert routing_map.sum(-1).eq(2).all()
+    sums = probs.sum(-1)
+    if norm:
+        assert torch.allclose(sums, torch.ones(5))
+    else:
+        assert (sums < 1 - 1e-3).all()
