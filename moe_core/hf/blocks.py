@@ -574,7 +574,8 @@ def _is_sparse_moe_block(module: nn.Module) -> bool:
 
 
 def _build_block(block: nn.Module, family: str, rules: dict, shared_names: Tuple[str, ...],
-                 aux_loss_coeff: float, z_loss_coeff: Optional[float]) -> MoECoreSparseMoeBlock:
+                 aux_loss_coeff: float, z_loss_coeff: Optional[float],
+                 capacity: Optional[dict] = None) -> MoECoreSparseMoeBlock:
     gate_name = _GATE_NAMES.get(family, "gate")
     gate, experts = getattr(block, gate_name), block.experts
     undispatched = _UNDISPATCHED_EXPERTS.get(family)
@@ -609,7 +610,8 @@ def _build_block(block: nn.Module, family: str, rules: dict, shared_names: Tuple
         hidden_size=H, num_moe_experts=E, moe_ffn_hidden_size=F1 // 2,
         moe_router_topk=int(gate.top_k), add_bias_linear=biased, gated_linear_unit=True,
         params_dtype=W1.dtype, moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=float(aux_loss_coeff), moe_z_loss_coeff=z_loss_coeff, **glu, **rules)
+        moe_aux_loss_coeff=float(aux_loss_coeff), moe_z_loss_coeff=z_loss_coeff, **glu, **rules,
+        **(capacity or {}))
     with torch.device(gate.weight.device):
         router = _router_class(type(gate))(cfg)
     router.weight = gate.weight  # HF's Parameter object (and its dtype: fp32 for DeepSeek)
@@ -639,7 +641,9 @@ def _build_block(block: nn.Module, family: str, rules: dict, shared_names: Tuple
 
 
 def replace_moe_blocks(model: nn.Module, aux_loss_coeff: float = 0.0,
-                       z_loss_coeff: Optional[float] = None) -> int:
+                       z_loss_coeff: Optional[float] = None,
+                       capacity_factor: Optional[float] = None, pad_to_capacity: bool = False,
+                       drop_policy: str = "probs") -> int:
     """Swap every sparse-MoE block of a supported family for a :class:`MoECoreSparseMoeBlock`.
 
     Args:
@@ -647,6 +651,13 @@ def replace_moe_blocks(model: nn.Module, aux_loss_coeff: float = 0.0,
         aux_loss_coeff: moe-core's micro-batch load-balancing loss coefficient on each swapped
             block (0: off; HF's own ``router_aux_loss_coef`` is unaffected either way).
         z_loss_coeff: moe-core's router z-loss coefficient, or None for off.
+        capacity_factor: moe-core's expert capacity (``moe_expert_capacity_factor``): each
+            expert keeps at most ``ceil(T * k / E * capacity_factor)`` of a forward's T tokens,
+            the others' routes are dropped (HF has no such rule: with dropping the block is no
+            longer HF's math). None: dropless, as HF.
+        pad_to_capacity: ``moe_pad_expert_input_to_capacity``: every expert's rows padded to the
+            capacity, so the expert GEMMs' shapes depend on T only (needs ``capacity_factor``).
+        drop_policy: ``moe_token_drop_policy``, ``"probs"`` or ``"position"``.
 
     Returns:
         The number of blocks replaced (0 when the model has no sparse-MoE block).
@@ -669,8 +680,11 @@ def replace_moe_blocks(model: nn.Module, aux_loss_coeff: float = 0.0,
                 raise _unsupported(f"{cls} (model_type {model_type!r})",
                                    "moe-core has no routing rule registered for this block")
     # every check passes before anything is replaced
+    capacity = dict(moe_expert_capacity_factor=capacity_factor,
+                    moe_pad_expert_input_to_capacity=bool(pad_to_capacity),
+                    moe_token_drop_policy=drop_policy)
     built = [(parent, name, _build_block(child, family, rules, shared_names, aux_loss_coeff,
-                                         z_loss_coeff))
+                                         z_loss_coeff, capacity))
              for parent, name, child, family, rules, shared_names in found]
     for parent, name, new in built:
         setattr(parent, name, new)
