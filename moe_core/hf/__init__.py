@@ -7,13 +7,17 @@ Two routes onto moe-core:
   (``from_pretrained(..., experts_implementation="moe_core")``).
 * :func:`replace_moe_blocks` swaps each supported family's sparse-MoE block for a moe-core block
   (router, dispatch and experts all moe-core's ``MoELayer`` machinery), keeping HF's parameter
-  names, state-dict keys and return type.
+  names, state-dict keys and return type; :func:`register_patch_mapping` (or
+  :func:`patch_mapping` with transformers' ``apply_patches``) has ``from_pretrained`` /
+  ``from_config`` build those blocks directly.
 """
 from moe_core.hf.backend import BACKEND_NAME, moe_core_experts_forward, register_experts_backend
 from moe_core.hf.blocks import (
     MoECoreSparseMoeBlock,
     UnsupportedMoEBlockError,
     moe_core_losses,
+    patch_mapping,
+    register_patch_mapping,
     replace_moe_blocks,
 )
 
@@ -22,6 +26,8 @@ __all__ = [
     "moe_core_experts_forward",
     "register_experts_backend",
     "replace_moe_blocks",
+    "patch_mapping",
+    "register_patch_mapping",
     "MoECoreSparseMoeBlock",
     "UnsupportedMoEBlockError",
     "moe_core_losses",
