@@ -198,3 +198,19 @@ def test_gpt_oss_swiglu_maps_to_glu_probs():
     other = copy.deepcopy(experts)
     other.alpha = 1.5  # not glu_probs' quick-GELU constant: the module's own torch code runs
     assert gate_spec(other) is None
+
+
+def test_llama4_experts_are_not_on_the_backend_route():
+    # Llama-4's experts module is not dispatched through HF's experts interface (HF's block runs
+    # every expert on every token's scaled input, no top-k indices reach the experts): HF keeps
+    # eager when asked for "moe_core", and the block swap is Llama-4's route. Should HF start
+    # dispatching them, this fails, and Llama-4 joins FAMILIES above.
+    model = tiny_model("llama4")
+    experts = [m for m in model.modules() if type(m).__name__ == "Llama4TextExperts"]
+    assert experts and not any("_is_expert_parallel" in m.__dict__ for m in experts)
+    ids = inputs()
+    with torch.no_grad():
+        want = model(ids).logits
+        model.set_experts_implementation("moe_core")
+        assert model.config._experts_implementation == "eager"
+        assert torch.equal(model(ids).logits, want)
