@@ -318,6 +318,34 @@ class MoEConfig:
                 bad("moe_aux_loss_coeff", "must be a finite number or a list of them")
         if self.init_method_std < 0:
             bad("init_method_std", "must be >= 0")
+        # a negative coefficient or rate would reward imbalance; a non-positive scale or clamp
+        # bound zeroes or flips the outputs instead of scaling or bounding them
+        if isinstance(coeffs, (list, tuple)) and not coeffs:
+            bad("moe_aux_loss_coeff", "must not be an empty list")
+        if any(c < 0 for c in (coeffs if isinstance(coeffs, (list, tuple)) else [coeffs])):
+            bad("moe_aux_loss_coeff", "must be >= 0 (each entry)")
+        if self.moe_router_bias_update_rate < 0:
+            bad("moe_router_bias_update_rate", "must be >= 0")
+        for f in ("moe_router_topk_scaling_factor", "activation_func_clamp_value"):
+            v = getattr(self, f)
+            if v is not None and v <= 0:
+                bad(f, "must be > 0 or None")
+        for f in ("ffn_hidden_size", "moe_router_topk_limited_devices", "moe_router_num_groups",
+                  "moe_router_group_topk"):
+            v = getattr(self, f)
+            if v is not None and v < 1:
+                bad(f, "must be >= 1 or None")
+        freq = self.moe_layer_freq
+        if isinstance(freq, (list, tuple)):
+            if not freq or any(isinstance(v, bool) or v not in (0, 1) for v in freq):
+                bad("moe_layer_freq", "a list must be a non-empty pattern of 0 / 1 ints (1 = MoE "
+                    "layer)")
+        elif not is_int(freq) or freq < 1:
+            bad("moe_layer_freq", "must be an int >= 1 (every n-th layer is MoE) or a list of "
+                "0 / 1 ints")
+        pad = self.moe_router_padding_for_quantization
+        if pad is not None and not isinstance(pad, bool):
+            bad("moe_router_padding_for_quantization", "must be a bool or None")
         if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
             bad("moe_z_loss_coeff", "must be >= 0")
         if not (isinstance(self.params_dtype, torch.dtype) and self.params_dtype.is_floating_point):

@@ -358,6 +358,32 @@ BAD_CONFIGS = {
                                    moe_router_group_score_topk=1),
                               "moe_router_group_topk=1: must keep enough experts"),
     "jitter_mode": (dict(moe_input_jitter_mode="experts"), "moe_input_jitter_mode='experts'"),
+    # ranges of the remaining numeric fields
+    "aux_coeff_negative": (dict(moe_aux_loss_coeff=-0.1), r"moe_aux_loss_coeff=-0.1: must be >= 0"),
+    "aux_coeff_list_negative": (dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+                                     moe_aux_loss_coeff=[0.1, -0.1]),
+                                r"moe_aux_loss_coeff=\[0.1, -0.1\]: must be >= 0"),
+    "bias_update_rate_negative": (dict(moe_router_bias_update_rate=-1e-3),
+                                  "moe_router_bias_update_rate=-0.001: must be >= 0"),
+    "scaling_factor_zero": (dict(moe_router_topk_scaling_factor=0.0),
+                            "moe_router_topk_scaling_factor=0.0: must be > 0"),
+    "scaling_factor_negative": (dict(moe_router_topk_scaling_factor=-2.5),
+                                "moe_router_topk_scaling_factor=-2.5: must be > 0"),
+    "clamp_value_negative": (dict(activation_func_clamp_value=-7.0),
+                             "activation_func_clamp_value=-7.0: must be > 0"),
+    "ffn_hidden_zero": (dict(ffn_hidden_size=0), "ffn_hidden_size=0: must be >= 1"),
+    "num_groups_zero": (dict(moe_router_num_groups=0), "moe_router_num_groups=0: must be >= 1"),
+    "group_topk_negative": (dict(moe_router_num_groups=4, moe_router_group_topk=-1),
+                            "moe_router_group_topk=-1: must be >= 1"),
+    "limited_devices_negative": (dict(moe_router_topk_limited_devices=-1),
+                                 "moe_router_topk_limited_devices=-1: must be >= 1"),
+    "layer_freq_zero": (dict(moe_layer_freq=0), "moe_layer_freq=0: must be an int >= 1"),
+    "layer_freq_float": (dict(moe_layer_freq=1.5), "moe_layer_freq=1.5: must be an int >= 1"),
+    "layer_freq_pattern": (dict(moe_layer_freq=[1, 2]), r"moe_layer_freq=\[1, 2\]: a list must be"),
+    "fp8_padding_not_bool": (dict(moe_router_padding_for_quantization="yes"),
+                             "moe_router_padding_for_quantization='yes': must be a bool or None"),
+    "bias_update_rate_inf": (dict(moe_router_bias_update_rate=float("inf")),
+                             "moe_router_bias_update_rate=inf: must be a finite"),
 }
 
 
@@ -370,6 +396,23 @@ def test_bad_config(case):
 
 def test_negative_capacity_factor_means_dropless():
     assert config(moe_expert_capacity_factor=-1.0).moe_expert_capacity_factor is None
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_capacity_factor_past_int64_keeps_every_token(pad):
+    """A capacity of ceil(T·topk/E · 1e30) does not fit the op's int64 argument; any capacity of
+    at least T keeps every routed token (and with padding puts every token in every expert), so
+    the layer must equal one with a capacity factor of exactly E (capacity = T·topk >= T)."""
+    x = torch.randn(6, H)
+    outs = []
+    for cf in (1e30, 8.0):
+        torch.manual_seed(0)
+        layer = MoELayer(config(moe_expert_capacity_factor=cf,
+                                moe_pad_expert_input_to_capacity=pad))
+        _, routing_map = layer.router(x)
+        assert routing_map.sum() == (6 * 8 if pad else 6 * 2)
+        outs.append(layer(x))
+    assert torch.equal(outs[0], outs[1])
 
 
 # ---- the routing rules beyond Megatron's, through the router and the layer -------------------
