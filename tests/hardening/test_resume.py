@@ -4,7 +4,8 @@ A tiny CPU layer with every piece of router state (expert bias and its running t
 the global aux loss's running counts, a bound aux-loss scale) trains 3 steps with Adam, saves
 model and optimizer state with ``torch.save``, and a fresh process builds a new layer from another
 seed, loads both and trains 2 more steps. Parameters, buffers, optimizer state and losses must
-equal those of 5 steps in one process, bitwise.
+equal those of 5 steps in one process, bitwise. The run itself is in tests/helpers/resume.py; the
+fresh process is ``python -m helpers.resume`` (no test module is imported by another).
 
 The global batch here spans two optimizer steps (expert-bias update and global aux-loss reset
 every second step), so the checkpoint falls inside one and the running counts are non-zero when
@@ -15,80 +16,14 @@ import copy
 import os
 import subprocess
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from moe_core import MoEConfig, MoELayer, load_megatron_state_dict, reset_global_aux_loss
-from moe_core import update_expert_bias
+from helpers.resume import AUX_SCALE, E, SAVE_AFTER, T, TOTAL_STEPS, build, snapshot, train
+from moe_core import load_megatron_state_dict
 from moe_core.ops import AuxLossScale
-
-H, T, E = 16, 24, 8
-TOTAL_STEPS, SAVE_AFTER = 5, 3
-GLOBAL_BATCH_STEPS = 2  # optimizer steps per expert-bias update / global aux-loss reset
-AUX_SCALE = 0.5  # the router's bound aux-loss scale (not the default 1.0, so it must be restored)
-
-
-def config() -> MoEConfig:
-    """Sigmoid router with expert bias, the global aux loss and the z-loss; fp32 on the CPU."""
-    return MoEConfig(hidden_size=H, moe_ffn_hidden_size=24, num_moe_experts=E, moe_router_topk=2,
-                     add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
-                     moe_router_dtype="fp32", moe_router_score_function="sigmoid",
-                     moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3,
-                     moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-1,
-                     moe_z_loss_coeff=1e-3)
-
-
-def build(seed: int, bind_scale: bool = True) -> Tuple[MoELayer, torch.optim.Adam]:
-    torch.manual_seed(seed)
-    layer = MoELayer(config())
-    if bind_scale:
-        layer.router.aux_loss_scale = AuxLossScale(AUX_SCALE)
-    return layer, torch.optim.Adam(layer.parameters(), lr=1e-2)
-
-
-def batch(step: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Step ``step``'s input and target ``[T, H]`` fp32, the same in every process."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
-
-
-def train(layer: MoELayer, opt: torch.optim.Adam, steps: range) -> List[torch.Tensor]:
-    """Training steps ``steps`` (global step numbers); returns each step's main loss and aux
-    losses stacked ``[3]`` fp32 (mse, global aux loss, z-loss)."""
-    losses = []
-    for step in steps:
-        x, target = batch(step)
-        loss = F.mse_loss(layer(x), target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        last = layer.router.last_losses
-        losses.append(torch.stack([loss.detach(), last["global_load_balancing_loss"],
-                                   last["z_loss"]]))
-        if (step + 1) % GLOBAL_BATCH_STEPS == 0:
-            update_expert_bias(layer)
-            reset_global_aux_loss(layer)
-    return losses
-
-
-def snapshot(layer: MoELayer, opt: torch.optim.Adam, losses: List[torch.Tensor]) -> dict:
-    return {"model": layer.state_dict(), "optim": opt.state_dict(), "losses": losses}
-
-
-def resume(ckpt: str, out: str) -> None:
-    """The second process: a layer built from another seed, without a bound scale, loads the
-    checkpoint and trains the remaining steps; its state goes to ``out``."""
-    layer, opt = build(seed=99, bind_scale=False)
-    saved = torch.load(ckpt)
-    assert not torch.equal(layer.router.weight, saved["model"]["router.weight"])
-    result = layer.load_state_dict(saved["model"])
-    assert not result.missing_keys and not result.unexpected_keys, result
-    opt.load_state_dict(saved["optim"])
-    losses = train(layer, opt, range(SAVE_AFTER, TOTAL_STEPS))
-    torch.save(snapshot(layer, opt, losses), out)
 
 
 def assert_same_state(got: Dict, want: Dict, what: str) -> None:
@@ -124,10 +59,11 @@ def test_resume_in_a_fresh_process_is_bitwise_exact(tmp_path):
 
     out = str(tmp_path / "resumed.pt")
     tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = (f"import sys; sys.path.insert(0, {tests_dir!r}); from hardening import test_resume; "
-            f"test_resume.resume({ckpt!r}, {out!r})")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=os.path.dirname(tests_dir))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, env.get("PYTHONPATH")) if p)
+    # the repository root is the working directory, so -m finds this checkout's moe_core
+    proc = subprocess.run([sys.executable, "-m", "helpers.resume", ckpt, out], capture_output=True,
+                          text=True, timeout=120, cwd=os.path.dirname(tests_dir), env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     resumed = torch.load(out)
     assert_same_state(resumed["model"], reference["model"], "model")

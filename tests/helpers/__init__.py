@@ -13,5 +13,7 @@
 * ``op_samples``: sample calls of the ops for torch.library.opcheck (tests/hardening/);
 * ``fuzz``: the hypothesis profiles, tensor builders and comparisons of the fuzz tier (tests/fuzz/);
 * ``hf_models``: tiny random Hugging Face MoE models and the comparison helpers of tests/hf/;
-* ``hf_router_rules``: plain-torch references of the HF families' router math.
+* ``hf_router_rules``: plain-torch references of the HF families' router math;
+* ``resume``: the training run of tests/hardening/test_resume.py and its fresh-process resume
+  (``python -m helpers.resume CKPT OUT``).
 """
