@@ -40,6 +40,19 @@ from moe_core.ops.grouped_gemm import grouped_gemm, grouped_gemm_dgrad, grouped_
 from moe_core.ops.glu_probs import activation_name, glu_probs
 from moe_core.ops.grouped_gemm_glu_probs import grouped_gemm_glu_probs
 from moe_core.ops.expert_mlp import expert_mlp
+from moe_core.ops._guards import register_no_derivative
+
+# The backward kernels (the functional ones; glu_probs_bwd_ writes its inputs in place): their
+# outputs are gradients, which have no derivative here.
+BACKWARD_KERNELS = (
+    "aux_loss_scores_bwd", "glu_probs_bwd", "grouped_gemm_dgrad", "grouped_gemm_wgrad",
+    "permute_bwd", "router_gating_linear_bwd", "router_lse_bwd", "router_topk_bwd",
+    "router_topk_dense_bwd", "sinkhorn_routing_bwd", "sort_chunks_by_idxs_bwd",
+    "switch_aux_loss_bwd", "token_dropping_bwd", "topk_to_dense_bwd", "unpermute_bwd",
+    "z_loss_bwd")
+for _name in BACKWARD_KERNELS:
+    register_no_derivative(f"moe_core::{_name}")
+del _name
 
 __all__ = [
     "router_gating_linear",

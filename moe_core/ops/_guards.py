@@ -25,6 +25,12 @@ grad (checked first), or a returned gradient does (it depends on a saved tensor 
 grad). With grad mode on but nothing requiring grad, the gradients are constants and correct, so
 that passes. ``torch.compile`` traces the backward with grad mode off, so compiled graphs are not
 affected.
+
+The backward kernels themselves (the ``*_bwd`` ops, ``grouped_gemm_dgrad`` / ``_wgrad``) are
+registered with :func:`register_no_derivative`: called directly on tensors that require grad,
+their outputs carry a graph node that raises ``RuntimeError("moe_core.<op>: has no derivative
+...")`` when differentiated, instead of torch's fallback, which only warns and drops the
+gradient. Outside grad mode, or with no input requiring grad, the call is unchanged.
 """
 import functools
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Set, Tuple
@@ -37,6 +43,7 @@ _NAMESPACE = "moe_core::"
 # registered around it.
 DEVICE_CHECKED: Set[str] = set()
 DOUBLE_BACKWARD_GUARDED: Set[str] = set()
+NO_DERIVATIVE: Set[str] = set()
 
 
 def op_label(qualname: str) -> str:
@@ -138,3 +145,24 @@ def register_autograd(qualname: str, backward: Callable, *, setup_context: Calla
     torch.library.register_autograd(qualname, guard_double_backward(op_label(qualname), backward),
                                     setup_context=setup_context)
     DOUBLE_BACKWARD_GUARDED.add(qualname)
+
+
+def no_derivative_error(op: str) -> RuntimeError:
+    return RuntimeError(
+        f"moe_core.{op}: has no derivative: it is a backward kernel, so differentiating its "
+        "output (a double backward, create_graph=True) is not supported.")
+
+
+def register_no_derivative(qualname: str) -> None:
+    """Register an autograd formula for a backward kernel that raises
+    :func:`no_derivative_error` when its output is differentiated (see the module docstring)."""
+    op = op_label(qualname)
+
+    def backward(ctx, *grads):
+        raise no_derivative_error(op)
+
+    def setup_context(ctx, inputs, output):
+        pass
+
+    torch.library.register_autograd(qualname, backward, setup_context=setup_context)
+    NO_DERIVATIVE.add(qualname)

@@ -7,7 +7,8 @@ device, while calls with every tensor on meta keep working (shape inference, Fak
 No silent double backward: the backward kernels have no derivatives, so a backward with
 create_graph=True whose result would carry a graph must raise, per differentiable op and through
 MoELayer; where nothing requires grad the gradients are constants and must equal the ordinary
-backward's. Ordinary backward, opcheck and torch.compile are covered by their own test modules.
+backward's. A backward kernel called directly on inputs that require grad must raise when its
+output is differentiated (torch's fallback only warns and drops the gradient). Ordinary backward, opcheck and torch.compile are covered by their own test modules.
 """
 from typing import Iterator, List, Sequence, Tuple
 
@@ -72,6 +73,8 @@ MIXABLE = [n for n in META_OPS
 # every op with an autograd formula (a Python-defined op without one gets torch's default kernel,
 # which refuses inputs that require grad: nothing to guard)
 GUARDED = sorted(n.split("::")[1] for n in _guards.DOUBLE_BACKWARD_GUARDED)
+# the backward kernels: differentiating their outputs raises
+NO_DERIVATIVE = sorted(n.split("::")[1] for n in _guards.NO_DERIVATIVE)
 
 
 def samples_of(name: str) -> List[Sample]:
@@ -95,8 +98,9 @@ def test_every_op_registers_through_the_guards():
     autograd = set(registered("Autograd"))
     assert set(META_OPS) - set(MIXABLE) == {"sinkhorn", "sinkhorn_routing"}
     assert set(GUARDED) <= autograd
+    assert set(NO_DERIVATIVE) <= autograd
     # the rest are Python-defined ops with torch's default autograd kernel
-    assert autograd - set(GUARDED) == {"permute_bwd_symint"}
+    assert autograd - set(GUARDED) - set(NO_DERIVATIVE) == {"permute_bwd_symint"}
 
 
 @pytest.mark.parametrize("name", MIXABLE)
@@ -199,6 +203,37 @@ def test_nonlinear_ops_raise_with_constant_incoming_gradients():
     (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
     assert not g.requires_grad
     assert torch.allclose(g, torch.cat([w[0].sum(1).expand(2, 8), w[1].sum(1).expand(4, 8)]))
+
+
+def test_every_backward_kernel_has_no_derivative():
+    """Every functional backward kernel is registered; glu_probs_bwd_ writes its inputs in place
+    (the in-place path of glu_probs' own backward) and is left to torch's checks."""
+    kernels = [n for n in registered("CPU") if n.endswith(("_bwd", "_dgrad", "_wgrad"))]
+    assert kernels and NO_DERIVATIVE == kernels
+    assert "glu_probs_bwd_" not in NO_DERIVATIVE
+
+
+@pytest.mark.parametrize("name", NO_DERIVATIVE)
+def test_backward_kernel_output_differentiated_raises(name):
+    """Each float tensor argument requires grad: the outputs equal the call without grad, and
+    differentiating them (plain backward or create_graph=True) raises naming the op."""
+    for op, args in samples_of(name):
+        leaves = [a.detach().requires_grad_() if isinstance(a, torch.Tensor)
+                  and a.is_floating_point() else a for a in args]
+        outs = op(*leaves)
+        with torch.no_grad():
+            want = op(*args)
+        outs_list = outs if isinstance(outs, (tuple, list)) else [outs]
+        want_list = want if isinstance(want, (tuple, list)) else [want]
+        for o, w in zip(outs_list, want_list):
+            assert (o is None) == (w is None) and (o is None or torch.equal(o, w))
+        diff = [o for o in outs_list if isinstance(o, torch.Tensor) and o.requires_grad]
+        assert diff, f"moe_core::{name}: no output requires grad"
+        inputs = _inputs_requiring_grad(leaves)
+        for create_graph in (False, True):
+            loss = sum(o.double().sum() for o in diff)
+            with pytest.raises(RuntimeError, match=rf"^moe_core\.{name}: has no derivative"):
+                torch.autograd.grad(loss, inputs, create_graph=create_graph, allow_unused=True)
 
 
 def test_layer_create_graph_raises():
