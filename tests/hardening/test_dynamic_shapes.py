@@ -129,6 +129,37 @@ def test_unique_graphs_counter_sees_one_graph():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+def test_one_forward_and_one_backward_graph_for_every_count():
+    """AOTAutograd's own compilers see one forward and one backward graph over TOKEN_COUNTS (the
+    frame count above says dynamo traced once; this says the backward was not recompiled per
+    size either)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    compiles = {"forward": 0, "backward": 0}
+
+    def counting(kind):
+        def compiler(gm, example_inputs):
+            compiles[kind] += 1
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=counting("forward"), bw_compiler=counting("backward"))
+    layer = build_layer("sigmoid_groups_bias")
+    eager = copy.deepcopy(layer)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=None, backend=backend)
+    seen = []
+    for T in TOKEN_COUNTS:
+        x, g = torch.randn(T, H), torch.randn(T, H)
+        out_c, dx_c = step(compiled, x, g, dynamic=True)
+        out_e, dx_e = step(eager, x, g, dynamic=False)
+        bitwise(out_c, out_e, f"T={T} output")
+        bitwise(dx_c, dx_e, f"T={T} input grad")
+        seen.append(dict(compiles))
+    assert seen == [{"forward": 1, "backward": 1}] * len(TOKEN_COUNTS), seen
+
+
 def test_first_call_in_a_fresh_thread_does_not_recompile():
     """The aux-loss scale stack is per thread; a thread's first compiled call must not create
     state that the second call's guards then see changed."""
