@@ -39,7 +39,8 @@ SAN_OBJECTS := $(patsubst csrc/%.c,$(SAN)/core/%.o,$(C_SOURCES))
 # keep it on. pytest captures sys.stdout/err only (--capture=sys): the report the runtime writes to
 # fd 2 right before it aborts the process must not be lost in pytest's capture file. The op-level
 # pytest files exercise every C entry point of the CPU build; megatron-marked parity tests repeat
-# the same calls against the oracle and are left out.
+# the same calls against the oracle and are left out. The overflow and contract cases run here
+# too: each bad input must be refused before the core touches a pointer.
 SAN_PRELOAD = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -print-file-name=libubsan.so)
 SAN_ENV = LD_PRELOAD="$(SAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=$(CURDIR)/$(SAN)/lib
@@ -48,7 +49,7 @@ SAN_PYTESTS := tests/layout/test_ops.py tests/router/test_ops.py tests/router/te
 	tests/balancing/test_expert_bias.py tests/balancing/test_sinkhorn.py \
 	tests/balancing/test_metrics.py tests/experts/test_glu_probs.py \
 	tests/experts/test_grouped_gemm.py tests/experts/test_grouped_gemm_glu_probs.py \
-	tests/experts/test_expert_mlp.py tests/fuzz
+	tests/experts/test_expert_mlp.py tests/hardening/test_overflow_and_contracts.py tests/fuzz
 
 .PHONY: all venv build test ctest pytest demo bench clean test-sanitize ctest-sanitize \
 	pytest-sanitize test-fuzz
