@@ -16,6 +16,11 @@
 #include "cuda_common.cuh"
 #include "../glu_probs_math.h"
 
+/* 16-byte vectors each lane has in flight in both kernels. One at a time, a warp waits out a
+ * whole DRAM latency per vector and the passes ran at about half the bandwidth (the in-place
+ * backward's stores may alias the next loads, so the compiler cannot pipeline the loop itself). */
+#define MOE_GP_UNROLL 4
+
 /* moe_gp_vec, moe_gp_vget/vset and moe_gp_vec_fwd (16-byte vectors of one dtype) live in
  * glu_probs_math.h, beside the element math they vectorise.
  *
@@ -43,13 +48,34 @@ __global__ void __launch_bounds__(256) moe_glu_probs_fwd_kernel(void *__restrict
         const double p = c.has_probs ? moe_load(probs, c.probs_dtype, r) : 1.0;
         const char *arow = (const char *)a + r * width * esz;
         char *hrow = (char *)h + r * ffn * esz;
-        for (int64_t j = lane; j < per_row; j += 32) {
-            if (VEC) {
-                const uint4 g = *(const uint4 *)(arow + j * 16);
-                const uint4 l = c.gated ? *(const uint4 *)(arow + ffn * esz + j * 16)
-                                        : make_uint4(0, 0, 0, 0);
-                *(uint4 *)(hrow + j * 16) = moe_gp_vec_fwd<DT, FLT>(&c, g, l, p);
-            } else {
+        if (VEC) {
+            /* MOE_GP_UNROLL vectors per lane in flight: their loads first, then the math and
+             * the stores (each lane still walks j, j + 32, ... in order) */
+            for (int64_t j0 = lane; j0 < per_row; j0 += 32 * MOE_GP_UNROLL) {
+                uint4 g[MOE_GP_UNROLL], l[MOE_GP_UNROLL];
+#pragma unroll
+                for (int u = 0; u < MOE_GP_UNROLL; ++u) {
+                    const int64_t j = j0 + 32 * u;
+                    if (j < per_row) {
+                        g[u] = *(const uint4 *)(arow + j * 16);
+                        l[u] = c.gated ? *(const uint4 *)(arow + ffn * esz + j * 16)
+                                       : make_uint4(0, 0, 0, 0);
+                    }
+                }
+                /* the math is large enough that the compiler keeps this loop rolled: the next
+                 * vector moves to slot 0 instead of being indexed by u (that would put the
+                 * vectors in local memory) */
+#pragma unroll 1
+                for (int u = 0; u < MOE_GP_UNROLL; ++u) {
+                    const int64_t j = j0 + 32 * u;
+                    if (j < per_row)
+                        *(uint4 *)(hrow + j * 16) = moe_gp_vec_fwd<DT, FLT>(&c, g[0], l[0], p);
+#pragma unroll
+                    for (int v = 0; v + 1 < MOE_GP_UNROLL; ++v) g[v] = g[v + 1], l[v] = l[v + 1];
+                }
+            }
+        } else {
+            for (int64_t j = lane; j < per_row; j += 32) {
                 const double g = moe_load(arow, c.dtype, j);
                 const double l = c.gated ? moe_load(arow, c.dtype, ffn + j) : 0.0;
                 const double v = FLT ? (double)moe_gp_elem_fwd_f(&c, (float)g, (float)l, (float)p)
@@ -73,6 +99,7 @@ __global__ void __launch_bounds__(128) moe_glu_probs_bwd_kernel(void *grad_a, vo
     moe_gp_ctx_t c = ctx;
     c.dtype = (moe_dtype_t)DT;
     constexpr int n = moe_gp_vec_n<DT>();
+    constexpr int64_t esz = DT == MOE_DTYPE_FP64 ? 8 : (DT == MOE_DTYPE_FP32 ? 4 : 2);
     const int lane = threadIdx.x % 32;
     const int64_t width = c.gated ? 2 * ffn : ffn, nchunks = ffn / chunk;
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
@@ -81,43 +108,60 @@ __global__ void __launch_bounds__(128) moe_glu_probs_bwd_kernel(void *grad_a, vo
         const double p = c.has_probs ? moe_load(probs, c.probs_dtype, r) : 1.0;
         const float pf = (float)p;
         double acc = 0.0;
-        for (int64_t j = lane; j < nchunks; j += 32) {
-            const int64_t f = j * chunk;
-            if (VEC) {
-                moe_gp_vec dy, g, l, gg, gl, hv;
-                dy.u = *(const uint4 *)((const char *)grad_h + (r * ffn + f) * (int64_t)sizeof(uint4) / n);
-                g.u = *(const uint4 *)((const char *)a + (r * width + f) * (int64_t)sizeof(uint4) / n);
-                if (c.gated)
-                    l.u = *(const uint4 *)((const char *)a +
-                                            (r * width + ffn + f) * (int64_t)sizeof(uint4) / n);
+        if (VEC) {
+            /* MOE_GP_UNROLL chunks per lane in flight: all their loads, then the math and the
+             * stores in the lane's order j, j + 32, ... (acc sums the same terms in the same
+             * order). In place, a chunk's stores only overwrite what its own loads read. */
+            for (int64_t j0 = lane; j0 < nchunks; j0 += 32 * MOE_GP_UNROLL) {
+                moe_gp_vec dy[MOE_GP_UNROLL], g[MOE_GP_UNROLL], l[MOE_GP_UNROLL];
 #pragma unroll
-                for (int e = 0; e < n; ++e) {
-                    if constexpr (FLT && DT != MOE_DTYPE_FP64) {
-                        float vg, vl, term, vh;
-                        moe_gp_elem_bwd_f(&c, moe_gp_vgetf<DT>(dy, e), moe_gp_vgetf<DT>(g, e),
-                                          c.gated ? moe_gp_vgetf<DT>(l, e) : 0.0f, pf, &vg, &vl,
-                                          &term, &vh);
-                        moe_gp_vsetf<DT>(gg, e, vg);
-                        moe_gp_vsetf<DT>(gl, e, vl);
-                        moe_gp_vsetf<DT>(hv, e, vh);
-                        acc = __dadd_rn(acc, (double)term);
-                    } else {
-                        double vg, vl, term, vh;
-                        moe_gp_elem_bwd(&c, moe_gp_vget<DT>(dy, e), moe_gp_vget<DT>(g, e),
-                                        c.gated ? moe_gp_vget<DT>(l, e) : 0.0, p, &vg, &vl, &term,
-                                        &vh);
-                        moe_gp_vset<DT>(gg, e, vg);
-                        moe_gp_vset<DT>(gl, e, vl);
-                        moe_gp_vset<DT>(hv, e, vh);
-                        acc = __dadd_rn(acc, term);
+                for (int u = 0; u < MOE_GP_UNROLL; ++u) {
+                    const int64_t f = (j0 + 32 * u) * chunk;
+                    if (f < ffn) {
+                        dy[u].u = *(const uint4 *)((const char *)grad_h + (r * ffn + f) * esz);
+                        g[u].u = *(const uint4 *)((const char *)a + (r * width + f) * esz);
+                        if (c.gated)
+                            l[u].u =
+                                *(const uint4 *)((const char *)a + (r * width + ffn + f) * esz);
                     }
                 }
-                *(uint4 *)((char *)grad_a + (r * width + f) * (int64_t)sizeof(uint4) / n) = gg.u;
-                if (c.gated)
-                    *(uint4 *)((char *)grad_a + (r * width + ffn + f) * (int64_t)sizeof(uint4) / n) =
-                        gl.u;
-                if (h) *(uint4 *)((char *)h + (r * ffn + f) * (int64_t)sizeof(uint4) / n) = hv.u;
-            } else {
+#pragma unroll
+                for (int u = 0; u < MOE_GP_UNROLL; ++u) {
+                    const int64_t f = (j0 + 32 * u) * chunk;
+                    if (f >= ffn) break;
+                    moe_gp_vec gg, gl, hv;
+#pragma unroll
+                    for (int e = 0; e < n; ++e) {
+                        if constexpr (FLT && DT != MOE_DTYPE_FP64) {
+                            float vg, vl, term, vh;
+                            moe_gp_elem_bwd_f(&c, moe_gp_vgetf<DT>(dy[u], e),
+                                              moe_gp_vgetf<DT>(g[u], e),
+                                              c.gated ? moe_gp_vgetf<DT>(l[u], e) : 0.0f, pf, &vg,
+                                              &vl, &term, &vh);
+                            moe_gp_vsetf<DT>(gg, e, vg);
+                            moe_gp_vsetf<DT>(gl, e, vl);
+                            moe_gp_vsetf<DT>(hv, e, vh);
+                            acc = __dadd_rn(acc, (double)term);
+                        } else {
+                            double vg, vl, term, vh;
+                            moe_gp_elem_bwd(&c, moe_gp_vget<DT>(dy[u], e),
+                                            moe_gp_vget<DT>(g[u], e),
+                                            c.gated ? moe_gp_vget<DT>(l[u], e) : 0.0, p, &vg, &vl,
+                                            &term, &vh);
+                            moe_gp_vset<DT>(gg, e, vg);
+                            moe_gp_vset<DT>(gl, e, vl);
+                            moe_gp_vset<DT>(hv, e, vh);
+                            acc = __dadd_rn(acc, term);
+                        }
+                    }
+                    *(uint4 *)((char *)grad_a + (r * width + f) * esz) = gg.u;
+                    if (c.gated) *(uint4 *)((char *)grad_a + (r * width + ffn + f) * esz) = gl.u;
+                    if (h) *(uint4 *)((char *)h + (r * ffn + f) * esz) = hv.u;
+                }
+            }
+        } else {
+            for (int64_t j = lane; j < nchunks; j += 32) {
+                const int64_t f = j * chunk;
                 for (int64_t e = 0; e < chunk; ++e) {
                     double vg, vl, term, vh;
                     moe_gp_elem_bwd(&c, moe_load(grad_h, c.dtype, r * ffn + f + e),
