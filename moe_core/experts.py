@@ -140,7 +140,8 @@ class GroupedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_offsets: torch.Tensor, probs: torch.Tensor,
                 tokens: Optional[torch.Tensor] = None,
-                sorted_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+                sorted_indices: Optional[torch.Tensor] = None,
+                combine: bool = False) -> torch.Tensor:
         """Expert outputs.
 
         Args:
@@ -150,9 +151,11 @@ class GroupedMLP(nn.Module):
             tokens, sorted_indices: where x came from (``permute``'s input ``[T, H]`` and its
                 ``sorted_indices`` ``[rows]``), or None: with them the backward gathers the rows
                 again rather than keeping x.
+            combine: return each token's sum of its rows' outputs (``unpermute``'s output
+                ``[T, H]``; needs tokens and sorted_indices) instead of the rows' outputs.
 
         Returns:
-            ``[rows, H]`` in x's dtype.
+            ``[rows, H]`` (``[T, H]`` with combine) in x's dtype.
         """
         cfg = self.config
         name = ops.activation_name(cfg.activation_func)
@@ -163,7 +166,8 @@ class GroupedMLP(nn.Module):
             return ops.expert_mlp(
                 x, self.weight1, self.weight2, expert_offsets, probs, name, gated,
                 cfg.glu_linear_offset if gated else 0.0,
-                cfg.activation_func_clamp_value if gated else None, tokens, sorted_indices)
+                cfg.activation_func_clamp_value if gated else None, tokens, sorted_indices,
+                combine=combine)
         if cfg.moe_apply_probs_on_input:
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
@@ -185,6 +189,8 @@ class GroupedMLP(nn.Module):
         y = ops.grouped_gemm(h, self.weight2, expert_offsets, trans_w=True)
         if self.bias2 is not None:
             y = y + (self.bias2[row_expert] * probs.unsqueeze(-1)).to(y.dtype)
+        if combine:
+            y = ops.unpermute(y, sorted_indices, restore_shape=tokens.shape)
         return y
 
     @staticmethod

@@ -10,6 +10,9 @@ forward(hidden [S, B, H] or [T, H], padding_mask=None) returns a tensor of the i
     rows, row_probs, sorted_indices, expert_offsets, _ = permute(x, routing_map, probs, bound)
     y = experts(rows, expert_offsets, row_probs)            grouped GEMMs
     out = unpermute(y, sorted_indices, x.shape)             per-token gather-sum, fixed order
+                                                            (the experts' op runs it: its
+                                                            backward frees the rows' gradient
+                                                            early)
     out = fc2_latent_proj(out) + shared
 
 No step reads a device value on the host: the permuted buffer is sized by a static bound
@@ -242,8 +245,9 @@ class MoELayer(nn.Module):
         if self.dispatcher is None:
             rows, row_probs, sorted_indices, expert_offsets, _ = ops.permute(
                 x, routing_map, probs, num_out_tokens=self.num_permuted_rows(x.shape[0]))
-            y = self.experts(rows, expert_offsets, row_probs, x, sorted_indices)
-            out = ops.unpermute(y, sorted_indices, restore_shape=x.shape)
+            # the experts sum each token's rows themselves (unpermute): their backward then
+            # frees the rows' [T·k, H] gradient before it gathers the rows again
+            out = self.experts(rows, expert_offsets, row_probs, x, sorted_indices, combine=True)
         else:
             out, overlapped = self._expert_parallel(x, probs, routing_map, hidden_states, overlap)
             if overlap:

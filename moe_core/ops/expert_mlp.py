@@ -5,6 +5,7 @@ It computes exactly::
 
     h, a = grouped_gemm_glu_probs(rows, weight1, expert_offsets, probs, activation, ...)
     y = grouped_gemm(h, weight2, expert_offsets, trans_w=True)
+    y = unpermute(y, sorted_indices, tokens.shape)                   with combine=True only
 
 What it saves for the backward is fc1's output ``a`` ``[rows, F1]`` and the small index tensors:
 not the rows (when ``tokens`` and ``sorted_indices`` say where they came from, the backward gathers
@@ -47,6 +48,8 @@ _DGRAD = torch.ops.moe_core.grouped_gemm_dgrad
 _WGRAD = torch.ops.moe_core.grouped_gemm_wgrad
 _GLU_BWD_ = torch.ops.moe_core.glu_probs_bwd_
 _GLU_BWD = torch.ops.moe_core.glu_probs_bwd
+_UNPERMUTE = torch.ops.moe_core.unpermute
+_UNPERMUTE_BWD = torch.ops.moe_core.unpermute_bwd
 
 
 def expert_mlp(
@@ -61,6 +64,7 @@ def expert_mlp(
     clamp_value: Optional[float] = None,
     tokens: Optional[torch.Tensor] = None,
     sorted_indices: Optional[torch.Tensor] = None,
+    combine: bool = False,
 ) -> torch.Tensor:
     """The experts' MLPs over expert-sorted rows, with a minimal-memory backward.
 
@@ -77,10 +81,16 @@ def expert_mlp(
         sorted_indices: ``[R]`` int64, the token of each row (-1: a zero padding row), as
             ``permute`` returns it; given with ``tokens``, the rows are gathered again in the
             backward instead of being saved. ``rows`` must then equal that gather.
+        combine: return each token's sum of its rows' outputs, ``[T, H]`` (``unpermute`` of the
+            rows' outputs, same kernel, same bits), instead of the rows' outputs. Needs
+            ``tokens`` and ``sorted_indices``. The backward then makes the rows' ``[R, H]``
+            gradient itself and frees it after fc2, before it gathers the rows again; given from
+            outside, autograd would hold it until the whole backward returns.
 
     Returns:
-        ``[R, H]`` in rows' dtype. Differentiable in ``rows``, ``weight1``, ``weight2`` and
-        ``probs`` (the gradient reaching ``rows`` flows on to ``tokens`` through ``permute``).
+        ``[R, H]`` (``[T, H]`` with ``combine``) in rows' dtype. Differentiable in ``rows``,
+        ``weight1``, ``weight2`` and ``probs`` (the gradient reaching ``rows`` flows on to
+        ``tokens`` through ``permute``).
     """
     if (tokens is None) != (sorted_indices is None):
         raise ValueError("expert_mlp: pass tokens and sorted_indices together (the rows' source), "
@@ -89,13 +99,16 @@ def expert_mlp(
     if sorted_indices is not None and sorted_indices.shape != rows.shape[:1]:
         raise ValueError(f"expert_mlp: sorted_indices must be [{rows.shape[0]}] (one per row), got "
                          f"{tuple(sorted_indices.shape)}")
+    if combine and tokens is None:
+        raise ValueError("expert_mlp: combine=True needs tokens and sorted_indices (the tokens "
+                         "whose rows are summed), got tokens=None")
     if tokens is not None and (tokens.dim() != 2 or tokens.shape[1] != rows.shape[1]):
         raise ValueError(f"expert_mlp: tokens must be [T, {rows.shape[1]}] (the rows' hidden "
                          f"size), got {tuple(tokens.shape)}")
     y, _a = _expert_mlp(rows, weight1, weight2, expert_offsets, probs,
                         None if tokens is None else tokens.detach(), sorted_indices, activation,
                         bool(gated_linear_unit), float(linear_offset),
-                        None if clamp_value is None else float(clamp_value))
+                        None if clamp_value is None else float(clamp_value), bool(combine))
     return y
 
 
@@ -104,18 +117,25 @@ def _expert_mlp(rows: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor
                 expert_offsets: torch.Tensor, probs: Optional[torch.Tensor],
                 tokens: Optional[torch.Tensor], sorted_indices: Optional[torch.Tensor],
                 activation: str, gated_linear_unit: bool, linear_offset: float,
-                clamp_value: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+                clamp_value: Optional[float], combine: bool = False
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(y, a)``: ``a`` (fc1's output) is an output only so that the backward may keep
-    it; :func:`expert_mlp` drops it."""
+    it; :func:`expert_mlp` drops it. ``y``: the rows' outputs, or with ``combine`` their sums
+    per token."""
     h, a = _FC1(rows, weight1, expert_offsets, probs, activation, gated_linear_unit,
                 linear_offset, clamp_value, True)
-    return _FC2(h, weight2, expert_offsets, True, None), a
+    y = _FC2(h, weight2, expert_offsets, True, None)
+    if combine:
+        del h
+        y = _UNPERMUTE(y, sorted_indices, tokens.shape[0], None, None)
+    return y, a
 
 
 @register_fake("moe_core::expert_mlp")
 def _(rows, weight1, weight2, expert_offsets, probs, tokens, sorted_indices, activation,
-      gated_linear_unit, linear_offset, clamp_value):
-    return rows.new_empty((rows.shape[0], weight2.shape[1])), \
+      gated_linear_unit, linear_offset, clamp_value, combine=False):
+    out_rows = tokens.shape[0] if combine else rows.shape[0]
+    return rows.new_empty((out_rows, weight2.shape[1])), \
         rows.new_empty((rows.shape[0], weight1.shape[1]))
 
 
@@ -131,14 +151,15 @@ def _gather_rows(tokens: torch.Tensor, sorted_indices: torch.Tensor) -> torch.Te
 
 def _setup_context(ctx, inputs, output):
     (rows, weight1, weight2, offsets, probs, tokens, sorted_indices, activation, gated, offset,
-     clamp) = inputs
+     clamp, *combine) = inputs
     _y, a = output
     need_rows, need_w1, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
         ctx.needs_input_grad[2]
     keep_rows = need_w1 and tokens is None
+    ctx.combine = bool(combine and combine[0])
     ctx.save_for_backward(rows if keep_rows else None, tokens if need_w1 else None,
-                          sorted_indices if need_w1 else None, weight1 if need_rows else None,
-                          weight2, offsets, probs, a)
+                          sorted_indices if need_w1 or ctx.combine else None,
+                          weight1 if need_rows else None, weight2, offsets, probs, a)
     ctx.glu_opts = (activation, gated, offset, clamp)
     ctx.consumed = False
     # an unused output's gradient stays None (a's, always: expert_mlp drops it)
@@ -159,9 +180,13 @@ def _backward(ctx, grad_y, grad_a_out):
     need_rows, need_w1, need_w2, need_probs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                                                ctx.needs_input_grad[2], ctx.needs_input_grad[4])
     if grad_y is None:
-        return (None,) * 11
+        return (None,) * 12
     dtype = weight2.dtype
-    g = grad_y.to(dtype).contiguous()
+    if ctx.combine:  # the rows' gradient, ours to free once fc2's backward is done with it
+        g = _UNPERMUTE_BWD(grad_y.contiguous(), sorted_indices, None, None, None)[0].to(dtype)
+    else:
+        g = grad_y.to(dtype).contiguous()
+    del grad_y
     grad_h = _DGRAD(g, weight2, offsets, True, dtype)
     if grad_a_out is None:
         ctx.consumed = True
@@ -173,7 +198,7 @@ def _backward(ctx, grad_y, grad_a_out):
         h = torch.ops.moe_core.glu_probs(a, probs, *ctx.glu_opts)
     del grad_h
     dw2 = _WGRAD(h, g, offsets, True, dtype) if need_w2 else None
-    del h
+    del h, g
     dw1 = None
     if need_w1:
         x = rows if rows is not None else _gather_rows(tokens, sorted_indices)
@@ -182,7 +207,7 @@ def _backward(ctx, grad_y, grad_a_out):
     d_rows = _DGRAD(grad_a, weight1, offsets, True, dtype) if need_rows else None
     if probs is None or not need_probs:
         grad_probs = None
-    return d_rows, dw1, dw2, None, grad_probs, None, None, None, None, None, None
+    return d_rows, dw1, dw2, None, grad_probs, None, None, None, None, None, None, None
 
 
 register_autograd("moe_core::expert_mlp", _backward, setup_context=_setup_context)
