@@ -142,11 +142,10 @@ def _(rows, weight1, weight2, expert_offsets, probs, tokens, sorted_indices, act
 def _gather_rows(tokens: torch.Tensor, sorted_indices: torch.Tensor) -> torch.Tensor:
     """``permute``'s rows again: ``tokens[sorted_indices]``, zero where the index is -1.
 
-    The -1 rows (capacity padding) read an appended zero row: one pass over ``[T + 1, H]`` to
-    append it costs a fraction of masking the ``[R, H]`` gather afterwards (``R = T·k``)."""
-    num_tokens = tokens.shape[0]
-    padded = torch.cat([tokens, tokens.new_zeros((1, tokens.shape[1]))])
-    return padded.index_select(0, torch.where(sorted_indices < 0, num_tokens, sorted_indices))
+    That is exactly unpermute's backward without probs (each row gets its token's gradient, a -1
+    row zero): its row-copy kernel, one pass, where an index_select needs a zero row appended
+    to the tokens and the indices remapped first."""
+    return _UNPERMUTE_BWD(tokens.contiguous(), sorted_indices, None, None, None)[0]
 
 
 def _setup_context(ctx, inputs, output):
