@@ -16,9 +16,9 @@
 #include "cuda_common.cuh"
 #include "../glu_probs_math.h"
 
-/* 16-byte vectors each lane has in flight in both kernels. One at a time, a warp waits out a
- * whole DRAM latency per vector and the passes ran at about half the bandwidth (the in-place
- * backward's stores may alias the next loads, so the compiler cannot pipeline the loop itself). */
+/* 16-byte vectors each lane of the forward has in flight (one at a time, a warp waits out a
+ * whole DRAM latency per vector). The backward stays at one: loading four chunks' three vectors
+ * first took its registers past half the file, and it ran at less than half the speed. */
 #define MOE_GP_UNROLL 4
 
 /* moe_gp_vec, moe_gp_vget/vset and moe_gp_vec_fwd (16-byte vectors of one dtype) live in
@@ -99,7 +99,6 @@ __global__ void __launch_bounds__(128) moe_glu_probs_bwd_kernel(void *grad_a, vo
     moe_gp_ctx_t c = ctx;
     c.dtype = (moe_dtype_t)DT;
     constexpr int n = moe_gp_vec_n<DT>();
-    constexpr int64_t esz = DT == MOE_DTYPE_FP64 ? 8 : (DT == MOE_DTYPE_FP32 ? 4 : 2);
     const int lane = threadIdx.x % 32;
     const int64_t width = c.gated ? 2 * ffn : ffn, nchunks = ffn / chunk;
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
@@ -108,60 +107,43 @@ __global__ void __launch_bounds__(128) moe_glu_probs_bwd_kernel(void *grad_a, vo
         const double p = c.has_probs ? moe_load(probs, c.probs_dtype, r) : 1.0;
         const float pf = (float)p;
         double acc = 0.0;
-        if (VEC) {
-            /* MOE_GP_UNROLL chunks per lane in flight: all their loads, then the math and the
-             * stores in the lane's order j, j + 32, ... (acc sums the same terms in the same
-             * order). In place, a chunk's stores only overwrite what its own loads read. */
-            for (int64_t j0 = lane; j0 < nchunks; j0 += 32 * MOE_GP_UNROLL) {
-                moe_gp_vec dy[MOE_GP_UNROLL], g[MOE_GP_UNROLL], l[MOE_GP_UNROLL];
+        for (int64_t j = lane; j < nchunks; j += 32) {
+            const int64_t f = j * chunk;
+            if (VEC) {
+                moe_gp_vec dy, g, l, gg, gl, hv;
+                dy.u = *(const uint4 *)((const char *)grad_h + (r * ffn + f) * (int64_t)sizeof(uint4) / n);
+                g.u = *(const uint4 *)((const char *)a + (r * width + f) * (int64_t)sizeof(uint4) / n);
+                if (c.gated)
+                    l.u = *(const uint4 *)((const char *)a +
+                                            (r * width + ffn + f) * (int64_t)sizeof(uint4) / n);
 #pragma unroll
-                for (int u = 0; u < MOE_GP_UNROLL; ++u) {
-                    const int64_t f = (j0 + 32 * u) * chunk;
-                    if (f < ffn) {
-                        dy[u].u = *(const uint4 *)((const char *)grad_h + (r * ffn + f) * esz);
-                        g[u].u = *(const uint4 *)((const char *)a + (r * width + f) * esz);
-                        if (c.gated)
-                            l[u].u =
-                                *(const uint4 *)((const char *)a + (r * width + ffn + f) * esz);
+                for (int e = 0; e < n; ++e) {
+                    if constexpr (FLT && DT != MOE_DTYPE_FP64) {
+                        float vg, vl, term, vh;
+                        moe_gp_elem_bwd_f(&c, moe_gp_vgetf<DT>(dy, e), moe_gp_vgetf<DT>(g, e),
+                                          c.gated ? moe_gp_vgetf<DT>(l, e) : 0.0f, pf, &vg, &vl,
+                                          &term, &vh);
+                        moe_gp_vsetf<DT>(gg, e, vg);
+                        moe_gp_vsetf<DT>(gl, e, vl);
+                        moe_gp_vsetf<DT>(hv, e, vh);
+                        acc = __dadd_rn(acc, (double)term);
+                    } else {
+                        double vg, vl, term, vh;
+                        moe_gp_elem_bwd(&c, moe_gp_vget<DT>(dy, e), moe_gp_vget<DT>(g, e),
+                                        c.gated ? moe_gp_vget<DT>(l, e) : 0.0, p, &vg, &vl, &term,
+                                        &vh);
+                        moe_gp_vset<DT>(gg, e, vg);
+                        moe_gp_vset<DT>(gl, e, vl);
+                        moe_gp_vset<DT>(hv, e, vh);
+                        acc = __dadd_rn(acc, term);
                     }
                 }
-#pragma unroll
-                for (int u = 0; u < MOE_GP_UNROLL; ++u) {
-                    const int64_t f = (j0 + 32 * u) * chunk;
-                    if (f >= ffn) break;
-                    moe_gp_vec gg, gl, hv;
-#pragma unroll
-                    for (int e = 0; e < n; ++e) {
-                        if constexpr (FLT && DT != MOE_DTYPE_FP64) {
-                            float vg, vl, term, vh;
-                            moe_gp_elem_bwd_f(&c, moe_gp_vgetf<DT>(dy[u], e),
-                                              moe_gp_vgetf<DT>(g[u], e),
-                                              c.gated ? moe_gp_vgetf<DT>(l[u], e) : 0.0f, pf, &vg,
-                                              &vl, &term, &vh);
-                            moe_gp_vsetf<DT>(gg, e, vg);
-                            moe_gp_vsetf<DT>(gl, e, vl);
-                            moe_gp_vsetf<DT>(hv, e, vh);
-                            acc = __dadd_rn(acc, (double)term);
-                        } else {
-                            double vg, vl, term, vh;
-                            moe_gp_elem_bwd(&c, moe_gp_vget<DT>(dy[u], e),
-                                            moe_gp_vget<DT>(g[u], e),
-                                            c.gated ? moe_gp_vget<DT>(l[u], e) : 0.0, p, &vg, &vl,
-                                            &term, &vh);
-                            moe_gp_vset<DT>(gg, e, vg);
-                            moe_gp_vset<DT>(gl, e, vl);
-                            moe_gp_vset<DT>(hv, e, vh);
-                            acc = __dadd_rn(acc, term);
-                        }
-                    }
-                    *(uint4 *)((char *)grad_a + (r * width + f) * esz) = gg.u;
-                    if (c.gated) *(uint4 *)((char *)grad_a + (r * width + ffn + f) * esz) = gl.u;
-                    if (h) *(uint4 *)((char *)h + (r * ffn + f) * esz) = hv.u;
-                }
-            }
-        } else {
-            for (int64_t j = lane; j < nchunks; j += 32) {
-                const int64_t f = j * chunk;
+                *(uint4 *)((char *)grad_a + (r * width + f) * (int64_t)sizeof(uint4) / n) = gg.u;
+                if (c.gated)
+                    *(uint4 *)((char *)grad_a + (r * width + ffn + f) * (int64_t)sizeof(uint4) / n) =
+                        gl.u;
+                if (h) *(uint4 *)((char *)h + (r * ffn + f) * (int64_t)sizeof(uint4) / n) = hv.u;
+            } else {
                 for (int64_t e = 0; e < chunk; ++e) {
                     double vg, vl, term, vh;
                     moe_gp_elem_bwd(&c, moe_load(grad_h, c.dtype, r * ffn + f + e),
