@@ -100,8 +100,9 @@ def apply_router_token_dropping(
     num_tokens, num_experts = routing_probs.shape
     capacity = get_capacity(num_tokens * router_topk, num_experts, capacity_factor)
     # every capacity >= T keeps every token (the op's rule); a large factor's capacity (a Python
-    # int) may not fit the op's int64 argument, T always does
-    capacity = torch.sym_min(capacity, num_tokens)
+    # int) may not fit the op's int64 argument, T always does. The builtin min: dynamo traces it
+    # on ints and SymInts alike, where some torch versions refuse torch.sym_min on two ints.
+    capacity = min(capacity, num_tokens)
     return _OP(routing_probs, routing_map, capacity, drop_policy, bool(pad_to_capacity))
 
 
