@@ -157,6 +157,9 @@ class GroupedMLP(nn.Module):
         Returns:
             ``[rows, H]`` (``[T, H]`` with combine) in x's dtype.
         """
+        if combine and (tokens is None or sorted_indices is None):
+            raise ValueError("GroupedMLP: combine=True needs tokens and sorted_indices (the tokens "
+                             "whose rows are summed), got None")
         cfg = self.config
         name = ops.activation_name(cfg.activation_func)
         if self.bias1 is None and name is not None and not cfg.moe_apply_probs_on_input:

@@ -656,6 +656,14 @@ def _build_block(block: nn.Module, family: str, rules: dict, shared_names: Tuple
     return new
 
 
+def _capacity_fields(capacity_factor: Optional[float], pad_to_capacity: bool,
+                     drop_policy: str) -> dict:
+    """The MoEConfig fields of the swap's capacity options."""
+    return dict(moe_expert_capacity_factor=capacity_factor,
+                moe_pad_expert_input_to_capacity=bool(pad_to_capacity),
+                moe_token_drop_policy=drop_policy)
+
+
 def replace_moe_blocks(model: nn.Module, aux_loss_coeff: float = 0.0,
                        z_loss_coeff: Optional[float] = None,
                        capacity_factor: Optional[float] = None, pad_to_capacity: bool = False,
@@ -696,9 +704,7 @@ def replace_moe_blocks(model: nn.Module, aux_loss_coeff: float = 0.0,
                 raise _unsupported(f"{cls} (model_type {model_type!r})",
                                    "moe-core has no routing rule registered for this block")
     # every check passes before anything is replaced
-    capacity = dict(moe_expert_capacity_factor=capacity_factor,
-                    moe_pad_expert_input_to_capacity=bool(pad_to_capacity),
-                    moe_token_drop_policy=drop_policy)
+    capacity = _capacity_fields(capacity_factor, pad_to_capacity, drop_policy)
     built = [(parent, name, _build_block(child, family, rules, shared_names, aux_loss_coeff,
                                          z_loss_coeff, capacity))
              for parent, name, child, family, rules, shared_names in found]
@@ -807,9 +813,7 @@ def patch_mapping(families: Optional[List[str]] = None, aux_loss_coeff: float = 
     if unknown:
         raise ValueError(f"patch_mapping: families {unknown} are not among {sorted(known)}")
     options = dict(aux_loss_coeff=float(aux_loss_coeff), z_loss_coeff=z_loss_coeff,
-                   capacity=dict(moe_expert_capacity_factor=capacity_factor,
-                                 moe_pad_expert_input_to_capacity=bool(pad_to_capacity),
-                                 moe_token_drop_policy=drop_policy))
+                   capacity=_capacity_fields(capacity_factor, pad_to_capacity, drop_policy))
     mapping = {}
     for family in wanted:
         cls_name = known[family]

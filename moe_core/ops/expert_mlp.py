@@ -140,7 +140,8 @@ def _(rows, weight1, weight2, expert_offsets, probs, tokens, sorted_indices, act
 
 
 def _gather_rows(tokens: torch.Tensor, sorted_indices: torch.Tensor) -> torch.Tensor:
-    """``permute``'s rows again: ``tokens[sorted_indices]``, zero where the index is -1.
+    """``tokens[sorted_indices]``, zero where the index is -1: ``permute``'s rows again, or with
+    the combined output's gradient as ``tokens``, the rows' gradient.
 
     That is exactly unpermute's backward without probs (each row gets its token's gradient, a -1
     row zero): its row-copy kernel, one pass, where an index_select needs a zero row appended
@@ -182,7 +183,7 @@ def _backward(ctx, grad_y, grad_a_out):
         return (None,) * 12
     dtype = weight2.dtype
     if ctx.combine:  # the rows' gradient, ours to free once fc2's backward is done with it
-        g = _UNPERMUTE_BWD(grad_y.contiguous(), sorted_indices, None, None, None)[0].to(dtype)
+        g = _gather_rows(grad_y, sorted_indices).to(dtype)
     else:
         g = grad_y.to(dtype).contiguous()
     del grad_y

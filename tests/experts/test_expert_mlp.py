@@ -138,6 +138,18 @@ def test_combine_needs_the_tokens(device):
         ops.expert_mlp(rows, w1, w2, off, row_probs, "silu", True, combine=True)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["fused", "unfused"])
+def test_grouped_mlp_combine_needs_the_tokens(device, bias):
+    from moe_core.experts import GroupedMLP
+
+    cfg = MoEConfig(hidden_size=8, num_moe_experts=4, moe_ffn_hidden_size=8, moe_router_topk=2,
+                    gated_linear_unit=True, add_bias_linear=bias, params_dtype=torch.float32)
+    mlp = GroupedMLP(cfg, device=device)
+    _tokens, rows, row_probs, _idx, off = routed(16, 8, 4, 2, torch.float32, device)
+    with pytest.raises(ValueError, match="combine=True needs tokens"):
+        mlp(rows, off, row_probs, combine=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_combine_frees_the_rows_gradient_before_the_regather():
     """With combine the backward's peak is lower by about one [R, H] buffer: the rows' gradient
