@@ -87,10 +87,10 @@ moe_status_t moe_cuda_topk_to_dense_bwd(void *grad_topk_probs, const void *grad_
  *   Everything derived from the sizes alone (row bounds, element counts, workspace bytes) is
  *   checked on the host exactly as on the CPU, with the same messages.
  * - Integer outputs (indices, offsets, counts, maps) are bitwise the CPU's; so are permute's
- *   rows and probs, unpermute's output, permute_bwd's grads, unpermute_bwd's
- *   grad_permuted_tokens and token dropping's outputs. unpermute_bwd's grad_probs sums its
- *   hidden-length dot products in a fixed tree order (per thread, then warp, then block) instead
- *   of ascending h: deterministic run to run, not bitwise the CPU's.
+ *   rows and probs, unpermute's output, permute_bwd's grads, permute_bwd_accumulate's acc,
+ *   unpermute_bwd's grad_permuted_tokens and token dropping's outputs. unpermute_bwd's grad_probs
+ *   sums its hidden-length dot products in a fixed tree order (per thread, then warp, then block)
+ *   instead of ascending h: deterministic run to run, not bitwise the CPU's.
  * - The workspaces differ: each op's moe_cuda_*_workspace_size says how much to pass.
  * ------------------------------------------------------------------------------------------- */
 

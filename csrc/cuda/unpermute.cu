@@ -22,6 +22,13 @@
  * in order. The kernels after the first are one programmatic-launch chain (cuda_common.cuh), so
  * their launch gaps vanish.
  *
+ * permute_bwd_accumulate (permute_bwd's token sum over one chunk of rows [row_lo, row_lo + n),
+ * added into an fp32 accumulator) builds the CSR per call over the chunk's own slice of
+ * sorted_indices, as a layout of n rows: its row numbers are then the chunk's own, O(T + n) work
+ * per chunk, and the op needs nothing kept between calls (a map of the whole layout would have
+ * to be built once and handed from chunk to chunk). The data kernel is the gather's, with the
+ * token's running sum starting from its acc row instead of +0.0 and written back unrounded.
+ *
  * Data kernels read and write 16 bytes per access when the row size and the pointers allow it,
  * and issue the loads of up to four rows before adding them, so a token's rows are in flight
  * together.
