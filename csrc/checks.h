@@ -67,6 +67,11 @@ moe_status_t moe_permute_bwd_check(const void *grad_tokens, const void *grad_pro
                                    const void *grad_permuted_probs, const int64_t *expert_offsets,
                                    int64_t num_tokens, int64_t hidden, int64_t num_experts,
                                    int64_t num_rows, moe_dtype_t dtype, moe_dtype_t probs_dtype);
+/* Sizes, dtype, the row range [row_lo, row_lo + chunk_rows) inside num_rows, NULL pointers. */
+moe_status_t moe_permute_bwd_accumulate_check(const float *acc, const void *grad_rows_chunk,
+                                              const int64_t *sorted_indices, int64_t num_tokens,
+                                              int64_t hidden, int64_t num_rows, int64_t row_lo,
+                                              int64_t chunk_rows, moe_dtype_t dtype);
 moe_status_t moe_unpermute_fwd_check(const void *output, const void *permuted_tokens,
                                      const void *probs, const int64_t *expert_offsets,
                                      int64_t num_tokens, int64_t hidden, int64_t num_experts,

@@ -166,6 +166,19 @@ moe_status_t moe_cuda_permute_bwd(void *grad_tokens, void *grad_probs,
     return no_cuda("moe_cuda_permute_bwd");
 }
 
+size_t moe_cuda_permute_bwd_accumulate_workspace_size(int64_t num_tokens, int64_t chunk_rows) {
+    return 0;
+}
+
+moe_status_t moe_cuda_permute_bwd_accumulate(float *acc, const void *grad_rows_chunk,
+                                             const int64_t *sorted_indices, int64_t num_tokens,
+                                             int64_t hidden, int64_t num_rows, int64_t row_lo,
+                                             int64_t chunk_rows, moe_dtype_t dtype,
+                                             void *workspace, size_t workspace_bytes,
+                                             void *stream) {
+    return no_cuda("moe_cuda_permute_bwd_accumulate");
+}
+
 moe_status_t moe_cuda_unpermute_fwd(void *output, const void *permuted_tokens,
                                     const int64_t *sorted_indices, const void *probs,
                                     const int64_t *expert_offsets, int64_t num_tokens,

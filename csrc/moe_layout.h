@@ -87,10 +87,10 @@ moe_status_t moe_cuda_topk_to_dense_bwd(void *grad_topk_probs, const void *grad_
  *   Everything derived from the sizes alone (row bounds, element counts, workspace bytes) is
  *   checked on the host exactly as on the CPU, with the same messages.
  * - Integer outputs (indices, offsets, counts, maps) are bitwise the CPU's; so are permute's
- *   rows and probs, unpermute's output, permute_bwd's grads, unpermute_bwd's
- *   grad_permuted_tokens and token dropping's outputs. unpermute_bwd's grad_probs sums its
- *   hidden-length dot products in a fixed tree order (per thread, then warp, then block) instead
- *   of ascending h: deterministic run to run, not bitwise the CPU's.
+ *   rows and probs, unpermute's output, permute_bwd's grads, permute_bwd_accumulate's acc,
+ *   unpermute_bwd's grad_permuted_tokens and token dropping's outputs. unpermute_bwd's grad_probs
+ *   sums its hidden-length dot products in a fixed tree order (per thread, then warp, then block)
+ *   instead of ascending h: deterministic run to run, not bitwise the CPU's.
  * - The workspaces differ: each op's moe_cuda_*_workspace_size says how much to pass.
  * ------------------------------------------------------------------------------------------- */
 
@@ -269,6 +269,44 @@ moe_status_t moe_cuda_permute_bwd(void *grad_tokens, void *grad_probs,
                                   int64_t hidden, int64_t num_experts, int64_t num_rows,
                                   moe_dtype_t dtype, moe_dtype_t probs_dtype, void *workspace,
                                   size_t workspace_bytes, void *stream);
+
+/** Workspace bytes of moe_permute_bwd_accumulate. CPU: 0 (no map: see below). */
+size_t moe_permute_bwd_accumulate_workspace_size(int64_t num_tokens, int64_t chunk_rows);
+
+/** CUDA: the token → rows map of the chunk's rows, moe_cuda_unpermute_workspace_size(T, n). */
+size_t moe_cuda_permute_bwd_accumulate_workspace_size(int64_t num_tokens, int64_t chunk_rows);
+
+/**
+ * permute_bwd's token sum, one chunk of rows at a time, into an fp32 accumulator (the rows'
+ * gradient then never needs to exist whole). For every row r in [row_lo, row_lo + chunk_rows)
+ * with token t = sorted_indices[r] >= 0, in ascending r:
+ *     acc[t, h] = fp32(acc[t, h] + float(grad_rows_chunk[r - row_lo, h]))   (never fused)
+ * permute_bwd starts each token's fp32 sum at +0.0 and adds all its rows in ascending order, then
+ * rounds once; so an acc filled with +0.0 and given every chunk in ascending row order (any
+ * split, empty chunks included) holds that very sum, and rounding it to `dtype` (a plain cast,
+ * RNE) is bitwise permute_bwd's grad_tokens, tokens without rows (+0.0) included.
+ * \param[in,out] acc           [num_tokens, hidden], fp32
+ * \param[in]  grad_rows_chunk  [chunk_rows, hidden], `dtype` (bf16, fp16 or fp32): the rows'
+ *                              gradient of rows [row_lo, row_lo + chunk_rows)
+ * \param[in]  sorted_indices   [num_rows], int64: the whole layout, as permute returns it (-1:
+ *                              padding row); only the chunk's entries are read. CPU: they must be
+ *                              in [-1, num_tokens) (checked); CUDA: others are skipped, unchecked
+ * \param[in]  row_lo, chunk_rows  0 <= row_lo, row_lo + chunk_rows <= num_rows
+ * \param[in]  workspace        moe_permute_bwd_accumulate_workspace_size(...) bytes
+ */
+moe_status_t moe_permute_bwd_accumulate(float *acc, const void *grad_rows_chunk,
+                                        const int64_t *sorted_indices, int64_t num_tokens,
+                                        int64_t hidden, int64_t num_rows, int64_t row_lo,
+                                        int64_t chunk_rows, moe_dtype_t dtype, void *workspace,
+                                        size_t workspace_bytes, void *stream);
+
+/** CUDA: bitwise the CPU's acc; sorted_indices is not checked (out-of-range entries skipped). */
+moe_status_t moe_cuda_permute_bwd_accumulate(float *acc, const void *grad_rows_chunk,
+                                             const int64_t *sorted_indices, int64_t num_tokens,
+                                             int64_t hidden, int64_t num_rows, int64_t row_lo,
+                                             int64_t chunk_rows, moe_dtype_t dtype,
+                                             void *workspace, size_t workspace_bytes,
+                                             void *stream);
 
 /**
  * Forward of unpermute (the combine). With probs, row r of token t in expert e is weighted by

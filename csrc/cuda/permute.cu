@@ -1,5 +1,6 @@
 /*
- * permute.cu: tokens → the expert-grouped row layout, on CUDA (the backward is in unpermute.cu).
+ * permute.cu: tokens → the expert-grouped row layout, on CUDA (the backward, and its chunked
+ * accumulate permute_bwd_accumulate, are in unpermute.cu).
  *
  * The layout is planned with integers only, then the data moves once. Plan: per chunk of
  * MOE_PERM_CHUNK tokens × expert, the column's routed flags as one 32-bit ballot and their

@@ -90,6 +90,7 @@ moe_score_function_t to_score_function(c10::string_view name);
   X(topk_to_dense_fwd) X(topk_to_dense_bwd)                                                      \
   X(token_dropping_workspace_size) X(token_dropping_fwd) X(token_dropping_bwd)                   \
   X(permute_workspace_size) X(permute_fwd) X(permute_bwd)                                        \
+  X(permute_bwd_accumulate_workspace_size) X(permute_bwd_accumulate)                              \
   X(unpermute_workspace_size) X(unpermute_fwd) X(unpermute_bwd)                                  \
   X(sort_chunks_by_idxs_workspace_size) X(sort_chunks_by_idxs_fwd) X(sort_chunks_by_idxs_bwd)    \
   X(tokens_per_expert_fwd)                                                                       \
@@ -209,6 +210,8 @@ Tensor5 permute(const Device &d, const Tensor &tokens, const Tensor &routing_map
 Tensor2 permute_bwd(const Device &d, const Tensor &grad_permuted_tokens,
                     const optional<Tensor> &grad_permuted_probs, const Tensor &sorted_indices,
                     const Tensor &expert_offsets, int64_t num_tokens);
+void permute_bwd_accumulate_(const Device &d, const Tensor &acc, const Tensor &grad_rows_chunk,
+                             const Tensor &sorted_indices, int64_t row_lo);
 Tensor unpermute(const Device &d, const Tensor &permuted_tokens, const Tensor &sorted_indices,
                  int64_t num_tokens, const optional<Tensor> &probs,
                  const optional<Tensor> &expert_offsets);

@@ -198,6 +198,31 @@ Tensor2 permute_bwd(const Device &d, const Tensor &grad_permuted_tokens_,
   return {grad_tokens, or_empty(grad_probs, g)};
 }
 
+// In place: acc is the caller's accumulator, so it is never copied (it must be contiguous fp32);
+// the row range and the dtype are the C core's check (one check for both devices).
+void permute_bwd_accumulate_(const Device &d, const Tensor &acc, const Tensor &grad_rows_chunk_,
+                             const Tensor &sorted_indices_, int64_t row_lo) {
+  check_dim(acc, 2, "acc");
+  check_dtype(acc, at::kFloat, "acc");
+  MOE_CHECK_VALUE(acc.is_contiguous(), "acc must be contiguous (it is updated in place), got "
+                  "strides ", acc.strides());
+  check_dim(grad_rows_chunk_, 2, "grad_rows_chunk");
+  check_float(grad_rows_chunk_, "grad_rows_chunk");
+  check_size(grad_rows_chunk_, 1, acc.size(1), "grad_rows_chunk", "acc.shape[1] (hidden)");
+  check_same_device(grad_rows_chunk_, acc, "grad_rows_chunk", "acc");
+  check_index_vector(sorted_indices_, -1, "sorted_indices", "", acc, "acc");
+  MOE_CHECK_VALUE(acc.size(1) >= 1, "acc must have hidden >= 1, got shape ", acc.sizes());
+  Tensor g = grad_rows_chunk_.contiguous(), idx = sorted_indices_.contiguous();
+  const int64_t T = acc.size(0), H = acc.size(1), R = idx.size(0), n = g.size(0);
+  const OnDevice on(d, acc);
+  const Workspace ws = workspace(acc, d.permute_bwd_accumulate_workspace_size(T, n));
+  check_status(d.permute_bwd_accumulate(acc.data_ptr<float>(), g.data_ptr(),
+                                        idx.data_ptr<int64_t>(), T, H, R, row_lo, n,
+                                        to_moe_dtype(g.scalar_type(), "grad_rows_chunk"), ws.ptr,
+                                        ws.bytes, on.stream()),
+               "permute_bwd_accumulate_");
+}
+
 // Shared checks of unpermute and its backward (`ref`: the [*, hidden] tensor on the op's
 // device; `rows`: the row count). Returns E (probs.shape[1], or 1 without probs).
 static int64_t check_unpermute_args(const Tensor &ref, const char *ref_name, int64_t rows,

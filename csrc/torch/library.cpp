@@ -55,6 +55,8 @@ namespace {
   X(permute_bwd, "(Tensor grad_permuted_tokens, Tensor? grad_permuted_probs, "                     \
                  "Tensor sorted_indices, Tensor expert_offsets, int num_tokens) -> (Tensor, "      \
                  "Tensor)")                                                                        \
+  X(permute_bwd_accumulate_, "(Tensor(a!) acc, Tensor grad_rows_chunk, Tensor sorted_indices, "  \
+                             "int row_lo) -> ()")                                                  \
   X(unpermute, "(Tensor permuted_tokens, Tensor sorted_indices, int num_tokens, Tensor? probs, "   \
                "Tensor? expert_offsets) -> Tensor")                                                \
   X(unpermute_bwd, "(Tensor grad_output, Tensor sorted_indices, Tensor? probs, "                   \

@@ -18,6 +18,10 @@ from moe_core.ops.router_topk import (
 from moe_core.ops.topk_to_dense import topk_to_dense
 from moe_core.ops.token_dropping import apply_router_token_dropping, get_capacity
 from moe_core.ops.permute import permute
+from moe_core.ops.permute_bwd_accumulate import (
+    permute_bwd_accumulate_,
+    permute_bwd_accumulator,
+)
 from moe_core.ops.unpermute import unpermute
 from moe_core.ops.sort_chunks_by_idxs import sort_chunks_by_idxs
 # load balancing
@@ -64,6 +68,8 @@ __all__ = [
     "get_capacity",
     "apply_router_token_dropping",
     "permute",
+    "permute_bwd_accumulate_",
+    "permute_bwd_accumulator",
     "unpermute",
     "sort_chunks_by_idxs",
     # load balancing

@@ -27,7 +27,7 @@ Sample = Tuple[object, tuple]
 
 def extra_samples() -> Iterator[Sample]:
     """Ops that helpers/op_samples.py's samples leaves to other modules (the SymInt variants, the
-    fused fc1, the in-place GLU backward, expert_mlp)."""
+    fused fc1, the in-place GLU backward, expert_mlp, the chunked permute backward)."""
     T, E, H, k = 12, 4, 16, 2
     idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
     m = torch.zeros(T, E, dtype=torch.bool).scatter_(1, idx, True)
@@ -50,6 +50,7 @@ def extra_samples() -> Iterator[Sample]:
                            None, "gelu", False, 0.5, None)
     yield OPS.glu_probs_bwd_, (torch.randn(R, 8), torch.randn(R, 16), torch.rand(R), "silu", True,
                                0.0, None)
+    yield OPS.permute_bwd_accumulate_, (torch.zeros(T, H), torch.randn(R - 3, H), sidx, 2)
 
 
 def all_samples() -> List[Sample]:
