@@ -138,7 +138,15 @@ moe_status_t moe_topk_overlap_check(const float *overlap, const int64_t *indices
 
 /* ---- experts (grouped_gemm.c; glu_probs' checks are glu_probs_math.h's moe_gp_check_args) -- */
 
-moe_status_t moe_grouped_gemm_check_params(const moe_grouped_gemm_params_t *p);
+/* The grouped GEMM op a params struct is checked for: which operand it may gather differs. */
+typedef enum moe_gg_op {
+    MOE_GG_OP_FWD = 0,
+    MOE_GG_OP_DGRAD = 1,
+    MOE_GG_OP_WGRAD = 2,
+    MOE_GG_OP_GLU_PROBS_FWD = 3
+} moe_gg_op_t;
+
+moe_status_t moe_grouped_gemm_check_params(const moe_grouped_gemm_params_t *p, moe_gg_op_t op);
 
 #ifdef __cplusplus
 }

@@ -573,7 +573,7 @@ static inline moe_status_t moe_gp_fused_check_args(const void *h, const void *a,
                                                    const moe_grouped_gemm_params_t *gemm,
                                                    const moe_glu_probs_params_t *glu,
                                                    int64_t *ffn) {
-    MOE_TRY(moe_grouped_gemm_check_params(gemm));
+    MOE_TRY(moe_grouped_gemm_check_params(gemm, MOE_GG_OP_GLU_PROBS_FWD));
     MOE_CHECK(gemm->out_dtype == gemm->dtype,
               "out_dtype must equal dtype (%s): a is both fc1's output and the activation's input, "
               "got %s", moe_dtype_name(gemm->dtype), moe_dtype_name(gemm->out_dtype));

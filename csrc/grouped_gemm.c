@@ -45,7 +45,12 @@
 
 typedef enum { GG_FWD = 0, GG_DGRAD = 1, GG_WGRAD = 2 } gg_kind_t;
 
-/* One expert's product, pointers already at its first row / its weight. */
+/* One expert's product, pointers already at its first row / its weight. A gathered operand
+ * (params->gather_operand) instead points at its source tensor's base, and its rows are read
+ * through gidx (already at the expert's first row; -1 a zero row): for A either along i (fwd /
+ * dgrad: A's rows are the gathered rows, a_rs the source row stride, a_cs = 1) or along p (wgrad,
+ * where the reduction runs over rows: a_cs the source row stride, a_rs = 1); for B only along p
+ * (wgrad: b_rs the source row stride, b_cs = 1). */
 typedef struct {
     const char *a;
     int64_t a_rs, a_cs;
@@ -54,6 +59,9 @@ typedef struct {
     char *c;
     int64_t ldc;
     int64_t m, n, k;
+    const int64_t *a_gidx; /* NULL: A is plain strided */
+    int a_gather_p;        /* 1: a_gidx maps p (wgrad); 0: it maps i (fwd / dgrad) */
+    const int64_t *b_gidx; /* NULL: B is plain strided; else it maps p (wgrad) */
 } gg_problem_t;
 
 typedef void (*gg_kernel_fn)(int64_t kc, const float *a, const float *b, float *c);
@@ -141,9 +149,103 @@ DEFINE_PACK_B(fp32, float)
 DEFINE_PACK_B(bf16, uint16_t)
 DEFINE_PACK_B(fp16, uint16_t)
 
+/* Gathered blocks: the same panels as pack_a / pack_b, each source row found through the index
+ * (idx already at the block's first gathered row), a -1 row packed as zeros, which is what
+ * packing a materialised zero row gives (every ld_* maps 0 to +0.0f). Separate functions, so the
+ * plain packers above keep their loops. The source rows are contiguous (stride 1 within a row). */
+
+/* A's rows gathered (fwd / dgrad): block row i is source row idx[i], from column p0. */
+#define DEFINE_PACK_A_GI(NAME, T)                                                                \
+    static void pack_a_gi_##NAME(float *restrict dst, const T *restrict src,                     \
+                                 const int64_t *idx, int64_t rs, int64_t p0, int64_t mc,         \
+                                 int64_t kc) {                                                   \
+        for (int64_t r = 0; r < mc; r += MR) {                                                   \
+            const int64_t mr = mc - r < MR ? mc - r : MR;                                        \
+            float *d = dst + r * kc;                                                             \
+            for (int64_t ii = 0; ii < mr; ++ii) {                                                \
+                const int64_t g = idx[r + ii];                                                   \
+                if (g < 0) {                                                                     \
+                    for (int64_t p = 0; p < kc; ++p) d[p * MR + ii] = 0.0f;                      \
+                    continue;                                                                    \
+                }                                                                                \
+                const T *row = src + g * rs + p0;                                                \
+                for (int64_t p = 0; p < kc; ++p) d[p * MR + ii] = ld_##NAME(row[p]);             \
+            }                                                                                    \
+            for (int64_t ii = mr; ii < MR; ++ii)                                                 \
+                for (int64_t p = 0; p < kc; ++p) d[p * MR + ii] = 0.0f;                          \
+        }                                                                                        \
+    }
+
+/* A's reduction index gathered (wgrad, A = a source's transpose): block column p is source row
+ * idx[p], from column i0. */
+#define DEFINE_PACK_A_GP(NAME, T)                                                                \
+    static void pack_a_gp_##NAME(float *restrict dst, const T *restrict src,                     \
+                                 const int64_t *idx, int64_t cs, int64_t i0, int64_t mc,         \
+                                 int64_t kc) {                                                   \
+        for (int64_t r = 0; r < mc; r += MR) {                                                   \
+            const int64_t mr = mc - r < MR ? mc - r : MR;                                        \
+            float *d = dst + r * kc;                                                             \
+            for (int64_t p = 0; p < kc; ++p) {                                                   \
+                const int64_t g = idx[p];                                                        \
+                int64_t ii = 0;                                                                  \
+                if (g >= 0) {                                                                    \
+                    const T *row = src + g * cs + i0 + r;                                        \
+                    for (; ii < mr; ++ii) d[p * MR + ii] = ld_##NAME(row[ii]);                   \
+                }                                                                                \
+                for (; ii < MR; ++ii) d[p * MR + ii] = 0.0f;                                     \
+            }                                                                                    \
+        }                                                                                        \
+    }
+
+/* B's reduction index gathered (wgrad): block row p is source row idx[p], from column j0. */
+#define DEFINE_PACK_B_GP(NAME, T)                                                                \
+    static void pack_b_gp_##NAME(float *restrict dst, const T *restrict src,                     \
+                                 const int64_t *idx, int64_t rs, int64_t j0, int64_t kc,         \
+                                 int64_t nc) {                                                   \
+        for (int64_t jr = 0; jr < nc; jr += NR) {                                                \
+            const int64_t nr = nc - jr < NR ? nc - jr : NR;                                      \
+            float *d = dst + jr * kc;                                                            \
+            for (int64_t p = 0; p < kc; ++p) {                                                   \
+                const int64_t g = idx[p];                                                        \
+                int64_t jj = 0;                                                                  \
+                if (g >= 0) {                                                                    \
+                    const T *row = src + g * rs + j0 + jr;                                       \
+                    for (; jj < nr; ++jj) d[p * NR + jj] = ld_##NAME(row[jj]);                   \
+                }                                                                                \
+                for (; jj < NR; ++jj) d[p * NR + jj] = 0.0f;                                     \
+            }                                                                                    \
+        }                                                                                        \
+    }
+
+DEFINE_PACK_A_GI(fp32, float)
+DEFINE_PACK_A_GI(bf16, uint16_t)
+DEFINE_PACK_A_GI(fp16, uint16_t)
+DEFINE_PACK_A_GP(fp32, float)
+DEFINE_PACK_A_GP(bf16, uint16_t)
+DEFINE_PACK_A_GP(fp16, uint16_t)
+DEFINE_PACK_B_GP(fp32, float)
+DEFINE_PACK_B_GP(bf16, uint16_t)
+DEFINE_PACK_B_GP(fp16, uint16_t)
+
 /* `a`/`b` point at element (0, 0) of the problem; (i0, p0) / (p0, j0) select the block. */
 static void pack_a(float *dst, moe_dtype_t dt, const gg_problem_t *pr, int64_t i0, int64_t p0,
                    int64_t mc, int64_t kc) {
+    if (pr->a_gidx && pr->a_gather_p) {
+        const int64_t *idx = pr->a_gidx + p0;
+        if (dt == MOE_DTYPE_FP32) pack_a_gp_fp32(dst, (const float *)pr->a, idx, pr->a_cs, i0, mc, kc);
+        else if (dt == MOE_DTYPE_BF16)
+            pack_a_gp_bf16(dst, (const uint16_t *)pr->a, idx, pr->a_cs, i0, mc, kc);
+        else pack_a_gp_fp16(dst, (const uint16_t *)pr->a, idx, pr->a_cs, i0, mc, kc);
+        return;
+    }
+    if (pr->a_gidx) {
+        const int64_t *idx = pr->a_gidx + i0;
+        if (dt == MOE_DTYPE_FP32) pack_a_gi_fp32(dst, (const float *)pr->a, idx, pr->a_rs, p0, mc, kc);
+        else if (dt == MOE_DTYPE_BF16)
+            pack_a_gi_bf16(dst, (const uint16_t *)pr->a, idx, pr->a_rs, p0, mc, kc);
+        else pack_a_gi_fp16(dst, (const uint16_t *)pr->a, idx, pr->a_rs, p0, mc, kc);
+        return;
+    }
     const int64_t off = i0 * pr->a_rs + p0 * pr->a_cs;
     switch (dt) {
     case MOE_DTYPE_FP32:
@@ -160,6 +262,14 @@ static void pack_a(float *dst, moe_dtype_t dt, const gg_problem_t *pr, int64_t i
 
 static void pack_b(float *dst, moe_dtype_t dt, const gg_problem_t *pr, int64_t p0, int64_t j0,
                    int64_t kc, int64_t nc) {
+    if (pr->b_gidx) {
+        const int64_t *idx = pr->b_gidx + p0;
+        if (dt == MOE_DTYPE_FP32) pack_b_gp_fp32(dst, (const float *)pr->b, idx, pr->b_rs, j0, kc, nc);
+        else if (dt == MOE_DTYPE_BF16)
+            pack_b_gp_bf16(dst, (const uint16_t *)pr->b, idx, pr->b_rs, j0, kc, nc);
+        else pack_b_gp_fp16(dst, (const uint16_t *)pr->b, idx, pr->b_rs, j0, kc, nc);
+        return;
+    }
     const int64_t off = p0 * pr->b_rs + j0 * pr->b_cs;
     switch (dt) {
     case MOE_DTYPE_FP32:
@@ -331,6 +441,92 @@ static void pack_b_pairs(uint32_t *restrict dst, const uint16_t *restrict b, int
     }
 }
 
+/* Gathered pair panels (the pair packers' layout; see the gathered fp32 packers above). */
+
+/* A's rows gathered (fwd / dgrad): block row i is source row idx[i], from column p0. */
+static void pack_a_pairs_gi(uint32_t *restrict dst, const uint16_t *restrict src,
+                            const int64_t *idx, int64_t rs, int64_t p0, int64_t mc, int64_t kc) {
+    const int64_t kp = (kc + 1) / 2;
+    for (int64_t r = 0; r < mc; r += MR) {
+        const int64_t mr = mc - r < MR ? mc - r : MR;
+        uint32_t *d = dst + r * kp;
+        for (int64_t ii = 0; ii < mr; ++ii) {
+            const int64_t g = idx[r + ii];
+            if (g < 0) {
+                for (int64_t q = 0; q < kp; ++q) d[q * MR + ii] = 0u;
+                continue;
+            }
+            const uint16_t *row = src + g * rs + p0;
+            for (int64_t q = 0; q < kp; ++q) d[q * MR + ii] = pair_of(row, 2 * q, 1, kc);
+        }
+        for (int64_t ii = mr; ii < MR; ++ii)
+            for (int64_t q = 0; q < kp; ++q) d[q * MR + ii] = 0u;
+    }
+}
+
+/* Source rows idx[2q] and idx[2q + 1] of a pair (NULL for a zero row or past kc). */
+static inline void pair_rows(const uint16_t *src, const int64_t *idx, int64_t stride, int64_t q,
+                             int64_t kc, const uint16_t **hi, const uint16_t **lo) {
+    const int64_t g0 = idx[2 * q], g1 = 2 * q + 1 < kc ? idx[2 * q + 1] : -1;
+    *hi = g0 < 0 ? NULL : src + g0 * stride;
+    *lo = g1 < 0 ? NULL : src + g1 * stride;
+}
+
+/* A's reduction index gathered (wgrad): block column p is source row idx[p], from column i0. */
+static void pack_a_pairs_gp(uint32_t *restrict dst, const uint16_t *restrict src,
+                            const int64_t *idx, int64_t cs, int64_t i0, int64_t mc, int64_t kc) {
+    const int64_t kp = (kc + 1) / 2;
+    for (int64_t r = 0; r < mc; r += MR) {
+        const int64_t mr = mc - r < MR ? mc - r : MR;
+        uint32_t *d = dst + r * kp;
+        for (int64_t q = 0; q < kp; ++q) {
+            const uint16_t *hi, *lo;
+            pair_rows(src, idx, cs, q, kc, &hi, &lo);
+            for (int64_t ii = 0; ii < mr; ++ii)
+                d[q * MR + ii] = (uint32_t)(hi ? hi[i0 + r + ii] : 0u) << 16 |
+                                 (lo ? lo[i0 + r + ii] : 0u);
+            for (int64_t ii = mr; ii < MR; ++ii) d[q * MR + ii] = 0u;
+        }
+    }
+}
+
+/* B's reduction index gathered (wgrad): block row p is source row idx[p], from column j0. */
+static void pack_b_pairs_gp(uint32_t *restrict dst, const uint16_t *restrict src,
+                            const int64_t *idx, int64_t rs, int64_t j0, int64_t kc, int64_t nc) {
+    const int64_t kp = (kc + 1) / 2;
+    for (int64_t jr = 0; jr < nc; jr += NR) {
+        const int64_t nr = nc - jr < NR ? nc - jr : NR;
+        uint32_t *d = dst + jr * kp;
+        for (int64_t q = 0; q < kp; ++q) {
+            const uint16_t *hi, *lo;
+            pair_rows(src, idx, rs, q, kc, &hi, &lo);
+            for (int64_t jj = 0; jj < nr; ++jj)
+                d[q * NR + jj] = (uint32_t)(hi ? hi[j0 + jr + jj] : 0u) << 16 |
+                                 (lo ? lo[j0 + jr + jj] : 0u);
+            for (int64_t jj = nr; jj < NR; ++jj) d[q * NR + jj] = 0u;
+        }
+    }
+}
+
+/* The pair panels of a block, plain or gathered (as pack_a / pack_b for fp32 panels). */
+static void pack_a_pairs_of(uint32_t *dst, const gg_problem_t *pr, int64_t i0, int64_t p0,
+                            int64_t mc, int64_t kc) {
+    const uint16_t *a = (const uint16_t *)pr->a;
+    if (pr->a_gidx && pr->a_gather_p)
+        pack_a_pairs_gp(dst, a, pr->a_gidx + p0, pr->a_cs, i0, mc, kc);
+    else if (pr->a_gidx)
+        pack_a_pairs_gi(dst, a, pr->a_gidx + i0, pr->a_rs, p0, mc, kc);
+    else
+        pack_a_pairs(dst, a + i0 * pr->a_rs + p0 * pr->a_cs, pr->a_rs, pr->a_cs, mc, kc);
+}
+
+static void pack_b_pairs_of(uint32_t *dst, const gg_problem_t *pr, int64_t p0, int64_t j0,
+                            int64_t kc, int64_t nc) {
+    const uint16_t *b = (const uint16_t *)pr->b;
+    if (pr->b_gidx) pack_b_pairs_gp(dst, b, pr->b_gidx + p0, pr->b_rs, j0, kc, nc);
+    else pack_b_pairs(dst, b + p0 * pr->b_rs + j0 * pr->b_cs, pr->b_rs, pr->b_cs, kc, nc);
+}
+
 #ifdef MOE_GG_X86
 __attribute__((target("avx512f,avx512bf16"))) static void kernel_bf16_avx512(
     int64_t kp, const uint32_t *restrict a, const uint32_t *restrict b, float *restrict c) {
@@ -398,10 +594,8 @@ static void tile_fp32(const gg_problem_t *pr, moe_dtype_t dt, moe_dtype_t out_dt
         if (pairs) {
             const int64_t kp = (kc + 1) / 2;
             uint32_t *ap2 = (uint32_t *)ap, *bp2 = (uint32_t *)bp;
-            pack_a_pairs(ap2, (const uint16_t *)pr->a + i0 * pr->a_rs + p0 * pr->a_cs, pr->a_rs,
-                         pr->a_cs, mc, kc);
-            pack_b_pairs(bp2, (const uint16_t *)pr->b + p0 * pr->b_rs + j0 * pr->b_cs, pr->b_rs,
-                         pr->b_cs, kc, nc);
+            pack_a_pairs_of(ap2, pr, i0, p0, mc, kc);
+            pack_b_pairs_of(bp2, pr, p0, j0, kc, nc);
             for (int64_t jr = 0; jr < nc_pad; jr += NR)
                 for (int64_t ir = 0; ir < mc_pad; ir += MR)
                     kernels->bf16(kp, ap2 + ir * kp, bp2 + jr * kp, cb + ir * NC + jr);
@@ -417,6 +611,24 @@ static void tile_fp32(const gg_problem_t *pr, moe_dtype_t dt, moe_dtype_t out_dt
     store_c(pr, out_dt, cb, i0, j0, mc, nc);
 }
 
+/* A(i, p) and B(p, j) of an fp64 problem, gathered or not (a -1 row reads 0.0, which the sum
+ * still multiplies, as it would a materialised zero row). */
+static inline double a_fp64(const gg_problem_t *pr, const double *a, int64_t i, int64_t p) {
+    if (!pr->a_gidx) return a[i * pr->a_rs + p * pr->a_cs];
+    if (pr->a_gather_p) {
+        const int64_t g = pr->a_gidx[p];
+        return g < 0 ? 0.0 : a[i * pr->a_rs + g * pr->a_cs];
+    }
+    const int64_t g = pr->a_gidx[i];
+    return g < 0 ? 0.0 : a[g * pr->a_rs + p * pr->a_cs];
+}
+
+static inline double b_fp64(const gg_problem_t *pr, const double *b, int64_t p, int64_t j) {
+    if (!pr->b_gidx) return b[p * pr->b_rs + j * pr->b_cs];
+    const int64_t g = pr->b_gidx[p];
+    return g < 0 ? 0.0 : b[g * pr->b_rs + j * pr->b_cs];
+}
+
 /* fp64 operands (gradcheck, references): plain fixed-order fp64 sums, no packing. */
 static void tile_fp64(const gg_problem_t *pr, moe_dtype_t out_dt, int64_t i0, int64_t j0) {
     const double *a = (const double *)pr->a, *b = (const double *)pr->b;
@@ -425,8 +637,7 @@ static void tile_fp64(const gg_problem_t *pr, moe_dtype_t out_dt, int64_t i0, in
     for (int64_t i = i0; i < i0 + mc; ++i) {
         for (int64_t j = j0; j < j0 + nc; ++j) {
             double acc = 0.0;
-            for (int64_t p = 0; p < pr->k; ++p) acc += a[i * pr->a_rs + p * pr->a_cs] *
-                                                      b[p * pr->b_rs + j * pr->b_cs];
+            for (int64_t p = 0; p < pr->k; ++p) acc += a_fp64(pr, a, i, p) * b_fp64(pr, b, p, j);
             moe_store(pr->c, out_dt, i * pr->ldc + j, acc);
         }
     }
@@ -449,6 +660,8 @@ static gg_problem_t expert_problem(const gg_call_t *call, int64_t e) {
     const int64_t r0 = call->offsets[e], rows = call->offsets[e + 1] - r0;
     const int t = p->trans_w;
     gg_problem_t pr;
+    pr.a_gidx = pr.b_gidx = NULL;
+    pr.a_gather_p = 0;
     switch (call->kind) {
     case GG_FWD: /* y_e[rows, N] = x_e[rows, K] · W(K, N) */
         pr.a = call->in0 + r0 * K * es, pr.a_rs = K, pr.a_cs = 1;
@@ -476,6 +689,17 @@ static gg_problem_t expert_problem(const gg_call_t *call, int64_t e) {
         pr.k = rows;
         break;
     }
+    if (p->gather_operand == MOE_GG_GATHER_NONE) return pr;
+    /* the gathered operand: its source's base, its rows through the index (see gg_problem_t) */
+    const int64_t *gidx = p->gather_index + r0;
+    const int gx = p->gather_operand == MOE_GG_GATHER_X;
+    if (call->kind != GG_WGRAD) { /* fwd gathers x, dgrad grad_y: A's rows, in0 */
+        pr.a = call->in0, pr.a_gidx = gidx;
+    } else if (gx != t) { /* x with trans_w = 0, grad_y with 1: A = the source's transpose */
+        pr.a = gx ? call->in0 : call->in1, pr.a_gidx = gidx, pr.a_gather_p = 1;
+    } else { /* B = the source */
+        pr.b = gx ? call->in0 : call->in1, pr.b_gidx = gidx;
+    }
     return pr;
 }
 
@@ -486,9 +710,37 @@ static int is_operand_dtype(moe_dtype_t dt) {
            dt == MOE_DTYPE_FP64;
 }
 
-/* Shared with the CUDA entry points (grouped_gemm.cu), so both give the same messages. */
-moe_status_t moe_grouped_gemm_check_params(const moe_grouped_gemm_params_t *p) {
+static const char *const gg_op_names[] = {"moe_grouped_gemm_fwd", "moe_grouped_gemm_dgrad",
+                                           "moe_grouped_gemm_wgrad",
+                                           "moe_grouped_gemm_glu_probs_fwd"};
+
+/* The operands an op may gather (moe_experts.h): fwd and fc1 read x, dgrad grad_y, wgrad both. */
+static int gather_allowed(int operand, moe_gg_op_t op) {
+    if (operand == MOE_GG_GATHER_NONE) return 1;
+    switch (op) {
+    case MOE_GG_OP_FWD:
+    case MOE_GG_OP_GLU_PROBS_FWD: return operand == MOE_GG_GATHER_X;
+    case MOE_GG_OP_DGRAD: return operand == MOE_GG_GATHER_DY;
+    default: return operand == MOE_GG_GATHER_X || operand == MOE_GG_GATHER_DY;
+    }
+}
+
+/* Shared with the CUDA entry points (grouped_gemm.cu), so both give the same messages. The index
+ * values are not read here: only the CPU can read them without a sync (check_gather_index). */
+moe_status_t moe_grouped_gemm_check_params(const moe_grouped_gemm_params_t *p, moe_gg_op_t op) {
     MOE_CHECK(p != NULL, "params must not be NULL");
+    MOE_CHECK(gather_allowed(p->gather_operand, op),
+              "gather_operand=%d is not allowed for %s (allowed: 0 = none, %s)", p->gather_operand,
+              gg_op_names[op],
+              op == MOE_GG_OP_DGRAD ? "2 = grad_y"
+                                    : (op == MOE_GG_OP_WGRAD ? "1 = x, 2 = grad_y" : "1 = x"));
+    if (p->gather_operand != MOE_GG_GATHER_NONE) {
+        MOE_CHECK(p->gather_rows >= 0, "gather_rows must be >= 0, got %lld",
+                  (long long)p->gather_rows);
+        MOE_CHECK(p->num_rows <= 0 || p->gather_index != NULL,
+                  "gather_index must not be NULL when gather_operand=%d and num_rows=%lld > 0",
+                  p->gather_operand, (long long)p->num_rows);
+    }
     MOE_CHECK(p->num_rows >= 0, "num_rows must be >= 0, got %lld", (long long)p->num_rows);
     MOE_CHECK(p->num_experts >= 1, "num_experts must be >= 1, got %lld",
               (long long)p->num_experts);
@@ -510,7 +762,29 @@ moe_status_t moe_grouped_gemm_check_params(const moe_grouped_gemm_params_t *p) {
     MOE_TRY(moe_check_mul(p->in_features, "in_features", p->out_features, "out_features"));
     (void)moe_checked_mul_i64(p->in_features, p->out_features, &kn);
     MOE_TRY(moe_check_mul(p->num_experts, "num_experts", kn, "in_features * out_features"));
+    if (p->gather_operand != MOE_GG_GATHER_NONE) /* the gathered source [gather_rows, cols] */
+        MOE_TRY(moe_check_mul(p->gather_rows, "gather_rows",
+                              p->gather_operand == MOE_GG_GATHER_X ? p->in_features
+                                                                   : p->out_features,
+                              p->gather_operand == MOE_GG_GATHER_X ? "in_features"
+                                                                   : "out_features"));
     return MOE_OK;
+}
+
+/* CPU only: the index values (host memory) in [-1, gather_rows). */
+static moe_status_t check_gather_index(const moe_grouped_gemm_params_t *p) {
+    if (p->gather_operand == MOE_GG_GATHER_NONE) return MOE_OK;
+    for (int64_t r = 0; r < p->num_rows; ++r)
+        MOE_CHECK(p->gather_index[r] >= -1 && p->gather_index[r] < p->gather_rows,
+                  "gather_index[%lld] = %lld is outside [-1, gather_rows=%lld)", (long long)r,
+                  (long long)p->gather_index[r], (long long)p->gather_rows);
+    return MOE_OK;
+}
+
+/* The operand pointer the call reads for `operand` (x or grad_y): when it is the gathered one,
+ * its source may be empty (gather_rows = 0, every index -1), and then NULL. */
+static int operand_ok(const void *ptr, int operand, const moe_grouped_gemm_params_t *p) {
+    return ptr != NULL || (p->gather_operand == operand && p->gather_rows == 0);
 }
 
 static moe_status_t check_offsets(const int64_t *off, const moe_grouped_gemm_params_t *p) {
@@ -613,11 +887,13 @@ moe_status_t moe_grouped_gemm_fwd(void *y, const void *x, const void *weight,
                                   size_t workspace_bytes, void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_TRY(moe_grouped_gemm_check_params(params));
+    MOE_TRY(moe_grouped_gemm_check_params(params, MOE_GG_OP_FWD));
     MOE_TRY(check_offsets(expert_offsets, params));
+    MOE_TRY(check_gather_index(params));
     if (params->num_rows == 0 || params->out_features == 0) return MOE_OK;
     MOE_CHECK(y != NULL, "y must not be NULL");
-    MOE_CHECK(params->in_features == 0 || (x && weight), "x and weight must not be NULL");
+    MOE_CHECK(params->in_features == 0 || (operand_ok(x, MOE_GG_GATHER_X, params) && weight),
+              "x and weight must not be NULL");
     const gg_call_t call = {GG_FWD, params, (const char *)x, (const char *)weight, (char *)y,
                             expert_offsets};
     zero_tail(y, expert_offsets, params, params->out_features);
@@ -630,11 +906,13 @@ moe_status_t moe_grouped_gemm_dgrad(void *grad_x, const void *grad_y, const void
                                     size_t workspace_bytes, void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_TRY(moe_grouped_gemm_check_params(params));
+    MOE_TRY(moe_grouped_gemm_check_params(params, MOE_GG_OP_DGRAD));
     MOE_TRY(check_offsets(expert_offsets, params));
+    MOE_TRY(check_gather_index(params));
     if (params->num_rows == 0 || params->in_features == 0) return MOE_OK;
     MOE_CHECK(grad_x != NULL, "grad_x must not be NULL");
-    MOE_CHECK(params->out_features == 0 || (grad_y && weight),
+    MOE_CHECK(params->out_features == 0 ||
+                  (operand_ok(grad_y, MOE_GG_GATHER_DY, params) && weight),
               "grad_y and weight must not be NULL");
     const gg_call_t call = {GG_DGRAD, params, (const char *)grad_y, (const char *)weight,
                             (char *)grad_x, expert_offsets};
@@ -648,18 +926,22 @@ moe_status_t moe_grouped_gemm_wgrad(void *grad_weight, const void *x, const void
                                     size_t workspace_bytes, void *stream) {
     (void)stream;
     moe_clear_error();
-    MOE_TRY(moe_grouped_gemm_check_params(params));
+    MOE_TRY(moe_grouped_gemm_check_params(params, MOE_GG_OP_WGRAD));
     MOE_TRY(check_offsets(expert_offsets, params));
+    MOE_TRY(check_gather_index(params));
     if (params->in_features == 0 || params->out_features == 0) return MOE_OK;
     MOE_CHECK(grad_weight != NULL, "grad_weight must not be NULL");
-    MOE_CHECK(params->num_rows == 0 || (x && grad_y), "x and grad_y must not be NULL");
+    MOE_CHECK(params->num_rows == 0 || (operand_ok(x, MOE_GG_GATHER_X, params) &&
+                                        operand_ok(grad_y, MOE_GG_GATHER_DY, params)),
+              "x and grad_y must not be NULL");
     const gg_call_t call = {GG_WGRAD, params, (const char *)x, (const char *)grad_y,
                             (char *)grad_weight, expert_offsets};
     return run(&call, workspace, workspace_bytes);
 }
 
 /* fc1 with glu_probs: on the CPU the op is the composition itself (a must be written anyway, the
- * backward needs it), so its bits are those of the two ops called apart by construction. */
+ * backward needs it), so its bits are those of the two ops called apart by construction. A
+ * gathered x goes to fc1 with the params (glu_probs reads a, which has num_rows rows either way). */
 moe_status_t moe_grouped_gemm_glu_probs_fwd(void *h, void *a, const void *x, const void *weight,
                                             const int64_t *expert_offsets, const void *probs,
                                             moe_dtype_t probs_dtype,

@@ -56,6 +56,23 @@ extern "C" {
  * floating-point atomics, bitwise reproducible on one GPU and build.
  * ------------------------------------------------------------------------------------------- */
 
+/**
+ * Which operand the GEMM reads through an index instead of as contiguous rows (the "gathered
+ * operand"): the result is exactly that of materialising rows = src[gather_index] (-1 a zero row)
+ * and running the op on them, bit for bit, without the [num_rows, cols] copy. Allowed:
+ * moe_grouped_gemm_fwd and moe_grouped_gemm_glu_probs_fwd: X; dgrad: DY; wgrad: X or DY.
+ * Zero-initialised params (NONE) are the plain op.
+ *
+ * Index values: the CPU entry points reject one outside [-1, gather_rows). The CUDA entry points
+ * cannot read them without a host sync, so there they are the caller's contract, as for permute's
+ * sorted_indices: a value outside [0, gather_rows) reads a zero row (never out of bounds).
+ */
+typedef enum moe_gg_gather {
+    MOE_GG_GATHER_NONE = 0, /**< every operand is contiguous rows (the plain op) */
+    MOE_GG_GATHER_X = 1,    /**< x (fwd, glu_probs_fwd, wgrad) */
+    MOE_GG_GATHER_DY = 2    /**< grad_y (dgrad, wgrad) */
+} moe_gg_gather_t;
+
 /** Sizes and options shared by the three grouped GEMM products. */
 typedef struct moe_grouped_gemm_params {
     int64_t num_rows;      /**< rows of x, y, dy, dx (all experts together), >= 0 */
@@ -65,6 +82,13 @@ typedef struct moe_grouped_gemm_params {
     int trans_w;           /**< 0: weight is [E, K, N]; 1: weight is [E, N, K] (nn.Linear) */
     moe_dtype_t dtype;     /**< element type of both operands: fp32, fp16, bf16 or fp64 */
     moe_dtype_t out_dtype; /**< element type of the output: fp32, fp16, bf16 or fp64 */
+    /** The gathered operand (gather_operand != MOE_GG_GATHER_NONE): row r (0 <= r < num_rows) of
+     *  that operand is row gather_index[r] of the tensor passed for it, which has gather_rows rows
+     *  (same columns, contiguous); an index of -1 is a zero row. gather_index: [num_rows] int64, host
+     *  memory on the CPU, device memory for moe_cuda_* . */
+    int gather_operand;            /* moe_gg_gather_t */
+    const int64_t *gather_index;
+    int64_t gather_rows;
 } moe_grouped_gemm_params_t;
 
 /**
@@ -85,7 +109,8 @@ size_t moe_cuda_grouped_gemm_workspace_size(const moe_grouped_gemm_params_t *par
 /**
  * Forward: y_e = x_e · W_e (trans_w = 0) or x_e · W_eᵀ (trans_w = 1), for every expert e.
  * \param[out] y               [num_rows, N], `params->out_dtype`
- * \param[in]  x               [num_rows, K], `params->dtype`
+ * \param[in]  x               [num_rows, K], `params->dtype`; [gather_rows, K] when gathered
+ *                             (gather_operand = MOE_GG_GATHER_X)
  * \param[in]  weight          [E, K, N] (trans_w = 0) or [E, N, K] (trans_w = 1), `params->dtype`
  * \param[in]  expert_offsets  [E + 1], int64, as described above
  * \param[in]  params          sizes, layout and dtypes
@@ -107,7 +132,8 @@ moe_status_t moe_cuda_grouped_gemm_fwd(void *y, const void *x, const void *weigh
 /**
  * Gradient of x: dx_e = dy_e · W_eᵀ (trans_w = 0) or dy_e · W_e (trans_w = 1).
  * \param[out] grad_x          [num_rows, K], `params->out_dtype`
- * \param[in]  grad_y          [num_rows, N], `params->dtype`
+ * \param[in]  grad_y          [num_rows, N], `params->dtype`; [gather_rows, N] when gathered
+ *                             (gather_operand = MOE_GG_GATHER_DY)
  * \param[in]  weight          [E, K, N] (trans_w = 0) or [E, N, K] (trans_w = 1), `params->dtype`
  * (expert_offsets, params, workspace and stream as in the forward)
  */
@@ -127,8 +153,8 @@ moe_status_t moe_cuda_grouped_gemm_dgrad(void *grad_x, const void *grad_y, const
  * [N, K]); zero for an expert with no rows. Parallel over (expert, output tile), never over rows:
  * each element is one thread's fixed-order sum.
  * \param[out] grad_weight     [E, K, N] (trans_w = 0) or [E, N, K] (trans_w = 1), `out_dtype`
- * \param[in]  x               [num_rows, K], `params->dtype`
- * \param[in]  grad_y          [num_rows, N], `params->dtype`
+ * \param[in]  x               [num_rows, K], `params->dtype` ([gather_rows, K] when gathered)
+ * \param[in]  grad_y          [num_rows, N], `params->dtype` ([gather_rows, N] when gathered)
  * (expert_offsets, params, workspace and stream as in the forward)
  */
 moe_status_t moe_grouped_gemm_wgrad(void *grad_weight, const void *x, const void *grad_y,
@@ -246,7 +272,8 @@ moe_status_t moe_cuda_glu_probs_bwd(void *grad_a, void *grad_probs, void *h, con
  * Forward.
  * \param[out] h               [num_rows, F], `gemm->dtype`
  * \param[out] a               [num_rows, out_features], `gemm->dtype`: fc1's output
- * \param[in]  x               [num_rows, in_features], `gemm->dtype`
+ * \param[in]  x               [num_rows, in_features], `gemm->dtype`; [gather_rows, in_features]
+ *                             when gathered (gemm->gather_operand = MOE_GG_GATHER_X, fc1's x)
  * \param[in]  weight          [E, out_features, in_features] (trans_w = 1) or [E, in_features,
  *                             out_features] (trans_w = 0), `gemm->dtype`
  * \param[in]  expert_offsets  [E + 1], int64, as for moe_grouped_gemm_fwd (host memory here,

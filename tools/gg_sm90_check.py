@@ -114,6 +114,10 @@ class Params(ctypes.Structure):
         ("trans_w", ctypes.c_int),
         ("dtype", ctypes.c_int),
         ("out_dtype", ctypes.c_int),
+        # the gathered operand: left zero (none) by these checks
+        ("gather_operand", ctypes.c_int),
+        ("gather_index", ctypes.c_void_p),
+        ("gather_rows", ctypes.c_int64),
     ]
 
 

@@ -482,10 +482,111 @@ __global__ void __launch_bounds__(ST_THREADS) moe_gg_simt_kernel(gg_args_t p) {
     }
 }
 
+/* ---- the gathered operand: rows copied into the workspace ------------------------------------
+ *
+ * Until the sm90 kernels read the index themselves (moe_cuda_gg_sm90_supports_gather), a gathered
+ * call copies the operand's rows, src[gather_index[r]] or zeros, into the front of the workspace
+ * and runs the plain op on that copy with the rest of the workspace. Running the plain op (the
+ * sm90 path where it applies, else the portable one) rather than always the portable kernels is
+ * what makes the result the materialised op's bits on every GPU: the two paths' sums need not
+ * agree bit for bit.
+ *
+ * Index values outside [0, gather_rows) read a zero row, as the layout kernels skip a
+ * sorted_indices value outside [-1, num_tokens): the device cannot report them without a host
+ * sync, so they are the caller's contract (the CPU entry points reject them), and a bad one never
+ * reads out of bounds. */
+
+/* One W-byte vector per thread-iteration: row r of dst is row idx[r] of src, zeros when idx[r]
+ * is outside [0, gather_rows). */
+template <typename V>
+__global__ void moe_gg_gather_rows_kernel(V *__restrict__ dst, const V *__restrict__ src,
+                                          const int64_t *__restrict__ idx, int64_t num_rows,
+                                          int64_t gather_rows, int64_t row_vecs) {
+    const int64_t total = num_rows * row_vecs;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / row_vecs, v = i - r * row_vecs;
+        const int64_t g = idx[r];
+        V val;
+        if (g >= 0 && g < gather_rows) val = src[g * row_vecs + v];
+        else memset(&val, 0, sizeof val);
+        dst[i] = val;
+    }
+}
+
+/* The gathered operand's columns: K for x, N for grad_y. */
+static int64_t gather_cols(const moe_grouped_gemm_params_t *p) {
+    return p->gather_operand == MOE_GG_GATHER_X ? p->in_features : p->out_features;
+}
+
+/* Bytes of the gathered copy at the front of the workspace (a multiple of 256, so the rest of the
+ * workspace keeps the alignment the plain op needs), or MOE_SIZE_OVERFLOW. */
+static size_t gather_copy_bytes(const moe_grouped_gemm_params_t *p) {
+    int64_t row_bytes, bytes = 0;
+    if (moe_checked_mul_i64(gather_cols(p), (int64_t)moe_dtype_size(p->dtype), &row_bytes) ||
+        moe_checked_section(&bytes, p->num_rows, row_bytes, 256))
+        return MOE_SIZE_OVERFLOW;
+    return (size_t)bytes;
+}
+
+static moe_status_t launch_gather_rows(void *dst, const void *src,
+                                       const moe_grouped_gemm_params_t *p, cudaStream_t stream) {
+    const int64_t R = p->num_rows, row_bytes = gather_cols(p) * (int64_t)moe_dtype_size(p->dtype);
+    if (R == 0 || row_bytes == 0) return MOE_OK;
+    /* the widest vector that divides a row and the source's alignment (dst is 256-aligned) */
+    int w = 16;
+    while (w > 2 && (row_bytes % w != 0 || ((uintptr_t)src & (uintptr_t)(w - 1)) != 0)) w /= 2;
+    const int64_t row_vecs = row_bytes / w, total = R * row_vecs;
+    const int threads = 256;
+    const int64_t want = (total + threads - 1) / threads;
+    const unsigned blocks = (unsigned)(want < 65536 ? want : 65536); /* grid-stride past that */
+    const int64_t *idx = p->gather_index;
+    const int64_t S = p->gather_rows;
+    switch (w) {
+    case 16:
+        moe_gg_gather_rows_kernel<uint4><<<blocks, threads, 0, stream>>>(
+            (uint4 *)dst, (const uint4 *)src, idx, R, S, row_vecs);
+        break;
+    case 8:
+        moe_gg_gather_rows_kernel<uint2><<<blocks, threads, 0, stream>>>(
+            (uint2 *)dst, (const uint2 *)src, idx, R, S, row_vecs);
+        break;
+    case 4:
+        moe_gg_gather_rows_kernel<uint32_t><<<blocks, threads, 0, stream>>>(
+            (uint32_t *)dst, (const uint32_t *)src, idx, R, S, row_vecs);
+        break;
+    default:
+        moe_gg_gather_rows_kernel<uint16_t><<<blocks, threads, 0, stream>>>(
+            (uint16_t *)dst, (const uint16_t *)src, idx, R, S, row_vecs);
+        break;
+    }
+    MOE_CHECK_LAUNCH("moe_gg_gather_rows_kernel");
+    return MOE_OK;
+}
+
+#ifndef MOE_GG_SM90_GATHER
+/* The sm90 kernels do not read a gathered operand yet (see grouped_gemm_impl.cuh). */
+extern "C" int moe_cuda_gg_sm90_supports_gather(void) { return 0; }
+#endif
+
 /* ---- host side -------------------------------------------------------------------------------- */
 
 static size_t portable_workspace(const moe_grouped_gemm_params_t *p) {
     return ((size_t)(p->num_experts + 2) * sizeof(int64_t) + 255) / 256 * 256;
+}
+
+/* params with the gather removed: the plain op on the gathered copy */
+static moe_grouped_gemm_params_t plain_params(const moe_grouped_gemm_params_t *p) {
+    moe_grouped_gemm_params_t q = *p;
+    q.gather_operand = MOE_GG_GATHER_NONE, q.gather_index = NULL, q.gather_rows = 0;
+    return q;
+}
+
+/* The plain op's need: the max of the two paths'. */
+static size_t plain_workspace(const moe_grouped_gemm_params_t *p) {
+    const size_t a = portable_workspace(p), b = moe_cuda_gg_sm90_workspace_size(p);
+    if (a == MOE_SIZE_OVERFLOW || b == MOE_SIZE_OVERFLOW) return MOE_SIZE_OVERFLOW;
+    return a > b ? a : b;
 }
 
 extern "C" size_t moe_cuda_grouped_gemm_workspace_size(const moe_grouped_gemm_params_t *params) {
@@ -497,8 +598,22 @@ extern "C" size_t moe_cuda_grouped_gemm_workspace_size(const moe_grouped_gemm_pa
         moe_checked_add_i64(bound, 1024, &bound))
         return moe_fail_size("moe_cuda_grouped_gemm_workspace_size: num_experts=%lld overflows "
                              "int64 bytes", (long long)params->num_experts);
-    const size_t a = portable_workspace(params), b = moe_cuda_gg_sm90_workspace_size(params);
-    return a > b ? a : b;
+    if (params->gather_operand == MOE_GG_GATHER_NONE) return plain_workspace(params);
+    /* gathered: the copy of the rows, then the plain op's workspace (the fallback); with sm90
+     * gather support, the sm90 path's own need too, since it may still decline a call */
+    const moe_grouped_gemm_params_t q = plain_params(params);
+    const size_t copy = gather_copy_bytes(params), rest = plain_workspace(&q);
+    if (copy == MOE_SIZE_OVERFLOW || rest == MOE_SIZE_OVERFLOW || copy > SIZE_MAX / 2 - rest)
+        return moe_fail_size("moe_cuda_grouped_gemm_workspace_size: num_rows=%lld x %lld "
+                             "gathered columns overflow the workspace bytes",
+                             (long long)params->num_rows, (long long)gather_cols(params));
+    size_t need = copy + rest;
+    if (moe_cuda_gg_sm90_supports_gather()) {
+        const size_t s = moe_cuda_gg_sm90_workspace_size(params);
+        if (s == MOE_SIZE_OVERFLOW) return MOE_SIZE_OVERFLOW;
+        if (s > need) need = s;
+    }
+    return need;
 }
 
 static int is_half(moe_dtype_t dt) { return dt == MOE_DTYPE_BF16 || dt == MOE_DTYPE_FP16; }
@@ -599,10 +714,11 @@ static moe_status_t run_portable(gg_kind_t kind, void *out, const void *in0, con
     }
 }
 
-/* Checks shared by the three products (the offsets are the caller's contract on the device). */
+/* Checks shared by the three products (the offsets are the caller's contract on the device, as
+ * are the gather index's values). */
 static moe_status_t check_common(const int64_t *offsets, const moe_grouped_gemm_params_t *p,
-                                 void *workspace, size_t workspace_bytes) {
-    MOE_TRY(moe_grouped_gemm_check_params(p));
+                                 moe_gg_op_t op, void *workspace, size_t workspace_bytes) {
+    MOE_TRY(moe_grouped_gemm_check_params(p, op));
     MOE_CHECK(offsets != NULL, "expert_offsets must not be NULL");
     MOE_CHECK_WORKSPACE(moe_cuda_grouped_gemm_workspace_size, p);
     MOE_CHECK(aligned16(workspace), "workspace must be 16-byte aligned");
@@ -621,16 +737,55 @@ static moe_status_t check_common(const int64_t *offsets, const moe_grouped_gemm_
         }                                                                     \
     } while (0)
 
+/* Whether the source of the operand `operand` may be NULL: it is the gathered one, and empty. */
+static int operand_ok(const void *ptr, int operand, const moe_grouped_gemm_params_t *p) {
+    return ptr != NULL || (p->gather_operand == operand && p->gather_rows == 0);
+}
+
+/* A gathered call the sm90 path did not take: the rows copied to the workspace's front, then the
+ * plain op (entry point `fn`) on the copy with the rest of the workspace. in0/in1 as the entry
+ * points take them (fwd x, weight; dgrad grad_y, weight; wgrad x, grad_y). */
+using gg_entry_fn = moe_status_t (*)(void *, const void *, const void *, const int64_t *,
+                                     const moe_grouped_gemm_params_t *, void *, size_t, void *);
+static moe_status_t run_gathered(gg_entry_fn fn, gg_kind_t kind, void *out, const void *in0,
+                                 const void *in1, const int64_t *offsets,
+                                 const moe_grouped_gemm_params_t *p, void *workspace,
+                                 size_t workspace_bytes, void *stream) {
+    const moe_grouped_gemm_params_t q = plain_params(p);
+    const size_t copy = gather_copy_bytes(p);
+    /* wgrad's second operand is grad_y; elsewhere the gathered one is always in0 */
+    const int second = kind == GG_WGRAD && p->gather_operand == MOE_GG_GATHER_DY;
+    MOE_TRY(launch_gather_rows(workspace, second ? in1 : in0, p, (cudaStream_t)stream));
+    const void *rows = workspace;
+    return fn(out, second ? in0 : rows, second ? rows : in1, offsets, &q,
+              (char *)workspace + copy, workspace_bytes - copy, stream);
+}
+
+/* Gathered calls go to the sm90 path only when it reads the index itself; otherwise (or when it
+ * declines) to run_gathered. */
+#define GG_GATHERED(fn, sm90_fn, kind, out, in0, in1)                                         \
+    do {                                                                                      \
+        if (params->gather_operand != MOE_GG_GATHER_NONE) {                                   \
+            if (moe_cuda_gg_sm90_supports_gather())                                           \
+                GG_TRY_SM90(sm90_fn, out, in0, in1, expert_offsets, params, workspace,        \
+                            workspace_bytes, stream);                                         \
+            return run_gathered(fn, kind, out, in0, in1, expert_offsets, params, workspace,   \
+                                workspace_bytes, stream);                                     \
+        }                                                                                     \
+    } while (0)
+
 extern "C" moe_status_t moe_cuda_grouped_gemm_fwd(void *y, const void *x, const void *weight,
                                                   const int64_t *expert_offsets,
                                                   const moe_grouped_gemm_params_t *params,
                                                   void *workspace, size_t workspace_bytes,
                                                   void *stream) {
     moe_clear_error();
-    MOE_TRY(check_common(expert_offsets, params, workspace, workspace_bytes));
+    MOE_TRY(check_common(expert_offsets, params, MOE_GG_OP_FWD, workspace, workspace_bytes));
     if (params->num_rows == 0 || params->out_features == 0) return MOE_OK;
     MOE_CHECK(y != NULL, "y must not be NULL");
-    MOE_CHECK(params->in_features == 0 || (x && weight), "x and weight must not be NULL");
+    MOE_CHECK(params->in_features == 0 || (operand_ok(x, MOE_GG_GATHER_X, params) && weight),
+              "x and weight must not be NULL");
+    GG_GATHERED(moe_cuda_grouped_gemm_fwd, moe_cuda_gg_sm90_fwd, GG_FWD, y, x, weight);
     GG_TRY_SM90(moe_cuda_gg_sm90_fwd, y, x, weight, expert_offsets, params, workspace,
                 workspace_bytes, stream);
     return run_portable(GG_FWD, y, x, weight, expert_offsets, params, workspace,
@@ -644,11 +799,14 @@ extern "C" moe_status_t moe_cuda_grouped_gemm_dgrad(void *grad_x, const void *gr
                                                     void *workspace, size_t workspace_bytes,
                                                     void *stream) {
     moe_clear_error();
-    MOE_TRY(check_common(expert_offsets, params, workspace, workspace_bytes));
+    MOE_TRY(check_common(expert_offsets, params, MOE_GG_OP_DGRAD, workspace, workspace_bytes));
     if (params->num_rows == 0 || params->in_features == 0) return MOE_OK;
     MOE_CHECK(grad_x != NULL, "grad_x must not be NULL");
-    MOE_CHECK(params->out_features == 0 || (grad_y && weight),
+    MOE_CHECK(params->out_features == 0 ||
+                  (operand_ok(grad_y, MOE_GG_GATHER_DY, params) && weight),
               "grad_y and weight must not be NULL");
+    GG_GATHERED(moe_cuda_grouped_gemm_dgrad, moe_cuda_gg_sm90_dgrad, GG_DGRAD, grad_x, grad_y,
+                weight);
     GG_TRY_SM90(moe_cuda_gg_sm90_dgrad, grad_x, grad_y, weight, expert_offsets, params, workspace,
                 workspace_bytes, stream);
     return run_portable(GG_DGRAD, grad_x, grad_y, weight, expert_offsets, params, workspace,
@@ -662,10 +820,14 @@ extern "C" moe_status_t moe_cuda_grouped_gemm_wgrad(void *grad_weight, const voi
                                                     void *workspace, size_t workspace_bytes,
                                                     void *stream) {
     moe_clear_error();
-    MOE_TRY(check_common(expert_offsets, params, workspace, workspace_bytes));
+    MOE_TRY(check_common(expert_offsets, params, MOE_GG_OP_WGRAD, workspace, workspace_bytes));
     if (params->in_features == 0 || params->out_features == 0) return MOE_OK;
     MOE_CHECK(grad_weight != NULL, "grad_weight must not be NULL");
-    MOE_CHECK(params->num_rows == 0 || (x && grad_y), "x and grad_y must not be NULL");
+    MOE_CHECK(params->num_rows == 0 || (operand_ok(x, MOE_GG_GATHER_X, params) &&
+                                        operand_ok(grad_y, MOE_GG_GATHER_DY, params)),
+              "x and grad_y must not be NULL");
+    GG_GATHERED(moe_cuda_grouped_gemm_wgrad, moe_cuda_gg_sm90_wgrad, GG_WGRAD, grad_weight, x,
+                grad_y);
     GG_TRY_SM90(moe_cuda_gg_sm90_wgrad, grad_weight, x, grad_y, expert_offsets, params,
                 workspace, workspace_bytes, stream);
     return run_portable(GG_WGRAD, grad_weight, x, grad_y, expert_offsets, params, workspace,
@@ -673,7 +835,7 @@ extern "C" moe_status_t moe_cuda_grouped_gemm_wgrad(void *grad_weight, const voi
 }
 
 /* fc1 fused with glu_probs: the two kernels back to back on the stream, so every device has the
- * op and it gives the composition's bits. (Computing h in the Hopper GEMM's epilogue instead
+ * op and it gives the composition's bits (a gathered x goes to fc1 with the params). (Computing h in the Hopper GEMM's epilogue instead
  * saves a write and a re-read of a, but runs slower: the activation's fp64 element math then
  * holds up the tensor cores, where the glu_probs pass spreads it over every SM.) */
 extern "C" moe_status_t moe_cuda_grouped_gemm_glu_probs_fwd(
@@ -683,9 +845,11 @@ extern "C" moe_status_t moe_cuda_grouped_gemm_glu_probs_fwd(
     moe_clear_error();
     int64_t ffn = 0;
     MOE_TRY(moe_gp_fused_check_args(h, a, probs, probs_dtype, params, glu, &ffn));
-    MOE_TRY(check_common(expert_offsets, params, workspace, workspace_bytes));
+    MOE_TRY(check_common(expert_offsets, params, MOE_GG_OP_GLU_PROBS_FWD, workspace,
+                         workspace_bytes));
     if (params->num_rows == 0) return MOE_OK;
-    MOE_CHECK(params->in_features == 0 || (x && weight), "x and weight must not be NULL");
+    MOE_CHECK(params->in_features == 0 || (operand_ok(x, MOE_GG_GATHER_X, params) && weight),
+              "x and weight must not be NULL");
     MOE_TRY(moe_cuda_grouped_gemm_fwd(a, x, weight, expert_offsets, params, workspace,
                                       workspace_bytes, stream));
     return moe_cuda_glu_probs_fwd(h, a, probs, params->num_rows, ffn, params->dtype, probs_dtype,

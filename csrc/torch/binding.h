@@ -254,14 +254,18 @@ Tensor topk_overlap(const Device &d, const Tensor &indices_a, const Tensor &indi
                     int64_t num_experts, const optional<Tensor> &padding_mask);
 
 // experts.cpp: the grouped GEMMs, the activation with the probs, and fc1 fused with it
+// x_index / grad_y_index: the gathered operand's rows (moe_experts.h's gather_operand), or none
 Tensor grouped_gemm(const Device &d, const Tensor &x, const Tensor &weight,
-                    const Tensor &expert_offsets, bool trans_w, optional<at::ScalarType> out_dtype);
+                    const Tensor &expert_offsets, bool trans_w, optional<at::ScalarType> out_dtype,
+                    const optional<Tensor> &x_index);
 Tensor grouped_gemm_dgrad(const Device &d, const Tensor &grad_y, const Tensor &weight,
                           const Tensor &expert_offsets, bool trans_w,
-                          optional<at::ScalarType> out_dtype);
+                          optional<at::ScalarType> out_dtype,
+                          const optional<Tensor> &grad_y_index);
 Tensor grouped_gemm_wgrad(const Device &d, const Tensor &x, const Tensor &grad_y,
                           const Tensor &expert_offsets, bool trans_w,
-                          optional<at::ScalarType> out_dtype);
+                          optional<at::ScalarType> out_dtype, const optional<Tensor> &x_index,
+                          const optional<Tensor> &grad_y_index);
 Tensor glu_probs(const Device &d, const Tensor &a, const optional<Tensor> &probs,
                  string_view activation, bool gated_linear_unit, double linear_offset,
                  optional<double> clamp_value);
@@ -274,6 +278,7 @@ Tensor glu_probs_bwd_(const Device &d, Tensor grad_h, Tensor a, const optional<T
 Tensor2 grouped_gemm_glu_probs(const Device &d, const Tensor &x, const Tensor &weight,
                                const Tensor &expert_offsets, const optional<Tensor> &probs,
                                string_view activation, bool gated_linear_unit, double linear_offset,
-                               optional<double> clamp_value, bool trans_w);
+                               optional<double> clamp_value, bool trans_w,
+                               const optional<Tensor> &x_index);
 
 }  // namespace moe_torch

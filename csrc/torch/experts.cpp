@@ -31,7 +31,7 @@ static moe_grouped_gemm_params_t grouped_gemm_params(const Tensor &a, const char
   MOE_CHECK_TYPE(at::isFloatingType(out_dtype) && out_dtype != at::kFloat8_e4m3fn &&
                        out_dtype != at::kFloat8_e5m2,
                    "out_dtype must be float32, float64, float16 or bfloat16, got ", out_dtype);
-  moe_grouped_gemm_params_t p;
+  moe_grouped_gemm_params_t p{};  // no gather unless set_gather sets one
   p.num_rows = a.size(0);
   p.num_experts = num_experts;
   p.in_features = in_features;
@@ -59,6 +59,27 @@ static moe_grouped_gemm_params_t weight_product(const Tensor &a, const char *a_n
                              "weight.shape[0]", K, N, trans_w, out_dtype);
 }
 
+// The optional index of a gathered operand (`src`, read as rows src[index]; -1 a zero row): a 1-D
+// contiguous int64 tensor on src's device. Sets p's gather fields (num_rows becomes the index's
+// length); the C core checks the values on the CPU. `index` must outlive the call.
+static void set_gather(moe_grouped_gemm_params_t &p, const optional<Tensor> &index,
+                       const char *index_name, const Tensor &src, const char *src_name,
+                       moe_gg_gather_t operand) {
+  p.gather_operand = MOE_GG_GATHER_NONE;
+  p.gather_index = nullptr;
+  p.gather_rows = 0;
+  if (!index.has_value()) return;
+  check_dtype(*index, at::kLong, index_name);
+  check_dim(*index, 1, index_name);
+  check_same_device(*index, src, index_name, src_name);
+  MOE_CHECK_VALUE(index->is_contiguous(), index_name, " must be contiguous, got strides ",
+                  index->strides());
+  p.gather_operand = operand;
+  p.gather_index = index->data_ptr<int64_t>();
+  p.gather_rows = src.size(0);
+  p.num_rows = index->size(0);
+}
+
 // One of the three products: the operands made contiguous, `out` allocated, the call.
 using GroupedGemmFn = decltype(&moe_grouped_gemm_fwd);
 static Tensor run_product(const Device &d, GroupedGemmFn fn, const char *op, const Tensor &in0_,
@@ -76,36 +97,55 @@ static Tensor run_product(const Device &d, GroupedGemmFn fn, const char *op, con
 }
 
 Tensor grouped_gemm(const Device &d, const Tensor &x, const Tensor &weight,
-                    const Tensor &expert_offsets, bool trans_w,
-                    optional<at::ScalarType> out_dtype) {
+                    const Tensor &expert_offsets, bool trans_w, optional<at::ScalarType> out_dtype,
+                    const optional<Tensor> &x_index) {
   const at::ScalarType odt = out_dtype.value_or(x.scalar_type());
-  const auto p = weight_product(x, "x", "x.shape[1] (in_features)", weight, expert_offsets,
-                                trans_w, false, odt);
+  auto p = weight_product(x, "x", "x.shape[1] (in_features)", weight, expert_offsets, trans_w,
+                          false, odt);
+  set_gather(p, x_index, "x_index", x, "x", MOE_GG_GATHER_X);
   return run_product(d, d.grouped_gemm_fwd, "grouped_gemm", x, weight, expert_offsets, p,
                      {p.num_rows, p.out_features}, odt);
 }
 
 Tensor grouped_gemm_dgrad(const Device &d, const Tensor &grad_y, const Tensor &weight,
                           const Tensor &expert_offsets, bool trans_w,
-                          optional<at::ScalarType> out_dtype) {
+                          optional<at::ScalarType> out_dtype,
+                          const optional<Tensor> &grad_y_index) {
   const at::ScalarType odt = out_dtype.value_or(grad_y.scalar_type());
-  const auto p = weight_product(grad_y, "grad_y", "grad_y.shape[1] (out_features)", weight,
-                                expert_offsets, trans_w, true, odt);
+  auto p = weight_product(grad_y, "grad_y", "grad_y.shape[1] (out_features)", weight,
+                          expert_offsets, trans_w, true, odt);
+  set_gather(p, grad_y_index, "grad_y_index", grad_y, "grad_y", MOE_GG_GATHER_DY);
   return run_product(d, d.grouped_gemm_dgrad, "grouped_gemm_dgrad", grad_y, weight,
                      expert_offsets, p, {p.num_rows, p.in_features}, odt);
 }
 
+// At most one of x_index / grad_y_index: the rows of the other operand are its own rows.
 Tensor grouped_gemm_wgrad(const Device &d, const Tensor &x, const Tensor &grad_y,
                           const Tensor &expert_offsets, bool trans_w,
-                          optional<at::ScalarType> out_dtype) {
+                          optional<at::ScalarType> out_dtype, const optional<Tensor> &x_index,
+                          const optional<Tensor> &grad_y_index) {
+  MOE_CHECK_VALUE(!(x_index.has_value() && grad_y_index.has_value()),
+                  "grouped_gemm_wgrad gathers at most one operand: pass x_index or grad_y_index, "
+                  "not both");
   check_dim(x, 2, "x");
   check_dim(grad_y, 2, "grad_y");
   check_dim(expert_offsets, 1, "expert_offsets");
-  check_size(grad_y, 0, x.size(0), "grad_y", "x.shape[0] (num_rows)");
+  // the rows: the index's length for the gathered operand, the other operand's own rows
+  if (x_index.has_value()) {
+    check_dim(*x_index, 1, "x_index");
+    check_size(grad_y, 0, x_index->size(0), "grad_y", "x_index.shape[0] (num_rows)");
+  } else if (grad_y_index.has_value()) {
+    check_dim(*grad_y_index, 1, "grad_y_index");
+    check_size(x, 0, grad_y_index->size(0), "x", "grad_y_index.shape[0] (num_rows)");
+  } else {
+    check_size(grad_y, 0, x.size(0), "grad_y", "x.shape[0] (num_rows)");
+  }
   const int64_t E = expert_offsets.size(0) - 1, K = x.size(1), N = grad_y.size(1);
   const at::ScalarType odt = out_dtype.value_or(x.scalar_type());
-  const auto p = grouped_gemm_params(x, "x", grad_y, "grad_y", expert_offsets, E,
-                                     "expert_offsets.shape[0] - 1", K, N, trans_w, odt);
+  auto p = grouped_gemm_params(x, "x", grad_y, "grad_y", expert_offsets, E,
+                               "expert_offsets.shape[0] - 1", K, N, trans_w, odt);
+  if (x_index.has_value()) set_gather(p, x_index, "x_index", x, "x", MOE_GG_GATHER_X);
+  else set_gather(p, grad_y_index, "grad_y_index", grad_y, "grad_y", MOE_GG_GATHER_DY);
   return run_product(d, d.grouped_gemm_wgrad, "grouped_gemm_wgrad", x, grad_y, expert_offsets, p,
                      trans_w ? at::IntArrayRef({E, N, K}) : at::IntArrayRef({E, K, N}), odt);
 }
@@ -262,14 +302,17 @@ Tensor glu_probs_bwd_(const Device &d, Tensor grad_h, Tensor a, const optional<T
 Tensor2 grouped_gemm_glu_probs(const Device &d, const Tensor &x_, const Tensor &weight_,
                                const Tensor &expert_offsets_, const optional<Tensor> &probs_,
                                string_view activation, bool gated_linear_unit, double linear_offset,
-                               optional<double> clamp_value, bool trans_w) {
-  const auto p = weight_product(x_, "x", "x.shape[1] (in_features)", weight_, expert_offsets_,
-                                trans_w, false, x_.scalar_type());
+                               optional<double> clamp_value, bool trans_w,
+                               const optional<Tensor> &x_index) {
+  auto p = weight_product(x_, "x", "x.shape[1] (in_features)", weight_, expert_offsets_, trans_w,
+                          false, x_.scalar_type());
+  set_gather(p, x_index, "x_index", x_, "x", MOE_GG_GATHER_X);
   const int64_t R = p.num_rows, N = p.out_features;
   const int64_t F = glu_ffn(weight_, "weight", trans_w ? 1 : 2, gated_linear_unit);
   const moe_glu_probs_params_t g =
       glu_options(activation, gated_linear_unit, linear_offset, clamp_value);
-  check_row_probs(probs_, R, x_, "x", "x.shape[0] (num_rows)");
+  check_row_probs(probs_, R, x_, "x",
+                  x_index.has_value() ? "x_index.shape[0] (num_rows)" : "x.shape[0] (num_rows)");
   Tensor x = x_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous(), probs;
   if (probs_.has_value()) probs = probs_->contiguous();
   const OnDevice on(d, x);

@@ -89,11 +89,13 @@ namespace {
                   " -> Tensor")                                                                    \
   /* experts.cpp */                                                                                \
   X(grouped_gemm, "(Tensor x, Tensor weight, Tensor expert_offsets, bool trans_w=False, "          \
-                  "ScalarType? out_dtype=None) -> Tensor")                                         \
+                  "ScalarType? out_dtype=None, Tensor? x_index=None) -> Tensor")                   \
   X(grouped_gemm_dgrad, "(Tensor grad_y, Tensor weight, Tensor expert_offsets, "                   \
-                        "bool trans_w=False, ScalarType? out_dtype=None) -> Tensor")               \
+                        "bool trans_w=False, ScalarType? out_dtype=None, "                         \
+                        "Tensor? grad_y_index=None) -> Tensor")                                    \
   X(grouped_gemm_wgrad, "(Tensor x, Tensor grad_y, Tensor expert_offsets, bool trans_w=False, "    \
-                        "ScalarType? out_dtype=None) -> Tensor")                                   \
+                        "ScalarType? out_dtype=None, Tensor? x_index=None, "                       \
+                        "Tensor? grad_y_index=None) -> Tensor")                                    \
   X(glu_probs, "(Tensor a, Tensor? probs, str activation, bool gated_linear_unit, "                \
                "float linear_offset=0.0, float? clamp_value=None) -> Tensor")                      \
   X(glu_probs_bwd, "(Tensor grad_h, Tensor a, Tensor? probs, str activation, "                     \
@@ -104,7 +106,8 @@ namespace {
                     " -> Tensor")                                                                  \
   X(grouped_gemm_glu_probs, "(Tensor x, Tensor weight, Tensor expert_offsets, Tensor? probs, "     \
                             "str activation, bool gated_linear_unit, float linear_offset=0.0, "    \
-                            "float? clamp_value=None, bool trans_w=True) -> (Tensor, Tensor)")
+                            "float? clamp_value=None, bool trans_w=True, Tensor? x_index=None)"    \
+                            " -> (Tensor, Tensor)")
 
 // The C entry points of each device. A CPU-only build links moe_cuda_* stubs (cuda_stubs.c), so
 // both tables always build; the compiler checks that each pair of entry points has one type.

@@ -29,12 +29,18 @@ Precision contract
   grouped_gemm_dgrad(grad_a, weight)`` and ``dW = grouped_gemm_wgrad(x, grad_a)``; so gradients
   equal autograd's through the two unfused ops bit for bit. Only what ``needs_input_grad`` asks
   for is computed. Deterministic, no atomics, no host synchronisation.
+* ``x_index`` (optional, ``[rows]`` int64): fc1 reads its rows as ``x[x_index]`` (-1: a zero row)
+  from the source ``x`` ``[S, H]`` without materialising them, bit for bit as
+  :func:`~moe_core.ops.grouped_gemm.grouped_gemm` with ``x_index``; ``probs``, ``h`` and ``a``
+  have ``x_index.shape[0]`` rows. The source's gradient sums the rows' gradients into the rows
+  they read (``permute``'s backward with ``sorted_indices = x_index``), ``dW`` gathers ``x``.
 """
 from typing import Optional, Tuple
 
 import torch
 
 from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops.grouped_gemm import gathered_rows_grad
 
 _OP = torch.ops.moe_core.grouped_gemm_glu_probs
 _GLU_BWD = torch.ops.moe_core.glu_probs_bwd
@@ -52,6 +58,7 @@ def grouped_gemm_glu_probs(
     linear_offset: float = 0.0,
     clamp_value: Optional[float] = None,
     trans_w: bool = True,
+    x_index: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """fc1 of every expert, then its activation times the router probs, in one op.
 
@@ -71,6 +78,8 @@ def grouped_gemm_glu_probs(
         linear_offset: ``glu_linear_offset`` (GLU only).
         clamp_value: ``activation_func_clamp_value`` (GLU only), or None.
         trans_w: weight layout, as for :func:`grouped_gemm`.
+        x_index: ``[rows]`` int64 on x's device, or None: fc1's row ``r`` is ``x[x_index[r]]``
+            (-1: a zero row); ``x`` is then the source ``[S, H]``.
 
     Returns:
         ``(h, a)``: ``h`` ``[rows, F]`` and fc1's output ``a`` ``[rows, F1]``, both in x's dtype.
@@ -78,23 +87,25 @@ def grouped_gemm_glu_probs(
     """
     return _OP(x, weight, expert_offsets, probs, activation, bool(gated_linear_unit),
                float(linear_offset), None if clamp_value is None else float(clamp_value),
-               bool(trans_w))
+               bool(trans_w), x_index)
 
 
 @register_fake("moe_core::grouped_gemm_glu_probs")
 def _(x, weight, expert_offsets, probs, activation, gated_linear_unit, linear_offset=0.0,
-      clamp_value=None, trans_w=True):
+      clamp_value=None, trans_w=True, x_index=None):
     n = weight.shape[1] if trans_w else weight.shape[2]
     f = n // 2 if gated_linear_unit else n
-    return x.new_empty((x.shape[0], f)), x.new_empty((x.shape[0], n))
+    rows = x.shape[0] if x_index is None else x_index.shape[0]
+    return x.new_empty((rows, f)), x.new_empty((rows, n))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, expert_offsets, probs, activation, gated, offset, clamp, trans_w = inputs
+    x, weight, expert_offsets, probs, activation, gated, offset, clamp, trans_w, x_index = inputs
     _h, a = output
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     ctx.save_for_backward(x if need_w else None, weight if need_x else None, expert_offsets,
-                          probs, a)
+                          probs, a, x_index)
+    ctx.num_src = x.shape[0]
     ctx.glu_opts = (activation, gated, offset, clamp)
     ctx.trans_w = trans_w
     # an unused output's gradient stays None instead of a zero tensor: adding zeros would turn a
@@ -103,7 +114,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_h, grad_a_out):
-    x, weight, expert_offsets, probs, a = ctx.saved_tensors
+    x, weight, expert_offsets, probs, a, x_index = ctx.saved_tensors
     grad_a = grad_probs = None
     if grad_h is not None:
         grad_a, grad_probs = _GLU_BWD(grad_h.contiguous(), a, probs, *ctx.glu_opts)
@@ -116,9 +127,11 @@ def _backward(ctx, grad_h, grad_a_out):
     if grad_a is not None:
         if ctx.needs_input_grad[0]:
             dx = _DGRAD(grad_a, weight, expert_offsets, ctx.trans_w, weight.dtype)
+            if x_index is not None:  # the rows' gradient, summed into the source rows they read
+                dx = gathered_rows_grad(dx, x_index, expert_offsets, ctx.num_src)
         if ctx.needs_input_grad[1]:
-            dw = _WGRAD(x, grad_a, expert_offsets, ctx.trans_w, x.dtype)
-    return dx, dw, None, grad_probs, None, None, None, None, None
+            dw = _WGRAD(x, grad_a, expert_offsets, ctx.trans_w, x.dtype, x_index)
+    return dx, dw, None, grad_probs, None, None, None, None, None, None
 
 
 register_autograd("moe_core::grouped_gemm_glu_probs", _backward, setup_context=_setup_context)

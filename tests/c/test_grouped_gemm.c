@@ -18,7 +18,7 @@ static void set_gemm_kernel(const char *value) {
 
 static moe_grouped_gemm_params_t gg_params(int64_t rows, int64_t E, int64_t K, int64_t N, int trans,
                                            moe_dtype_t dt, moe_dtype_t out_dt) {
-    moe_grouped_gemm_params_t p = {rows, E, K, N, trans, dt, out_dt};
+    moe_grouped_gemm_params_t p = {rows, E, K, N, trans, dt, out_dt, MOE_GG_GATHER_NONE, NULL, 0};
     return p;
 }
 
@@ -321,6 +321,65 @@ static void test_grouped_gemm_conversions_exact(void) {
     free(h), free(y), free(x), free(out);
 }
 
+/* Gathered operand == the op on the materialised rows, bit for bit: for every op and operand it
+ * may gather, each dtype, both layouts and each CPU kernel (the default, the fp32 AVX-512 one that
+ * every dtype can be forced to, the portable one). The index has -1 (zero rows), repeats, an
+ * empty expert, rows past expert_offsets[E], and a source with fewer rows than the buffer. Sizes
+ * cross one tile in every direction (MC = NC = 256 rows / columns, KC = 128) with odd K and N
+ * (the half-filled last bf16 pair). */
+static void test_grouped_gemm_gather_equals_materialised(void) {
+    static const moe_dtype_t dts[4] = {MOE_DTYPE_FP32, MOE_DTYPE_BF16, MOE_DTYPE_FP16, MOE_DTYPE_FP64};
+    static const char *kernels[3] = {NULL, "avx512", "generic"};
+    const int64_t E = 4, K = 131, N = 267, R = 300, S = 97;
+    const int64_t off[5] = {0, 5, 5, 280, 290}; /* expert 1 empty; rows 290.. past the last */
+    int64_t *idx = malloc(sizeof(int64_t) * R);
+    for (int64_t r = 0; r < R; ++r) /* repeats (r·7 mod S hits each source row ~3 times), -1s */
+        idx[r] = r % 11 == 3 ? -1 : (r * 7) % S;
+    for (int d = 0; d < 4; ++d) {
+        const moe_dtype_t dt = dts[d];
+        const size_t es = moe_dtype_size(dt);
+        unsigned long long s = 100 + (unsigned)d;
+        void *xs = rand_buf(&s, dt, S * K), *dys = rand_buf(&s, dt, S * N);
+        void *w = rand_buf(&s, dt, E * K * N), *x = rand_buf(&s, dt, R * K);
+        void *dy = rand_buf(&s, dt, R * N);
+        /* the materialised rows: xg = xs[idx], dyg = dys[idx], zero where idx = -1 */
+        char *xg = calloc((size_t)(R * K), es), *dyg = calloc((size_t)(R * N), es);
+        for (int64_t r = 0; r < R; ++r) {
+            if (idx[r] < 0) continue;
+            memcpy(xg + (size_t)(r * K) * es, (char *)xs + (size_t)(idx[r] * K) * es, (size_t)K * es);
+            memcpy(dyg + (size_t)(r * N) * es, (char *)dys + (size_t)(idx[r] * N) * es, (size_t)N * es);
+        }
+        const size_t out_bytes = (size_t)(E * K * N + R * N + R * K) * es;
+        char *want = malloc(out_bytes), *got = malloc(out_bytes);
+        for (int kv = 0; kv < (dt == MOE_DTYPE_FP64 ? 1 : 3); ++kv) {
+            set_gemm_kernel(kernels[kv]);
+            for (int trans = 0; trans < 2; ++trans) {
+                moe_grouped_gemm_params_t p = gg_params(R, E, K, N, trans, dt, dt), g = p;
+                g.gather_index = idx, g.gather_rows = S;
+                /* (op, operand): fwd x, dgrad dy, wgrad x, wgrad dy */
+                for (int c = 0; c < 4; ++c) {
+                    const int kind = c < 2 ? c : 2;
+                    g.gather_operand = c == 1 || c == 3 ? MOE_GG_GATHER_DY : MOE_GG_GATHER_X;
+                    const int64_t n_out = kind == 0 ? R * N : kind == 1 ? R * K : E * K * N;
+                    const void *m0 = kind == 0 ? xg : kind == 1 ? dyg : (c == 2 ? xg : x);
+                    const void *m1 = kind == 2 ? (c == 3 ? dyg : dy) : w;
+                    const void *g0 = kind == 0 ? xs : kind == 1 ? dys : (c == 2 ? xs : x);
+                    const void *g1 = kind == 2 ? (c == 3 ? dys : dy) : w;
+                    memset(want, 0xab, out_bytes), memset(got, 0xcd, out_bytes);
+                    CHECK(gg_call(kind, want, m0, m1, off, &p) == MOE_OK, "%s", moe_last_error());
+                    CHECK(gg_call(kind, got, g0, g1, off, &g) == MOE_OK, "%s", moe_last_error());
+                    CHECK(memcmp(want, got, (size_t)n_out * es) == 0,
+                          "case %d dtype %s trans %d kernel %s: gathered differs", c,
+                          moe_dtype_name(dt), trans, kernels[kv] ? kernels[kv] : "default");
+                }
+            }
+        }
+        set_gemm_kernel(NULL);
+        free(xs), free(dys), free(w), free(x), free(dy), free(xg), free(dyg), free(want), free(got);
+    }
+    free(idx);
+}
+
 static void expect_error(moe_status_t st, const char *needle) {
     CHECK(st == MOE_ERR_INVALID_ARGUMENT, "status %s", moe_status_string(st));
     CHECK(strstr(moe_last_error(), needle) != NULL, "message '%s' lacks '%s'", moe_last_error(),
@@ -359,6 +418,39 @@ static void test_grouped_gemm_bad_input(void) {
     CHECK(zeros, "wgrad with no rows must write zeros");
 }
 
+static void test_grouped_gemm_gather_bad_input(void) {
+    float x[12] = {0}, w[24] = {0}, y[16];
+    int64_t ok[3] = {0, 2, 4}, idx[4] = {0, -1, 2, 1};
+    moe_grouped_gemm_params_t p = gg_params(4, 2, 3, 4, 0, MOE_DTYPE_FP32, MOE_DTYPE_FP32), q;
+    p.gather_index = idx, p.gather_rows = 3;
+    q = p, q.gather_operand = MOE_GG_GATHER_DY;
+    expect_error(gg_call(0, y, x, w, ok, &q),
+                 "gather_operand=2 is not allowed for moe_grouped_gemm_fwd (allowed: 0 = none, 1 = x)");
+    q = p, q.gather_operand = MOE_GG_GATHER_X;
+    expect_error(gg_call(1, y, x, w, ok, &q),
+                 "gather_operand=1 is not allowed for moe_grouped_gemm_dgrad");
+    q = p, q.gather_operand = 3;
+    expect_error(gg_call(2, w, x, y, ok, &q),
+                 "gather_operand=3 is not allowed for moe_grouped_gemm_wgrad");
+    q = p, q.gather_operand = MOE_GG_GATHER_X, q.gather_rows = -1;
+    expect_error(gg_call(0, y, x, w, ok, &q), "gather_rows must be >= 0, got -1");
+    q = p, q.gather_operand = MOE_GG_GATHER_X, q.gather_index = NULL;
+    expect_error(gg_call(0, y, x, w, ok, &q), "gather_index must not be NULL");
+    q = p, q.gather_operand = MOE_GG_GATHER_DY, q.gather_rows = 2;
+    expect_error(gg_call(2, w, x, y, ok, &q), "gather_index[2] = 2 is outside [-1, gather_rows=2)");
+    idx[3] = -2;
+    q = p, q.gather_operand = MOE_GG_GATHER_X;
+    expect_error(gg_call(0, y, x, w, ok, &q), "gather_index[3] = -2 is outside [-1, gather_rows=3)");
+    /* an empty source: every index -1, the source pointer may be NULL; all rows read zeros */
+    int64_t none[4] = {-1, -1, -1, -1};
+    q = p, q.gather_operand = MOE_GG_GATHER_X, q.gather_index = none, q.gather_rows = 0;
+    for (int i = 0; i < 24; ++i) w[i] = 1.0f;
+    CHECK(gg_call(0, y, NULL, w, ok, &q) == MOE_OK, "%s", moe_last_error());
+    int zeros = 1;
+    for (int i = 0; i < 16; ++i) zeros &= y[i] == 0.0f;
+    CHECK(zeros, "an all -1 gather must give zero rows");
+}
+
 void ctest_register_grouped_gemm(void) {
     ctest_add("grouped_gemm_matches_naive", test_grouped_gemm_matches_naive);
     ctest_add("grouped_gemm_one_expert_holds_all", test_grouped_gemm_one_expert_holds_all);
@@ -369,4 +461,6 @@ void ctest_register_grouped_gemm(void) {
     ctest_add("grouped_gemm_int64_index", test_grouped_gemm_int64_index);
     ctest_add("grouped_gemm_conversions_exact", test_grouped_gemm_conversions_exact);
     ctest_add("grouped_gemm_bad_input", test_grouped_gemm_bad_input);
+    ctest_add("grouped_gemm_gather_equals_materialised", test_grouped_gemm_gather_equals_materialised);
+    ctest_add("grouped_gemm_gather_bad_input", test_grouped_gemm_gather_bad_input);
 }

@@ -51,7 +51,8 @@ static void test_workspace_sizes_overflow(void) {
     CHECK(moe_token_dropping_workspace_size(huge, 4, MOE_DROP_PROBS, MOE_DTYPE_FP32) ==
               MOE_SIZE_OVERFLOW,
           "token_dropping");
-    moe_grouped_gemm_params_t g = {8, 2, 4, 4, 0, MOE_DTYPE_FP32, MOE_DTYPE_FP32};
+    moe_grouped_gemm_params_t g = {8, 2, 4, 4, 0, MOE_DTYPE_FP32, MOE_DTYPE_FP32, MOE_GG_GATHER_NONE,
+                                   NULL, 0};
     CHECK(moe_grouped_gemm_workspace_size(&g) != MOE_SIZE_OVERFLOW, "grouped gemm: fixed size");
 }
 

@@ -183,7 +183,9 @@ class GGParams(ctypes.Structure):
 
     _fields_ = [("num_rows", ctypes.c_int64), ("num_experts", ctypes.c_int64),
                 ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
-                ("trans_w", ctypes.c_int), ("dtype", ctypes.c_int), ("out_dtype", ctypes.c_int)]
+                ("trans_w", ctypes.c_int), ("dtype", ctypes.c_int), ("out_dtype", ctypes.c_int),
+                ("gather_operand", ctypes.c_int), ("gather_index", ctypes.c_void_p),
+                ("gather_rows", ctypes.c_int64)]
 
 
 SETTINGS = [{}, {"MOE_GG_SM90_SPLIT_TAIL": "0"}, {"MOE_GG_SM90_SPLIT_TAIL": "1"},
