@@ -607,13 +607,11 @@ extern "C" size_t moe_cuda_grouped_gemm_workspace_size(const moe_grouped_gemm_pa
         return moe_fail_size("moe_cuda_grouped_gemm_workspace_size: num_rows=%lld x %lld "
                              "gathered columns overflow the workspace bytes",
                              (long long)params->num_rows, (long long)gather_cols(params));
-    size_t need = copy + rest;
-    if (moe_cuda_gg_sm90_supports_gather()) {
-        const size_t s = moe_cuda_gg_sm90_workspace_size(params);
-        if (s == MOE_SIZE_OVERFLOW) return MOE_SIZE_OVERFLOW;
-        if (s > need) need = s;
-    }
-    return need;
+    /* the sm90 path reads the rows by index: no copy, the whole point of the gathered operand
+     * (run_gathered refuses a call it then declines, for a misaligned pointer) */
+    if (moe_cuda_gg_sm90_supports_gather() && moe_cuda_gg_sm90_takes(params))
+        return plain_workspace(params);
+    return copy + rest;
 }
 
 static int is_half(moe_dtype_t dt) { return dt == MOE_DTYPE_BF16 || dt == MOE_DTYPE_FP16; }
@@ -752,7 +750,12 @@ static moe_status_t run_gathered(gg_entry_fn fn, gg_kind_t kind, void *out, cons
                                  const moe_grouped_gemm_params_t *p, void *workspace,
                                  size_t workspace_bytes, void *stream) {
     const moe_grouped_gemm_params_t q = plain_params(p);
-    const size_t copy = gather_copy_bytes(p);
+    const size_t copy = gather_copy_bytes(p), rest = plain_workspace(&q);
+    MOE_CHECK(copy != MOE_SIZE_OVERFLOW && rest != MOE_SIZE_OVERFLOW &&
+                  workspace_bytes >= copy && workspace_bytes - copy >= rest,
+              "grouped_gemm: the gathered operand's rows need %zu workspace bytes for their copy, "
+              "got %zu (the Hopper kernels, sized for, read them by index but take only 16-byte "
+              "aligned operands)", copy + rest, workspace_bytes);
     /* wgrad's second operand is grad_y; elsewhere the gathered one is always in0 */
     const int second = kind == GG_WGRAD && p->gather_operand == MOE_GG_GATHER_DY;
     MOE_TRY(launch_gather_rows(workspace, second ? in1 : in0, p, (cudaStream_t)stream));

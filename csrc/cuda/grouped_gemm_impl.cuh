@@ -36,6 +36,12 @@ int moe_cuda_gg_sm90_compiled(void);
  * moe_cuda_gg_sm90_workspace_size must then cover a gathered call (the dispatcher takes the max
  * of it and the gather-then-run fallback's need, as the sm90 path may still decline). */
 int moe_cuda_gg_sm90_supports_gather(void);
+#define MOE_GG_SM90_GATHER 1
+
+/* 1 when the sm90 path takes a call of these sizes and dtypes on the current device (only a
+ * misaligned pointer could still make it decline): a gathered call then needs no room for a copy
+ * of the rows in the workspace. */
+int moe_cuda_gg_sm90_takes(const moe_grouped_gemm_params_t *params);
 
 moe_status_t moe_cuda_gg_sm90_fwd(void *y, const void *x, const void *weight,
                                   const int64_t *expert_offsets,

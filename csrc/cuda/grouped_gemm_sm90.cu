@@ -117,7 +117,18 @@ typedef struct gg_args {
      * columns, over the expert's rows alone (gg_sm90_expert_maps_kernel); NULL: the whole-buffer
      * maps, with the reduction's tail rows zeroed in shared memory */
     const CUtensorMap *ex_maps;
+    /* the gathered operand (g_op: GG_GATHER_A or _B, else GG_GATHER_NONE): its row r is row
+     * g_idx[r] of g_src ([g_rows, g_cols] 16-bit, rows g_ld bytes apart); an index of -1 (or
+     * outside [0, g_rows)) and rows past the reduction's end read as zeros. See gg_gather_box. */
+    const uint8_t *g_src;
+    const int64_t *g_idx;
+    int64_t g_rows, g_ld;
+    int g_op, g_cols;
 } gg_args_t;
+
+#define GG_GATHER_NONE 0
+#define GG_GATHER_A 1 /* the operand giving the output rows (fwd / dgrad: x or dy) */
+#define GG_GATHER_B 2 /* wgrad only: the operand giving the output columns */
 
 #if GG_SM90A
 /* ------------------------------------------------------------------------------------------
@@ -195,6 +206,62 @@ __device__ __forceinline__ void gg_tma_3d(void *dst, const CUtensorMap *map, uin
         " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(gg_smem_addr(dst)),
         "l"((uint64_t)map), "r"(gg_smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
         : "memory");
+}
+
+/* 16 bytes global -> shared by the generic-proxy async copy; ok = 0 writes zeros (src-size 0:
+ * nothing is read, src only has to be a valid address). */
+__device__ __forceinline__ void gg_cp16(uint32_t dst, const void *src, int ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                 "r"(ok ? 16 : 0)
+                 : "memory");
+}
+
+/* The barrier counts one arrival when every cp.async this thread issued so far has landed
+ * (noinc: that arrival is one of the count the barrier was initialised with). */
+__device__ __forceinline__ void gg_cp_arrive(uint64_t *bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(gg_smem_addr(bar))
+                 : "memory");
+}
+
+/* The gathered operand's share of one stage, issued by producer thread pt (0..127): the boxes
+ * the copy engine would have filled, in its 128-byte swizzle (16-byte chunk c of box row j at
+ * j * 128 + ((c ^ (j % 8)) * 16)), one row-index load per row instead of per chunk.
+ *   K-major (fwd / dgrad A): 128 tile rows x 64 reduction columns; thread pt copies row pt's
+ *     eight chunks from source row `src_row` (its index, loaded once per tile), columns
+ *     [col0, col0 + 64).
+ *   MN-major (wgrad): `boxes` boxes of BK reduction rows x 64 output columns, box b covering
+ *     columns col0 + 64 b; thread pt copies chunk pt % 8 of rows pt / 8, pt / 8 + 16, ... of each
+ *     box; reduction row j is row r0 + j of the activation, zero from row_end on. */
+template <int BK>
+__device__ __forceinline__ void gg_gather_mn(uint32_t dst, const gg_args_t &a, int boxes,
+                                             int col0, int64_t r0, int64_t row_end, int pt) {
+    const int c = pt & 7;
+#pragma unroll
+    for (int q = 0; q < BK / 16; ++q) {
+        const int j = pt / 8 + 16 * q;
+        const int64_t r = r0 + j;
+        int64_t s = r < row_end ? __ldg(a.g_idx + r) : -1;
+        if (s >= a.g_rows) s = -1;
+        const uint32_t at = dst + j * 128 + ((c ^ (j & 7)) << 4);
+        for (int b = 0; b < boxes; ++b) {
+            const int col = col0 + 64 * b + 8 * c;
+            const int ok = s >= 0 && col < a.g_cols;
+            gg_cp16(at + b * (BK * 128), ok ? a.g_src + s * a.g_ld + (int64_t)col * 2 : a.g_src,
+                    ok);
+        }
+    }
+}
+
+__device__ __forceinline__ void gg_gather_k(uint32_t dst, const gg_args_t &a, int64_t src_row,
+                                            int col0, int pt) {
+    const uint32_t row = dst + pt * 128;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+        const int col = col0 + 8 * c;
+        const int ok = src_row >= 0 && col < a.g_cols;
+        gg_cp16(row + ((c ^ (pt & 7)) << 4),
+                ok ? a.g_src + src_row * a.g_ld + (int64_t)col * 2 : a.g_src, ok);
+    }
 }
 
 /* wgmma shared-memory descriptor, 128-byte swizzle. K-major: lbo unused, sbo = 1024 (8-row
@@ -570,7 +637,8 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
         s_off[i] = gg_clamp_offset(args.offsets[i], args.num_rows);
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            gg_mbar_init(&full_bar[s], 1);
+            /* gathered: the TMA thread's expect_tx plus one cp.async arrival per producer thread */
+            gg_mbar_init(&full_bar[s], args.g_op != GG_GATHER_NONE ? 1 + 128 : 1);
             gg_mbar_init(&empty_bar[s], 8); /* one arrival per consumer warp */
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -610,11 +678,19 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
     }
 
     if (warp < 4) {
-        /* ---- producer warpgroup: one thread feeds the ring ---- */
+        /* ---- producer warpgroup: one thread feeds the ring (the copy engine); with a gathered
+         * operand all 128 copy its rows, the one thread still issuing the TMA loads ---- */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (threadIdx.x == 0) {
-            asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_a) : "memory");
-            asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_b) : "memory");
+        const int pt = threadIdx.x, g_op = args.g_op;
+        if (pt == 0 || g_op != GG_GATHER_NONE) {
+            if (pt == 0) {
+                asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_a) : "memory");
+                asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_b) : "memory");
+            }
+            /* the bytes the copy engine brings per stage: all, or the operand not gathered */
+            const uint32_t tx = g_op == GG_GATHER_NONE ? STAGE_BYTES
+                                : g_op == GG_GATHER_A  ? STAGE_BYTES - A_BYTES
+                                                       : A_BYTES;
             int stage = 0, last_e = -1;
             uint32_t phase = 0;
             gg_sched_t sc = gg_sched_make<WGRAD>(args, total);
@@ -628,7 +704,7 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                 int64_t r0 = tl.row0;
                 if (WGRAD && args.ex_maps) {
                     ma = args.ex_maps + 2 * tl.e, mb = ma + 1, r0 = 0;
-                    if (tl.e != last_e && k_end > kb0) {
+                    if (pt == 0 && tl.e != last_e && k_end > kb0) {
                         /* written by the generic proxy (the maps kernel): acquired by the
                          * tensormap proxy before the copy engine reads them */
                         asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;"
@@ -638,28 +714,56 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                         last_e = tl.e;
                     }
                 }
+                /* fwd / dgrad gathered: this thread's tile row and its source row, per tile */
+                int64_t src_row = -1;
+                if (!WGRAD && g_op == GG_GATHER_A) {
+                    const int64_t r = tl.row0 + m0 + pt;
+                    if (r < args.num_rows) src_row = __ldg(args.g_idx + r);
+                    if (src_row >= args.g_rows) src_row = -1;
+                }
                 for (int kb = kb0; kb < k_end; ++kb) {
                     gg_mbar_wait(&empty_bar[stage], phase ^ 1);
                     uint8_t *sa = smem + stage * STAGE_BYTES, *sb = sa + A_BYTES;
                     uint64_t *fb = &full_bar[stage];
-                    gg_mbar_expect_tx(fb, STAGE_BYTES);
-                    if constexpr (WGRAD) {
-                        const int r = (int)(r0 + (int64_t)kb * BK);
-                        gg_tma_2d(sa, ma, fb, m0, r);
-                        gg_tma_2d(sa + MN_BOX, ma, fb, m0 + 64, r);
+                    if (pt == 0) {
+                        gg_mbar_expect_tx(fb, tx);
+                        if constexpr (WGRAD) {
+                            const int r = (int)(r0 + (int64_t)kb * BK);
+                            if (g_op != GG_GATHER_A) {
+                                gg_tma_2d(sa, ma, fb, m0, r);
+                                gg_tma_2d(sa + MN_BOX, ma, fb, m0 + 64, r);
+                            }
+                            if (g_op != GG_GATHER_B) {
 #pragma unroll
-                        for (int i = 0; i < BN / 64; ++i)
-                            gg_tma_3d(sb + i * MN_BOX, mb, fb, n0 + 64 * i, r, 0);
-                    } else {
-                        gg_tma_2d(sa, &map_a, fb, kb * GG_BK, (int)(tl.row0 + m0));
-                        if constexpr (B_MN) {
-#pragma unroll
-                            for (int i = 0; i < BN / 64; ++i)
-                                gg_tma_3d(sb + i * GG_BOX_BYTES, &map_b, fb, n0 + 64 * i,
-                                          kb * GG_BK, tl.e);
+                                for (int i = 0; i < BN / 64; ++i)
+                                    gg_tma_3d(sb + i * MN_BOX, mb, fb, n0 + 64 * i, r, 0);
+                            }
                         } else {
-                            gg_tma_3d(sb, &map_b, fb, kb * GG_BK, n0, tl.e);
+                            if (g_op == GG_GATHER_NONE)
+                                gg_tma_2d(sa, &map_a, fb, kb * GG_BK, (int)(tl.row0 + m0));
+                            if constexpr (B_MN) {
+#pragma unroll
+                                for (int i = 0; i < BN / 64; ++i)
+                                    gg_tma_3d(sb + i * GG_BOX_BYTES, &map_b, fb, n0 + 64 * i,
+                                              kb * GG_BK, tl.e);
+                            } else {
+                                gg_tma_3d(sb, &map_b, fb, kb * GG_BK, n0, tl.e);
+                            }
                         }
+                    }
+                    if (g_op != GG_GATHER_NONE) {
+                        if constexpr (WGRAD) {
+                            const int64_t rr = tl.row0 + (int64_t)kb * BK;
+                            if (g_op == GG_GATHER_A)
+                                gg_gather_mn<BK>(gg_smem_addr(sa), args, 2, m0, rr, tl.row_end,
+                                                 pt);
+                            else
+                                gg_gather_mn<BK>(gg_smem_addr(sb), args, BN / 64, n0, rr,
+                                                 tl.row_end, pt);
+                        } else {
+                            gg_gather_k(gg_smem_addr(sa), args, src_row, kb * GG_BK, pt);
+                        }
+                        gg_cp_arrive(fb);
                     }
                     if (++stage == STAGES) stage = 0, phase ^= 1;
                 }
@@ -709,6 +813,9 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
             for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
             for (int kb = kb0; kb < k_end; ++kb) {
                 gg_mbar_wait(&full_bar[stage], phase);
+                /* rows written by cp.async (the generic proxy), read by wgmma (the async proxy) */
+                if (args.g_op != GG_GATHER_NONE)
+                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
                 if constexpr (WGRAD) {
                     uint8_t *sa = smem + stage * STAGE_BYTES;
                     /* reduction tail: rows past the expert's end must not contribute (with the
@@ -975,25 +1082,50 @@ static int gg_wgrad_bk(int forced, int64_t rows, int64_t E) {
     return rows <= GG_SHORT_ROWS * E ? GG_BK_SHORT : GG_BK;
 }
 
+/* 1 when the sizes and dtypes of a call are ones the sm90 kernels take (TMA: 16-byte row strides;
+ * int32 coordinates; the schedule fits shared memory; a gathered operand's source of fewer than
+ * 2^31 rows): everything but the pointers' alignment, which only the call knows. */
+static int gg_sm90_sizes_ok(const moe_grouped_gemm_params_t *p) {
+    const moe_dtype_t dt = p->dtype, odt = p->out_dtype;
+    if (dt != MOE_DTYPE_BF16 && dt != MOE_DTYPE_FP16) return 0;
+    if (odt != MOE_DTYPE_BF16 && odt != MOE_DTYPE_FP16 && odt != MOE_DTYPE_FP32) return 0;
+    const int64_t rows = p->num_rows, E = p->num_experts, K = p->in_features,
+                  N = p->out_features;
+    if (rows <= 0 || K <= 0 || N <= 0 || E < 1 || E > GG_MAX_E) return 0;
+    if (K % 8 || N % 8) return 0;
+    if (rows >= ((int64_t)1 << 31) - 4096 || E * N >= ((int64_t)1 << 31) ||
+        E * K >= ((int64_t)1 << 31) || K >= ((int64_t)1 << 30) || N >= ((int64_t)1 << 30))
+        return 0;
+    if (p->gather_operand != MOE_GG_GATHER_NONE &&
+        (p->gather_rows < 1 || p->gather_rows >= ((int64_t)1 << 31)))
+        return 0;
+    return 1;
+}
+
+/* The sm90 kernels read a gathered operand themselves (gg_gather_k / gg_gather_mn). */
+extern "C" int moe_cuda_gg_sm90_supports_gather(void) { return 1; }
+
+extern "C" int moe_cuda_gg_sm90_takes(const moe_grouped_gemm_params_t *p) {
+    if (!p || !gg_sm90_sizes_ok(p) || !moe_cuda_gg_sm90_compiled()) return 0;
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return major == 9;
+}
+
 static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const void *other,
                                 const int64_t *offsets, const moe_grouped_gemm_params_t *p,
                                 void *workspace, size_t workspace_bytes, void *stream) {
     moe_clear_error();
-    if (!p) return MOE_ERR_UNSUPPORTED;
+    if (!p || !gg_sm90_sizes_ok(p)) return MOE_ERR_UNSUPPORTED;
     const moe_tuning_t tune = moe_tuning_get();
     const moe_dtype_t dt = p->dtype, odt = p->out_dtype;
-    if (dt != MOE_DTYPE_BF16 && dt != MOE_DTYPE_FP16) return MOE_ERR_UNSUPPORTED;
-    if (odt != MOE_DTYPE_BF16 && odt != MOE_DTYPE_FP16 && odt != MOE_DTYPE_FP32)
-        return MOE_ERR_UNSUPPORTED;
     const int64_t rows = p->num_rows, E = p->num_experts, K = p->in_features,
                   N = p->out_features;
     const int tw = p->trans_w != 0;
-    /* TMA: 16-byte row strides; int32 coordinates; the schedule fits shared memory */
-    if (rows <= 0 || K <= 0 || N <= 0 || E < 1 || E > GG_MAX_E) return MOE_ERR_UNSUPPORTED;
-    if (K % 8 || N % 8) return MOE_ERR_UNSUPPORTED;
-    if (rows >= ((int64_t)1 << 31) - 4096 || E * N >= ((int64_t)1 << 31) ||
-        E * K >= ((int64_t)1 << 31) || K >= ((int64_t)1 << 30) || N >= ((int64_t)1 << 30))
-        return MOE_ERR_UNSUPPORTED;
     if (((uintptr_t)out | (uintptr_t)act_a | (uintptr_t)other) & 15) return MOE_ERR_UNSUPPORTED;
     if (!offsets) return MOE_ERR_UNSUPPORTED;
     if (!moe_cuda_gg_sm90_compiled()) return MOE_ERR_UNSUPPORTED;
@@ -1042,15 +1174,30 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         op == GG_WGRAD ? E * m_tiles_static * n_tiles : (rows / GG_BM + E) * n_tiles;
     if (tiles_bound >= ((int64_t)1 << 31) - 65536) return MOE_ERR_UNSUPPORTED;
 
+    /* The gathered operand (see gg_gather_k / gg_gather_mn): x is A in fwd and in wgrad with
+     * tw = 0, B in wgrad with tw = 1; dy is A in dgrad and in wgrad with tw = 1. Its tensor map
+     * spans the source's rows; the copy engine never loads through it. */
+    int g_op = GG_GATHER_NONE;
+    if (p->gather_operand != MOE_GG_GATHER_NONE) {
+        const int gx = p->gather_operand == MOE_GG_GATHER_X;
+        if (op == GG_FWD) g_op = gx ? GG_GATHER_A : -1;
+        else if (op == GG_DGRAD) g_op = gx ? -1 : GG_GATHER_A;
+        else g_op = (gx == tw) ? GG_GATHER_B : GG_GATHER_A;
+        if (g_op < 0 || !p->gather_index || ((uintptr_t)p->gather_index & 7))
+            return MOE_ERR_UNSUPPORTED;
+    }
+    const uint64_t rows_a = g_op == GG_GATHER_A ? (uint64_t)p->gather_rows : (uint64_t)rows;
+    const uint64_t rows_b = g_op == GG_GATHER_B ? (uint64_t)p->gather_rows : (uint64_t)rows;
+
     const int bk = op == GG_WGRAD ? gg_wgrad_bk(tune.gg_wgrad_bk, rows, E) : GG_BK;
     CUtensorMap map_a, map_b;
     int ok;
     if (op == GG_WGRAD) {
         /* both MN-major: boxes of bk expert rows x 64 columns */
-        ok = gg_make_map(&map_a, a_ptr, dt, 2, (uint64_t)a_cols, (uint64_t)rows, 1, bk) &&
-             gg_make_map(&map_b, b_ptr, dt, 3, (uint64_t)n_out, (uint64_t)rows, 1, bk);
+        ok = gg_make_map(&map_a, a_ptr, dt, 2, (uint64_t)a_cols, rows_a, 1, bk) &&
+             gg_make_map(&map_b, b_ptr, dt, 3, (uint64_t)n_out, rows_b, 1, bk);
     } else {
-        ok = gg_make_map(&map_a, a_ptr, dt, 2, (uint64_t)a_cols, (uint64_t)rows, 1, GG_BM);
+        ok = gg_make_map(&map_a, a_ptr, dt, 2, (uint64_t)a_cols, rows_a, 1, GG_BM);
         /* weight as [E, R, C]: tw=1 [E, N, K], tw=0 [E, K, N] */
         const uint64_t wc = tw ? K : N, wr = tw ? N : K;
         const uint32_t box_b = b_mn ? 64 : bn;
@@ -1079,6 +1226,12 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
     args.m_tiles_static = (int)m_tiles_static;
     args.ld_out = n_out;
     args.num_rows = rows;
+    args.g_op = g_op;
+    args.g_src = (const uint8_t *)(g_op == GG_GATHER_A ? a_ptr : b_ptr);
+    args.g_idx = p->gather_index;
+    args.g_rows = p->gather_rows;
+    args.g_cols = (int)(g_op == GG_GATHER_A ? a_cols : n_out);
+    args.g_ld = (int64_t)args.g_cols * 2;
 
     const int wgrad = op == GG_WGRAD, f16 = dt == MOE_DTYPE_FP16;
     gg_kernel_t k;
