@@ -7,18 +7,27 @@ It computes exactly::
     y = grouped_gemm(h, weight2, expert_offsets, trans_w=True)
     y = unpermute(y, sorted_indices, tokens.shape)                   with combine=True only
 
-What it saves for the backward is fc1's output ``a`` ``[rows, F1]`` and the small index tensors:
-not the rows (when ``tokens`` and ``sorted_indices`` say where they came from, the backward gathers
-them again, one pass of ``[rows, H]`` bytes) and not ``h`` (the activation backward recomputes
-it from ``a``, with the same element functions, in the same pass that computes ``grad_a``). The
-backward also allocates no ``[rows, F1]`` or ``[rows, F]`` buffer of its own: ``glu_probs_bwd_``
-turns the saved ``a`` into ``grad_a`` and fc2's input gradient into ``h``, in place. Backward::
+where ``rows = tokens[sorted_indices]`` (``permute``'s rows) may be left unmade: with
+``rows=None`` the GEMMs read each row straight from ``tokens`` through ``sorted_indices``
+(the gathered operand of ``grouped_gemm``), so the ``[rows, H]`` copy exists in neither pass.
+What the op saves for the backward is fc1's output ``a`` ``[rows, F1]`` and the small index
+tensors: not the rows and not ``h`` (the activation backward recomputes it from ``a``, with the
+same element functions, in the same pass that computes ``grad_a``). The backward allocates no
+``[rows, F1]`` or ``[rows, F]`` buffer of its own: ``glu_probs_bwd_`` turns the saved ``a`` into
+``grad_a`` and fc2's input gradient into ``h``, in place. With ``combine`` the rows' gradient is
+read from the tokens' output gradient by index as well. Backward::
 
-    grad_h = grouped_gemm_dgrad(grad_y, weight2)                     [rows, F]
+    grad_h = grouped_gemm_dgrad(grad_out, weight2, grad_y_index=sorted_indices)   [rows, F]
     grad_probs = glu_probs_bwd_(grad_h, a, probs)                    a := grad_a, grad_h := h
-    dW2 = grouped_gemm_wgrad(h, grad_y)
-    dW1 = grouped_gemm_wgrad(rows, grad_a)                           rows gathered again
-    d_rows = grouped_gemm_dgrad(grad_a, weight1)
+    dW2 = grouped_gemm_wgrad(h, grad_out, grad_y_index=sorted_indices)
+    dW1 = grouped_gemm_wgrad(tokens, grad_a, x_index=sorted_indices)
+    d_tokens = permute_bwd(grouped_gemm_dgrad(grad_a, weight1))     rows=None: in row chunks
+
+With ``rows=None`` the tokens' gradient is made chunk by chunk when the rows outnumber
+``4 / itemsize`` times the tokens (top-k above 2 in bf16): each chunk of rows' gradient
+(``grouped_gemm_dgrad`` of that slice of ``grad_a``) is added into an fp32 ``[T, H]``
+accumulator (``permute_bwd_accumulate_``) and freed, so at no point does the whole ``[rows, H]``
+gradient exist; a chunk's buffer is never larger than the accumulator.
 
 Precision contract
 ------------------
@@ -28,7 +37,12 @@ Precision contract
   from ``glu_probs_math.h``'s element functions on the same ``a``; the gathered rows are copies).
   So every statement of those ops' contracts holds: fp32 accumulation, one rounding of ``a`` to
   the dtype, the activation rounded where torch's eager sequence rounds it; deterministic, no
-  atomics, no host synchronisation.
+  atomics, no host synchronisation. The tokens' gradient made in row chunks adds each token's
+  rows in the same ascending order in fp32 and rounds once, as ``permute_bwd`` does; its rows'
+  gradients come from ``grouped_gemm_dgrad`` over each chunk, the same sums except where the
+  Hopper kernel splits a partial last wave of tiles along the reduction (reductions of 4096 or
+  more), whose fp32 partial sums then group differently from the unchunked call's (still the
+  same bits run after run).
 * The backward consumes what it saved (``a`` becomes ``grad_a``): a second backward through the
   same graph (``retain_graph=True``) raises a RuntimeError instead of reading overwritten values.
   Without ``tokens`` / ``sorted_indices`` (rows that arrived by an all-to-all) the rows are saved.
@@ -41,6 +55,7 @@ from typing import Optional, Tuple
 import torch
 
 from moe_core.ops._guards import double_backward_error, register_autograd, register_fake
+from moe_core.ops.grouped_gemm import gathered_rows_grad
 
 _FC1 = torch.ops.moe_core.grouped_gemm_glu_probs
 _FC2 = torch.ops.moe_core.grouped_gemm
@@ -49,11 +64,11 @@ _WGRAD = torch.ops.moe_core.grouped_gemm_wgrad
 _GLU_BWD_ = torch.ops.moe_core.glu_probs_bwd_
 _GLU_BWD = torch.ops.moe_core.glu_probs_bwd
 _UNPERMUTE = torch.ops.moe_core.unpermute
-_UNPERMUTE_BWD = torch.ops.moe_core.unpermute_bwd
+_ACCUMULATE_ = torch.ops.moe_core.permute_bwd_accumulate_
 
 
 def expert_mlp(
-    rows: torch.Tensor,
+    rows: Optional[torch.Tensor],
     weight1: torch.Tensor,
     weight2: torch.Tensor,
     expert_offsets: torch.Tensor,
@@ -70,7 +85,8 @@ def expert_mlp(
 
     Args:
         rows: ``[R, H]`` expert-sorted rows (bf16 / fp16 / fp32 / fp64); expert ``e`` owns
-            ``rows[expert_offsets[e]:expert_offsets[e + 1]]``.
+            ``rows[expert_offsets[e]:expert_offsets[e + 1]]``. None: the rows are
+            ``tokens[sorted_indices]``, read by index inside the GEMMs and never made.
         weight1: ``[E, F1, H]`` (Megatron's ``linear_fc1.weight`` stacked; ``F1 = 2F`` with
             ``gated_linear_unit``, gate rows first), rows' dtype.
         weight2: ``[E, H, F]`` (``linear_fc2.weight`` stacked), rows' dtype.
@@ -79,7 +95,7 @@ def expert_mlp(
         activation, gated_linear_unit, linear_offset, clamp_value: as for ``glu_probs``.
         tokens: ``[T, H]`` the tensor the rows were gathered from (``permute``'s input), or None.
         sorted_indices: ``[R]`` int64, the token of each row (-1: a zero padding row), as
-            ``permute`` returns it; given with ``tokens``, the rows are gathered again in the
+            ``permute`` returns it; given with ``tokens``, the rows are read again by index in the
             backward instead of being saved. ``rows`` must then equal that gather.
         combine: return each token's sum of its rows' outputs, ``[T, H]`` (``unpermute`` of the
             rows' outputs, same kernel, same bits), instead of the rows' outputs. Needs
@@ -90,30 +106,40 @@ def expert_mlp(
     Returns:
         ``[R, H]`` (``[T, H]`` with ``combine``) in rows' dtype. Differentiable in ``rows``,
         ``weight1``, ``weight2`` and ``probs`` (the gradient reaching ``rows`` flows on to
-        ``tokens`` through ``permute``).
+        ``tokens`` through ``permute``); with ``rows=None`` in ``tokens`` instead of ``rows``.
     """
+    if rows is None and (tokens is None or sorted_indices is None):
+        raise ValueError("expert_mlp: rows=None reads the rows from tokens by sorted_indices; pass "
+                         f"both, got tokens={'None' if tokens is None else 'a tensor'} and "
+                         f"sorted_indices={'None' if sorted_indices is None else 'a tensor'}")
     if (tokens is None) != (sorted_indices is None):
         raise ValueError("expert_mlp: pass tokens and sorted_indices together (the rows' source), "
                          f"got tokens={'None' if tokens is None else 'a tensor'} and "
                          f"sorted_indices={'None' if sorted_indices is None else 'a tensor'}")
-    if sorted_indices is not None and sorted_indices.shape != rows.shape[:1]:
+    if rows is not None and sorted_indices is not None and sorted_indices.shape != rows.shape[:1]:
         raise ValueError(f"expert_mlp: sorted_indices must be [{rows.shape[0]}] (one per row), got "
+                         f"{tuple(sorted_indices.shape)}")
+    if rows is None and sorted_indices.dim() != 1:
+        raise ValueError(f"expert_mlp: sorted_indices must be [R] (one per row), got "
                          f"{tuple(sorted_indices.shape)}")
     if combine and tokens is None:
         raise ValueError("expert_mlp: combine=True needs tokens and sorted_indices (the tokens "
                          "whose rows are summed), got tokens=None")
-    if tokens is not None and (tokens.dim() != 2 or tokens.shape[1] != rows.shape[1]):
-        raise ValueError(f"expert_mlp: tokens must be [T, {rows.shape[1]}] (the rows' hidden "
+    hidden = weight1.shape[-1] if rows is None else rows.shape[1]
+    if tokens is not None and (tokens.dim() != 2 or tokens.shape[1] != hidden):
+        raise ValueError(f"expert_mlp: tokens must be [T, {hidden}] (the rows' hidden "
                          f"size), got {tuple(tokens.shape)}")
-    y, _a = _expert_mlp(rows, weight1, weight2, expert_offsets, probs,
-                        None if tokens is None else tokens.detach(), sorted_indices, activation,
+    if tokens is not None and rows is not None:
+        tokens = tokens.detach()  # the rows carry the gradient (to tokens through permute)
+    y, _a = _expert_mlp(rows, weight1, weight2, expert_offsets, probs, tokens, sorted_indices,
+                        activation,
                         bool(gated_linear_unit), float(linear_offset),
                         None if clamp_value is None else float(clamp_value), bool(combine))
     return y
 
 
 @torch.library.custom_op("moe_core::expert_mlp", mutates_args=())
-def _expert_mlp(rows: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor,
+def _expert_mlp(rows: Optional[torch.Tensor], weight1: torch.Tensor, weight2: torch.Tensor,
                 expert_offsets: torch.Tensor, probs: Optional[torch.Tensor],
                 tokens: Optional[torch.Tensor], sorted_indices: Optional[torch.Tensor],
                 activation: str, gated_linear_unit: bool, linear_offset: float,
@@ -122,8 +148,12 @@ def _expert_mlp(rows: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor
     """Returns ``(y, a)``: ``a`` (fc1's output) is an output only so that the backward may keep
     it; :func:`expert_mlp` drops it. ``y``: the rows' outputs, or with ``combine`` their sums
     per token."""
-    h, a = _FC1(rows, weight1, expert_offsets, probs, activation, gated_linear_unit,
-                linear_offset, clamp_value, True)
+    if rows is None:  # fc1 reads tokens[sorted_indices] by index
+        h, a = _FC1(tokens, weight1, expert_offsets, probs, activation, gated_linear_unit,
+                    linear_offset, clamp_value, True, sorted_indices)
+    else:
+        h, a = _FC1(rows, weight1, expert_offsets, probs, activation, gated_linear_unit,
+                    linear_offset, clamp_value, True)
     y = _FC2(h, weight2, expert_offsets, True, None)
     if combine:
         del h
@@ -134,32 +164,66 @@ def _expert_mlp(rows: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor
 @register_fake("moe_core::expert_mlp")
 def _(rows, weight1, weight2, expert_offsets, probs, tokens, sorted_indices, activation,
       gated_linear_unit, linear_offset, clamp_value, combine=False):
-    out_rows = tokens.shape[0] if combine else rows.shape[0]
-    return rows.new_empty((out_rows, weight2.shape[1])), \
-        rows.new_empty((rows.shape[0], weight1.shape[1]))
+    num_rows = sorted_indices.shape[0] if rows is None else rows.shape[0]
+    out_rows = tokens.shape[0] if combine else num_rows
+    return weight2.new_empty((out_rows, weight2.shape[1])), \
+        weight1.new_empty((num_rows, weight1.shape[1]))
 
 
-def _gather_rows(tokens: torch.Tensor, sorted_indices: torch.Tensor) -> torch.Tensor:
-    """``tokens[sorted_indices]``, zero where the index is -1: ``permute``'s rows again, or with
-    the combined output's gradient as ``tokens``, the rows' gradient.
+def _size_hint(n) -> int:
+    """A size's value for a choice that must not specialise a compiled graph (the chunk count of
+    :func:`_tokens_grad`: every count gives the same bits): a symbolic size's hint, no guard."""
+    if not isinstance(n, torch.SymInt):
+        return int(n)
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+    except ImportError:  # an older torch: the value the trace was made with
+        return int(n.node.hint)
+    return optimization_hint(n)
 
-    That is exactly unpermute's backward without probs (each row gets its token's gradient, a -1
-    row zero): its row-copy kernel, one pass, where an index_select needs a zero row appended
-    to the tokens and the indices remapped first."""
-    return _UNPERMUTE_BWD(tokens.contiguous(), sorted_indices, None, None, None)[0]
+
+def _tokens_grad(grad_a: torch.Tensor, weight1: torch.Tensor, offsets: torch.Tensor,
+                 sorted_indices: torch.Tensor, num_tokens: int, dtype: torch.dtype
+                 ) -> torch.Tensor:
+    """The tokens' gradient ``[T, H]``: ``permute_bwd`` of fc1's input gradient
+    ``grouped_gemm_dgrad(grad_a, weight1)`` ``[R, H]``, made in ``ceil(R * itemsize / 4T)``
+    chunks of rows (a chunk's buffer then never outgrows the fp32 accumulator it is added into;
+    the count depends only on top-k and the dtype, so it stays one number under dynamic shapes).
+    A chunk's expert offsets are the layout's, shifted to the chunk's first row and clamped to
+    its rows, on the device: the experts before and after it are empty there, one cut by its ends
+    keeps its rows inside it."""
+    R = grad_a.shape[0]
+    r, t = _size_hint(R), _size_hint(num_tokens)
+    chunks = 1 if t == 0 else max(1, -(-(r * grad_a.element_size()) // (4 * t)))
+    if chunks == 1:
+        d_rows = _DGRAD(grad_a, weight1, offsets, True, dtype)
+        return gathered_rows_grad(d_rows, sorted_indices, offsets, num_tokens)
+    acc = torch.zeros((num_tokens, weight1.shape[-1]), dtype=torch.float32,
+                      device=grad_a.device)
+    for c in range(chunks):
+        lo, hi = c * R // chunks, (c + 1) * R // chunks
+        d_rows = _DGRAD(grad_a[lo:hi], weight1, (offsets - lo).clamp(0, hi - lo), True, dtype)
+        # the chunk's own slice of the layout (row_lo 0): a symbolic row_lo would specialise
+        _ACCUMULATE_(acc, d_rows, sorted_indices[lo:hi], 0)
+        del d_rows
+    return acc.to(dtype)
 
 
 def _setup_context(ctx, inputs, output):
     (rows, weight1, weight2, offsets, probs, tokens, sorted_indices, activation, gated, offset,
      clamp, *combine) = inputs
     _y, a = output
-    need_rows, need_w1, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
-        ctx.needs_input_grad[2]
+    ctx.gathered = rows is None
+    # the rows' gradient goes to rows, or with rows=None to tokens
+    need_rows = ctx.needs_input_grad[5] if ctx.gathered else ctx.needs_input_grad[0]
+    need_w1 = ctx.needs_input_grad[1]
     keep_rows = need_w1 and tokens is None
     ctx.combine = bool(combine and combine[0])
+    ctx.num_tokens = None if tokens is None else tokens.shape[0]
     ctx.save_for_backward(rows if keep_rows else None, tokens if need_w1 else None,
-                          sorted_indices if need_w1 or ctx.combine else None,
+                          sorted_indices if need_w1 or ctx.combine or ctx.gathered else None,
                           weight1 if need_rows else None, weight2, offsets, probs, a)
+    ctx.need_rows = need_rows
     ctx.glu_opts = (activation, gated, offset, clamp)
     ctx.consumed = False
     # an unused output's gradient stays None (a's, always: expert_mlp drops it)
@@ -177,17 +241,16 @@ def _backward(ctx, grad_y, grad_a_out):
             "saved fc1 output was turned into its gradient by the first backward. Run the "
             "forward again for a second backward.")
     rows, tokens, sorted_indices, weight1, weight2, offsets, probs, a = ctx.saved_tensors
-    need_rows, need_w1, need_w2, need_probs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+    need_rows, need_w1, need_w2, need_probs = (ctx.need_rows, ctx.needs_input_grad[1],
                                                ctx.needs_input_grad[2], ctx.needs_input_grad[4])
     if grad_y is None:
         return (None,) * 12
     dtype = weight2.dtype
-    if ctx.combine:  # the rows' gradient, ours to free once fc2's backward is done with it
-        g = _gather_rows(grad_y, sorted_indices).to(dtype)
-    else:
-        g = grad_y.to(dtype).contiguous()
+    # the rows' gradient: with combine each row's token's, read by index inside the GEMMs
+    g = grad_y.to(dtype).contiguous()
+    g_index = sorted_indices if ctx.combine else None
     del grad_y
-    grad_h = _DGRAD(g, weight2, offsets, True, dtype)
+    grad_h = _DGRAD(g, weight2, offsets, True, dtype, g_index)
     if grad_a_out is None:
         ctx.consumed = True
         grad_probs = _GLU_BWD_(grad_h, a, probs, *ctx.glu_opts)  # a := grad_a, grad_h := h
@@ -197,17 +260,22 @@ def _backward(ctx, grad_y, grad_a_out):
         grad_a = grad_a + grad_a_out.to(a.dtype)
         h = torch.ops.moe_core.glu_probs(a, probs, *ctx.glu_opts)
     del grad_h
-    dw2 = _WGRAD(h, g, offsets, True, dtype) if need_w2 else None
+    dw2 = _WGRAD(h, g, offsets, True, dtype, None, g_index) if need_w2 else None
     del h, g
     dw1 = None
     if need_w1:
-        x = rows if rows is not None else _gather_rows(tokens, sorted_indices)
-        dw1 = _WGRAD(x, grad_a, offsets, True, dtype)
-        del x
-    d_rows = _DGRAD(grad_a, weight1, offsets, True, dtype) if need_rows else None
+        if rows is not None:
+            dw1 = _WGRAD(rows, grad_a, offsets, True, dtype)
+        else:  # the rows read from the tokens by index
+            dw1 = _WGRAD(tokens, grad_a, offsets, True, dtype, sorted_indices)
+    d_rows = d_tokens = None
+    if need_rows and ctx.gathered:
+        d_tokens = _tokens_grad(grad_a, weight1, offsets, sorted_indices, ctx.num_tokens, dtype)
+    elif need_rows:
+        d_rows = _DGRAD(grad_a, weight1, offsets, True, dtype)
     if probs is None or not need_probs:
         grad_probs = None
-    return d_rows, dw1, dw2, None, grad_probs, None, None, None, None, None, None, None
+    return d_rows, dw1, dw2, None, grad_probs, d_tokens, None, None, None, None, None, None
 
 
 register_autograd("moe_core::expert_mlp", _backward, setup_context=_setup_context)

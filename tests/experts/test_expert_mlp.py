@@ -7,6 +7,8 @@ comparison is torch.equal-strict. The memory claims are checked on what autograd
 (``saved_tensors_hooks``): neither the rows nor ``h`` when the rows' source is given. CPU always;
 CUDA when there is a GPU.
 """
+import importlib
+
 import pytest
 import torch
 
@@ -128,6 +130,70 @@ def test_combine_bitwise_equal_to_unpermute_after(device, dtype, act, gated, off
     assert got[0].shape == (T, H)
     for name, a, b in zip(("out", "d_tokens", "d_w1", "d_w2", "d_probs"), got, want):
         assert torch.equal(a, b), f"{name}: max |diff| {(a.double() - b.double()).abs().max()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("act,gated,offset,clamp", CASES[:2])
+@pytest.mark.parametrize("align_size", [0, 8])
+@pytest.mark.parametrize("k", [2, 3, 5])
+@pytest.mark.parametrize("combine", [True, False])
+def test_rows_by_index_bitwise_equal_to_the_two_ops(device, dtype, act, gated, offset, clamp,
+                                                    align_size, k, combine):
+    """rows=None (fc1, fc2's dgrad and both wgrads read the rows from the tokens by index; the
+    tokens' gradient made in row chunks for k * itemsize > 4) against permute, the two ops and
+    unpermute: the same bits, forward and every gradient, at one, two and several chunks."""
+    T, H, E, F_ = 45, 32, 6, 24
+    torch.manual_seed(0)
+    tokens = torch.randn(T, H, dtype=torch.float64).to(dtype).to(device)
+    w1, w2 = weights(E, H, F_, gated, dtype, device)
+    table = probs_table_of(T, E, k, device)
+
+    def by_index(tokens, w1, w2, probs_table):
+        _rows, row_probs, idx, off, _ = ops.permute(
+            tokens, probs_table.detach() > 0, probs_table, num_out_tokens=T * k,
+            align_size=align_size)
+        y = ops.expert_mlp(None, w1, w2, off, row_probs, act, gated, offset, clamp, tokens, idx,
+                           combine=combine)
+        return y if combine else ops.unpermute(y, idx, restore_shape=tokens.shape)
+
+    _, composed = layer_fns(T, E, k, align_size, act, gated, offset, clamp, True)
+    got = run(by_index, tokens, w1, w2, table)
+    want = run(composed, tokens, w1, w2, table)
+    for name, a, b in zip(("out", "d_tokens", "d_w1", "d_w2", "d_probs"), got, want):
+        assert torch.equal(a, b), f"{name}: max |diff| {(a.double() - b.double()).abs().max()}"
+
+
+def test_rows_by_index_needs_the_tokens(device):
+    T, H, E, k, F_ = 16, 8, 4, 2, 8
+    _tokens, _rows, row_probs, idx, off = routed(T, H, E, k, torch.float32, device)
+    w1, w2 = weights(E, H, F_, True, torch.float32, device)
+    with pytest.raises(ValueError, match="rows=None reads the rows from tokens"):
+        ops.expert_mlp(None, w1, w2, off, row_probs, "silu", True, sorted_indices=idx)
+
+
+def test_rows_by_index_tokens_gradient_chunks_hold_less(device, monkeypatch):
+    """The tokens' gradient in row chunks: no [R, H] tensor is allocated in the backward (its
+    largest [*, H] buffer is the fp32 accumulator's size), and the result equals permute_bwd of
+    the whole rows' gradient."""
+    T, H, E, k, F_ = 64, 16, 8, 8, 8
+    tokens, _rows, row_probs, idx, off = routed(T, H, E, k, torch.bfloat16, device)
+    w1, w2 = weights(E, H, F_, True, torch.bfloat16, device)
+    g = torch.randn(T * k, 2 * F_, dtype=torch.float64).to(torch.bfloat16).to(device)
+    em = importlib.import_module("moe_core.ops.expert_mlp")
+    seen = []
+    real = OPS.grouped_gemm_dgrad
+
+    def spy(grad_y, *args):
+        out = real(grad_y, *args)
+        seen.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(em, "_DGRAD", spy)
+    got = em._tokens_grad(g, w1.detach(), off, idx, T, torch.bfloat16)
+    assert len(seen) == 4 and max(seen) <= T * 2  # ceil(8 rows * 2 bytes / 4) chunks of 2T rows
+    d_rows = real(g, w1.detach(), off, True, torch.bfloat16)
+    want = OPS.permute_bwd(d_rows, None, idx, off, T)[0]
+    assert torch.equal(got, want)
 
 
 def test_combine_needs_the_tokens(device):
