@@ -138,14 +138,26 @@ class GroupedMLP(nn.Module):
                  f"{(self.ep_rank + 1) * self.num_local_experts - 1} of {self.config.num_moe_experts}"
         return s
 
-    def forward(self, x: torch.Tensor, expert_offsets: torch.Tensor, probs: torch.Tensor,
+    @property
+    def reads_rows_by_index(self) -> bool:
+        """True when :meth:`forward` takes ``x=None`` with ``tokens`` and ``sorted_indices``:
+        the whole MLP is then ``ops.expert_mlp``, whose GEMMs read each row from the tokens by
+        index, so the caller need not make the ``[rows, H]`` rows at all. (The unfused path, for
+        a bias, probs on the input or an activation outside glu_probs, needs the rows.)"""
+        cfg = self.config
+        return (self.bias1 is None and ops.activation_name(cfg.activation_func) is not None
+                and not cfg.moe_apply_probs_on_input)
+
+    def forward(self, x: Optional[torch.Tensor], expert_offsets: torch.Tensor, probs: torch.Tensor,
                 tokens: Optional[torch.Tensor] = None,
                 sorted_indices: Optional[torch.Tensor] = None,
                 combine: bool = False) -> torch.Tensor:
         """Expert outputs.
 
         Args:
-            x: ``[rows, H]`` expert-sorted tokens (activation dtype).
+            x: ``[rows, H]`` expert-sorted tokens (activation dtype), or None when
+                :attr:`reads_rows_by_index`: the rows are then ``tokens[sorted_indices]``, read
+                by index, and the gradient goes to ``tokens``.
             expert_offsets: ``[E + 1]`` int64 row offsets on x's device (local experts).
             probs: ``[rows]`` router probs of each row (router dtype).
             tokens, sorted_indices: where x came from (``permute``'s input ``[T, H]`` and its
@@ -160,9 +172,15 @@ class GroupedMLP(nn.Module):
         if combine and (tokens is None or sorted_indices is None):
             raise ValueError("GroupedMLP: combine=True needs tokens and sorted_indices (the tokens "
                              "whose rows are summed), got None")
+        if x is None and not (self.reads_rows_by_index and tokens is not None
+                              and sorted_indices is not None):
+            raise ValueError("GroupedMLP: x=None (rows read from tokens by index) needs tokens and "
+                             "sorted_indices and the fused expert path (no bias, probs after the "
+                             "activation, a glu_probs activation); got "
+                             f"reads_rows_by_index={self.reads_rows_by_index}")
         cfg = self.config
         name = ops.activation_name(cfg.activation_func)
-        if self.bias1 is None and name is not None and not cfg.moe_apply_probs_on_input:
+        if self.reads_rows_by_index:
             # fc1, the activation, the probs and fc2 as one op that keeps only fc1's output for
             # the backward (ops/expert_mlp.py); the same bits as the two ops below
             gated = cfg.gated_linear_unit

@@ -243,11 +243,17 @@ class MoELayer(nn.Module):
         if self.fc1_latent_proj is not None:
             x = self.fc1_latent_proj(x)
         if self.dispatcher is None:
+            by_index = self.experts.reads_rows_by_index
+            # by index: the experts' GEMMs read each row from x through sorted_indices, so
+            # permute makes only the layout and the rows' probs, moving one column of x (a
+            # detached view: no gradient flows through that copy; x's comes from the experts)
             rows, row_probs, sorted_indices, expert_offsets, _ = ops.permute(
-                x, routing_map, probs, num_out_tokens=self.num_permuted_rows(x.shape[0]))
-            # the experts sum each token's rows themselves (unpermute): their backward then
-            # frees the rows' [T·k, H] gradient before it gathers the rows again
-            out = self.experts(rows, expert_offsets, row_probs, x, sorted_indices, combine=True)
+                x[:, :1].detach() if by_index else x, routing_map, probs,
+                num_out_tokens=self.num_permuted_rows(x.shape[0]))
+            # the experts sum each token's rows themselves (unpermute) and, reading them by
+            # index, never hold the [T·k, H] rows or their gradient whole
+            out = self.experts(None if by_index else rows, expert_offsets, row_probs, x,
+                               sorted_indices, combine=True)
         else:
             out, overlapped = self._expert_parallel(x, probs, routing_map, hidden_states, overlap)
             if overlap:
