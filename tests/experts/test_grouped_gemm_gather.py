@@ -348,3 +348,66 @@ def test_glu_probs_probs_rows_follow_the_index():
     w = torch.randn(3, 10, 8)
     with pytest.raises(ValueError, match=r"probs.shape\[0\] must equal x_index.shape\[0\]"):
         ops.grouped_gemm_glu_probs(XS, w, OFF, torch.rand(6), "silu", True, x_index=IDX)
+
+
+# ---- the Hopper kernels' own gathered loads, under every tuning switch --------------------------
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (the sm90 kernels read the index)")
+@pytest.mark.parametrize("tile", ["128", "256"])
+@pytest.mark.parametrize("switch", [None, ("MOE_GG_SM90_SPLIT_TAIL", "1"),
+                                    ("MOE_GG_SM90_EXPERT_MAPS", "0"),
+                                    ("MOE_GG_SM90_WGRAD_BK", "64"), ("MOE_GG_SM90_WGRAD_BK", "32")],
+                         ids=["default", "split", "no-maps", "bk64", "bk32"])
+@pytest.mark.parametrize("trans_w", [False, True])
+def test_sm90_gathered_loads(tuning_env, tile, switch, trans_w):
+    """The sm90 kernels copy a gathered operand's rows themselves (cp.async into the swizzled
+    stages): bitwise the same kernel on the materialised rows, for fwd, dgrad and both wgrad
+    operands, with -1 rows, repeated rows, rows past expert_offsets[E], experts of 0 to several
+    hundred rows (several M tiles, reductions with tails), a split last wave, the whole-buffer
+    wgrad maps and both wgrad stage depths."""
+    tuning_env("MOE_GG_SM90_TILE", tile)
+    if switch is not None:
+        tuning_env(*switch)
+    counts = [5, 0, 700, 129, 256, 1]
+    g = torch.Generator().manual_seed(0)
+    R, S, K, N, E = sum(counts) + 13, 900, 264, 136, len(counts)
+    dev, dt = "cuda", torch.bfloat16
+    idx = torch.randint(0, S, (R,), generator=g)
+    idx[::5] = -1
+    idx = idx.to(dev)
+    off = offsets_of(counts, dev)
+    w = (torch.randn((E, N, K) if trans_w else (E, K, N), generator=g) / K**0.5).to(dt).to(dev)
+    xs = torch.randn(S, K, generator=g).to(dt).to(dev)
+    dys = torch.randn(S, N, generator=g).to(dt).to(dev)
+    x = torch.randn(R, K, generator=g).to(dt).to(dev)
+    dy = torch.randn(R, N, generator=g).to(dt).to(dev)
+    assert_bitwise(ops.grouped_gemm(xs, w, off, trans_w, None, idx),
+                   ops.grouped_gemm(materialise(xs, idx), w, off, trans_w))
+    assert_bitwise(ops.grouped_gemm_dgrad(dys, w, off, trans_w, None, idx),
+                   ops.grouped_gemm_dgrad(materialise(dys, idx), w, off, trans_w))
+    assert_bitwise(ops.grouped_gemm_wgrad(xs, dy, off, trans_w, None, x_index=idx),
+                   ops.grouped_gemm_wgrad(materialise(xs, idx), dy, off, trans_w))
+    assert_bitwise(ops.grouped_gemm_wgrad(x, dys, off, trans_w, None, grad_y_index=idx),
+                   ops.grouped_gemm_wgrad(x, materialise(dys, idx), off, trans_w))
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (the sm90 kernels read the index)")
+def test_sm90_gathered_needs_no_row_copy():
+    """On Hopper a gathered call's workspace has no room for a copy of the rows (the kernel
+    reads them by index), and the call allocates no [rows, K] tensor besides its output."""
+    R, S, K, N, E = 4096, 512, 1024, 512, 8
+    dev, dt = "cuda", torch.bfloat16
+    idx = torch.randint(0, S, (R,), device=dev)
+    off = offsets_of([R // E] * E, dev)
+    w = torch.randn(E, N, K, device=dev).to(dt)
+    xs = torch.randn(S, K, device=dev).to(dt)
+    ops.grouped_gemm(xs, w, off, True, None, idx)  # warm-up
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y = ops.grouped_gemm(xs, w, off, True, None, idx)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - y.numel() * y.element_size()
+    assert extra < R * K * 2 // 4, extra
