@@ -48,7 +48,8 @@ SAN_PYTESTS := tests/layout/test_ops.py tests/router/test_ops.py tests/router/te
 	tests/router/test_fused_losses.py tests/balancing/test_losses.py tests/balancing/test_errors.py \
 	tests/balancing/test_expert_bias.py tests/balancing/test_sinkhorn.py \
 	tests/balancing/test_metrics.py tests/experts/test_glu_probs.py \
-	tests/experts/test_grouped_gemm.py tests/experts/test_grouped_gemm_glu_probs.py \
+	tests/experts/test_grouped_gemm.py tests/experts/test_grouped_gemm_gather.py \
+	tests/experts/test_grouped_gemm_glu_probs.py \
 	tests/experts/test_expert_mlp.py tests/hardening/test_overflow_and_contracts.py tests/fuzz
 
 .PHONY: all venv build test ctest pytest demo bench clean test-sanitize ctest-sanitize \

@@ -232,18 +232,22 @@ static void pack_a(float *dst, moe_dtype_t dt, const gg_problem_t *pr, int64_t i
                    int64_t mc, int64_t kc) {
     if (pr->a_gidx && pr->a_gather_p) {
         const int64_t *idx = pr->a_gidx + p0;
-        if (dt == MOE_DTYPE_FP32) pack_a_gp_fp32(dst, (const float *)pr->a, idx, pr->a_cs, i0, mc, kc);
+        if (dt == MOE_DTYPE_FP32)
+            pack_a_gp_fp32(dst, (const float *)pr->a, idx, pr->a_cs, i0, mc, kc);
         else if (dt == MOE_DTYPE_BF16)
             pack_a_gp_bf16(dst, (const uint16_t *)pr->a, idx, pr->a_cs, i0, mc, kc);
-        else pack_a_gp_fp16(dst, (const uint16_t *)pr->a, idx, pr->a_cs, i0, mc, kc);
+        else
+            pack_a_gp_fp16(dst, (const uint16_t *)pr->a, idx, pr->a_cs, i0, mc, kc);
         return;
     }
     if (pr->a_gidx) {
         const int64_t *idx = pr->a_gidx + i0;
-        if (dt == MOE_DTYPE_FP32) pack_a_gi_fp32(dst, (const float *)pr->a, idx, pr->a_rs, p0, mc, kc);
+        if (dt == MOE_DTYPE_FP32)
+            pack_a_gi_fp32(dst, (const float *)pr->a, idx, pr->a_rs, p0, mc, kc);
         else if (dt == MOE_DTYPE_BF16)
             pack_a_gi_bf16(dst, (const uint16_t *)pr->a, idx, pr->a_rs, p0, mc, kc);
-        else pack_a_gi_fp16(dst, (const uint16_t *)pr->a, idx, pr->a_rs, p0, mc, kc);
+        else
+            pack_a_gi_fp16(dst, (const uint16_t *)pr->a, idx, pr->a_rs, p0, mc, kc);
         return;
     }
     const int64_t off = i0 * pr->a_rs + p0 * pr->a_cs;
@@ -264,10 +268,12 @@ static void pack_b(float *dst, moe_dtype_t dt, const gg_problem_t *pr, int64_t p
                    int64_t kc, int64_t nc) {
     if (pr->b_gidx) {
         const int64_t *idx = pr->b_gidx + p0;
-        if (dt == MOE_DTYPE_FP32) pack_b_gp_fp32(dst, (const float *)pr->b, idx, pr->b_rs, j0, kc, nc);
+        if (dt == MOE_DTYPE_FP32)
+            pack_b_gp_fp32(dst, (const float *)pr->b, idx, pr->b_rs, j0, kc, nc);
         else if (dt == MOE_DTYPE_BF16)
             pack_b_gp_bf16(dst, (const uint16_t *)pr->b, idx, pr->b_rs, j0, kc, nc);
-        else pack_b_gp_fp16(dst, (const uint16_t *)pr->b, idx, pr->b_rs, j0, kc, nc);
+        else
+            pack_b_gp_fp16(dst, (const uint16_t *)pr->b, idx, pr->b_rs, j0, kc, nc);
         return;
     }
     const int64_t off = p0 * pr->b_rs + j0 * pr->b_cs;
@@ -941,7 +947,7 @@ moe_status_t moe_grouped_gemm_wgrad(void *grad_weight, const void *x, const void
 
 /* fc1 with glu_probs: on the CPU the op is the composition itself (a must be written anyway, the
  * backward needs it), so its bits are those of the two ops called apart by construction. A
- * gathered x goes to fc1 with the params (glu_probs reads a, which has num_rows rows either way). */
+ * gathered x goes to fc1 with the params (glu_probs reads a: num_rows rows either way). */
 moe_status_t moe_grouped_gemm_glu_probs_fwd(void *h, void *a, const void *x, const void *weight,
                                             const int64_t *expert_offsets, const void *probs,
                                             moe_dtype_t probs_dtype,

@@ -292,7 +292,8 @@ def test_index_wrong_dtype():
 
 
 def test_index_wrong_rank():
-    with pytest.raises(ValueError, match=r"x_index must be 1-D, got a 2-D tensor of shape \[1, 4\]"):
+    with pytest.raises(ValueError,
+                       match=r"x_index must be 1-D, got a 2-D tensor of shape \[1, 4\]"):
         ops.grouped_gemm(XS, W, OFF, x_index=IDX[None])
 
 
@@ -324,12 +325,14 @@ def test_index_value_below_minus_one():
 
 
 def test_index_shorter_than_expert_offsets():
-    with pytest.raises(ValueError, match=r"expert_offsets\[num_experts=3\] must be <= num_rows=3, got 4"):
+    with pytest.raises(ValueError,
+                       match=r"expert_offsets\[num_experts=3\] must be <= num_rows=3, got 4"):
         ops.grouped_gemm(XS, W, OFF, x_index=IDX[:3])
 
 
 def test_source_columns_mismatch():
-    with pytest.raises(ValueError, match=r"weight.shape\[1\] must equal x.shape\[1\] \(in_features\)"):
+    with pytest.raises(ValueError,
+                       match=r"weight.shape\[1\] must equal x.shape\[1\] \(in_features\)"):
         ops.grouped_gemm(torch.randn(6, 7), W, OFF, x_index=IDX)
 
 
