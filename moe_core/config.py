@@ -36,6 +36,15 @@ Fields of moe-core's expert-parallel exchange (Megatron has no equivalent):
 * ``moe_alltoall_recv_factor``: the "symm_mem" receive budget of each rank in units of the
   balanced load ``T·topk`` rows (the buffer holds ``ceil(factor·T·topk)`` rows); rows beyond it
   are dropped by a rule every rank computes alike (``MoELayer.last_dropped_rows`` counts them).
+
+Field of moe-core's single-device expert path (Megatron has no equivalent):
+
+* ``moe_expert_rows_by_index``: True: the experts' GEMMs read each permuted row from the tokens
+  by index, and the tokens' gradient is made in row chunks, so no ``[T·topk, H]`` buffer is held
+  in either pass (less activation memory, the same bits). False: ``permute`` makes the rows.
+  None (default): True on the CPU; False on CUDA, where the Hopper kernels' gathered loads
+  still run slower than the copy engine's (benchmarks/RESULTS.md). Only the fused expert path
+  (no bias, probs after the activation, a ``glu_probs`` activation) reads by index.
 """
 import dataclasses
 import math
@@ -110,6 +119,9 @@ class MoEConfig:
     # ---- moe-core's expert-parallel exchange (see the module docstring) ----
     moe_alltoall_exchange: str = "nccl"
     moe_alltoall_recv_factor: float = 2.0
+
+    # ---- moe-core's single-device expert path (see the module docstring) ----
+    moe_expert_rows_by_index: Optional[bool] = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -312,6 +324,9 @@ class MoEConfig:
         for f in self._BOOLS:
             if not isinstance(getattr(self, f), bool):
                 bad(f, "must be a bool")
+        if self.moe_expert_rows_by_index is not None and \
+                not isinstance(self.moe_expert_rows_by_index, bool):
+            bad("moe_expert_rows_by_index", "must be a bool or None")
         coeffs = self.moe_aux_loss_coeff
         for c in (coeffs if isinstance(coeffs, (list, tuple)) else [coeffs]):
             if not is_number(c):

@@ -243,7 +243,7 @@ class MoELayer(nn.Module):
         if self.fc1_latent_proj is not None:
             x = self.fc1_latent_proj(x)
         if self.dispatcher is None:
-            by_index = self.experts.reads_rows_by_index
+            by_index = self.experts.reads_rows_by_index and self._rows_by_index(x)
             # by index: the experts' GEMMs read each row from x through sorted_indices, so
             # permute makes only the layout and the rows' probs, moving one column of x (a
             # detached view: no gradient flows through that copy; x's comes from the experts)
@@ -264,6 +264,11 @@ class MoELayer(nn.Module):
         if shared is not None:
             out = out + shared
         return out
+
+    def _rows_by_index(self, x: torch.Tensor) -> bool:
+        """config.moe_expert_rows_by_index, None resolved by x's device (see MoEConfig)."""
+        choice = self.config.moe_expert_rows_by_index
+        return x.device.type == "cpu" if choice is None else choice
 
     def _expert_parallel(self, x, probs, routing_map, hidden_states, overlap):
         """dispatch -> local experts -> combine; with overlap, the shared expert runs while the

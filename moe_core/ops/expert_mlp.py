@@ -206,7 +206,20 @@ def _tokens_grad(grad_a: torch.Tensor, weight1: torch.Tensor, offsets: torch.Ten
         # the chunk's own slice of the layout (row_lo 0): a symbolic row_lo would specialise
         _ACCUMULATE_(acc, d_rows, sorted_indices[lo:hi], 0)
         del d_rows
+    return acc if dtype == torch.float32 else _rounded(acc, dtype)
+
+
+@torch.library.custom_op("moe_core::rounded", mutates_args=())
+def _rounded(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``acc.to(dtype)`` as an op of its own: the one rounding of the accumulated tokens'
+    gradient. Inductor fuses a plain cast into the cast tensor's consumer (here, the sum with the
+    router's input gradient) and skips the rounding, which would break compiled == eager."""
     return acc.to(dtype)
+
+
+@register_fake("moe_core::rounded")
+def _(acc, dtype):
+    return acc.new_empty(acc.shape, dtype=dtype)
 
 
 def _setup_context(ctx, inputs, output):

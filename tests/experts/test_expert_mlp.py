@@ -402,3 +402,78 @@ def test_opcheck(device):
                                                            dtype=torch.bfloat16), a,
                                                torch.rand(48, device=device), "silu", True, 0.0,
                                                None))
+
+
+def _by_index_layer(device, by_index, topk=4, dtype=torch.bfloat16):
+    cfg = MoEConfig(hidden_size=32, moe_ffn_hidden_size=48, num_moe_experts=6,
+                    moe_router_topk=topk, params_dtype=dtype, gated_linear_unit=True,
+                    activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                    moe_router_dtype="fp32", moe_expert_rows_by_index=by_index)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return MoELayer(cfg)
+
+
+def _layer_step(layer, x, g):
+    x = x.detach().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    out = layer(x)
+    out.backward(g)
+    return [out, x.grad] + [p.grad for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("topk", [2, 4])
+def test_layer_rows_by_index_same_bits(device, topk):
+    """moe_expert_rows_by_index=True (rows read by index, the tokens' gradient in row chunks at
+    top-4 in bf16) against False (permute makes the rows): the same output and gradients, bit
+    for bit."""
+    on, off = _by_index_layer(device, True, topk), _by_index_layer(device, False, topk)
+    off.load_state_dict(on.state_dict())
+    x = torch.randn(40, 32, device=device).to(torch.bfloat16)
+    g = torch.randn(40, 32, device=device).to(torch.bfloat16)
+    for i, (a, b) in enumerate(zip(_layer_step(on, x, g), _layer_step(off, x, g))):
+        assert torch.equal(a, b), f"tensor {i}: max |diff| {(a.double() - b.double()).abs().max()}"
+
+
+def test_layer_rows_by_index_holds_no_rows(device):
+    """By index, the layer makes no [T·k, H] tensor in the forward (its only [R, ·] tensors are
+    fc1's output and the index/prob vectors)."""
+    layer = _by_index_layer(device, True)
+    T, k, H = 40, 4, 32
+    x = torch.randn(T, H, device=device).to(torch.bfloat16).requires_grad_()
+    made = []
+
+    class Spy(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor):
+                    made.append(tuple(t.shape))
+            return out
+
+    with Spy():
+        layer(x)
+    assert (T * k, H) not in made, made
+    assert (T * k, 2 * 48) in made
+
+
+def test_layer_rows_by_index_default_follows_the_device():
+    layer = _by_index_layer("cpu", None)
+    assert layer._rows_by_index(torch.zeros(1))
+    assert not layer._rows_by_index(torch.zeros(1, device="meta"))
+
+
+def test_layer_rows_by_index_inductor_equals_eager(device):
+    """Under inductor the accumulated tokens' gradient is still rounded once to bf16 before it
+    meets the router's input gradient (its cast is an op of its own: fused into the sum, a cast's
+    rounding may be skipped by the generated GPU code), so the compiled layer's output and
+    gradients equal eager's bit for bit."""
+    torch._dynamo.reset()
+    layer = _by_index_layer(device, True)
+    x = torch.randn(40, 32, device=device).to(torch.bfloat16)
+    g = torch.randn(40, 32, device=device).to(torch.bfloat16)
+    want = _layer_step(layer, x, g)
+    compiled = torch.compile(layer, fullgraph=True, backend="inductor")
+    got = _layer_step(compiled, x, g)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"tensor {i}: max |diff| {(a.double() - b.double()).abs().max()}"

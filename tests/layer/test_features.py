@@ -382,6 +382,8 @@ BAD_CONFIGS = {
     "layer_freq_pattern": (dict(moe_layer_freq=[1, 2]), r"moe_layer_freq=\[1, 2\]: a list must be"),
     "fp8_padding_not_bool": (dict(moe_router_padding_for_quantization="yes"),
                              "moe_router_padding_for_quantization='yes': must be a bool or None"),
+    "rows_by_index_not_bool": (dict(moe_expert_rows_by_index=1),
+                               "moe_expert_rows_by_index=1: must be a bool or None"),
     "bias_update_rate_inf": (dict(moe_router_bias_update_rate=float("inf")),
                              "moe_router_bias_update_rate=inf: must be a finite"),
 }
