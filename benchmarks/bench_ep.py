@@ -186,6 +186,13 @@ def build_ours(kw: dict, dev: torch.device, seed: int, ep_group, state: Optional
     return layer.train()
 
 
+def set_rows_by_index(layer: MoELayer, choice: str) -> None:
+    """``--rows-by-index``: "on" / "off" set ``moe_expert_rows_by_index`` of our layer; "auto"
+    keeps the default (by device)."""
+    if choice != "auto":
+        layer.config = dataclasses.replace(layer.config, moe_expert_rows_by_index=choice == "on")
+
+
 @contextlib.contextmanager
 def count_host_syncs(counts: Dict[str, int]):
     """Counts, into ``counts``, host waits on CUDA events (``torch.cuda.Event.synchronize``)

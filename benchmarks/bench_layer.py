@@ -97,7 +97,8 @@ from torch import nn  # noqa: E402
 import moe_core  # noqa: E402
 from bench_ep import (add_run_args, build_megatron, build_ours, free_grads,  # noqa: E402
                       host_syncs, init_distributed, moe_kwargs, patch_megatron_for_cpu,
-                      rel_diff, resolve_run_args)  # this folder: the layers' builders, syncs
+                      rel_diff, resolve_run_args,
+                      set_rows_by_index)  # this folder: the layers' builders, syncs
 from moe_core import MoELayer  # noqa: E402
 from shapes import LAYER_SHAPES, REFERENCE, Shape, select  # noqa: E402
 from timing import (dense_ceiling, held_after_forward, peak_bytes, sync,  # noqa: E402
@@ -316,6 +317,7 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
         meg = build_megatron(kw, dev, args.seed)
     state = meg.state_dict() if meg is not None else None
     ours = build_ours(kw, dev, args.seed, None, state)
+    set_rows_by_index(ours, args.rows_by_index)
     del state
     gc.collect()
     weights_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())  # = grads
@@ -501,6 +503,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, help="tokens (default: each shape's)")
     ap.add_argument("--experts", type=int, help="number of experts (default: each shape's)")
     ap.add_argument("--skip", default="", help=f"comma-separated, of {','.join(SKIPPABLE)}")
+    ap.add_argument("--rows-by-index", choices=("auto", "on", "off"), default="auto",
+                    help="ours: MoEConfig.moe_expert_rows_by_index (auto: the default, by device)")
     add_run_args(ap)
     args = ap.parse_args()
     cpu = resolve_run_args(args)

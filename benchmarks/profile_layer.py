@@ -28,7 +28,7 @@ from typing import Dict, List, Tuple  # noqa: E402
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench_ep import build_ours, moe_kwargs  # noqa: E402  (this folder)
+from bench_ep import build_ours, moe_kwargs, set_rows_by_index  # noqa: E402  (this folder)
 from shapes import SHAPES  # noqa: E402
 from timing import held_after_forward, peak_bytes, sync  # noqa: E402
 
@@ -162,6 +162,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="mixtral,qwen3_30b_a3b,dsv3_like")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--rows-by-index", choices=("auto", "on", "off"), default="auto",
+                    help="ours: MoEConfig.moe_expert_rows_by_index (auto: the default, by device)")
     ap.add_argument("--gaps", type=int, default=0,
                     help="also list the N longest stretches the GPU sat idle (with host ops)")
     ap.add_argument("--trace", default="",
@@ -171,6 +173,7 @@ def main() -> None:
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         layer = build_ours(moe_kwargs(shape, "dropless", 1), dev, 0, None, None)
+        set_rows_by_index(layer, args.rows_by_index)
         gen = torch.Generator(device=dev).manual_seed(1)
         x = torch.randn(shape.tokens, shape.hidden, device=dev, dtype=torch.bfloat16,
                         generator=gen, requires_grad=True)
