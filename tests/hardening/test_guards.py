@@ -27,7 +27,8 @@ Sample = Tuple[object, tuple]
 
 def extra_samples() -> Iterator[Sample]:
     """Ops that helpers/op_samples.py's samples leaves to other modules (the SymInt variants, the
-    fused fc1, the in-place GLU backward, expert_mlp, the chunked permute backward)."""
+    fused fc1, the in-place GLU backward, expert_mlp, the chunked permute backward and the
+    rounding of its accumulator)."""
     T, E, H, k = 12, 4, 16, 2
     idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
     m = torch.zeros(T, E, dtype=torch.bool).scatter_(1, idx, True)
@@ -51,6 +52,7 @@ def extra_samples() -> Iterator[Sample]:
     yield OPS.glu_probs_bwd_, (torch.randn(R, 8), torch.randn(R, 16), torch.rand(R), "silu", True,
                                0.0, None)
     yield OPS.permute_bwd_accumulate_, (torch.zeros(T, H), torch.randn(R - 3, H), sidx, 2)
+    yield OPS.rounded, (torch.randn(T, H), torch.bfloat16)
 
 
 def all_samples() -> List[Sample]:
@@ -68,7 +70,7 @@ def registered(key: str) -> List[str]:
 
 # every op with a fake kernel: the C++ ops and the Python-defined ones
 META_OPS = registered("Meta")
-# the ops that take two tensors or more (sinkhorn and sinkhorn_routing take one)
+# the ops that take two tensors or more (sinkhorn, sinkhorn_routing and rounded take one)
 MIXABLE = [n for n in META_OPS
            if sum("Tensor" in str(a.type) for a in getattr(OPS, n).default._schema.arguments) > 1]
 # every op with an autograd formula (a Python-defined op without one gets torch's default kernel,
@@ -97,11 +99,11 @@ def test_every_op_registers_through_the_guards():
     assert META_OPS and set(registered("CPU")) <= set(META_OPS)
     assert sorted(n.split("::")[1] for n in _guards.DEVICE_CHECKED) == META_OPS
     autograd = set(registered("Autograd"))
-    assert set(META_OPS) - set(MIXABLE) == {"sinkhorn", "sinkhorn_routing"}
+    assert set(META_OPS) - set(MIXABLE) == {"sinkhorn", "sinkhorn_routing", "rounded"}
     assert set(GUARDED) <= autograd
     assert set(NO_DERIVATIVE) <= autograd
     # the rest are Python-defined ops with torch's default autograd kernel
-    assert autograd - set(GUARDED) - set(NO_DERIVATIVE) == {"permute_bwd_symint"}
+    assert autograd - set(GUARDED) - set(NO_DERIVATIVE) == {"permute_bwd_symint", "rounded"}
 
 
 @pytest.mark.parametrize("name", MIXABLE)
