@@ -7,8 +7,8 @@
 # kernel table and what is saved for backward); the summary and the tables last.
 # Run on any CUDA machine from the repo root: `bash benchmarks/gpu_layer_session.sh`; megatron-core
 # from the environment or from a wheel copied into .whl/ (device_env.sh installs it).
-# Knobs: SKIP_BUILD, SKIP_TESTS, SKIP_BENCH, SESSION_S, LAYER_ARGS (default: --rounds 10), HF_ARGS,
-# PROFILE_ARGS (default: --top 12).
+# Knobs: SKIP_BUILD, SKIP_TESTS, SKIP_BENCH, SKIP_BY_INDEX (the by-index bench_layer run),
+# SESSION_S, LAYER_ARGS (default: --rounds 10), HF_ARGS, PROFILE_ARGS (default: --top 12).
 set -uo pipefail
 source benchmarks/session_lib.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -26,7 +26,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -c "import xdist" 2>/dev/null && XDIST_ARG=(-n "${NPROC:-8}")
   run_step test_expert_path 240 env OMP_NUM_THREADS=1 python3 -m pytest \
       tests/experts/test_expert_mlp.py tests/experts/test_glu_probs.py \
-      tests/experts/test_grouped_gemm_glu_probs.py tests/layer/test_megatron_parity.py \
+      tests/experts/test_grouped_gemm_glu_probs.py tests/experts/test_grouped_gemm_gather.py \
+      tests/layer/test_megatron_parity.py \
       tests/hardening/test_cuda_graph.py \
       "tests/balancing/test_cuda_vs_cpu.py::test_gating_linear_cpu_cuda" \
       "tests/balancing/test_cuda_vs_cpu.py::test_gating_linear_bwd_bf16_on_tensor_cores" \
@@ -36,6 +37,9 @@ fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
   run_step bench_layer 200 python3 benchmarks/bench_layer.py ${LAYER_ARGS:---rounds 10}
+  # the rows read by index (opt-in on CUDA): time and memory against the default above
+  [ -n "${SKIP_BY_INDEX:-}" ] || run_step bench_layer_by_index 200 python3 benchmarks/bench_layer.py \
+      ${LAYER_ARGS:---rounds 10} --rows-by-index on --skip megatron
   run_step bench_hf 120 python3 benchmarks/bench_hf.py ${HF_ARGS:-}
   run_step profile_layer 120 python3 benchmarks/profile_layer.py ${PROFILE_ARGS:---top 12}
 fi
@@ -46,3 +50,4 @@ for line in "${SUMMARY[@]}"; do echo "$line"; done
 [ -f "$OUT/profile_layer.log" ] && grep -E "^==|saved for backward|memory:|GPU time|glu|gating|gg_sm90" "$OUT/profile_layer.log" | cut -c1-150
 [ -f "$OUT/bench_hf.log" ] && sed -n '/^| shape/,$p' "$OUT/bench_hf.log"
 [ -f "$OUT/bench_layer.log" ] && sed -n '/^| shape/,$p' "$OUT/bench_layer.log"
+[ -f "$OUT/bench_layer_by_index.log" ] && grep -E "^\| .*ours" "$OUT/bench_layer_by_index.log"

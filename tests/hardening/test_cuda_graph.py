@@ -64,19 +64,23 @@ def test_dropless_router_permute_unpermute_cuda_graph(score, groups):
 
 
 @needs_gpu
-def test_layer_training_step_cuda_graph():
+@pytest.mark.parametrize("by_index", [False, True], ids=["rows-made", "rows-by-index"])
+def test_layer_training_step_cuda_graph(by_index):
     """The whole MoELayer (router with aux loss, dispatch, grouped-GEMM experts, combine),
-    forward and backward, in one CUDA graph, once every op it calls has a CUDA kernel."""
+    forward and backward, in one CUDA graph, once every op it calls has a CUDA kernel; with the
+    rows permute makes and with the rows read by index (top-4: the tokens' gradient in chunks)."""
     if not moe_core.layer_runs_on_cuda():
         missing = [op for op in moe_core.LAYER_OPS
                    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_core::{op}", "CUDA")]
         pytest.fail(f"layer ops without a CUDA kernel: {missing}")
     torch.manual_seed(0)
-    cfg = moe_core.MoEConfig(hidden_size=256, num_moe_experts=8, moe_router_topk=2,
+    cfg = moe_core.MoEConfig(hidden_size=256, num_moe_experts=8,
+                             moe_router_topk=4 if by_index else 2,
                              moe_ffn_hidden_size=512, gated_linear_unit=True,
                              activation_func=torch.nn.functional.silu, add_bias_linear=False,
                              moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
-                             params_dtype=torch.bfloat16, moe_router_dtype="fp32")
+                             params_dtype=torch.bfloat16, moe_router_dtype="fp32",
+                             moe_expert_rows_by_index=by_index)
     layer = moe_core.MoELayer(cfg).cuda()
     g = torch.randn(64, 4, 256, device="cuda", dtype=torch.bfloat16)
 
