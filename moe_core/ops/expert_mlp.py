@@ -14,14 +14,18 @@ What the op saves for the backward is fc1's output ``a`` ``[rows, F1]`` and the 
 tensors: not the rows and not ``h`` (the activation backward recomputes it from ``a``, with the
 same element functions, in the same pass that computes ``grad_a``). The backward allocates no
 ``[rows, F1]`` or ``[rows, F]`` buffer of its own: ``glu_probs_bwd_`` turns the saved ``a`` into
-``grad_a`` and fc2's input gradient into ``h``, in place. With ``combine`` the rows' gradient is
-read from the tokens' output gradient by index as well. Backward::
+``grad_a`` and fc2's input gradient into ``h``, in place. Backward, with ``rows=None`` and
+``combine`` (the rows' gradient is then read from the tokens' output gradient by index too)::
 
     grad_h = grouped_gemm_dgrad(grad_out, weight2, grad_y_index=sorted_indices)   [rows, F]
     grad_probs = glu_probs_bwd_(grad_h, a, probs)                    a := grad_a, grad_h := h
     dW2 = grouped_gemm_wgrad(h, grad_out, grad_y_index=sorted_indices)
     dW1 = grouped_gemm_wgrad(tokens, grad_a, x_index=sorted_indices)
-    d_tokens = permute_bwd(grouped_gemm_dgrad(grad_a, weight1))     rows=None: in row chunks
+    d_tokens = permute_bwd(grouped_gemm_dgrad(grad_a, weight1))     in row chunks
+
+With the rows given, the same products run on materialised rows: the rows' gradient
+``g = grad_out[sorted_indices]`` and, for dW1, the rows gathered again (each one pass of
+unpermute's row copy, freed after its GEMMs), and ``d_rows`` goes to ``rows``.
 
 With ``rows=None`` the tokens' gradient is made chunk by chunk when the rows outnumber
 ``4 / itemsize`` times the tokens (top-k above 2 in bf16): each chunk of rows' gradient
@@ -64,6 +68,7 @@ _WGRAD = torch.ops.moe_core.grouped_gemm_wgrad
 _GLU_BWD_ = torch.ops.moe_core.glu_probs_bwd_
 _GLU_BWD = torch.ops.moe_core.glu_probs_bwd
 _UNPERMUTE = torch.ops.moe_core.unpermute
+_UNPERMUTE_BWD = torch.ops.moe_core.unpermute_bwd
 _ACCUMULATE_ = torch.ops.moe_core.permute_bwd_accumulate_
 
 
@@ -170,6 +175,17 @@ def _(rows, weight1, weight2, expert_offsets, probs, tokens, sorted_indices, act
         weight1.new_empty((num_rows, weight1.shape[1]))
 
 
+def _gather_rows(tokens: torch.Tensor, sorted_indices: torch.Tensor) -> torch.Tensor:
+    """``tokens[sorted_indices]``, zero where the index is -1: ``permute``'s rows again, or with
+    the combined output's gradient as ``tokens``, the rows' gradient (the rows-made path, where
+    the GEMMs read materialised rows).
+
+    That is exactly unpermute's backward without probs (each row gets its token's row, a -1
+    row zero): its row-copy kernel, one pass, where an index_select needs a zero row appended
+    to the tokens and the indices remapped first."""
+    return _UNPERMUTE_BWD(tokens.contiguous(), sorted_indices, None, None, None)[0]
+
+
 def _size_hint(n) -> int:
     """A size's value for a choice that must not specialise a compiled graph (the chunk count of
     :func:`_tokens_grad`: every count gives the same bits): a symbolic size's hint, no guard."""
@@ -259,9 +275,13 @@ def _backward(ctx, grad_y, grad_a_out):
     if grad_y is None:
         return (None,) * 12
     dtype = weight2.dtype
-    # the rows' gradient: with combine each row's token's, read by index inside the GEMMs
-    g = grad_y.to(dtype).contiguous()
-    g_index = sorted_indices if ctx.combine else None
+    g_index = None
+    if ctx.combine and ctx.gathered:  # the GEMMs read each row's token's gradient by index
+        g, g_index = grad_y.to(dtype).contiguous(), sorted_indices
+    elif ctx.combine:  # the rows' gradient, ours to free once fc2's backward is done with it
+        g = _gather_rows(grad_y, sorted_indices).to(dtype)
+    else:
+        g = grad_y.to(dtype).contiguous()
     del grad_y
     grad_h = _DGRAD(g, weight2, offsets, True, dtype, g_index)
     if grad_a_out is None:
@@ -279,8 +299,12 @@ def _backward(ctx, grad_y, grad_a_out):
     if need_w1:
         if rows is not None:
             dw1 = _WGRAD(rows, grad_a, offsets, True, dtype)
-        else:  # the rows read from the tokens by index
+        elif ctx.gathered:  # the rows read from the tokens by index
             dw1 = _WGRAD(tokens, grad_a, offsets, True, dtype, sorted_indices)
+        else:  # the rows gathered again (not saved)
+            x = _gather_rows(tokens, sorted_indices)
+            dw1 = _WGRAD(x, grad_a, offsets, True, dtype)
+            del x
     d_rows = d_tokens = None
     if need_rows and ctx.gathered:
         d_tokens = _tokens_grad(grad_a, weight1, offsets, sorted_indices, ctx.num_tokens, dtype)
