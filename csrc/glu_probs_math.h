@@ -207,7 +207,7 @@ MOE_HD static inline float moe_gp_act_bwd_f(int act, moe_dtype_t dt, float dy, f
         const float sg = moe_gp_rnd(dt, MOE_GP_DIVF(1.0f, MOE_GP_ADDF(1.0f, expf(-t))));
         const float gx_direct = moe_gp_rnd(dt, MOE_GP_MULF(dy, sg));
         const float g_sg = moe_gp_rnd(dt, MOE_GP_MULF(dy, x));
-        /* sigmoid_backward: a * (1 - b) * b in float, except for fp16, whose c10::Half operators
+        /* sigmoid_backward: a * (1 - b) * b in float, except for fp16, whose torch Half operators
          * round every step */
         const float g_t =
             dt == MOE_DTYPE_FP16
