@@ -176,43 +176,23 @@ DEFINE_PACK_B(fp16, uint16_t)
         }                                                                                        \
     }
 
-/* A's reduction index gathered (wgrad, A = a source's transpose): block column p is source row
- * idx[p], from column i0. */
-#define DEFINE_PACK_A_GP(NAME, T)                                                                \
-    static void pack_a_gp_##NAME(float *restrict dst, const T *restrict src,                     \
-                                 const int64_t *idx, int64_t cs, int64_t i0, int64_t mc,         \
-                                 int64_t kc) {                                                   \
-        for (int64_t r = 0; r < mc; r += MR) {                                                   \
-            const int64_t mr = mc - r < MR ? mc - r : MR;                                        \
+/* The reduction index gathered (wgrad, where the reduction runs over rows): a block of n columns
+ * of panels W wide (MR for A, a source's transpose; NR for B), its reduction index p being source
+ * row idx[p], from column c0. A and B panels differ only in W. */
+#define DEFINE_PACK_GP(NAME, T)                                                                  \
+    static void pack_gp_##NAME(float *restrict dst, const T *restrict src, const int64_t *idx,   \
+                               int64_t stride, int64_t c0, int64_t n, int64_t kc, int64_t w) {   \
+        for (int64_t r = 0; r < n; r += w) {                                                     \
+            const int64_t nr = n - r < w ? n - r : w;                                            \
             float *d = dst + r * kc;                                                             \
             for (int64_t p = 0; p < kc; ++p) {                                                   \
                 const int64_t g = idx[p];                                                        \
                 int64_t ii = 0;                                                                  \
                 if (g >= 0) {                                                                    \
-                    const T *row = src + g * cs + i0 + r;                                        \
-                    for (; ii < mr; ++ii) d[p * MR + ii] = ld_##NAME(row[ii]);                   \
+                    const T *row = src + g * stride + c0 + r;                                    \
+                    for (; ii < nr; ++ii) d[p * w + ii] = ld_##NAME(row[ii]);                    \
                 }                                                                                \
-                for (; ii < MR; ++ii) d[p * MR + ii] = 0.0f;                                     \
-            }                                                                                    \
-        }                                                                                        \
-    }
-
-/* B's reduction index gathered (wgrad): block row p is source row idx[p], from column j0. */
-#define DEFINE_PACK_B_GP(NAME, T)                                                                \
-    static void pack_b_gp_##NAME(float *restrict dst, const T *restrict src,                     \
-                                 const int64_t *idx, int64_t rs, int64_t j0, int64_t kc,         \
-                                 int64_t nc) {                                                   \
-        for (int64_t jr = 0; jr < nc; jr += NR) {                                                \
-            const int64_t nr = nc - jr < NR ? nc - jr : NR;                                      \
-            float *d = dst + jr * kc;                                                            \
-            for (int64_t p = 0; p < kc; ++p) {                                                   \
-                const int64_t g = idx[p];                                                        \
-                int64_t jj = 0;                                                                  \
-                if (g >= 0) {                                                                    \
-                    const T *row = src + g * rs + j0 + jr;                                       \
-                    for (; jj < nr; ++jj) d[p * NR + jj] = ld_##NAME(row[jj]);                   \
-                }                                                                                \
-                for (; jj < NR; ++jj) d[p * NR + jj] = 0.0f;                                     \
+                for (; ii < w; ++ii) d[p * w + ii] = 0.0f;                                       \
             }                                                                                    \
         }                                                                                        \
     }
@@ -220,24 +200,23 @@ DEFINE_PACK_B(fp16, uint16_t)
 DEFINE_PACK_A_GI(fp32, float)
 DEFINE_PACK_A_GI(bf16, uint16_t)
 DEFINE_PACK_A_GI(fp16, uint16_t)
-DEFINE_PACK_A_GP(fp32, float)
-DEFINE_PACK_A_GP(bf16, uint16_t)
-DEFINE_PACK_A_GP(fp16, uint16_t)
-DEFINE_PACK_B_GP(fp32, float)
-DEFINE_PACK_B_GP(bf16, uint16_t)
-DEFINE_PACK_B_GP(fp16, uint16_t)
+DEFINE_PACK_GP(fp32, float)
+DEFINE_PACK_GP(bf16, uint16_t)
+DEFINE_PACK_GP(fp16, uint16_t)
+
+static void pack_gp(float *dst, moe_dtype_t dt, const void *src, const int64_t *idx,
+                    int64_t stride, int64_t c0, int64_t n, int64_t kc, int64_t w) {
+    if (dt == MOE_DTYPE_FP32) pack_gp_fp32(dst, (const float *)src, idx, stride, c0, n, kc, w);
+    else if (dt == MOE_DTYPE_BF16)
+        pack_gp_bf16(dst, (const uint16_t *)src, idx, stride, c0, n, kc, w);
+    else pack_gp_fp16(dst, (const uint16_t *)src, idx, stride, c0, n, kc, w);
+}
 
 /* `a`/`b` point at element (0, 0) of the problem; (i0, p0) / (p0, j0) select the block. */
 static void pack_a(float *dst, moe_dtype_t dt, const gg_problem_t *pr, int64_t i0, int64_t p0,
                    int64_t mc, int64_t kc) {
     if (pr->a_gidx && pr->a_gather_p) {
-        const int64_t *idx = pr->a_gidx + p0;
-        if (dt == MOE_DTYPE_FP32)
-            pack_a_gp_fp32(dst, (const float *)pr->a, idx, pr->a_cs, i0, mc, kc);
-        else if (dt == MOE_DTYPE_BF16)
-            pack_a_gp_bf16(dst, (const uint16_t *)pr->a, idx, pr->a_cs, i0, mc, kc);
-        else
-            pack_a_gp_fp16(dst, (const uint16_t *)pr->a, idx, pr->a_cs, i0, mc, kc);
+        pack_gp(dst, dt, pr->a, pr->a_gidx + p0, pr->a_cs, i0, mc, kc, MR);
         return;
     }
     if (pr->a_gidx) {
@@ -267,13 +246,7 @@ static void pack_a(float *dst, moe_dtype_t dt, const gg_problem_t *pr, int64_t i
 static void pack_b(float *dst, moe_dtype_t dt, const gg_problem_t *pr, int64_t p0, int64_t j0,
                    int64_t kc, int64_t nc) {
     if (pr->b_gidx) {
-        const int64_t *idx = pr->b_gidx + p0;
-        if (dt == MOE_DTYPE_FP32)
-            pack_b_gp_fp32(dst, (const float *)pr->b, idx, pr->b_rs, j0, kc, nc);
-        else if (dt == MOE_DTYPE_BF16)
-            pack_b_gp_bf16(dst, (const uint16_t *)pr->b, idx, pr->b_rs, j0, kc, nc);
-        else
-            pack_b_gp_fp16(dst, (const uint16_t *)pr->b, idx, pr->b_rs, j0, kc, nc);
+        pack_gp(dst, dt, pr->b, pr->b_gidx + p0, pr->b_rs, j0, nc, kc, NR);
         return;
     }
     const int64_t off = p0 * pr->b_rs + j0 * pr->b_cs;
@@ -478,38 +451,21 @@ static inline void pair_rows(const uint16_t *src, const int64_t *idx, int64_t st
     *lo = g1 < 0 ? NULL : src + g1 * stride;
 }
 
-/* A's reduction index gathered (wgrad): block column p is source row idx[p], from column i0. */
-static void pack_a_pairs_gp(uint32_t *restrict dst, const uint16_t *restrict src,
-                            const int64_t *idx, int64_t cs, int64_t i0, int64_t mc, int64_t kc) {
+/* The reduction index gathered (wgrad): pair panels W wide (MR for A, NR for B) over n columns,
+ * reduction index p being source row idx[p], from column c0 (as pack_gp). */
+static void pack_pairs_gp(uint32_t *restrict dst, const uint16_t *restrict src, const int64_t *idx,
+                          int64_t stride, int64_t c0, int64_t n, int64_t kc, int64_t w) {
     const int64_t kp = (kc + 1) / 2;
-    for (int64_t r = 0; r < mc; r += MR) {
-        const int64_t mr = mc - r < MR ? mc - r : MR;
+    for (int64_t r = 0; r < n; r += w) {
+        const int64_t nr = n - r < w ? n - r : w;
         uint32_t *d = dst + r * kp;
         for (int64_t q = 0; q < kp; ++q) {
             const uint16_t *hi, *lo;
-            pair_rows(src, idx, cs, q, kc, &hi, &lo);
-            for (int64_t ii = 0; ii < mr; ++ii)
-                d[q * MR + ii] = (uint32_t)(hi ? hi[i0 + r + ii] : 0u) << 16 |
-                                 (lo ? lo[i0 + r + ii] : 0u);
-            for (int64_t ii = mr; ii < MR; ++ii) d[q * MR + ii] = 0u;
-        }
-    }
-}
-
-/* B's reduction index gathered (wgrad): block row p is source row idx[p], from column j0. */
-static void pack_b_pairs_gp(uint32_t *restrict dst, const uint16_t *restrict src,
-                            const int64_t *idx, int64_t rs, int64_t j0, int64_t kc, int64_t nc) {
-    const int64_t kp = (kc + 1) / 2;
-    for (int64_t jr = 0; jr < nc; jr += NR) {
-        const int64_t nr = nc - jr < NR ? nc - jr : NR;
-        uint32_t *d = dst + jr * kp;
-        for (int64_t q = 0; q < kp; ++q) {
-            const uint16_t *hi, *lo;
-            pair_rows(src, idx, rs, q, kc, &hi, &lo);
-            for (int64_t jj = 0; jj < nr; ++jj)
-                d[q * NR + jj] = (uint32_t)(hi ? hi[j0 + jr + jj] : 0u) << 16 |
-                                 (lo ? lo[j0 + jr + jj] : 0u);
-            for (int64_t jj = nr; jj < NR; ++jj) d[q * NR + jj] = 0u;
+            pair_rows(src, idx, stride, q, kc, &hi, &lo);
+            for (int64_t ii = 0; ii < nr; ++ii)
+                d[q * w + ii] = (uint32_t)(hi ? hi[c0 + r + ii] : 0u) << 16 |
+                                (lo ? lo[c0 + r + ii] : 0u);
+            for (int64_t ii = nr; ii < w; ++ii) d[q * w + ii] = 0u;
         }
     }
 }
@@ -519,7 +475,7 @@ static void pack_a_pairs_of(uint32_t *dst, const gg_problem_t *pr, int64_t i0, i
                             int64_t mc, int64_t kc) {
     const uint16_t *a = (const uint16_t *)pr->a;
     if (pr->a_gidx && pr->a_gather_p)
-        pack_a_pairs_gp(dst, a, pr->a_gidx + p0, pr->a_cs, i0, mc, kc);
+        pack_pairs_gp(dst, a, pr->a_gidx + p0, pr->a_cs, i0, mc, kc, MR);
     else if (pr->a_gidx)
         pack_a_pairs_gi(dst, a, pr->a_gidx + i0, pr->a_rs, p0, mc, kc);
     else
@@ -529,7 +485,7 @@ static void pack_a_pairs_of(uint32_t *dst, const gg_problem_t *pr, int64_t i0, i
 static void pack_b_pairs_of(uint32_t *dst, const gg_problem_t *pr, int64_t p0, int64_t j0,
                             int64_t kc, int64_t nc) {
     const uint16_t *b = (const uint16_t *)pr->b;
-    if (pr->b_gidx) pack_b_pairs_gp(dst, b, pr->b_gidx + p0, pr->b_rs, j0, kc, nc);
+    if (pr->b_gidx) pack_pairs_gp(dst, b, pr->b_gidx + p0, pr->b_rs, j0, nc, kc, NR);
     else pack_b_pairs(dst, b + p0 * pr->b_rs + j0 * pr->b_cs, pr->b_rs, pr->b_cs, kc, nc);
 }
 
