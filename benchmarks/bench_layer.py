@@ -82,6 +82,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import math  # noqa: E402
@@ -317,7 +318,13 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
         meg = build_megatron(kw, dev, args.seed)
     state = meg.state_dict() if meg is not None else None
     ours = build_ours(kw, dev, args.seed, None, state)
-    set_rows_by_index(ours, args.rows_by_index)
+    set_rows_by_index(ours, "off" if args.rows_by_index == "both" else args.rows_by_index)
+    # --rows-by-index both: the same layer (a shallow copy: same parameters) with the rows read
+    # by index, timed in the same interleaved rounds as the rows-made default
+    by_index = None
+    if args.rows_by_index == "both":
+        by_index = copy.copy(ours)
+        set_rows_by_index(by_index, "on")
     del state
     gc.collect()
     weights_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())  # = grads
@@ -333,12 +340,20 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
     def compiled(module: nn.Module, fullgraph: bool):
         return torch.compile(module, fullgraph=fullgraph, dynamic=False)
 
+    targets = {"ours compiled": ours}  # compiled variant -> the module it compiles
     if "compiled" not in skip:
         modules["ours compiled"] = (compiled(ours, True), [ours])
         notes["ours compiled"] = "fullgraph"
+    if by_index is not None:
+        modules["ours by index"] = (by_index, [ours])
+        if "compiled" not in skip:
+            modules["ours by index compiled"] = (compiled(by_index, True), [ours])
+            notes["ours by index compiled"] = "fullgraph"
+            targets["ours by index compiled"] = by_index
     if "plain" not in skip:
         if gmm_ok or dev.type == "cpu":
             plain = PlainMoE(ours, use_grouped_mm=gmm_ok)
+            targets["plain compiled"] = plain
             modules["plain compiled"] = (compiled(plain, gmm_ok), [ours])
             notes["plain compiled"] = ("fullgraph, _grouped_mm" if gmm_ok
                                        else "per-expert loop (no _grouped_mm here), graph breaks")
@@ -396,7 +411,7 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
             finally:
                 hook.remove()
             continue
-        target = ours if variant == "ours compiled" else plain
+        target = targets[variant]
         try:
             first_step(variant)
             continue
@@ -418,8 +433,10 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
             del modules[variant]
     if "plain compiled" in modules:
         maps["plain compiled"] = plain.routing_map(xs[0])
-    if "ours compiled" in modules:
-        maps["ours compiled"] = maps["ours eager"]
+    for variant, eager in (("ours compiled", "ours eager"),
+                           ("ours by index compiled", "ours by index")):
+        if variant in modules:
+            maps[variant] = maps[eager]
     ref_name = "megatron" if meg is not None else "ours eager"
     checks: Dict[str, Tuple[str, str]] = {}
     for variant in modules:
@@ -427,12 +444,13 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
             continue
         checks[variant] = compare(results[variant], results[ref_name], maps.get(variant),
                                   maps.get(ref_name))
-    if "ours compiled" in results:
-        same = all(torch.equal(a, b) for a, b in zip(results["ours compiled"],
-                                                      results["ours eager"]))
-        vs_eager = ("bitwise" if same else "out {:.1e}, dx {:.1e}".format(
-            *[rel_diff(a, b) for a, b in zip(results["ours compiled"], results["ours eager"])]))
-        notes["ours compiled"] += f"; vs ours eager: {vs_eager}"
+    for variant in ("ours compiled", "ours by index", "ours by index compiled"):
+        if variant in results:
+            same = all(torch.equal(a, b) for a, b in zip(results[variant], results["ours eager"]))
+            vs_eager = ("bitwise" if same else "out {:.1e}, dx {:.1e}".format(
+                *[rel_diff(a, b) for a, b in zip(results[variant], results["ours eager"])]))
+            notes[variant] = "; ".join(s for s in (notes.get(variant, ""),
+                                                   f"vs ours eager: {vs_eager}") if s)
     del results, maps
 
     # ---- timing, memory, syncs ----
@@ -466,14 +484,14 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
           + f"; {flops / 1e12:.2f} TFLOP a step; weights {weights_bytes / 2**30:.2f} GiB a copy, "
           f"grads {weights_bytes / 2**30:.2f} GiB")
     for r in rows:
-        print(f"  {r.variant:<15} {r.ms:9.3f} ms {r.tflops:7.3g} TFLOP/s {r.pct_dense:5.1f}% dense "
+        print(f"  {r.variant:<22} {r.ms:9.3f} ms {r.tflops:7.3g} TFLOP/s {r.pct_dense:5.1f}% dense "
               f"| peak {r.peak_gib:.2f} GiB, held after fwd {r.held_gib:.2f} GiB | syncs {r.syncs} "
               f"| first call {r.first_s:.1f} s" + (f" | {r.note}" if r.note else ""))
     print_table(rows)
     sys.stdout.flush()
 
     modules.clear()
-    del ours, meg, plain, xs, gs
+    del ours, by_index, meg, plain, xs, gs
     torch._dynamo.reset()
     gc.collect()
     if dev.type == "cuda":
@@ -503,8 +521,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, help="tokens (default: each shape's)")
     ap.add_argument("--experts", type=int, help="number of experts (default: each shape's)")
     ap.add_argument("--skip", default="", help=f"comma-separated, of {','.join(SKIPPABLE)}")
-    ap.add_argument("--rows-by-index", choices=("auto", "on", "off"), default="auto",
-                    help="ours: MoEConfig.moe_expert_rows_by_index (auto: the default, by device)")
+    ap.add_argument("--rows-by-index", choices=("auto", "on", "off", "both"), default="auto",
+                    help="ours: MoEConfig.moe_expert_rows_by_index (auto: the default, by device; "
+                         "both: rows made as 'ours', rows by index as 'ours by index', same run)")
     add_run_args(ap)
     args = ap.parse_args()
     cpu = resolve_run_args(args)
