@@ -208,11 +208,12 @@ __device__ __forceinline__ void gg_tma_3d(void *dst, const CUtensorMap *map, uin
         : "memory");
 }
 
-/* 16 bytes global -> shared by the generic-proxy async copy; ok = 0 writes zeros (src-size 0:
- * nothing is read, src only has to be a valid address). */
+/* 16 bytes global -> shared by the generic-proxy async copy; ok = 0 writes zeros (ignore-src:
+ * the source is not read at all, so src may point anywhere, past the tensor's end too). */
 __device__ __forceinline__ void gg_cp16(uint32_t dst, const void *src, int ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-                 "r"(ok ? 16 : 0)
+    asm volatile("{\n.reg .pred skip;\nsetp.eq.u32 skip, %2, 0;\n"
+                 "cp.async.cg.shared.global [%0], [%1], 16, skip;\n}\n" ::"r"(dst), "l"(src),
+                 "r"(ok)
                  : "memory");
 }
 
@@ -226,63 +227,65 @@ __device__ __forceinline__ void gg_cp_arrive(uint64_t *bar) {
 /* The gathered operand's share of one stage, issued by producer thread pt (0..127): the boxes
  * the copy engine would have filled, in its 128-byte swizzle (16-byte chunk c of box row j at
  * j * 128 + ((c ^ (j % 8)) * 16)). Eight threads share a row, thread pt copying chunk pt % 8 of
- * rows pt / 8 + 16 q, so each warp instruction reads four whole 128-byte lines; the source rows
- * come from registers or shared memory, never from a global load on the issue path.
+ * rows pt / 8 + 16 q, so each warp instruction reads four whole 128-byte lines. The issue path
+ * is short (it sets the pace: 128 threads issue what one TMA instruction would): a row's address
+ * is formed once and its boxes are immediate offsets from it, an invalid row or column skips
+ * the read (gg_cp16), and the row indices arrive early in registers or shared memory.
  *   K-major (fwd / dgrad A): 128 tile rows x 64 reduction columns [col0, col0 + 64); rows[j] is
- *     tile row j's source row (-1: zeros), loaded once per tile (gg_tile_rows).
+ *     tile row j's source row's byte offset (-1: zeros), set once per tile (gg_tile_rows).
  *   MN-major (wgrad): `boxes` boxes of BK reduction rows x 64 output columns, box b covering
- *     columns col0 + 64 b; src[q] is reduction row pt / 8 + 16 q's source row (-1: zeros),
- *     loaded a stage ahead (gg_stage_rows). */
+ *     columns col0 + 64 b; src[q] is reduction row pt / 8 + 16 q's index as loaded (anything
+ *     outside [0, g_rows): zeros), a stage ahead (gg_stage_rows). */
 template <int BK>
 __device__ __forceinline__ void gg_gather_mn(uint32_t dst, const gg_args_t &a, int boxes,
-                                             int col0, const int (&src)[BK / 16], int pt) {
-    const int c = pt & 7;
+                                             int col0, const int64_t (&src)[BK / 16], int pt) {
+    const int c = pt & 7, col = col0 + 8 * c;
 #pragma unroll
     for (int q = 0; q < BK / 16; ++q) {
         const int j = pt / 8 + 16 * q;
         const uint32_t at = dst + j * 128 + ((c ^ (j & 7)) << 4);
-        const uint8_t *row = a.g_src + (int64_t)src[q] * a.g_ld;
-        for (int b = 0; b < boxes; ++b) {
-            const int col = col0 + 64 * b + 8 * c;
-            const int ok = src[q] >= 0 && col < a.g_cols;
-            gg_cp16(at + b * (BK * 128), ok ? row + (int64_t)col * 2 : a.g_src, ok);
-        }
+        const int64_t s = src[q];
+        const int row_ok = s >= 0 && s < a.g_rows;
+        const uint8_t *row = a.g_src + (row_ok ? s : 0) * a.g_ld + (int64_t)col * 2;
+#pragma unroll
+        for (int b = 0; b < boxes; ++b)
+            gg_cp16(at + b * (BK * 128), row + 128 * b, row_ok && col + 64 * b < a.g_cols);
     }
 }
 
-/* wgrad: the source rows of the stage whose reduction rows start at r0, for gg_gather_mn
- * (rows from row_end on, and indices outside [0, g_rows), read as zeros). */
+/* wgrad: the indices of the stage whose reduction rows start at r0, for gg_gather_mn, as loaded
+ * (checked at their use, so nothing waits for the loads here); rows from row_end on: -1. */
 template <int BK>
-__device__ __forceinline__ void gg_stage_rows(int (&src)[BK / 16], const gg_args_t &a,
+__device__ __forceinline__ void gg_stage_rows(int64_t (&src)[BK / 16], const gg_args_t &a,
                                               int64_t r0, int64_t row_end, int pt) {
 #pragma unroll
     for (int q = 0; q < BK / 16; ++q) {
         const int64_t r = r0 + pt / 8 + 16 * q;
-        const int64_t s = r < row_end ? __ldg(a.g_idx + r) : -1;
-        src[q] = s < a.g_rows ? (int)s : -1;
+        src[q] = r < row_end ? __ldg(a.g_idx + r) : -1;
     }
 }
 
-/* fwd / dgrad: tile row pt's source row into rows[pt] (the 128 producer threads, named barrier
- * 4 on both sides: nobody still reads the previous tile's rows, everybody sees the new ones). */
-__device__ __forceinline__ void gg_tile_rows(int *rows, const gg_args_t &a, int64_t r, int pt) {
+/* fwd / dgrad: tile row pt's source row, as a byte offset into g_src (-1: zeros), into rows[pt]
+ * (the 128 producer threads, named barrier 4 on both sides: nobody still reads the previous
+ * tile's rows, everybody sees the new ones). */
+__device__ __forceinline__ void gg_tile_rows(int64_t *rows, const gg_args_t &a, int64_t r,
+                                             int pt) {
     asm volatile("bar.sync 4, 128;" ::: "memory");
     const int64_t s = r < a.num_rows ? __ldg(a.g_idx + r) : -1;
-    rows[pt] = s < a.g_rows ? (int)s : -1;
+    rows[pt] = s >= 0 && s < a.g_rows ? s * a.g_ld : -1;
     asm volatile("bar.sync 4, 128;" ::: "memory");
 }
 
-__device__ __forceinline__ void gg_gather_k(uint32_t dst, const gg_args_t &a, const int *rows,
-                                            int col0, int pt) {
+__device__ __forceinline__ void gg_gather_k(uint32_t dst, const gg_args_t &a,
+                                            const int64_t *rows, int col0, int pt) {
     const int c = pt & 7, col = col0 + 8 * c;
     const int col_ok = col < a.g_cols;
+    const uint8_t *base = a.g_src + (int64_t)col * 2;
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
         const int j = pt / 8 + 16 * q;
-        const int s = rows[j];
-        const int ok = s >= 0 && col_ok;
-        gg_cp16(dst + j * 128 + ((c ^ (j & 7)) << 4),
-                ok ? a.g_src + (int64_t)s * a.g_ld + (int64_t)col * 2 : a.g_src, ok);
+        const int64_t off = rows[j];
+        gg_cp16(dst + j * 128 + ((c ^ (j & 7)) << 4), base + off, off >= 0 && col_ok);
     }
 }
 
@@ -650,7 +653,7 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
     __shared__ int64_t s_off[GG_MAX_E + 1];
     __shared__ int s_cum[GG_MAX_E + 1];
     __shared__ int s_sk_flag[2]; /* gg_sk_fixup's arrival order, per consumer warpgroup */
-    __shared__ int s_rows[GG_BM]; /* fwd / dgrad gathered: the tile's source rows (gg_tile_rows) */
+    __shared__ int64_t s_rows[GG_BM]; /* fwd / dgrad gathered: the tile's rows (gg_tile_rows) */
     extern __shared__ uint8_t gg_smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)gg_smem_raw + 1023) & ~(uintptr_t)1023);
 
@@ -737,22 +740,17 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                         last_e = tl.e;
                     }
                 }
-                /* gathered: fwd / dgrad, the tile's source rows; wgrad, the first stage's */
-                int src[BK / 16];
+                /* gathered: fwd / dgrad, the tile's source rows; wgrad, the first stage's
+                 * indices (each stage then loads the next one's after its copies, so the loads
+                 * are in flight while it waits for the next free stage) */
+                int64_t src[BK / 16];
 #pragma unroll
                 for (int q = 0; q < BK / 16; ++q) src[q] = -1;
-                if (!WGRAD && g_op == GG_GATHER_A) gg_tile_rows(s_rows, args, tl.row0 + m0 + pt, pt);
+                if (!WGRAD && g_op == GG_GATHER_A)
+                    gg_tile_rows(s_rows, args, tl.row0 + m0 + pt, pt);
                 if (WGRAD && g_op != GG_GATHER_NONE && kb0 < k_end)
                     gg_stage_rows<BK>(src, args, tl.row0 + (int64_t)kb0 * BK, tl.row_end, pt);
                 for (int kb = kb0; kb < k_end; ++kb) {
-                    /* wgrad gathered: this stage's source rows, and the next stage's loads issued
-                     * before the wait, so their latency hides behind it and this stage's copies */
-                    int cur[BK / 16];
-#pragma unroll
-                    for (int q = 0; q < BK / 16; ++q) cur[q] = src[q];
-                    if (WGRAD && g_op != GG_GATHER_NONE && kb + 1 < k_end)
-                        gg_stage_rows<BK>(src, args, tl.row0 + (int64_t)(kb + 1) * BK,
-                                          tl.row_end, pt);
                     gg_mbar_wait(&empty_bar[stage], phase ^ 1);
                     uint8_t *sa = smem + stage * STAGE_BYTES, *sb = sa + A_BYTES;
                     uint64_t *fb = &full_bar[stage];
@@ -785,9 +783,12 @@ __global__ void __launch_bounds__(GG_THREADS, 1)
                     if (g_op != GG_GATHER_NONE) {
                         if constexpr (WGRAD) {
                             if (g_op == GG_GATHER_A)
-                                gg_gather_mn<BK>(gg_smem_addr(sa), args, 2, m0, cur, pt);
+                                gg_gather_mn<BK>(gg_smem_addr(sa), args, 2, m0, src, pt);
                             else
-                                gg_gather_mn<BK>(gg_smem_addr(sb), args, BN / 64, n0, cur, pt);
+                                gg_gather_mn<BK>(gg_smem_addr(sb), args, BN / 64, n0, src, pt);
+                            if (kb + 1 < k_end)
+                                gg_stage_rows<BK>(src, args, tl.row0 + (int64_t)(kb + 1) * BK,
+                                                  tl.row_end, pt);
                         } else {
                             gg_gather_k(gg_smem_addr(sa), args, s_rows, kb * GG_BK, pt);
                         }
