@@ -40,7 +40,7 @@ Fields of moe-core's expert-parallel exchange (Megatron has no equivalent):
 Field of moe-core's single-device expert path (Megatron has no equivalent):
 
 * ``moe_expert_rows_by_index``: True: the experts' GEMMs read each permuted row from the tokens
-  by index, and the tokens' gradient is made in chunks, so no ``[T·topk, H]`` buffer is held
+  by index, and the tokens' gradient is made in row chunks, so no ``[T·topk, H]`` buffer is held
   in either pass (less activation memory, the same bits). False: ``permute`` makes the rows.
   None (default): True on the CPU; False on CUDA, where the Hopper kernels' gathered loads
   still run slower than the copy engine's (benchmarks/RESULTS.md). Only the fused expert path

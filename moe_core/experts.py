@@ -184,15 +184,11 @@ class GroupedMLP(nn.Module):
             # fc1, the activation, the probs and fc2 as one op that keeps only fc1's output for
             # the backward (ops/expert_mlp.py); the same bits as the two ops below
             gated = cfg.gated_linear_unit
-            # dropless top-k rows read by index: every token has exactly k rows, so the tokens'
-            # gradient may be made a range of tokens at a time (no fp32 accumulator)
-            dropless = (x is None and cfg.moe_expert_capacity_factor is None
-                        and sorted_indices.shape[0] == tokens.shape[0] * cfg.moe_router_topk)
             return ops.expert_mlp(
                 x, self.weight1, self.weight2, expert_offsets, probs, name, gated,
                 cfg.glu_linear_offset if gated else 0.0,
                 cfg.activation_func_clamp_value if gated else None, tokens, sorted_indices,
-                combine=combine, rows_per_token=cfg.moe_router_topk if dropless else 0)
+                combine=combine)
         if cfg.moe_apply_probs_on_input:
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)

@@ -21,21 +21,17 @@ same element functions, in the same pass that computes ``grad_a``). The backward
     grad_probs = glu_probs_bwd_(grad_h, a, probs)                    a := grad_a, grad_h := h
     dW2 = grouped_gemm_wgrad(h, grad_out, grad_y_index=sorted_indices)
     dW1 = grouped_gemm_wgrad(tokens, grad_a, x_index=sorted_indices)
-    d_tokens = permute_bwd(grouped_gemm_dgrad(grad_a, weight1))     in chunks
+    d_tokens = permute_bwd(grouped_gemm_dgrad(grad_a, weight1))     in row chunks
 
 With the rows given, the same products run on materialised rows: the rows' gradient
 ``g = grad_out[sorted_indices]`` and, for dW1, the rows gathered again (each one pass of
 unpermute's row copy, freed after its GEMMs), and ``d_rows`` goes to ``rows``.
 
 With ``rows=None`` the tokens' gradient is made chunk by chunk when the rows outnumber
-``4 / itemsize`` times the tokens (top-k above 2 in bf16), so at no point does the whole
-``[rows, H]`` gradient exist; a chunk's buffer is never larger than an fp32 ``[T, H]``. When
-every token has exactly ``rows_per_token`` rows (dropless top-k; and the token count is not
-symbolic, as it is under dynamic-shape compiles) a chunk is a range of tokens:
-its rows' gradient is the dgrad of their ``grad_a`` rows read by index, and ``permute_bwd`` of
-it gives those tokens' gradient in the dtype. Otherwise a chunk is a range of rows (a slice of
-``grad_a``) whose gradient is added into an fp32 ``[T, H]`` accumulator
-(``permute_bwd_accumulate_``), rounded once at the end.
+``4 / itemsize`` times the tokens (top-k above 2 in bf16): each chunk of rows' gradient
+(``grouped_gemm_dgrad`` of that slice of ``grad_a``) is added into an fp32 ``[T, H]``
+accumulator (``permute_bwd_accumulate_``) and freed, so at no point does the whole ``[rows, H]``
+gradient exist; a chunk's buffer is never larger than the accumulator.
 
 Precision contract
 ------------------
@@ -45,10 +41,9 @@ Precision contract
   from ``glu_probs_math.h``'s element functions on the same ``a``; the gathered rows are copies).
   So every statement of those ops' contracts holds: fp32 accumulation, one rounding of ``a`` to
   the dtype, the activation rounded where torch's eager sequence rounds it; deterministic, no
-  atomics, no host synchronisation. The tokens' gradient made in chunks (of tokens or of rows)
-  adds each token's rows in the same ascending order in fp32 and rounds once, as
-  ``permute_bwd`` does; its rows' gradients come from ``grouped_gemm_dgrad`` over each chunk,
-  the same sums except where the
+  atomics, no host synchronisation. The tokens' gradient made in row chunks adds each token's
+  rows in the same ascending order in fp32 and rounds once, as ``permute_bwd`` does; its rows'
+  gradients come from ``grouped_gemm_dgrad`` over each chunk, the same sums except where the
   Hopper kernel splits a partial last wave of tiles along the reduction (reductions of 4096 or
   more), whose fp32 partial sums then group differently from the unchunked call's (still the
   same bits run after run).
@@ -90,7 +85,6 @@ def expert_mlp(
     tokens: Optional[torch.Tensor] = None,
     sorted_indices: Optional[torch.Tensor] = None,
     combine: bool = False,
-    rows_per_token: int = 0,
 ) -> torch.Tensor:
     """The experts' MLPs over expert-sorted rows, with a minimal-memory backward.
 
@@ -113,11 +107,6 @@ def expert_mlp(
             ``tokens`` and ``sorted_indices``. The backward then makes the rows' ``[R, H]``
             gradient itself and frees it after fc2, before it gathers the rows again; given from
             outside, autograd would hold it until the whole backward returns.
-        rows_per_token: with ``rows=None``, ``k > 0`` promises that every token has exactly
-            ``k`` rows (dropless top-k: ``R == T * k``, no -1 index); the tokens' gradient is
-            then made a range of tokens at a time, straight in the dtype, with no fp32
-            accumulator (with a static token count). 0 (unknown, the default): chunks of rows
-            added into the accumulator. The bits are the same either way.
 
     Returns:
         ``[R, H]`` (``[T, H]`` with ``combine``) in rows' dtype. Differentiable in ``rows``,
@@ -138,9 +127,6 @@ def expert_mlp(
     if rows is None and sorted_indices.dim() != 1:
         raise ValueError(f"expert_mlp: sorted_indices must be [R] (one per row), got "
                          f"{tuple(sorted_indices.shape)}")
-    if rows_per_token < 0:
-        raise ValueError(f"expert_mlp: rows_per_token must be >= 0 (0: unknown), got "
-                         f"{rows_per_token}")
     if combine and tokens is None:
         raise ValueError("expert_mlp: combine=True needs tokens and sorted_indices (the tokens "
                          "whose rows are summed), got tokens=None")
@@ -153,8 +139,7 @@ def expert_mlp(
     y, _a = _expert_mlp(rows, weight1, weight2, expert_offsets, probs, tokens, sorted_indices,
                         activation,
                         bool(gated_linear_unit), float(linear_offset),
-                        None if clamp_value is None else float(clamp_value), bool(combine),
-                        int(rows_per_token))
+                        None if clamp_value is None else float(clamp_value), bool(combine))
     return y
 
 
@@ -163,7 +148,7 @@ def _expert_mlp(rows: Optional[torch.Tensor], weight1: torch.Tensor, weight2: to
                 expert_offsets: torch.Tensor, probs: Optional[torch.Tensor],
                 tokens: Optional[torch.Tensor], sorted_indices: Optional[torch.Tensor],
                 activation: str, gated_linear_unit: bool, linear_offset: float,
-                clamp_value: Optional[float], combine: bool = False, rows_per_token: int = 0
+                clamp_value: Optional[float], combine: bool = False
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(y, a)``: ``a`` (fc1's output) is an output only so that the backward may keep
     it; :func:`expert_mlp` drops it. ``y``: the rows' outputs, or with ``combine`` their sums
@@ -183,7 +168,7 @@ def _expert_mlp(rows: Optional[torch.Tensor], weight1: torch.Tensor, weight2: to
 
 @register_fake("moe_core::expert_mlp")
 def _(rows, weight1, weight2, expert_offsets, probs, tokens, sorted_indices, activation,
-      gated_linear_unit, linear_offset, clamp_value, combine=False, rows_per_token=0):
+      gated_linear_unit, linear_offset, clamp_value, combine=False):
     num_rows = sorted_indices.shape[0] if rows is None else rows.shape[0]
     out_rows = tokens.shape[0] if combine else num_rows
     return weight2.new_empty((out_rows, weight2.shape[1])), \
@@ -214,29 +199,21 @@ def _size_hint(n) -> int:
 
 
 def _tokens_grad(grad_a: torch.Tensor, weight1: torch.Tensor, offsets: torch.Tensor,
-                 sorted_indices: torch.Tensor, num_tokens: int, dtype: torch.dtype,
-                 rows_per_token: int = 0) -> torch.Tensor:
+                 sorted_indices: torch.Tensor, num_tokens: int, dtype: torch.dtype
+                 ) -> torch.Tensor:
     """The tokens' gradient ``[T, H]``: ``permute_bwd`` of fc1's input gradient
     ``grouped_gemm_dgrad(grad_a, weight1)`` ``[R, H]``, made in ``ceil(R * itemsize / 4T)``
-    chunks (a chunk's rows' gradient then never outgrows an fp32 ``[T, H]``; the count depends
-    only on top-k and the dtype, so it stays one number under dynamic shapes).
-
-    With ``rows_per_token`` (every token has exactly that many rows) and a token count that is
-    not symbolic the chunks are ranges of tokens (:func:`_token_chunks_grad`), each finished in
-    the dtype; otherwise ranges of rows, added into an fp32 accumulator (same bits). A row chunk's expert offsets are the layout's, shifted to
-    the chunk's first row and clamped to its rows, on the device: the experts before and after
-    it are empty there, one cut by its ends keeps its rows inside it."""
+    chunks of rows (a chunk's buffer then never outgrows the fp32 accumulator it is added into;
+    the count depends only on top-k and the dtype, so it stays one number under dynamic shapes).
+    A chunk's expert offsets are the layout's, shifted to the chunk's first row and clamped to
+    its rows, on the device: the experts before and after it are empty there, one cut by its ends
+    keeps its rows inside it."""
     R = grad_a.shape[0]
     r, t = _size_hint(R), _size_hint(num_tokens)
     chunks = 1 if t == 0 else max(1, -(-(r * grad_a.element_size()) // (4 * t)))
     if chunks == 1:
         d_rows = _DGRAD(grad_a, weight1, offsets, True, dtype)
         return gathered_rows_grad(d_rows, sorted_indices, offsets, num_tokens)
-    # a symbolic token count (dynamic shapes) keeps to row chunks: a token range's size may be 0
-    # or 1 for some counts, and the contiguity checks of its tensors would specialise on that
-    if rows_per_token > 0 and not isinstance(num_tokens, torch.SymInt):
-        return _token_chunks_grad(grad_a, weight1, offsets, sorted_indices, num_tokens, dtype,
-                                  rows_per_token, chunks)
     acc = torch.zeros((num_tokens, weight1.shape[-1]), dtype=torch.float32,
                       device=grad_a.device)
     for c in range(chunks):
@@ -246,31 +223,6 @@ def _tokens_grad(grad_a: torch.Tensor, weight1: torch.Tensor, offsets: torch.Ten
         _ACCUMULATE_(acc, d_rows, sorted_indices[lo:hi], 0)
         del d_rows
     return acc if dtype == torch.float32 else _rounded(acc, dtype)
-
-
-def _token_chunks_grad(grad_a: torch.Tensor, weight1: torch.Tensor, offsets: torch.Tensor,
-                       sorted_indices: torch.Tensor, num_tokens: int, dtype: torch.dtype,
-                       k: int, chunks: int) -> torch.Tensor:
-    """The tokens' gradient a range of tokens at a time, when every token has exactly ``k``
-    rows: chunk ``c`` holds tokens ``[ceil(c T / C), ceil((c + 1) T / C))`` (token ``t`` is in
-    chunk ``floor(t C / T)``), so ``k`` times that many rows, a size known without looking at
-    the routing. A stable sort of the rows by chunk lists each chunk's rows in ascending row
-    order, which is expert order; the chunk's expert offsets are where the layout's offsets fall
-    among those rows. Its rows' gradient is the dgrad of ``grad_a`` read by index (the gathered
-    operand), and ``permute_bwd`` of it over the chunk's tokens sums each token's rows in
-    ascending row order in fp32 and rounds once: the unchunked sum's bits, straight in the
-    dtype, with no ``[T, H]`` fp32 accumulator and none of its read-modify-write passes."""
-    T = num_tokens
-    order = torch.argsort(sorted_indices * chunks // T, stable=True)
-    parts = []
-    for c in range(chunks):
-        t0, t1 = (c * T + chunks - 1) // chunks, ((c + 1) * T + chunks - 1) // chunks
-        rows = order[k * t0:k * t1]
-        sub_offsets = torch.searchsorted(rows, offsets)
-        d_rows = _DGRAD(grad_a, weight1, sub_offsets, True, dtype, rows)
-        parts.append(gathered_rows_grad(d_rows, sorted_indices[rows] - t0, sub_offsets, t1 - t0))
-        del d_rows
-    return torch.cat(parts)
 
 
 @torch.library.custom_op("moe_core::rounded", mutates_args=())
@@ -288,16 +240,14 @@ def _(acc, dtype):
 
 def _setup_context(ctx, inputs, output):
     (rows, weight1, weight2, offsets, probs, tokens, sorted_indices, activation, gated, offset,
-     clamp, *options) = inputs
-    combine, rows_per_token = (list(options) + [False, 0][len(options):])[:2]
+     clamp, *combine) = inputs
     _y, a = output
     ctx.gathered = rows is None
     # the rows' gradient goes to rows, or with rows=None to tokens
     need_rows = ctx.needs_input_grad[5] if ctx.gathered else ctx.needs_input_grad[0]
     need_w1 = ctx.needs_input_grad[1]
     keep_rows = need_w1 and tokens is None
-    ctx.combine = bool(combine)
-    ctx.rows_per_token = int(rows_per_token)
+    ctx.combine = bool(combine and combine[0])
     ctx.num_tokens = None if tokens is None else tokens.shape[0]
     ctx.save_for_backward(rows if keep_rows else None, tokens if need_w1 else None,
                           sorted_indices if need_w1 or ctx.combine or ctx.gathered else None,
@@ -323,7 +273,7 @@ def _backward(ctx, grad_y, grad_a_out):
     need_rows, need_w1, need_w2, need_probs = (ctx.need_rows, ctx.needs_input_grad[1],
                                                ctx.needs_input_grad[2], ctx.needs_input_grad[4])
     if grad_y is None:
-        return (None,) * 13
+        return (None,) * 12
     dtype = weight2.dtype
     g_index = None
     if ctx.combine and ctx.gathered:  # the GEMMs read each row's token's gradient by index
@@ -357,13 +307,12 @@ def _backward(ctx, grad_y, grad_a_out):
             del x
     d_rows = d_tokens = None
     if need_rows and ctx.gathered:
-        d_tokens = _tokens_grad(grad_a, weight1, offsets, sorted_indices, ctx.num_tokens, dtype,
-                                ctx.rows_per_token)
+        d_tokens = _tokens_grad(grad_a, weight1, offsets, sorted_indices, ctx.num_tokens, dtype)
     elif need_rows:
         d_rows = _DGRAD(grad_a, weight1, offsets, True, dtype)
     if probs is None or not need_probs:
         grad_probs = None
-    return d_rows, dw1, dw2, None, grad_probs, d_tokens, None, None, None, None, None, None, None
+    return d_rows, dw1, dw2, None, grad_probs, d_tokens, None, None, None, None, None, None
 
 
 register_autograd("moe_core::expert_mlp", _backward, setup_context=_setup_context)

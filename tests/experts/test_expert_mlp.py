@@ -163,48 +163,6 @@ def test_rows_by_index_bitwise_equal_to_the_two_ops(device, dtype, act, gated, o
         assert torch.equal(a, b), f"{name}: max |diff| {(a.double() - b.double()).abs().max()}"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("T,k", [(45, 3), (45, 8), (3, 8), (1, 5)])
-def test_rows_by_index_token_chunks_bitwise(device, monkeypatch, dtype, T, k):
-    """rows_per_token=k (dropless): the tokens' gradient made a range of tokens at a time,
-    straight in the dtype (never through the fp32 accumulator), against permute, the two ops
-    and unpermute: the same bits, forward and every gradient, with more chunks than tokens
-    (empty chunks) too."""
-    H, E, F_ = 32, 10, 24
-    act, gated, offset, clamp = CASES[0]
-    torch.manual_seed(0)
-    tokens = torch.randn(T, H, dtype=torch.float64).to(dtype).to(device)
-    w1, w2 = weights(E, H, F_, gated, dtype, device)
-    table = probs_table_of(T, E, k, device)
-    em = importlib.import_module("moe_core.ops.expert_mlp")
-
-    def no_accumulator(*args):
-        raise AssertionError("the token-chunked gradient used the fp32 accumulator")
-
-    monkeypatch.setattr(em, "_ACCUMULATE_", no_accumulator)
-
-    def by_index(tokens, w1, w2, probs_table):
-        _rows, row_probs, idx, off, _ = ops.permute(
-            tokens, probs_table.detach() > 0, probs_table, num_out_tokens=T * k)
-        return ops.expert_mlp(None, w1, w2, off, row_probs, act, gated, offset, clamp, tokens,
-                              idx, combine=True, rows_per_token=k)
-
-    _, composed = layer_fns(T, E, k, 0, act, gated, offset, clamp, True)
-    got = run(by_index, tokens, w1, w2, table)
-    want = run(composed, tokens, w1, w2, table)
-    for name, a, b in zip(("out", "d_tokens", "d_w1", "d_w2", "d_probs"), got, want):
-        assert torch.equal(a, b), f"{name}: max |diff| {(a.double() - b.double()).abs().max()}"
-
-
-def test_rows_per_token_negative(device):
-    T, H, E, k, F_ = 16, 8, 4, 2, 8
-    tokens, _rows, row_probs, idx, off = routed(T, H, E, k, torch.float32, device)
-    w1, w2 = weights(E, H, F_, True, torch.float32, device)
-    with pytest.raises(ValueError, match=r"rows_per_token must be >= 0 \(0: unknown\), got -2"):
-        ops.expert_mlp(None, w1, w2, off, row_probs, "silu", True, tokens=tokens,
-                       sorted_indices=idx, combine=True, rows_per_token=-2)
-
-
 def test_rows_by_index_needs_the_tokens(device):
     T, H, E, k, F_ = 16, 8, 4, 2, 8
     _tokens, _rows, row_probs, idx, off = routed(T, H, E, k, torch.float32, device)
@@ -446,12 +404,11 @@ def test_opcheck(device):
                                                None))
 
 
-def _by_index_layer(device, by_index, topk=4, dtype=torch.bfloat16, capacity=None):
+def _by_index_layer(device, by_index, topk=4, dtype=torch.bfloat16):
     cfg = MoEConfig(hidden_size=32, moe_ffn_hidden_size=48, num_moe_experts=6,
                     moe_router_topk=topk, params_dtype=dtype, gated_linear_unit=True,
                     activation_func=torch.nn.functional.silu, add_bias_linear=False,
-                    moe_router_dtype="fp32", moe_expert_rows_by_index=by_index,
-                    moe_expert_capacity_factor=capacity)
+                    moe_router_dtype="fp32", moe_expert_rows_by_index=by_index)
     torch.manual_seed(0)
     with torch.device(device):
         return MoELayer(cfg)
@@ -465,14 +422,12 @@ def _layer_step(layer, x, g):
     return [out, x.grad] + [p.grad for p in layer.parameters()]
 
 
-@pytest.mark.parametrize("topk,capacity", [(2, None), (4, None), (4, 1.0)])
-def test_layer_rows_by_index_same_bits(device, topk, capacity):
-    """moe_expert_rows_by_index=True (rows read by index; at top-4 in bf16 the tokens' gradient
-    in chunks: of tokens when dropless, of rows into the fp32 accumulator when capacity drops
-    rows) against False (permute makes the rows): the same output and gradients, bit for
-    bit."""
-    on = _by_index_layer(device, True, topk, capacity=capacity)
-    off = _by_index_layer(device, False, topk, capacity=capacity)
+@pytest.mark.parametrize("topk", [2, 4])
+def test_layer_rows_by_index_same_bits(device, topk):
+    """moe_expert_rows_by_index=True (rows read by index, the tokens' gradient in row chunks at
+    top-4 in bf16) against False (permute makes the rows): the same output and gradients, bit
+    for bit."""
+    on, off = _by_index_layer(device, True, topk), _by_index_layer(device, False, topk)
     off.load_state_dict(on.state_dict())
     x = torch.randn(40, 32, device=device).to(torch.bfloat16)
     g = torch.randn(40, 32, device=device).to(torch.bfloat16)
@@ -508,14 +463,13 @@ def test_layer_rows_by_index_default_follows_the_device():
     assert not layer._rows_by_index(torch.zeros(1, device="meta"))
 
 
-@pytest.mark.parametrize("capacity", [None, 1.0], ids=["dropless", "dropping"])
-def test_layer_rows_by_index_inductor_equals_eager(device, capacity):
-    """Under inductor the compiled layer's output and gradients equal eager's bit for bit, with
-    the tokens' gradient made in token chunks (dropless) and in row chunks through the fp32
-    accumulator (dropping), whose cast is an op of its own: fused into the sum with the router's
-    input gradient, a cast's rounding may be skipped by the generated GPU code."""
+def test_layer_rows_by_index_inductor_equals_eager(device):
+    """Under inductor the accumulated tokens' gradient is still rounded once to bf16 before it
+    meets the router's input gradient (its cast is an op of its own: fused into the sum, a cast's
+    rounding may be skipped by the generated GPU code), so the compiled layer's output and
+    gradients equal eager's bit for bit."""
     torch._dynamo.reset()
-    layer = _by_index_layer(device, True, capacity=capacity)
+    layer = _by_index_layer(device, True)
     x = torch.randn(40, 32, device=device).to(torch.bfloat16)
     g = torch.randn(40, 32, device=device).to(torch.bfloat16)
     want = _layer_step(layer, x, g)
