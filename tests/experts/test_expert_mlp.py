@@ -404,11 +404,12 @@ def test_opcheck(device):
                                                None))
 
 
-def _by_index_layer(device, by_index, topk=4, dtype=torch.bfloat16):
+def _by_index_layer(device, by_index, topk=4, dtype=torch.bfloat16, capacity=None):
     cfg = MoEConfig(hidden_size=32, moe_ffn_hidden_size=48, num_moe_experts=6,
                     moe_router_topk=topk, params_dtype=dtype, gated_linear_unit=True,
                     activation_func=torch.nn.functional.silu, add_bias_linear=False,
-                    moe_router_dtype="fp32", moe_expert_rows_by_index=by_index)
+                    moe_router_dtype="fp32", moe_expert_rows_by_index=by_index,
+                    moe_expert_capacity_factor=capacity)
     torch.manual_seed(0)
     with torch.device(device):
         return MoELayer(cfg)
@@ -422,12 +423,13 @@ def _layer_step(layer, x, g):
     return [out, x.grad] + [p.grad for p in layer.parameters()]
 
 
-@pytest.mark.parametrize("topk", [2, 4])
-def test_layer_rows_by_index_same_bits(device, topk):
+@pytest.mark.parametrize("topk,capacity", [(2, None), (4, None), (4, 1.0)])
+def test_layer_rows_by_index_same_bits(device, topk, capacity):
     """moe_expert_rows_by_index=True (rows read by index, the tokens' gradient in row chunks at
-    top-4 in bf16) against False (permute makes the rows): the same output and gradients, bit
-    for bit."""
-    on, off = _by_index_layer(device, True, topk), _by_index_layer(device, False, topk)
+    top-4 in bf16; with capacity dropping, -1 rows read as zeros) against False (permute makes
+    the rows): the same output and gradients, bit for bit."""
+    on = _by_index_layer(device, True, topk, capacity=capacity)
+    off = _by_index_layer(device, False, topk, capacity=capacity)
     off.load_state_dict(on.state_dict())
     x = torch.randn(40, 32, device=device).to(torch.bfloat16)
     g = torch.randn(40, 32, device=device).to(torch.bfloat16)
