@@ -7,7 +7,7 @@
 # kernel table and what is saved for backward); the summary and the tables last.
 # Run on any CUDA machine from the repo root: `bash benchmarks/gpu_layer_session.sh`; megatron-core
 # from the environment or from a wheel copied into .whl/ (device_env.sh installs it).
-# Knobs: SKIP_BUILD, SKIP_TESTS, SKIP_BENCH, SKIP_BY_INDEX (the by-index bench_layer run),
+# Knobs: SKIP_BUILD, SKIP_TESTS, SKIP_BENCH, SKIP_BY_INDEX (bench_layer without the by-index rows),
 # SESSION_S, LAYER_ARGS (default: --rounds 10), HF_ARGS, PROFILE_ARGS (default: --top 12).
 set -uo pipefail
 source benchmarks/session_lib.sh
@@ -36,10 +36,11 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 
 if [ -z "${SKIP_BENCH:-}" ]; then
-  run_step bench_layer 200 python3 benchmarks/bench_layer.py ${LAYER_ARGS:---rounds 10}
-  # the rows read by index (opt-in on CUDA): time and memory against the default above
-  [ -n "${SKIP_BY_INDEX:-}" ] || run_step bench_layer_by_index 200 python3 benchmarks/bench_layer.py \
-      ${LAYER_ARGS:---rounds 10} --rows-by-index on --skip megatron
+  # with the rows read by index (opt-in on CUDA) timed beside the default, same rounds
+  BY_INDEX=both
+  [ -n "${SKIP_BY_INDEX:-}" ] && BY_INDEX=auto
+  run_step bench_layer 240 python3 benchmarks/bench_layer.py ${LAYER_ARGS:---rounds 10} \
+      --rows-by-index $BY_INDEX
   run_step bench_hf 120 python3 benchmarks/bench_hf.py ${HF_ARGS:-}
   run_step profile_layer 120 python3 benchmarks/profile_layer.py ${PROFILE_ARGS:---top 12}
 fi
@@ -50,4 +51,3 @@ for line in "${SUMMARY[@]}"; do echo "$line"; done
 [ -f "$OUT/profile_layer.log" ] && grep -E "^==|saved for backward|memory:|GPU time|glu|gating|gg_sm90" "$OUT/profile_layer.log" | cut -c1-150
 [ -f "$OUT/bench_hf.log" ] && sed -n '/^| shape/,$p' "$OUT/bench_hf.log"
 [ -f "$OUT/bench_layer.log" ] && sed -n '/^| shape/,$p' "$OUT/bench_layer.log"
-[ -f "$OUT/bench_layer_by_index.log" ] && grep -E "^\| .*ours" "$OUT/bench_layer_by_index.log"
