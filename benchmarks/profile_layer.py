@@ -15,6 +15,8 @@ Three tables per shape (``bench_ep``'s layer builders, bf16, dropless, the same 
     python benchmarks/profile_layer.py [--shapes mixtral,qwen3_30b_a3b,dsv3_like] [--top 15]
         [--device cuda|cpu] [--gaps 20] [--trace /tmp/out/trace]
     python benchmarks/profile_layer.py --shapes tiny --device cpu     (smoke: no kernel table)
+    python benchmarks/profile_layer.py --device meta   (what is saved for backward at the reference
+                                                        shapes, from shapes alone: no GPU)
 """
 import os
 import sys
@@ -38,14 +40,16 @@ GiB = float(1 << 30)
 def saved_breakdown(layer, x: torch.Tensor, g: torch.Tensor) -> Tuple[List[str], float]:
     """The tensors autograd saves in one forward (unique storages), as table lines, and the
     bytes of those the caller does not own already."""
-    owned = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    owned.add(x.untyped_storage().data_ptr())
+    # a storage by its implementation's address (meta storages all have data_ptr 0), alive
+    # throughout: every storage seen is saved, so none is freed and its address reused
+    owned = {p.untyped_storage()._cdata for p in layer.parameters()}
+    owned.add(x.untyped_storage()._cdata)
     seen: Dict[int, Tuple[str, int, bool]] = {}
 
     def pack(t: torch.Tensor):
-        if t.device.type != "meta" and t.numel():
+        if t.numel():
             s = t.untyped_storage()
-            key = s.data_ptr()
+            key = s._cdata
             if key not in seen:
                 seen[key] = (f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}", s.nbytes(),
                              key in owned)
@@ -142,7 +146,7 @@ def idle_gaps(prof, kernels: List[Tuple[float, float, str]], n: int) -> List[str
 def memory(layer, x: torch.Tensor, g: torch.Tensor) -> str:
     dev = x.device
     if dev.type != "cuda":
-        return "  memory: n/a on the CPU"
+        return f"  memory: n/a on the {dev.type}"
     free_grads(layer, x)
     held = held_after_forward(lambda: (layer(x), x), g, lambda: free_grads(layer, x), dev)
     grads = []
@@ -174,11 +178,16 @@ def main() -> None:
         shape = SHAPES[name]
         layer = build_ours(moe_kwargs(shape, "dropless", 1), dev, 0, None, None)
         set_rows_by_index(layer, args.rows_by_index)
-        gen = torch.Generator(device=dev).manual_seed(1)
-        x = torch.randn(shape.tokens, shape.hidden, device=dev, dtype=torch.bfloat16,
-                        generator=gen, requires_grad=True)
-        g = torch.randn(shape.tokens, shape.hidden, device=dev, dtype=torch.bfloat16,
-                        generator=gen)
+        if dev.type == "meta":  # shapes only: what is saved, at any size, with no GPU
+            x = torch.empty(shape.tokens, shape.hidden, device=dev, dtype=torch.bfloat16,
+                            requires_grad=True)
+            g = torch.empty_like(x, requires_grad=False)
+        else:
+            gen = torch.Generator(device=dev).manual_seed(1)
+            x = torch.randn(shape.tokens, shape.hidden, device=dev, dtype=torch.bfloat16,
+                            generator=gen, requires_grad=True)
+            g = torch.randn(shape.tokens, shape.hidden, device=dev, dtype=torch.bfloat16,
+                            generator=gen)
         print(f"== {name}: T={shape.tokens} H={shape.hidden} E={shape.experts} k={shape.topk} "
               f"F={shape.ffn}", flush=True)
         lines, total = saved_breakdown(layer, x, g)
