@@ -31,7 +31,8 @@ With ``rows=None`` the tokens' gradient is made chunk by chunk when the rows out
 ``4 / itemsize`` times the tokens (top-k above 2 in bf16): each chunk of rows' gradient
 (``grouped_gemm_dgrad`` of that slice of ``grad_a``) is added into an fp32 ``[T, H]``
 accumulator (``permute_bwd_accumulate_``) and freed, so at no point does the whole ``[rows, H]``
-gradient exist; a chunk's buffer is never larger than the accumulator.
+gradient exist; a chunk's buffer is never larger than the accumulator. fp64 is made in one
+piece: its ``permute_bwd`` sums in fp64, which the fp32 accumulator cannot.
 
 Precision contract
 ------------------
@@ -60,6 +61,7 @@ import torch
 
 from moe_core.ops._guards import double_backward_error, register_autograd, register_fake
 from moe_core.ops.grouped_gemm import gathered_rows_grad
+from moe_core.ops.permute_bwd_accumulate import permute_bwd_accumulator
 
 _FC1 = torch.ops.moe_core.grouped_gemm_glu_probs
 _FC2 = torch.ops.moe_core.grouped_gemm
@@ -211,11 +213,11 @@ def _tokens_grad(grad_a: torch.Tensor, weight1: torch.Tensor, offsets: torch.Ten
     R = grad_a.shape[0]
     r, t = _size_hint(R), _size_hint(num_tokens)
     chunks = 1 if t == 0 else max(1, -(-(r * grad_a.element_size()) // (4 * t)))
-    if chunks == 1:
+    if chunks == 1 or dtype == torch.float64:
+        # fp64: permute_bwd sums in fp64, which the fp32 accumulator cannot; one piece
         d_rows = _DGRAD(grad_a, weight1, offsets, True, dtype)
         return gathered_rows_grad(d_rows, sorted_indices, offsets, num_tokens)
-    acc = torch.zeros((num_tokens, weight1.shape[-1]), dtype=torch.float32,
-                      device=grad_a.device)
+    acc = permute_bwd_accumulator(num_tokens, weight1.shape[-1], grad_a.device)
     for c in range(chunks):
         lo, hi = c * R // chunks, (c + 1) * R // chunks
         d_rows = _DGRAD(grad_a[lo:hi], weight1, (offsets - lo).clamp(0, hi - lo), True, dtype)

@@ -132,7 +132,7 @@ def test_combine_bitwise_equal_to_unpermute_after(device, dtype, act, gated, off
         assert torch.equal(a, b), f"{name}: max |diff| {(a.double() - b.double()).abs().max()}"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("act,gated,offset,clamp", CASES[:2])
 @pytest.mark.parametrize("align_size", [0, 8])
 @pytest.mark.parametrize("k", [2, 3, 5])
@@ -141,7 +141,8 @@ def test_rows_by_index_bitwise_equal_to_the_two_ops(device, dtype, act, gated, o
                                                     align_size, k, combine):
     """rows=None (fc1, fc2's dgrad and both wgrads read the rows from the tokens by index; the
     tokens' gradient made in row chunks for k * itemsize > 4) against permute, the two ops and
-    unpermute: the same bits, forward and every gradient, at one, two and several chunks."""
+    unpermute: the same bits, forward and every gradient, at one, two and several chunks (fp64
+    in one piece: its sums are fp64)."""
     T, H, E, F_ = 45, 32, 6, 24
     torch.manual_seed(0)
     tokens = torch.randn(T, H, dtype=torch.float64).to(dtype).to(device)
