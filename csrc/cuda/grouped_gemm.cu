@@ -484,12 +484,12 @@ __global__ void __launch_bounds__(ST_THREADS) moe_gg_simt_kernel(gg_args_t p) {
 
 /* ---- the gathered operand: rows copied into the workspace ------------------------------------
  *
- * Until the sm90 kernels read the index themselves (moe_cuda_gg_sm90_supports_gather), a gathered
- * call copies the operand's rows, src[gather_index[r]] or zeros, into the front of the workspace
- * and runs the plain op on that copy with the rest of the workspace. Running the plain op (the
- * sm90 path where it applies, else the portable one) rather than always the portable kernels is
- * what makes the result the materialised op's bits on every GPU: the two paths' sums need not
- * agree bit for bit.
+ * The sm90 kernels read a gathered operand's rows by index themselves. A gathered call they do not
+ * take (another GPU, sizes or alignment they decline) copies the operand's rows,
+ * src[gather_index[r]] or zeros, into the front of the workspace and runs the plain op on that
+ * copy with the rest of the workspace. Running the plain op (the sm90 path where it applies, else
+ * the portable one) rather than always the portable kernels is what makes the result the
+ * materialised op's bits on every GPU: the two paths' sums need not agree bit for bit.
  *
  * Index values outside [0, gather_rows) read a zero row, as the layout kernels skip a
  * sorted_indices value outside [-1, num_tokens): the device cannot report them without a host
@@ -564,11 +564,6 @@ static moe_status_t launch_gather_rows(void *dst, const void *src,
     return MOE_OK;
 }
 
-#ifndef MOE_GG_SM90_GATHER
-/* The sm90 kernels do not read a gathered operand yet (see grouped_gemm_impl.cuh). */
-extern "C" int moe_cuda_gg_sm90_supports_gather(void) { return 0; }
-#endif
-
 /* ---- host side -------------------------------------------------------------------------------- */
 
 static size_t portable_workspace(const moe_grouped_gemm_params_t *p) {
@@ -599,8 +594,8 @@ extern "C" size_t moe_cuda_grouped_gemm_workspace_size(const moe_grouped_gemm_pa
         return moe_fail_size("moe_cuda_grouped_gemm_workspace_size: num_experts=%lld overflows "
                              "int64 bytes", (long long)params->num_experts);
     if (params->gather_operand == MOE_GG_GATHER_NONE) return plain_workspace(params);
-    /* gathered: the copy of the rows, then the plain op's workspace (the fallback); with sm90
-     * gather support, the sm90 path's own need too, since it may still decline a call */
+    /* gathered: the copy of the rows, then the plain op's workspace (the fallback, whose need
+     * covers the sm90 path's own, since that path may still decline a call) */
     const moe_grouped_gemm_params_t q = plain_params(params);
     const size_t copy = gather_copy_bytes(params), rest = plain_workspace(&q);
     if (copy == MOE_SIZE_OVERFLOW || rest == MOE_SIZE_OVERFLOW || copy > SIZE_MAX / 2 - rest)
@@ -609,7 +604,7 @@ extern "C" size_t moe_cuda_grouped_gemm_workspace_size(const moe_grouped_gemm_pa
                              (long long)params->num_rows, (long long)gather_cols(params));
     /* the sm90 path reads the rows by index: no copy, the whole point of the gathered operand
      * (run_gathered refuses a call it then declines, for a misaligned pointer) */
-    if (moe_cuda_gg_sm90_supports_gather() && moe_cuda_gg_sm90_takes(params))
+    if (moe_cuda_gg_sm90_takes(params))
         return plain_workspace(params);
     return copy + rest;
 }
@@ -764,19 +759,6 @@ static moe_status_t run_gathered(gg_entry_fn fn, gg_kind_t kind, void *out, cons
               (char *)workspace + copy, workspace_bytes - copy, stream);
 }
 
-/* Gathered calls go to the sm90 path only when it reads the index itself; otherwise (or when it
- * declines) to run_gathered. */
-#define GG_GATHERED(fn, sm90_fn, kind, out, in0, in1)                                         \
-    do {                                                                                      \
-        if (params->gather_operand != MOE_GG_GATHER_NONE) {                                   \
-            if (moe_cuda_gg_sm90_supports_gather())                                           \
-                GG_TRY_SM90(sm90_fn, out, in0, in1, expert_offsets, params, workspace,        \
-                            workspace_bytes, stream);                                         \
-            return run_gathered(fn, kind, out, in0, in1, expert_offsets, params, workspace,   \
-                                workspace_bytes, stream);                                     \
-        }                                                                                     \
-    } while (0)
-
 extern "C" moe_status_t moe_cuda_grouped_gemm_fwd(void *y, const void *x, const void *weight,
                                                   const int64_t *expert_offsets,
                                                   const moe_grouped_gemm_params_t *params,
@@ -788,9 +770,11 @@ extern "C" moe_status_t moe_cuda_grouped_gemm_fwd(void *y, const void *x, const 
     MOE_CHECK(y != NULL, "y must not be NULL");
     MOE_CHECK(params->in_features == 0 || (operand_ok(x, MOE_GG_GATHER_X, params) && weight),
               "x and weight must not be NULL");
-    GG_GATHERED(moe_cuda_grouped_gemm_fwd, moe_cuda_gg_sm90_fwd, GG_FWD, y, x, weight);
     GG_TRY_SM90(moe_cuda_gg_sm90_fwd, y, x, weight, expert_offsets, params, workspace,
                 workspace_bytes, stream);
+    if (params->gather_operand != MOE_GG_GATHER_NONE) /* not taken by the sm90 path */
+        return run_gathered(moe_cuda_grouped_gemm_fwd, GG_FWD, y, x, weight,
+                            expert_offsets, params, workspace, workspace_bytes, stream);
     return run_portable(GG_FWD, y, x, weight, expert_offsets, params, workspace,
                         (cudaStream_t)stream);
 }
@@ -808,10 +792,11 @@ extern "C" moe_status_t moe_cuda_grouped_gemm_dgrad(void *grad_x, const void *gr
     MOE_CHECK(params->out_features == 0 ||
                   (operand_ok(grad_y, MOE_GG_GATHER_DY, params) && weight),
               "grad_y and weight must not be NULL");
-    GG_GATHERED(moe_cuda_grouped_gemm_dgrad, moe_cuda_gg_sm90_dgrad, GG_DGRAD, grad_x, grad_y,
-                weight);
     GG_TRY_SM90(moe_cuda_gg_sm90_dgrad, grad_x, grad_y, weight, expert_offsets, params, workspace,
                 workspace_bytes, stream);
+    if (params->gather_operand != MOE_GG_GATHER_NONE) /* not taken by the sm90 path */
+        return run_gathered(moe_cuda_grouped_gemm_dgrad, GG_DGRAD, grad_x, grad_y, weight,
+                            expert_offsets, params, workspace, workspace_bytes, stream);
     return run_portable(GG_DGRAD, grad_x, grad_y, weight, expert_offsets, params, workspace,
                         (cudaStream_t)stream);
 }
@@ -829,18 +814,20 @@ extern "C" moe_status_t moe_cuda_grouped_gemm_wgrad(void *grad_weight, const voi
     MOE_CHECK(params->num_rows == 0 || (operand_ok(x, MOE_GG_GATHER_X, params) &&
                                         operand_ok(grad_y, MOE_GG_GATHER_DY, params)),
               "x and grad_y must not be NULL");
-    GG_GATHERED(moe_cuda_grouped_gemm_wgrad, moe_cuda_gg_sm90_wgrad, GG_WGRAD, grad_weight, x,
-                grad_y);
     GG_TRY_SM90(moe_cuda_gg_sm90_wgrad, grad_weight, x, grad_y, expert_offsets, params,
                 workspace, workspace_bytes, stream);
+    if (params->gather_operand != MOE_GG_GATHER_NONE) /* not taken by the sm90 path */
+        return run_gathered(moe_cuda_grouped_gemm_wgrad, GG_WGRAD, grad_weight, x, grad_y,
+                            expert_offsets, params, workspace, workspace_bytes, stream);
     return run_portable(GG_WGRAD, grad_weight, x, grad_y, expert_offsets, params, workspace,
                         (cudaStream_t)stream);
 }
 
 /* fc1 fused with glu_probs: the two kernels back to back on the stream, so every device has the
- * op and it gives the composition's bits (a gathered x goes to fc1 with the params). (Computing h in the Hopper GEMM's epilogue instead
- * saves a write and a re-read of a, but runs slower: the activation's fp64 element math then
- * holds up the tensor cores, where the glu_probs pass spreads it over every SM.) */
+ * op and it gives the composition's bits (a gathered x goes to fc1 with the params). (Computing
+ * h in the Hopper GEMM's epilogue instead saves a write and a re-read of a, but runs slower: the
+ * activation's fp64 element math then holds up the tensor cores, where the glu_probs pass spreads
+ * it over every SM.) */
 extern "C" moe_status_t moe_cuda_grouped_gemm_glu_probs_fwd(
     void *h, void *a, const void *x, const void *weight, const int64_t *expert_offsets,
     const void *probs, moe_dtype_t probs_dtype, const moe_grouped_gemm_params_t *params,

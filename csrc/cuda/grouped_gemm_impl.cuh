@@ -28,19 +28,10 @@ size_t moe_cuda_gg_sm90_workspace_size(const moe_grouped_gemm_params_t *params);
 /* 1 when the sm90 kernels were compiled into this binary (sm_90a in the arch list). */
 int moe_cuda_gg_sm90_compiled(void);
 
-/* 1 when the sm90 entry points below take a gathered call (params->gather_operand != NONE, the
- * operand's rows read through params->gather_index). Until they do, grouped_gemm.cu defines it as
- * 0 and never offers them such a call: it gathers the rows into the workspace and runs the plain
- * op (sm90 included) on that copy. grouped_gemm_sm90.cu, once it reads the index itself, defines
- * this function returning 1 and MOE_GG_SM90_GATHER here, which removes grouped_gemm.cu's stub;
- * moe_cuda_gg_sm90_workspace_size must then cover a gathered call (the dispatcher takes the max
- * of it and the gather-then-run fallback's need, as the sm90 path may still decline). */
-int moe_cuda_gg_sm90_supports_gather(void);
-#define MOE_GG_SM90_GATHER 1
-
 /* 1 when the sm90 path takes a call of these sizes and dtypes on the current device (only a
  * misaligned pointer could still make it decline): a gathered call then needs no room for a copy
- * of the rows in the workspace. */
+ * of the rows in the workspace, since the sm90 kernels read a gathered operand's rows by index
+ * (params->gather_operand, params->gather_index). */
 int moe_cuda_gg_sm90_takes(const moe_grouped_gemm_params_t *params);
 
 moe_status_t moe_cuda_gg_sm90_fwd(void *y, const void *x, const void *weight,

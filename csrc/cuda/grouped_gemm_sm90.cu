@@ -1131,9 +1131,6 @@ static int gg_sm90_sizes_ok(const moe_grouped_gemm_params_t *p) {
     return 1;
 }
 
-/* The sm90 kernels read a gathered operand themselves (gg_gather_k / gg_gather_mn). */
-extern "C" int moe_cuda_gg_sm90_supports_gather(void) { return 1; }
-
 extern "C" int moe_cuda_gg_sm90_takes(const moe_grouped_gemm_params_t *p) {
     if (!p || !gg_sm90_sizes_ok(p) || !moe_cuda_gg_sm90_compiled()) return 0;
     int dev = 0, major = 0;
