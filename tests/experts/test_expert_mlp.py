@@ -86,6 +86,20 @@ def probs_table_of(T, E, k, device, seed=3):
     return ((torch.rand(T, E, generator=g) + 0.1) * mask).to(device)
 
 
+def problem(T, H, E, k, F_, gated, dtype, device):
+    """(tokens [T, H], w1, w2, probs table [T, E]) of the bitwise layer tests."""
+    torch.manual_seed(0)
+    tokens = torch.randn(T, H, dtype=torch.float64).to(dtype).to(device)
+    w1, w2 = weights(E, H, F_, gated, dtype, device)
+    return tokens, w1, w2, probs_table_of(T, E, k, device)
+
+
+def assert_same_bits(got, want):
+    """run()'s outputs: the output and every gradient equal bit for bit."""
+    for name, a, b in zip(("out", "d_tokens", "d_w1", "d_w2", "d_probs"), got, want):
+        assert torch.equal(a, b), f"{name}: max |diff| {(a.double() - b.double()).abs().max()}"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("act,gated,offset,clamp", CASES)
 @pytest.mark.parametrize("source", [True, False])
@@ -93,15 +107,11 @@ def probs_table_of(T, E, k, device, seed=3):
 def test_bitwise_equal_to_the_two_ops(device, dtype, act, gated, offset, clamp, source,
                                       align_size):
     T, H, E, k, F_ = 45, 32, 6, 2, 24
-    torch.manual_seed(0)
-    tokens = torch.randn(T, H, dtype=torch.float64).to(dtype).to(device)
-    w1, w2 = weights(E, H, F_, gated, dtype, device)
-    table = probs_table_of(T, E, k, device)
+    tokens, w1, w2, table = problem(T, H, E, k, F_, gated, dtype, device)
     fused, composed = layer_fns(T, E, k, align_size, act, gated, offset, clamp, source)
     got = run(fused, tokens, w1, w2, table)
     want = run(composed, tokens, w1, w2, table)
-    for name, a, b in zip(("out", "d_tokens", "d_w1", "d_w2", "d_probs"), got, want):
-        assert torch.equal(a, b), f"{name}: max |diff| {(a.double() - b.double()).abs().max()}"
+    assert_same_bits(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -112,10 +122,7 @@ def test_combine_bitwise_equal_to_unpermute_after(device, dtype, act, gated, off
     """combine=True (the op sums each token's rows, and makes their gradient itself) against the
     op's rows' outputs summed by unpermute outside it: the same kernels, so the same bits."""
     T, H, E, k, F_ = 45, 32, 6, 2, 24
-    torch.manual_seed(0)
-    tokens = torch.randn(T, H, dtype=torch.float64).to(dtype).to(device)
-    w1, w2 = weights(E, H, F_, gated, dtype, device)
-    table = probs_table_of(T, E, k, device)
+    tokens, w1, w2, table = problem(T, H, E, k, F_, gated, dtype, device)
 
     def combined(tokens, w1, w2, probs_table):
         rows, row_probs, idx, off, _ = ops.permute(
@@ -128,8 +135,7 @@ def test_combine_bitwise_equal_to_unpermute_after(device, dtype, act, gated, off
     got = run(combined, tokens, w1, w2, table)
     want = run(fused, tokens, w1, w2, table)
     assert got[0].shape == (T, H)
-    for name, a, b in zip(("out", "d_tokens", "d_w1", "d_w2", "d_probs"), got, want):
-        assert torch.equal(a, b), f"{name}: max |diff| {(a.double() - b.double()).abs().max()}"
+    assert_same_bits(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
@@ -144,10 +150,7 @@ def test_rows_by_index_bitwise_equal_to_the_two_ops(device, dtype, act, gated, o
     unpermute: the same bits, forward and every gradient, at one, two and several chunks (fp64
     in one piece: its sums are fp64)."""
     T, H, E, F_ = 45, 32, 6, 24
-    torch.manual_seed(0)
-    tokens = torch.randn(T, H, dtype=torch.float64).to(dtype).to(device)
-    w1, w2 = weights(E, H, F_, gated, dtype, device)
-    table = probs_table_of(T, E, k, device)
+    tokens, w1, w2, table = problem(T, H, E, k, F_, gated, dtype, device)
 
     def by_index(tokens, w1, w2, probs_table):
         _rows, row_probs, idx, off, _ = ops.permute(
@@ -160,8 +163,7 @@ def test_rows_by_index_bitwise_equal_to_the_two_ops(device, dtype, act, gated, o
     _, composed = layer_fns(T, E, k, align_size, act, gated, offset, clamp, True)
     got = run(by_index, tokens, w1, w2, table)
     want = run(composed, tokens, w1, w2, table)
-    for name, a, b in zip(("out", "d_tokens", "d_w1", "d_w2", "d_probs"), got, want):
-        assert torch.equal(a, b), f"{name}: max |diff| {(a.double() - b.double()).abs().max()}"
+    assert_same_bits(got, want)
 
 
 def test_rows_by_index_needs_the_tokens(device):
