@@ -1,13 +1,17 @@
 /*
  * glu_probs.cu: the expert activation (GLU-aware) and the router-probs multiply in one pass, CUDA.
  *
- * A bandwidth kernel: the forward reads a's gate and linear halves and writes h with 16-byte
+ * Streaming kernels: the forward reads a's gate and linear halves and writes h with 16-byte
  * vector accesses (one thread per vector of h), the row's prob read once per vector; the
  * backward gives each row to one warp, writes both halves of grad_a with vector stores and sums
  * grad_probs in registers. Both run their element math on floats whenever the dtypes allow (all
  * but fp64), the same bits as the double functions the CPU calls. The backward can also write the
  * forward's h, recomputed, and can run in place (grad_a over a, h over grad_h): the expert MLP's
- * backward then needs no buffer of its own for either. The element math is glu_probs_math.h, the same functions the CPU runs.
+ * backward then needs no buffer of its own for either. The element math is glu_probs_math.h, the
+ * same functions the CPU runs. Eager's rounding points make that math long enough that the
+ * backward issues instructions, not bytes, at its limit: Megatron's default configuration
+ * (SwiGLU, probs, no clamp) gets its own copy of the row loop with those context fields as
+ * constants, so the activation switch and the rounding points' dtype tests fold away.
  *
  * The one idea: grad_probs needs no atomics and no second pass, and is the CPU's bits. Each lane
  * accumulates the chunks j ≡ lane (mod 32) of its row in fp64, in element order, and the warp folds
@@ -17,8 +21,9 @@
 #include "../glu_probs_math.h"
 
 /* 16-byte vectors each lane of the forward has in flight (one at a time, a warp waits out a
- * whole DRAM latency per vector). The backward stays at one: loading four chunks' three vectors
- * first took its registers past half the file, and it ran at less than half the speed. */
+ * whole DRAM latency per vector). The backward keeps one chunk ahead (moe_gp_bwd_row_vec):
+ * loading four chunks' three vectors first took its registers past half the file, and it ran at
+ * less than half the speed. */
 #define MOE_GP_UNROLL 4
 
 /* moe_gp_vec, moe_gp_vget/vset and moe_gp_vec_fwd (16-byte vectors of one dtype) live in
@@ -86,12 +91,77 @@ __global__ void __launch_bounds__(256) moe_glu_probs_fwd_kernel(void *__restrict
     }
 }
 
+/* One row's vectors for moe_glu_probs_bwd_kernel: lane's chunks j = lane, lane + 32, ... (16
+ * bytes each), its fp64 partial of grad_probs returned. The next chunk's three vectors are loaded
+ * before this chunk's math and stores, so a load round trip is in flight behind the math (the
+ * sum still takes the chunks in order). c comes by value: a caller passing constants for some of
+ * its fields gets a copy of the loop with their branches folded away. */
+template <int DT, bool FLT>
+__device__ __forceinline__ double moe_gp_bwd_row_vec(const moe_gp_ctx_t c, void *grad_a, void *h,
+                                                     const void *grad_h, const void *a,
+                                                     int64_t r, int64_t ffn, int64_t width,
+                                                     int64_t nchunks, double p, int lane) {
+    constexpr int n = moe_gp_vec_n<DT>();
+    constexpr int64_t esz = 16 / n;
+    const float pf = (float)p;
+    double acc = 0.0;
+    const char *dy_row = (const char *)grad_h + r * ffn * esz;
+    const char *a_row = (const char *)a + r * width * esz;
+    char *ga_row = (char *)grad_a + r * width * esz;
+    char *h_row = h ? (char *)h + r * ffn * esz : NULL;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    moe_gp_vec dy, g, l;
+    dy.u = g.u = l.u = zero;
+    if (lane < nchunks) {
+        dy.u = *(const uint4 *)(dy_row + lane * 16);
+        g.u = *(const uint4 *)(a_row + lane * 16);
+        if (c.gated) l.u = *(const uint4 *)(a_row + ffn * esz + lane * 16);
+    }
+    for (int64_t j = lane; j < nchunks; j += 32) {
+        moe_gp_vec ndy, ng, nl, gg, gl, hv;
+        ndy.u = ng.u = nl.u = zero;
+        if (j + 32 < nchunks) {
+            ndy.u = *(const uint4 *)(dy_row + (j + 32) * 16);
+            ng.u = *(const uint4 *)(a_row + (j + 32) * 16);
+            if (c.gated) nl.u = *(const uint4 *)(a_row + ffn * esz + (j + 32) * 16);
+        }
+#pragma unroll
+        for (int e = 0; e < n; ++e) {
+            if constexpr (FLT && DT != MOE_DTYPE_FP64) {
+                float vg, vl, term, vh;
+                moe_gp_elem_bwd_f(&c, moe_gp_vgetf<DT>(dy, e), moe_gp_vgetf<DT>(g, e),
+                                  c.gated ? moe_gp_vgetf<DT>(l, e) : 0.0f, pf, &vg, &vl, &term,
+                                  &vh);
+                moe_gp_vsetf<DT>(gg, e, vg);
+                moe_gp_vsetf<DT>(gl, e, vl);
+                moe_gp_vsetf<DT>(hv, e, vh);
+                acc = __dadd_rn(acc, (double)term);
+            } else {
+                double vg, vl, term, vh;
+                moe_gp_elem_bwd(&c, moe_gp_vget<DT>(dy, e), moe_gp_vget<DT>(g, e),
+                                c.gated ? moe_gp_vget<DT>(l, e) : 0.0, p, &vg, &vl, &term, &vh);
+                moe_gp_vset<DT>(gg, e, vg);
+                moe_gp_vset<DT>(gl, e, vl);
+                moe_gp_vset<DT>(hv, e, vh);
+                acc = __dadd_rn(acc, term);
+            }
+        }
+        *(uint4 *)(ga_row + j * 16) = gg.u;
+        if (c.gated) *(uint4 *)(ga_row + ffn * esz + j * 16) = gl.u;
+        if (h_row) *(uint4 *)(h_row + j * 16) = hv.u;
+        dy = ndy, g = ng, l = nl;
+    }
+    return acc;
+}
+
 /* One warp per row: grad_a [R, F1], grad_probs [R] (or NULL) and, when h is not NULL, the
  * forward's h [R, F] recomputed, ← grad_h [R, F], a, probs. Chunks of `chunk` elements
  * (moe_gp_chunk): VEC loads each as one 16-byte vector. grad_a may be a and h may be grad_h: each
- * element is read before it is written, by the thread that writes it. */
+ * element is read before it is written, by the thread that writes it. At least five blocks an
+ * SM: left free, ptxas gives the two copies of the row loop over 100 registers and the SM four
+ * blocks; bounded at five it needs no spills. */
 template <int DT, bool VEC, bool FLT>
-__global__ void __launch_bounds__(128) moe_glu_probs_bwd_kernel(void *grad_a, void *grad_probs,
+__global__ void __launch_bounds__(128, 5) moe_glu_probs_bwd_kernel(void *grad_a, void *grad_probs,
                                                                 void *h, const void *grad_h,
                                                                 const void *a, const void *probs,
                                                                 int64_t num_rows, int64_t ffn,
@@ -102,48 +172,30 @@ __global__ void __launch_bounds__(128) moe_glu_probs_bwd_kernel(void *grad_a, vo
     const int lane = threadIdx.x % 32;
     const int64_t width = c.gated ? 2 * ffn : ffn, nchunks = ffn / chunk;
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+    const bool swiglu = FLT && DT != MOE_DTYPE_FP64 && c.act == MOE_ACT_SILU && c.gated &&
+                        !c.has_clamp && c.has_probs && c.prod_dtype == MOE_DTYPE_FP32;
     for (int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < num_rows;
          r += warps) {
         const double p = c.has_probs ? moe_load(probs, c.probs_dtype, r) : 1.0;
-        const float pf = (float)p;
         double acc = 0.0;
-        for (int64_t j = lane; j < nchunks; j += 32) {
-            const int64_t f = j * chunk;
-            if (VEC) {
-                moe_gp_vec dy, g, l, gg, gl, hv;
-                dy.u = *(const uint4 *)((const char *)grad_h + (r * ffn + f) * (int64_t)sizeof(uint4) / n);
-                g.u = *(const uint4 *)((const char *)a + (r * width + f) * (int64_t)sizeof(uint4) / n);
-                if (c.gated)
-                    l.u = *(const uint4 *)((const char *)a +
-                                            (r * width + ffn + f) * (int64_t)sizeof(uint4) / n);
-#pragma unroll
-                for (int e = 0; e < n; ++e) {
-                    if constexpr (FLT && DT != MOE_DTYPE_FP64) {
-                        float vg, vl, term, vh;
-                        moe_gp_elem_bwd_f(&c, moe_gp_vgetf<DT>(dy, e), moe_gp_vgetf<DT>(g, e),
-                                          c.gated ? moe_gp_vgetf<DT>(l, e) : 0.0f, pf, &vg, &vl,
-                                          &term, &vh);
-                        moe_gp_vsetf<DT>(gg, e, vg);
-                        moe_gp_vsetf<DT>(gl, e, vl);
-                        moe_gp_vsetf<DT>(hv, e, vh);
-                        acc = __dadd_rn(acc, (double)term);
-                    } else {
-                        double vg, vl, term, vh;
-                        moe_gp_elem_bwd(&c, moe_gp_vget<DT>(dy, e), moe_gp_vget<DT>(g, e),
-                                        c.gated ? moe_gp_vget<DT>(l, e) : 0.0, p, &vg, &vl, &term,
-                                        &vh);
-                        moe_gp_vset<DT>(gg, e, vg);
-                        moe_gp_vset<DT>(gl, e, vl);
-                        moe_gp_vset<DT>(hv, e, vh);
-                        acc = __dadd_rn(acc, term);
-                    }
-                }
-                *(uint4 *)((char *)grad_a + (r * width + f) * (int64_t)sizeof(uint4) / n) = gg.u;
-                if (c.gated)
-                    *(uint4 *)((char *)grad_a + (r * width + ffn + f) * (int64_t)sizeof(uint4) / n) =
-                        gl.u;
-                if (h) *(uint4 *)((char *)h + (r * ffn + f) * (int64_t)sizeof(uint4) / n) = hv.u;
+        if (VEC) {
+            if (swiglu) {
+                /* Megatron's default (SwiGLU, probs in a wider dtype, no clamp) with those
+                 * fields as constants: the activation switch and the dtype tests of the
+                 * rounding points fold away (the kernel issues instructions, not bytes, at its
+                 * limit) */
+                moe_gp_ctx_t k = c;
+                k.act = MOE_ACT_SILU, k.gated = 1, k.has_clamp = 0, k.has_probs = 1;
+                k.prod_dtype = MOE_DTYPE_FP32;
+                acc = moe_gp_bwd_row_vec<DT, FLT>(k, grad_a, h, grad_h, a, r, ffn, width, nchunks,
+                                                  p, lane);
             } else {
+                acc = moe_gp_bwd_row_vec<DT, FLT>(c, grad_a, h, grad_h, a, r, ffn, width, nchunks,
+                                                  p, lane);
+            }
+        } else {
+            for (int64_t j = lane; j < nchunks; j += 32) {
+                const int64_t f = j * chunk;
                 for (int64_t e = 0; e < chunk; ++e) {
                     double vg, vl, term, vh;
                     moe_gp_elem_bwd(&c, moe_load(grad_h, c.dtype, r * ffn + f + e),
