@@ -9,9 +9,9 @@
  * forward's h, recomputed, and can run in place (grad_a over a, h over grad_h): the expert MLP's
  * backward then needs no buffer of its own for either. The element math is glu_probs_math.h, the
  * same functions the CPU runs. Eager's rounding points make that math long enough that the
- * backward issues instructions, not bytes, at its limit: Megatron's default configuration
- * (SwiGLU, probs, no clamp) gets its own copy of the row loop with those context fields as
- * constants, so the activation switch and the rounding points' dtype tests fold away.
+ * backward issues instructions, not bytes, at its limit: in both kernels Megatron's default
+ * configuration (SwiGLU, probs, no clamp) gets its own copy of the row loop with those context
+ * fields as constants, so the activation switch and the rounding points' dtype tests fold away.
  *
  * The one idea: grad_probs needs no atomics and no second pass, and is the CPU's bits. Each lane
  * accumulates the chunks j ≡ lane (mod 32) of its row in fp64, in element order, and the warp folds
@@ -33,6 +33,55 @@
  * vector length, aligned pointers), else one element at a time; FLT: moe_gp_float_math holds, so
  * the element math runs on floats (the _f functions; the same bits as the double ones). */
 
+/* Megatron's default configuration, SwiGLU with the probs multiply in fp32 and no clamp: whether
+ * c is it (the float math only), and c with those fields as constants, for the row loops' own
+ * copy (the linear offset and the probs stay values: adding 0.0f is no identity for -0). */
+template <int DT, bool FLT>
+__device__ __forceinline__ bool moe_gp_is_swiglu(const moe_gp_ctx_t &c) {
+    return FLT && DT != MOE_DTYPE_FP64 && c.act == MOE_ACT_SILU && c.gated && !c.has_clamp &&
+           c.has_probs && c.prod_dtype == MOE_DTYPE_FP32;
+}
+
+__device__ __forceinline__ moe_gp_ctx_t moe_gp_swiglu_ctx(moe_gp_ctx_t c) {
+    c.act = MOE_ACT_SILU, c.gated = 1, c.has_clamp = 0, c.has_probs = 1;
+    c.prod_dtype = MOE_DTYPE_FP32;
+    return c;
+}
+
+/* One row of the forward's vectors: MOE_GP_UNROLL vectors per lane in flight, their loads
+ * first, then the math and the stores (each lane still walks j, j + 32, ... in order). c by
+ * value, as moe_gp_bwd_row_vec takes it. */
+template <int DT, bool FLT>
+__device__ __forceinline__ void moe_gp_fwd_row_vec(const moe_gp_ctx_t c, char *hrow,
+                                                   const char *arow, int64_t ffn, double p,
+                                                   int lane) {
+    constexpr int n = moe_gp_vec_n<DT>();
+    constexpr int64_t esz = 16 / n;
+    const int64_t per_row = ffn / n;
+    for (int64_t j0 = lane; j0 < per_row; j0 += 32 * MOE_GP_UNROLL) {
+        uint4 g[MOE_GP_UNROLL], l[MOE_GP_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MOE_GP_UNROLL; ++u) {
+            const int64_t j = j0 + 32 * u;
+            if (j < per_row) {
+                g[u] = *(const uint4 *)(arow + j * 16);
+                l[u] = c.gated ? *(const uint4 *)(arow + ffn * esz + j * 16)
+                               : make_uint4(0, 0, 0, 0);
+            }
+        }
+        /* the math is large enough that the compiler keeps this loop rolled: the next vector
+         * moves to slot 0 instead of being indexed by u (that would put the vectors in local
+         * memory) */
+#pragma unroll 1
+        for (int u = 0; u < MOE_GP_UNROLL; ++u) {
+            const int64_t j = j0 + 32 * u;
+            if (j < per_row) *(uint4 *)(hrow + j * 16) = moe_gp_vec_fwd<DT, FLT>(&c, g[0], l[0], p);
+#pragma unroll
+            for (int v = 0; v + 1 < MOE_GP_UNROLL; ++v) g[v] = g[v + 1], l[v] = l[v + 1];
+        }
+    }
+}
+
 /* h [R, F] ← a [R, F1] (F1 = 2F with GLU), probs [R] or NULL. Warps walk the rows; in a row,
  * lane j takes the vectors j, j + 32, ..., so a warp's accesses are 512 contiguous bytes and no
  * thread divides an index. The row's prob is read once per row. */
@@ -48,37 +97,17 @@ __global__ void __launch_bounds__(256) moe_glu_probs_fwd_kernel(void *__restrict
     const int lane = threadIdx.x % 32;
     const int64_t width = c.gated ? 2 * ffn : ffn, per_row = ffn / n;
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+    const bool swiglu = moe_gp_is_swiglu<DT, FLT>(c);
     for (int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < num_rows;
          r += warps) {
         const double p = c.has_probs ? moe_load(probs, c.probs_dtype, r) : 1.0;
         const char *arow = (const char *)a + r * width * esz;
         char *hrow = (char *)h + r * ffn * esz;
         if (VEC) {
-            /* MOE_GP_UNROLL vectors per lane in flight: their loads first, then the math and
-             * the stores (each lane still walks j, j + 32, ... in order) */
-            for (int64_t j0 = lane; j0 < per_row; j0 += 32 * MOE_GP_UNROLL) {
-                uint4 g[MOE_GP_UNROLL], l[MOE_GP_UNROLL];
-#pragma unroll
-                for (int u = 0; u < MOE_GP_UNROLL; ++u) {
-                    const int64_t j = j0 + 32 * u;
-                    if (j < per_row) {
-                        g[u] = *(const uint4 *)(arow + j * 16);
-                        l[u] = c.gated ? *(const uint4 *)(arow + ffn * esz + j * 16)
-                                       : make_uint4(0, 0, 0, 0);
-                    }
-                }
-                /* the math is large enough that the compiler keeps this loop rolled: the next
-                 * vector moves to slot 0 instead of being indexed by u (that would put the
-                 * vectors in local memory) */
-#pragma unroll 1
-                for (int u = 0; u < MOE_GP_UNROLL; ++u) {
-                    const int64_t j = j0 + 32 * u;
-                    if (j < per_row)
-                        *(uint4 *)(hrow + j * 16) = moe_gp_vec_fwd<DT, FLT>(&c, g[0], l[0], p);
-#pragma unroll
-                    for (int v = 0; v + 1 < MOE_GP_UNROLL; ++v) g[v] = g[v + 1], l[v] = l[v + 1];
-                }
-            }
+            if (swiglu)
+                moe_gp_fwd_row_vec<DT, FLT>(moe_gp_swiglu_ctx(c), hrow, arow, ffn, p, lane);
+            else
+                moe_gp_fwd_row_vec<DT, FLT>(c, hrow, arow, ffn, p, lane);
         } else {
             for (int64_t j = lane; j < per_row; j += 32) {
                 const double g = moe_load(arow, c.dtype, j);
@@ -172,27 +201,16 @@ __global__ void __launch_bounds__(128, 5) moe_glu_probs_bwd_kernel(void *grad_a,
     const int lane = threadIdx.x % 32;
     const int64_t width = c.gated ? 2 * ffn : ffn, nchunks = ffn / chunk;
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
-    const bool swiglu = FLT && DT != MOE_DTYPE_FP64 && c.act == MOE_ACT_SILU && c.gated &&
-                        !c.has_clamp && c.has_probs && c.prod_dtype == MOE_DTYPE_FP32;
+    const bool swiglu = moe_gp_is_swiglu<DT, FLT>(c);
     for (int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < num_rows;
          r += warps) {
         const double p = c.has_probs ? moe_load(probs, c.probs_dtype, r) : 1.0;
         double acc = 0.0;
         if (VEC) {
-            if (swiglu) {
-                /* Megatron's default (SwiGLU, probs in a wider dtype, no clamp) with those
-                 * fields as constants: the activation switch and the dtype tests of the
-                 * rounding points fold away (the kernel issues instructions, not bytes, at its
-                 * limit) */
-                moe_gp_ctx_t k = c;
-                k.act = MOE_ACT_SILU, k.gated = 1, k.has_clamp = 0, k.has_probs = 1;
-                k.prod_dtype = MOE_DTYPE_FP32;
-                acc = moe_gp_bwd_row_vec<DT, FLT>(k, grad_a, h, grad_h, a, r, ffn, width, nchunks,
-                                                  p, lane);
-            } else {
-                acc = moe_gp_bwd_row_vec<DT, FLT>(c, grad_a, h, grad_h, a, r, ffn, width, nchunks,
-                                                  p, lane);
-            }
+            acc = swiglu ? moe_gp_bwd_row_vec<DT, FLT>(moe_gp_swiglu_ctx(c), grad_a, h, grad_h, a,
+                                                       r, ffn, width, nchunks, p, lane)
+                         : moe_gp_bwd_row_vec<DT, FLT>(c, grad_a, h, grad_h, a, r, ffn, width,
+                                                       nchunks, p, lane);
         } else {
             for (int64_t j = lane; j < nchunks; j += 32) {
                 const int64_t f = j * chunk;
