@@ -1,7 +1,8 @@
 """Op benchmark: each moe-core CUDA op vs megatron-core's own function, same GPU, same run.
 
 For the reference shapes of docs/design.md (plus dsv3 at T=16384), times every op of the
-routing and token-layout path with CUDA events (warm-up, median of many, inputs rotated through
+routing and token-layout path and the experts' glu_probs (against the eager sequence Megatron's
+local MLP runs) with CUDA events (warm-up, median of many, inputs rotated through
 copies larger than L2 so no run reads a warm cache), after measuring the device-to-device copy
 bandwidth. Per op and shape it prints: our time, Megatron-Core's, the speed-up, the bytes the op
 must move at least, the achieved TB/s and its % of the copy bandwidth (TFLOP/s for the gating
@@ -196,6 +197,34 @@ def cases(name, T, H, E, k, o):
            lambda x: ops.router_gating_linear(x, wg, None, torch.float32),
            lambda x: mcore.router_gating_linear(x, wg, None, torch.float32),
            mk_hidden, T * H * 2 + T * E * 4, 2 * T * H * E)
+
+    # the experts' activation (SwiGLU) times the probs: ours one pass; Megatron's local MLP runs
+    # the eager sequence (silu of the gate half times the linear half, times the probs in fp32,
+    # cast back to bf16)
+    F = SHAPES[name].ffn
+
+    def mk_fc1():
+        return (torch.randn(R, 2 * F, device="cuda", dtype=bf), torch.rand(R, device="cuda"))
+
+    def mcore_glu(a, p):
+        g, lin = torch.chunk(a, 2, dim=-1)
+        return (torch.nn.functional.silu(g) * lin * p.unsqueeze(-1)).to(bf)
+
+    yield ("glu_probs fwd (SwiGLU x probs)", "glu_probs",
+           lambda a, p: ops.glu_probs(a, p, "silu", True), mcore_glu, mk_fc1,
+           R * 3 * F * 2 + R * 4, 0)
+
+    def mk_fc1_grad():
+        return (torch.randn(R, 2 * F, device="cuda", dtype=bf, requires_grad=True),
+                torch.rand(R, device="cuda", requires_grad=True),
+                torch.randn(R, F, device="cuda", dtype=bf))
+
+    # forward, then the backward: h's gradient and a read, a's gradient written (ours
+    # recomputes the activation from a; Megatron's autograd keeps its intermediates)
+    yield ("glu_probs fwd+bwd", "glu_probs_bwd",
+           lambda a, p, g: ops.glu_probs(a, p, "silu", True).backward(g),
+           lambda a, p, g: mcore_glu(a, p).backward(g), mk_fc1_grad,
+           R * 3 * F * 2 + R * 5 * F * 2 + R * 8, 0)
 
 
 def main():
