@@ -197,7 +197,6 @@ __global__ void __launch_bounds__(128, 5) moe_glu_probs_bwd_kernel(void *grad_a,
                                                                 int64_t chunk, moe_gp_ctx_t ctx) {
     moe_gp_ctx_t c = ctx;
     c.dtype = (moe_dtype_t)DT;
-    constexpr int n = moe_gp_vec_n<DT>();
     const int lane = threadIdx.x % 32;
     const int64_t width = c.gated ? 2 * ffn : ffn, nchunks = ffn / chunk;
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
