@@ -19,13 +19,21 @@ same element functions, in the same pass that computes ``grad_a``). The backward
 
     grad_h = grouped_gemm_dgrad(grad_out, weight2, grad_y_index=sorted_indices)   [rows, F]
     grad_probs = glu_probs_bwd_(grad_h, a, probs)                    a := grad_a, grad_h := h
-    dW2 = grouped_gemm_wgrad(h, grad_out, grad_y_index=sorted_indices)
-    dW1 = grouped_gemm_wgrad(tokens, grad_a, x_index=sorted_indices)
     d_tokens = permute_bwd(grouped_gemm_dgrad(grad_a, weight1))     in row chunks
+    dW1 = grouped_gemm_wgrad(tokens, grad_a, x_index=sorted_indices)
+    (grad_a's storage released)
+    dW2 = grouped_gemm_wgrad(h, grad_out, grad_y_index=sorted_indices)
 
-With the rows given, the same products run on materialised rows: the rows' gradient
-``g = grad_out[sorted_indices]`` and, for dW1, the rows gathered again (each one pass of
-unpermute's row copy, freed after its GEMMs), and ``d_rows`` goes to ``rows``.
+so the weight gradients come last and dW2's buffer never coexists with ``grad_a`` (the peak of
+the backward is the larger of dW1 + grad_a + h and dW1 + dW2 + h, plus the tokens' two [T, H]
+gradients). Autograd holds a saved tensor until the backward returns, so the backward frees
+``grad_a``'s memory itself (its storage resized to 0; in eager mode outside CUDA-graph capture,
+where a compiled graph frees it on its own).
+
+With the rows given, the same products run on materialised rows, dW2 first (which frees ``h``
+and the rows' gradient ``g = grad_out[sorted_indices]``), then dW1 on the rows gathered again
+(one pass of unpermute's row copy, freed after its GEMM), then ``d_rows``, which goes to
+``rows``.
 
 With ``rows=None`` the tokens' gradient is made chunk by chunk when the rows outnumber
 ``4 / itemsize`` times the tokens (top-k above 2 in bf16): each chunk of rows' gradient
@@ -48,8 +56,9 @@ Precision contract
   Hopper kernel splits a partial last wave of tiles along the reduction (reductions of 4096 or
   more), whose fp32 partial sums then group differently from the unchunked call's (still the
   same bits run after run).
-* The backward consumes what it saved (``a`` becomes ``grad_a``): a second backward through the
-  same graph (``retain_graph=True``) raises a RuntimeError instead of reading overwritten values.
+* The backward consumes what it saved (``a`` becomes ``grad_a``, and with ``rows=None`` its memory
+  is freed): a second backward through the same graph (``retain_graph=True``) raises a
+  RuntimeError instead of reading overwritten values.
   Without ``tokens`` / ``sorted_indices`` (rows that arrived by an all-to-all) the rows are saved.
 * Only what ``needs_input_grad`` asks for is computed. Double backward is not supported (the
   backward ops have no derivatives of their own): a backward with ``create_graph=True`` raises a
@@ -295,26 +304,48 @@ def _backward(ctx, grad_y, grad_a_out):
         grad_a = grad_a + grad_a_out.to(a.dtype)
         h = torch.ops.moe_core.glu_probs(a, probs, *ctx.glu_opts)
     del grad_h
+    if probs is None or not need_probs:
+        grad_probs = None
+    if ctx.gathered:
+        # by index: the tokens' gradient first (its row chunks come and go before any weight
+        # gradient exists), then dW1, the last reader of grad_a, whose storage (the saved a) is
+        # then released, so dW2's buffer never coexists with it
+        d_tokens = (_tokens_grad(grad_a, weight1, offsets, sorted_indices, ctx.num_tokens, dtype)
+                    if need_rows else None)
+        dw1 = _WGRAD(tokens, grad_a, offsets, True, dtype, sorted_indices) if need_w1 else None
+        if ctx.consumed:
+            _release(grad_a)
+        del grad_a, a
+        dw2 = _WGRAD(h, g, offsets, True, dtype, None, g_index) if need_w2 else None
+        return None, dw1, dw2, None, grad_probs, d_tokens, None, None, None, None, None, None
+    # rows given or gathered again: dW2 first frees h and the rows' gradient before the
+    # [R, H] buffers of dW1's rows and of d_rows (which autograd holds to the end) are made
     dw2 = _WGRAD(h, g, offsets, True, dtype, None, g_index) if need_w2 else None
     del h, g
     dw1 = None
     if need_w1:
         if rows is not None:
             dw1 = _WGRAD(rows, grad_a, offsets, True, dtype)
-        elif ctx.gathered:  # the rows read from the tokens by index
-            dw1 = _WGRAD(tokens, grad_a, offsets, True, dtype, sorted_indices)
         else:  # the rows gathered again (not saved)
             x = _gather_rows(tokens, sorted_indices)
             dw1 = _WGRAD(x, grad_a, offsets, True, dtype)
             del x
-    d_rows = d_tokens = None
-    if need_rows and ctx.gathered:
-        d_tokens = _tokens_grad(grad_a, weight1, offsets, sorted_indices, ctx.num_tokens, dtype)
-    elif need_rows:
-        d_rows = _DGRAD(grad_a, weight1, offsets, True, dtype)
-    if probs is None or not need_probs:
-        grad_probs = None
-    return d_rows, dw1, dw2, None, grad_probs, d_tokens, None, None, None, None, None, None
+    d_rows = _DGRAD(grad_a, weight1, offsets, True, dtype) if need_rows else None
+    return d_rows, dw1, dw2, None, grad_probs, None, None, None, None, None, None, None
+
+
+def _release(t: torch.Tensor) -> None:
+    """Frees the memory of ``t``'s storage now (``t`` spans all of it; the saved ``a``, turned
+    into ``grad_a`` in place and read for the last time): autograd holds saved tensors until the
+    backward returns. Not while compiling (the compiled graph frees what it no longer reads on
+    its own) nor during CUDA-graph capture (the captured step keeps its own memory)."""
+    if torch.compiler.is_compiling():
+        return
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    storage = t.untyped_storage()
+    if t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size():
+        storage.resize_(0)
 
 
 register_autograd("moe_core::expert_mlp", _backward, setup_context=_setup_context)

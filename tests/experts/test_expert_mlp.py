@@ -199,6 +199,41 @@ def test_rows_by_index_tokens_gradient_chunks_hold_less(device, monkeypatch):
     assert torch.equal(got, want)
 
 
+def test_rows_by_index_frees_fc1_output_before_dw2(device, monkeypatch):
+    """By index the backward makes the tokens' gradient and dW1 first, then frees the saved fc1
+    output (grad_a by then, in place) before dW2 is made; autograd alone would hold it until the
+    backward returns. The gradients are those of the same op without the early release."""
+    T, H, E, k, F_ = 32, 16, 4, 4, 8
+    tokens, _rows, row_probs, idx, off = routed(T, H, E, k, torch.float32, device)
+    w1, w2 = weights(E, H, F_, True, torch.float32, device)
+    em = importlib.import_module("moe_core.ops.expert_mlp")
+    real_wgrad, real_release = em._WGRAD, em._release
+
+    def step(release: bool):
+        x = tokens.detach().clone().requires_grad_()
+        p1, p2 = w1.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
+        y, a = OPS.expert_mlp(None, p1, p2, off, row_probs, x, idx, "silu", True, 0.0, None, True)
+        storage, seen = a.untyped_storage(), []
+
+        def wgrad(*args, **kwargs):
+            seen.append(storage.nbytes())
+            return real_wgrad(*args, **kwargs)
+
+        monkeypatch.setattr(em, "_WGRAD", wgrad)
+        monkeypatch.setattr(em, "_release", real_release if release else (lambda t: None))
+        del a
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(device))
+        return seen, (x.grad, p1.grad, p2.grad)
+
+    seen, grads = step(True)
+    R = T * k
+    assert seen == [R * 2 * F_ * 4, 0]  # dW1 reads grad_a; by dW2 its memory is gone
+    seen_kept, want = step(False)
+    assert seen_kept == [R * 2 * F_ * 4] * 2
+    for got, ref in zip(grads, want):
+        assert torch.equal(got, ref)
+
+
 def test_combine_needs_the_tokens(device):
     T, H, E, k, F_ = 16, 8, 4, 2, 8
     _tokens, rows, row_probs, _idx, off = routed(T, H, E, k, torch.float32, device)
