@@ -334,18 +334,29 @@ def _backward(ctx, grad_y, grad_a_out):
     return d_rows, dw1, dw2, None, grad_probs, None, None, None, None, None, None, None
 
 
+# Tensors sharing the saved a's storage inside the backward: autograd's saved copy, the one
+# unpacked from it, and the storage object _release takes. One more is a caller's: the raw op's
+# second output kept (its values are consumed anyway), which must stay readable.
+_SAVED_A_USES = 3
+
+
 def _release(t: torch.Tensor) -> None:
     """Frees the memory of ``t``'s storage now (``t`` spans all of it; the saved ``a``, turned
     into ``grad_a`` in place and read for the last time): autograd holds saved tensors until the
     backward returns. Not while compiling (the compiled graph frees what it no longer reads on
-    its own) nor during CUDA-graph capture (the captured step keeps its own memory)."""
+    its own), nor during CUDA-graph capture (the captured step keeps its own memory), nor while
+    a tensor outside the backward shares the storage (a tensor whose storage is resized to 0
+    cannot be read safely)."""
     if torch.compiler.is_compiling():
         return
     if t.is_cuda and torch.cuda.is_current_stream_capturing():
         return
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
     storage = t.untyped_storage()
-    if t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size():
-        storage.resize_(0)
+    if (use_count is None or use_count(storage._cdata) > _SAVED_A_USES
+            or t.storage_offset() != 0 or storage.nbytes() != t.numel() * t.element_size()):
+        return
+    storage.resize_(0)
 
 
 register_autograd("moe_core::expert_mlp", _backward, setup_context=_setup_context)

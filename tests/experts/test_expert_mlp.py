@@ -213,7 +213,7 @@ def test_rows_by_index_frees_fc1_output_before_dw2(device, monkeypatch):
         x = tokens.detach().clone().requires_grad_()
         p1, p2 = w1.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
         y, a = OPS.expert_mlp(None, p1, p2, off, row_probs, x, idx, "silu", True, 0.0, None, True)
-        storage, seen = a.untyped_storage(), []
+        storage, seen = a.untyped_storage(), []  # the storage object stands in for a's tensor
 
         def wgrad(*args, **kwargs):
             seen.append(storage.nbytes())
@@ -232,6 +232,28 @@ def test_rows_by_index_frees_fc1_output_before_dw2(device, monkeypatch):
     assert seen_kept == [R * 2 * F_ * 4] * 2
     for got, ref in zip(grads, want):
         assert torch.equal(got, ref)
+
+
+def test_rows_by_index_keeps_fc1_output_a_caller_holds(device):
+    """The raw op's second output kept by the caller shares the saved fc1 output's storage: the
+    backward leaves that memory in place (its values are consumed, but a tensor with a freed
+    storage would crash on reading) and the gradients are unchanged."""
+    T, H, E, k, F_ = 32, 16, 4, 4, 8
+    tokens, _rows, row_probs, idx, off = routed(T, H, E, k, torch.float32, device)
+    w1, w2 = weights(E, H, F_, True, torch.float32, device)
+
+    def step(keep: bool):
+        x = tokens.detach().clone().requires_grad_()
+        y, a = OPS.expert_mlp(None, w1, w2, off, row_probs, x, idx, "silu", True, 0.0, None, True)
+        if not keep:
+            del a
+        y.sum().backward()
+        if keep:
+            assert a.untyped_storage().nbytes() == a.numel() * a.element_size()
+            assert torch.isfinite(a.sum())  # readable: it holds grad_a now
+        return x.grad
+
+    assert torch.equal(step(True), step(False))
 
 
 def test_combine_needs_the_tokens(device):
