@@ -28,7 +28,7 @@ so the weight gradients come last and dW2's buffer never coexists with ``grad_a`
 the backward is the larger of dW1 + grad_a + h and dW1 + dW2 + h, plus the tokens' two [T, H]
 gradients). Autograd holds a saved tensor until the backward returns, so the backward frees
 ``grad_a``'s memory itself (its storage resized to 0; in eager mode outside CUDA-graph capture,
-where a compiled graph frees it on its own).
+while no tensor outside the backward shares it; a compiled graph frees it on its own).
 
 With the rows given, the same products run on materialised rows, dW2 first (which frees ``h``
 and the rows' gradient ``g = grad_out[sorted_indices]``), then dW1 on the rows gathered again
