@@ -347,7 +347,9 @@ def _release(t: torch.Tensor) -> None:
     its own), nor during CUDA-graph capture (the captured step keeps its own memory), nor while
     a tensor outside the backward shares the storage (a tensor whose storage is resized to 0
     cannot be read safely)."""
-    if torch.compiler.is_compiling():
+    # a traced backward (dynamo, or AOTAutograd tracing the joint graph on fake / functional
+    # tensor subclasses) has no storage to free, and its graph frees what it no longer reads
+    if torch.compiler.is_compiling() or type(t) is not torch.Tensor:
         return
     if t.is_cuda and torch.cuda.is_current_stream_capturing():
         return
