@@ -234,6 +234,18 @@ def test_rows_by_index_frees_fc1_output_before_dw2(device, monkeypatch):
         assert torch.equal(got, ref)
 
 
+def test_release_leaves_traced_tensors_alone():
+    """AOTAutograd traces the backward on functional tensors while is_compiling() is False
+    (torch 2.11 does); their storage cannot be resized, so the release must skip them, or the
+    by-index layer fails to compile."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+    em = importlib.import_module("moe_core.ops.expert_mlp")
+    with FunctionalTensorMode():
+        t = torch.empty(4)
+        em._release(t)  # raised "resize_() on an invalid python storage" before
+        assert t.untyped_storage().nbytes() == 16
+
+
 def test_rows_by_index_keeps_fc1_output_a_caller_holds(device):
     """The raw op's second output kept by the caller shares the saved fc1 output's storage: the
     backward leaves that memory in place (its values are consumed, but a tensor with a freed
