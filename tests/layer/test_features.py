@@ -137,6 +137,30 @@ def test_compile_fullgraph_forward_backward():
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_routing_load_is_each_experts_share_of_the_last_forward():
+    """router.last_routing_load: the share of the routed (token, expert) pairs each expert got in
+    the last forward, against the routing map counted here; None before any forward; a second
+    forward on other tokens replaces it; the compiled layer's equals the eager one's."""
+    torch._dynamo.reset()
+    layer = MoELayer(config())
+    assert layer.router.last_routing_load is None
+    loads = []
+    for seed in (0, 1):
+        x = torch.randn(8, 2, H, generator=torch.Generator().manual_seed(seed))
+        _, routing_map = layer.router(x)
+        counts = routing_map.sum(0).double()
+        layer(x)
+        got = layer.router.last_routing_load
+        assert got.dtype == torch.float32 and got.shape == (8,)
+        torch.testing.assert_close(got.double(), counts / counts.sum(), rtol=0, atol=1e-7)
+        assert got is layer.router.last_routing_load  # made once, kept until the next forward
+        loads.append(got)
+    assert not torch.equal(loads[0], loads[1])
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    compiled(x)
+    assert torch.equal(layer.router.last_routing_load, loads[1])
+
+
 def test_short_training_run_loss_falls():
     """Fit a fixed random target with the layer: the loss must fall well below its start."""
     torch.manual_seed(0)
