@@ -31,6 +31,12 @@ Measured per variant:
   after ``--warmup`` rounds; median of ``--rounds``. Two random input / gradient sets, rotated.
   Parameter gradients are freed after every call (outside the timed region), so every backward
   allocates them fresh. On the CPU the wall clock stands in for the events.
+* ``queued ms``: the same step queued back to back (``timing.time_queued``: events around each
+  call, one wait at the end, median of ``--rounds`` after one warm-up call), so the host runs ahead
+  of the GPU as it does in a training loop, where the layers before this one keep the GPU busy
+  while the host prepares it. ``fwd+bwd ms`` exposes the host's start-up work (the GPU idles until
+  the first kernels are queued) and this hides it; the difference is how much of a step the GPU
+  waits for the host. On the CPU: n/a.
 * ``TFLOP/s``: the useful FLOPs of one forward + backward over the median time, the same count for
   every variant (T tokens, H hidden, E experts, k top-k, F expert ffn, Fs shared ffn or 0):
 
@@ -103,7 +109,7 @@ from bench_ep import (add_run_args, build_megatron, build_ours, free_grads,  # n
 from moe_core import MoELayer  # noqa: E402
 from shapes import LAYER_SHAPES, REFERENCE, Shape, select  # noqa: E402
 from timing import (dense_ceiling, held_after_forward, peak_bytes, sync,  # noqa: E402
-                    time_interleaved)
+                    time_interleaved, time_queued)
 
 SHAPES: Dict[str, Shape] = select(LAYER_SHAPES)
 SKIPPABLE = ("megatron", "compiled", "plain")
@@ -277,6 +283,7 @@ class Row:
     shape: str
     variant: str
     ms: float = float("nan")
+    queued_ms: float = float("nan")
     tflops: float = float("nan")
     pct_dense: float = float("nan")
     vs_megatron: str = ""
@@ -461,6 +468,9 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
     for variant in modules:
         row = Row(name, variant, t[variant], first_s=first_s[variant],
                   note=notes.get(variant, ""))
+        if dev.type == "cuda":
+            row.queued_ms = time_queued(lambda v=variant: (fwd_bwd(v)(0), cleanup_of(v)()),
+                                        warmup=1, reps=args.rounds)
         row.tflops = flops / (t[variant] / 1e3) / 1e12
         row.pct_dense = 100.0 * row.tflops / ceiling
         row.peak_gib = peak_bytes(lambda v=variant: fwd_bwd(v)(1), cleanup_of(variant), dev) / 2**30
@@ -484,7 +494,7 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
           + f"; {flops / 1e12:.2f} TFLOP a step; weights {weights_bytes / 2**30:.2f} GiB a copy, "
           f"grads {weights_bytes / 2**30:.2f} GiB")
     for r in rows:
-        print(f"  {r.variant:<22} {r.ms:9.3f} ms {r.tflops:7.3g} TFLOP/s {r.pct_dense:5.1f}% dense "
+        print(f"  {r.variant:<22} {r.ms:9.3f} ms (queued {r.queued_ms:.3f}) {r.tflops:7.3g} TFLOP/s {r.pct_dense:5.1f}% dense "
               f"| peak {r.peak_gib:.2f} GiB, held after fwd {r.held_gib:.2f} GiB | syncs {r.syncs} "
               f"| first call {r.first_s:.1f} s" + (f" | {r.note}" if r.note else ""))
     print_table(rows)
@@ -502,14 +512,16 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
 def print_table(rows: List[Row], header: bool = True) -> None:
     if header:
         ref = "Megatron" if any(r.variant == "megatron" for r in rows) else "ours eager"
-        print("| shape | variant | fwd+bwd ms | TFLOP/s | % dense | vs Megatron | vs plain "
-              f"| peak GiB | peak - grads GiB | syncs fwd/bwd | out / dx err vs {ref} "
+        print("| shape | variant | fwd+bwd ms | queued ms | TFLOP/s | % dense | vs Megatron "
+              f"| vs plain | peak GiB | peak - grads GiB | syncs fwd/bwd | out / dx err vs {ref} "
               f"(tokens routed differently) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         gib = "n/a" if math.isnan(r.peak_gib) else f"{r.peak_gib:.2f}"
         act = "n/a" if math.isnan(r.peak_gib) else f"{r.peak_gib - r.grads_gib:.2f}"
-        print(f"| {r.shape} | {r.variant} | {r.ms:.2f} | {r.tflops:.3g} | {r.pct_dense:.1f}% | "
+        queued = "n/a" if math.isnan(r.queued_ms) else f"{r.queued_ms:.2f}"
+        print(f"| {r.shape} | {r.variant} | {r.ms:.2f} | {queued} | {r.tflops:.3g} | "
+              f"{r.pct_dense:.1f}% | "
               f"{r.vs_megatron} | {r.vs_plain} | {gib} | {act} | {r.syncs} | {r.err} |")
 
 
