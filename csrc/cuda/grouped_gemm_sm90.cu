@@ -1015,18 +1015,40 @@ static int gg_make_map(CUtensorMap *map, const void *ptr, moe_dtype_t dt, int ra
 typedef void (*gg_kernel_t)(CUtensorMap, CUtensorMap, CUtensorMap, gg_args_t);
 
 /* 1 when `k` holds sm_90a code for the current device: the real kernel reports sm_90 binary
- * code and static shared memory (its barriers and schedule); the empty fallback has none. */
+ * code and static shared memory (its barriers and schedule); the empty fallback has none. -1 when
+ * the runtime could not say. */
 static int gg_kernel_real(const void *k) {
     cudaFuncAttributes attr;
     if (cudaFuncGetAttributes(&attr, k) != cudaSuccess) {
         (void)cudaGetLastError();
-        return 0;
+        return -1;
     }
     return attr.binaryVersion == 90 && attr.sharedSizeBytes > 0;
 }
 
+/* Every instantiation is compiled under the same flags, so one kernel answers for all of them.
+ * The answer is kept per device (0: not asked yet, 1: no, 2: yes): a GEMM call asks several
+ * times (sizes, workspace, dispatch) and each cudaFuncGetAttributes costs microseconds of host
+ * time that the GPU, idle at the start of a step, waits for. A failed query is not kept. */
+#define GG_MAX_DEVICES 64
+static int g_gg_compiled[GG_MAX_DEVICES];
+
 extern "C" int moe_cuda_gg_sm90_compiled(void) {
-    return gg_kernel_real((const void *)gg_sm90_kernel<256, false, false, false>);
+    const void *k = (const void *)gg_sm90_kernel<256, false, false, false>;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    if (dev < 0 || dev >= GG_MAX_DEVICES) return gg_kernel_real(k) == 1;
+    int known = __atomic_load_n(&g_gg_compiled[dev], __ATOMIC_RELAXED);
+    if (known == 0) {
+        const int real = gg_kernel_real(k);
+        if (real < 0) return 0;
+        known = real ? 2 : 1;
+        __atomic_store_n(&g_gg_compiled[dev], known, __ATOMIC_RELAXED);
+    }
+    return known == 2;
 }
 
 /* The split last wave (gg_sched_make): reductions of at least GG_SK_MIN_ITERS k blocks (shorter
@@ -1265,7 +1287,6 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
         k = f16 ? gg_pick<256, true>(b_mn, wgrad, bk) : gg_pick<256, false>(b_mn, wgrad, bk);
     else
         k = f16 ? gg_pick<128, true>(b_mn, wgrad, bk) : gg_pick<128, false>(b_mn, wgrad, bk);
-    if (!gg_kernel_real((const void *)k)) return MOE_ERR_UNSUPPORTED;
     const int smem = GG_SMEM_BYTES(bn);
     if (cudaFuncSetAttribute((const void *)k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem) != cudaSuccess) {
