@@ -85,9 +85,8 @@ class TopKRouter(nn.Module):
             self.global_aux_buffer = ops.GlobalAuxLossBuffer(E, device=device)
         self.aux_loss_scale: Optional[AuxLossScale] = None
         self.last_losses: Dict[str, torch.Tensor] = {}
-        # the last forward's routing map, and the load made from it on the first read
+        # the last forward's routing map, which last_routing_load reads
         self._last_routing_map: Optional[torch.Tensor] = None
-        self._last_routing_load: Optional[torch.Tensor] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -298,23 +297,22 @@ class TopKRouter(nn.Module):
             # Megatron also counts in eval mode when grad is on; evaluation should not move
             # the training statistics, so we count only in training mode (a documented choice).
             ops.accumulate_tokens_per_expert(self.local_tokens_per_expert, routing_map, mask)
-        # for logging, made when read (last_routing_load): the four ops of the share would sit
-        # in every forward before the experts' first kernel, where the GPU waits for the host
+        # for logging, made when read (last_routing_load) rather than by four more ops in
+        # every forward, ahead of the experts' first kernel, for a value most steps never read
         self._last_routing_map = routing_map
-        self._last_routing_load = None
         return probs, routing_map
 
     @property
     def last_routing_load(self) -> Optional[torch.Tensor]:
         """Each expert's share of the tokens the last forward routed: ``[E]`` fp32 on the
         router's device, summing to 1 (all zeros when nothing was routed), or None before the
-        first forward. Computed on the device at the first read after a forward (no host
-        sync), then kept until the next forward."""
-        if self._last_routing_load is None and self._last_routing_map is not None:
-            with torch.no_grad():
-                counts = self._last_routing_map.sum(0, dtype=torch.float32)
-                self._last_routing_load = counts / counts.sum().clamp_min(1.0)
-        return self._last_routing_load
+        first forward. Computed on the device at every read (no host sync) from the last
+        forward's routing map, so a read after a CUDA-graph replay sees that replay's routing."""
+        if self._last_routing_map is None:
+            return None
+        with torch.no_grad():
+            counts = self._last_routing_map.sum(0, dtype=torch.float32)
+            return counts / counts.sum().clamp_min(1.0)
 
     # ---- between steps ----------------------------------------------------------------------
     @torch.no_grad()

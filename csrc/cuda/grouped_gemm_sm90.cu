@@ -1028,8 +1028,8 @@ static int gg_kernel_real(const void *k) {
 
 /* Every instantiation is compiled under the same flags, so one kernel answers for all of them.
  * The answer is kept per device (0: not asked yet, 1: no, 2: yes): a GEMM call asks several
- * times (sizes, workspace, dispatch) and each cudaFuncGetAttributes costs microseconds of host
- * time that the GPU, idle at the start of a step, waits for. A failed query is not kept. */
+ * times (sizes, workspace, dispatch), and each cudaFuncGetAttributes costs microseconds of host
+ * time. A failed query is not kept. */
 #define GG_MAX_DEVICES 64
 static int g_gg_compiled[GG_MAX_DEVICES];
 

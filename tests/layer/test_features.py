@@ -140,7 +140,8 @@ def test_compile_fullgraph_forward_backward():
 def test_routing_load_is_each_experts_share_of_the_last_forward():
     """router.last_routing_load: the share of the routed (token, expert) pairs each expert got in
     the last forward, against the routing map counted here; None before any forward; a second
-    forward on other tokens replaces it; the compiled layer's equals the eager one's."""
+    forward on other tokens replaces it, a rewrite of the map (a CUDA-graph replay) shows in the
+    next read; the compiled layer's equals the eager one's."""
     torch._dynamo.reset()
     layer = MoELayer(config())
     assert layer.router.last_routing_load is None
@@ -153,9 +154,15 @@ def test_routing_load_is_each_experts_share_of_the_last_forward():
         got = layer.router.last_routing_load
         assert got.dtype == torch.float32 and got.shape == (8,)
         torch.testing.assert_close(got.double(), counts / counts.sum(), rtol=0, atol=1e-7)
-        assert got is layer.router.last_routing_load  # made once, kept until the next forward
+        assert torch.equal(got, layer.router.last_routing_load)  # every read: the same map
         loads.append(got)
     assert not torch.equal(loads[0], loads[1])
+    # a CUDA-graph replay rewrites the captured map in place without running the forward's
+    # Python: a read after it must see the new routing
+    layer.router._last_routing_map.copy_(routing_map.roll(1, dims=1))
+    torch.testing.assert_close(layer.router.last_routing_load.double(),
+                               counts.roll(1) / counts.sum(), rtol=0, atol=1e-7)
+    layer(x)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     compiled(x)
     assert torch.equal(layer.router.last_routing_load, loads[1])
