@@ -55,6 +55,10 @@ Measured per variant:
   same bytes for every variant (printed per shape as ``grads``); ``peak - grads`` subtracts them,
   which leaves the activations and the transients. ``held GiB``: allocated right after
   the forward (saved activations and the output) above what was allocated before it.
+* ``cudaMalloc / retries`` (printed per variant, not in the table): the caching allocator's new
+  segments and its flush-and-retry count (``torch.cuda.memory_stats``) during one more step;
+  nonzero means the step also waited on the driver (a device near full: dsv3_like holds two
+  copies of its weights and one of their gradients here).
 * ``syncs``: host syncs of one forward / one backward (``bench_ep.host_syncs``: host waits on CUDA
   events plus the blocking operations of ``torch.cuda.set_sync_debug_mode``).
 * against Megatron's output and input gradient (one step on the first input set, before timing):
@@ -292,9 +296,25 @@ class Row:
     grads_gib: float = 0.0
     held_gib: float = float("nan")
     syncs: str = "n/a"
+    allocs: str = "n/a"  # cudaMalloc calls / allocator retries in one step (allocator_calls)
     first_s: float = float("nan")
     err: str = ""     # vs Megatron (or ours eager): "out / dx (tokens routed differently)"
     note: str = ""
+
+
+def allocator_calls(step: Callable[[], None]) -> str:
+    """"N / M" for one ``step`` after it ran once already: the caching allocator's new segments
+    (cudaMalloc calls) and its retries (a cudaMalloc that failed, so the cache was flushed, which
+    waits for the device, and the call retried). Nonzero where the device is near full: the
+    step's time then includes those waits."""
+    step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    step()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    return (f"{after['segment.all.allocated'] - before['segment.all.allocated']} / "
+            f"{after['num_alloc_retries'] - before['num_alloc_retries']}")
 
 
 def compare(got, ref, map_got: Optional[torch.Tensor], map_ref: Optional[torch.Tensor]):
@@ -479,6 +499,8 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
                                           cleanup_of(variant), dev) / 2**30
         row.syncs = host_syncs(lambda v=variant: (forward(v, 1)[0], gs[1]), dev)
         cleanup_of(variant)()
+        if dev.type == "cuda":
+            row.allocs = allocator_calls(lambda v=variant: (fwd_bwd(v)(1), cleanup_of(v)()))
         if "megatron" in t and variant != "megatron":
             row.vs_megatron = f"{t['megatron'] / t[variant]:.2f}x"
         if "plain compiled" in t and variant.startswith("ours"):
@@ -494,8 +516,10 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
           + f"; {flops / 1e12:.2f} TFLOP a step; weights {weights_bytes / 2**30:.2f} GiB a copy, "
           f"grads {weights_bytes / 2**30:.2f} GiB")
     for r in rows:
-        print(f"  {r.variant:<22} {r.ms:9.3f} ms (queued {r.queued_ms:.3f}) {r.tflops:7.3g} TFLOP/s {r.pct_dense:5.1f}% dense "
+        print(f"  {r.variant:<22} {r.ms:9.3f} ms (queued {r.queued_ms:.3f}) "
+              f"{r.tflops:7.3g} TFLOP/s {r.pct_dense:5.1f}% dense "
               f"| peak {r.peak_gib:.2f} GiB, held after fwd {r.held_gib:.2f} GiB | syncs {r.syncs} "
+              f"| cudaMalloc / retries {r.allocs} "
               f"| first call {r.first_s:.1f} s" + (f" | {r.note}" if r.note else ""))
     print_table(rows)
     sys.stdout.flush()
