@@ -50,24 +50,45 @@ __device__ __forceinline__ void moe_pdl_trigger(void) {
 #endif
 }
 
+/* ---- per-device answers, asked once ------------------------------------------------------
+ * A yes / no the runtime gives for the current device and never changes (an attribute, whether
+ * a kernel holds code for it), kept in the caller's int by_device[MOE_MAX_DEVICES]: 0 not asked
+ * yet, 1 no, 2 yes (racing writers agree). ask(dev) answers 1 or 0, or -1 when the runtime
+ * could not say, which is not kept (and its error not left for the next launch). A device past
+ * the table is asked every time. */
+#define MOE_MAX_DEVICES 64
+static inline int moe_device_flag(int *by_device, int (*ask)(int dev)) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) {
+        cudaGetLastError();
+        return 0;
+    }
+    if (dev >= MOE_MAX_DEVICES) return ask(dev) == 1;
+    int known = __atomic_load_n(&by_device[dev], __ATOMIC_RELAXED);
+    if (known == 0) {
+        const int answer = ask(dev);
+        if (answer < 0) return 0;
+        known = answer ? 2 : 1;
+        __atomic_store_n(&by_device[dev], known, __ATOMIC_RELAXED);
+    }
+    return known == 2;
+}
+
+static inline int moe_pdl_ask(int dev) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+        cudaGetLastError();
+        return -1;
+    }
+    return major >= 9;
+}
+
 /* Whether the current device takes programmatic launches (compute capability >= 9), asked once
  * per device: a host-side attribute query, nothing on the stream. The pdl switch (tuning.h)
  * turns them off everywhere. */
 static inline int moe_pdl_enabled(void) {
-    static int by_device[64]; /* 0: not asked yet, 1: no, 2: yes (racing writers agree) */
-    if (!moe_tuning_get().pdl) return 0;
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
-        cudaGetLastError(); /* a failed query is not the next launch's error */
-        return 0;
-    }
-    if (by_device[dev] == 0) {
-        int major = 0;
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-            cudaGetLastError();
-        by_device[dev] = major >= 9 ? 2 : 1;
-    }
-    return by_device[dev] == 2;
+    static int by_device[MOE_MAX_DEVICES];
+    return moe_tuning_get().pdl && moe_device_flag(by_device, moe_pdl_ask);
 }
 
 /* kernel<<<grid, block, smem, stream>>>(args...) as a chained launch (see above). The launch

@@ -1026,29 +1026,17 @@ static int gg_kernel_real(const void *k) {
     return attr.binaryVersion == 90 && attr.sharedSizeBytes > 0;
 }
 
-/* Every instantiation is compiled under the same flags, so one kernel answers for all of them.
- * The answer is kept per device (0: not asked yet, 1: no, 2: yes): a GEMM call asks several
- * times (sizes, workspace, dispatch), and each cudaFuncGetAttributes costs microseconds of host
- * time. A failed query is not kept. */
-#define GG_MAX_DEVICES 64
-static int g_gg_compiled[GG_MAX_DEVICES];
+/* Every instantiation is compiled under the same flags, so one kernel answers for all of them,
+ * once per device (moe_device_flag): a GEMM call asks several times (sizes, workspace,
+ * dispatch), and each cudaFuncGetAttributes costs microseconds of host time. */
+static int gg_ask_compiled(int dev) {
+    (void)dev; /* the current device, which cudaFuncGetAttributes answers for */
+    return gg_kernel_real((const void *)gg_sm90_kernel<256, false, false, false>);
+}
 
 extern "C" int moe_cuda_gg_sm90_compiled(void) {
-    const void *k = (const void *)gg_sm90_kernel<256, false, false, false>;
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    if (dev < 0 || dev >= GG_MAX_DEVICES) return gg_kernel_real(k) == 1;
-    int known = __atomic_load_n(&g_gg_compiled[dev], __ATOMIC_RELAXED);
-    if (known == 0) {
-        const int real = gg_kernel_real(k);
-        if (real < 0) return 0;
-        known = real ? 2 : 1;
-        __atomic_store_n(&g_gg_compiled[dev], known, __ATOMIC_RELAXED);
-    }
-    return known == 2;
+    static int by_device[MOE_MAX_DEVICES];
+    return moe_device_flag(by_device, gg_ask_compiled);
 }
 
 /* The split last wave (gg_sched_make): reductions of at least GG_SK_MIN_ITERS k blocks (shorter

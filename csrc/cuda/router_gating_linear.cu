@@ -39,7 +39,6 @@
 #include "balancing_cuda.cuh"
 
 #define MOE_CUBLAS_WORKSPACE ((size_t)8 << 20) /* bytes handed to cuBLAS on every call */
-#define MOE_MAX_DEVICES 64
 
 /* ---- handles ------------------------------------------------------------------------------- */
 
