@@ -145,9 +145,10 @@ def test_routing_load_is_each_experts_share_of_the_last_forward():
     torch._dynamo.reset()
     layer = MoELayer(config())
     assert layer.router.last_routing_load is None
-    loads = []
+    loads, xs = [], []
     for seed in (0, 1):
         x = torch.randn(8, 2, H, generator=torch.Generator().manual_seed(seed))
+        xs.append(x)
         _, routing_map = layer.router(x)
         counts = routing_map.sum(0).double()
         layer(x)
@@ -162,9 +163,11 @@ def test_routing_load_is_each_experts_share_of_the_last_forward():
     layer.router._last_routing_map.copy_(routing_map.roll(1, dims=1))
     torch.testing.assert_close(layer.router.last_routing_load.double(),
                                counts.roll(1) / counts.sum(), rtol=0, atol=1e-7)
-    layer(x)
+    layer(xs[0])
+    assert torch.equal(layer.router.last_routing_load, loads[0])
+    # the compiled forward on the other tokens must replace the map the eager one left
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    compiled(x)
+    compiled(xs[1])
     assert torch.equal(layer.router.last_routing_load, loads[1])
 
 
