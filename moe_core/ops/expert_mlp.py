@@ -283,27 +283,31 @@ def _backward(ctx, grad_y, grad_a_out):
     rows, tokens, sorted_indices, weight1, weight2, offsets, probs, a = ctx.saved_tensors
     need_rows, need_w1, need_w2, need_probs = (ctx.need_rows, ctx.needs_input_grad[1],
                                                ctx.needs_input_grad[2], ctx.needs_input_grad[4])
-    if grad_y is None:
+    if grad_y is None and grad_a_out is None:
         return (None,) * 12
     dtype = weight2.dtype
     g_index = None
-    if ctx.combine and ctx.gathered:  # the GEMMs read each row's token's gradient by index
+    if grad_y is None:  # only fc1's output was used (a caller of the raw op): fc1's part alone
+        g = h = grad_probs = None
+        grad_a, need_w2 = grad_a_out.to(a.dtype), False
+    elif ctx.combine and ctx.gathered:  # the GEMMs read each row's token's gradient by index
         g, g_index = grad_y.to(dtype).contiguous(), sorted_indices
     elif ctx.combine:  # the rows' gradient, ours to free once fc2's backward is done with it
         g = _gather_rows(grad_y, sorted_indices).to(dtype)
     else:
         g = grad_y.to(dtype).contiguous()
     del grad_y
-    grad_h = _DGRAD(g, weight2, offsets, True, dtype, g_index)
-    if grad_a_out is None:
-        ctx.consumed = True
-        grad_probs = _GLU_BWD_(grad_h, a, probs, *ctx.glu_opts)  # a := grad_a, grad_h := h
-        grad_a, h = a, grad_h
-    else:  # a was used elsewhere: keep it, and add the gradient it got there
-        grad_a, grad_probs = _GLU_BWD(grad_h, a, probs, *ctx.glu_opts)
-        grad_a = grad_a + grad_a_out.to(a.dtype)
-        h = torch.ops.moe_core.glu_probs(a, probs, *ctx.glu_opts)
-    del grad_h
+    if g is not None:
+        grad_h = _DGRAD(g, weight2, offsets, True, dtype, g_index)
+        if grad_a_out is None:
+            ctx.consumed = True
+            grad_probs = _GLU_BWD_(grad_h, a, probs, *ctx.glu_opts)  # a := grad_a, grad_h := h
+            grad_a, h = a, grad_h
+        else:  # a was used elsewhere: keep it, and add the gradient it got there
+            grad_a, grad_probs = _GLU_BWD(grad_h, a, probs, *ctx.glu_opts)
+            grad_a = grad_a + grad_a_out.to(a.dtype)
+            h = torch.ops.moe_core.glu_probs(a, probs, *ctx.glu_opts)
+        del grad_h
     if probs is None or not need_probs:
         grad_probs = None
     if ctx.gathered:

@@ -194,7 +194,11 @@ def _setup_context(ctx, inputs, output):
     tokens, _map, probs, _n, _dap, _align = inputs
     ctx.num_tokens = tokens.shape[0]
     ctx.has_probs = probs is not None
+    ctx.rows_dtype = output[0].dtype
     ctx.save_for_backward(output[2], output[3])
+    # an output nothing used gets no gradient (None), not a zero tensor that autograd would
+    # allocate and fill on every backward: the index / mask outputs are never differentiated
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_tokens, grad_probs, _gi, _go, _gc):
@@ -204,11 +208,20 @@ def _backward(ctx, grad_tokens, grad_probs, _gi, _go, _gc):
         grad_probs = grad_probs.contiguous()
     else:
         grad_probs = None
+    rows_used = grad_tokens is not None
+    if not rows_used:
+        if grad_probs is None:
+            return None, None, None, None, None, None
+        # only the permuted probs were used (the rows read by index elsewhere): the kernel's
+        # rows part runs on one zero column, so no [rows, H] zeros are made or summed
+        grad_tokens = sorted_indices.new_zeros((sorted_indices.shape[0], 1), dtype=ctx.rows_dtype)
     # a symbolic token count (dynamic-shape tracing) needs the SymInt schema, as in the forward
     bwd = _BWD_SYMINT if _tracing(ctx.num_tokens) else _BWD
     g_tokens, g_probs = bwd(grad_tokens.contiguous(), grad_probs, sorted_indices,
                             expert_offsets, ctx.num_tokens)
-    return g_tokens, None, (g_probs if want_probs else None), None, None, None
+    if grad_probs is None:
+        g_probs = None
+    return (g_tokens if rows_used else None), None, g_probs, None, None, None
 
 
 for _name in ("moe_core::permute", "moe_core::permute_symint"):

@@ -208,6 +208,48 @@ def test_nonlinear_ops_raise_with_constant_incoming_gradients():
     assert torch.allclose(g, torch.cat([w[0].sum(1).expand(2, 8), w[1].sum(1).expand(4, 8)]))
 
 
+# the ops with an autograd formula and several outputs (the others: index and mask tensors, or a
+# second float output that a caller may leave unused)
+MULTI_OUTPUT = [n for n in GUARDED if len(getattr(OPS, n).default._schema.returns) > 1]
+
+
+def _materialized_zeros(backward) -> List[str]:
+    """The autograd nodes that made a zero tensor themselves during ``backward()``: autograd's
+    stand-in for an unused output's gradient (an allocation and a fill kernel on the GPU, every
+    step), made before the formula runs, so the node is the zero fill's direct parent."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        backward()
+    return [e.cpu_parent.name for e in prof.events()
+            if e.name in ("aten::zeros", "aten::zeros_like", "aten::fill_", "aten::zero_")
+            and e.cpu_parent is not None and e.cpu_parent.name.startswith("GeneratedBackwardFor")]
+
+
+@pytest.mark.parametrize("name", MULTI_OUTPUT)
+def test_unused_outputs_get_no_zero_gradient(name):
+    """With one float output used, the others (and the index / mask outputs) reach the formula as
+    None: no zero tensor is made for them, and the gradients equal those of a backward that
+    passes the unused float outputs explicit zero gradients (what autograd used to make)."""
+    for op, args in differentiable_samples(name):
+        inputs = _inputs_requiring_grad(args)
+        for used in range(len(_float_outputs(op(*args)))):
+            outs = _float_outputs(op(*args))
+            weight = torch.rand(outs[used].shape, dtype=torch.float64)
+            loss = (outs[used].double() * weight).sum()
+            got = []
+            made = _materialized_zeros(lambda: got.extend(
+                torch.autograd.grad(loss, inputs, allow_unused=True)))
+            assert made == [], f"{name}: output {used} used, zeros made by {made}"
+            outs = _float_outputs(op(*args))
+            grads = [weight.to(o.dtype) if i == used else torch.zeros_like(o)
+                     for i, o in enumerate(outs)]
+            expected = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+            for i, (g, e) in enumerate(zip(got, expected)):
+                e = None if e is not None and g is None and not e.any() else e
+                assert (g is None) == (e is None), f"{name}: input {i}, output {used} used"
+                assert g is None or torch.equal(g, e), f"{name}: input {i}, output {used} used"
+
+
 def test_every_backward_kernel_has_no_derivative():
     """Every functional backward kernel is registered; glu_probs_bwd_ writes its inputs in place
     (the in-place path of glu_probs' own backward) and is left to torch's checks."""
