@@ -1,4 +1,5 @@
-"""Registration helpers shared by every op: one device per call, no silent double backward.
+"""Registration helpers shared by every op: one device per call, no silent double backward, no
+zero tensors for unused gradients.
 
 Every ``torch.ops.moe_core`` op registers its fake (meta) kernel with :func:`register_fake` and
 its autograd formula with :func:`register_autograd` from this module, never with
@@ -31,6 +32,15 @@ registered with :func:`register_no_derivative`: called directly on tensors that 
 their outputs carry a graph node that raises ``RuntimeError("moe_core.<op>: has no derivative
 ...")`` when differentiated, instead of torch's fallback, which only warns and drops the
 gradient. Outside grad mode, or with no input requiring grad, the call is unchanged.
+
+Unused outputs
+--------------
+Autograd hands a formula a zero tensor for each output whose gradient is undefined (an index or
+mask output, a float output nobody used), an allocation and a fill kernel on every backward.
+:func:`register_autograd` turns that off (``ctx.set_materialize_grads(False)``): a formula sees
+such a gradient as None. One whose every incoming gradient is None is not run at all and returns
+None for every input (a backward is linear in its incoming gradients, so that is exact); the
+formulas of ops with several float outputs handle the rest.
 """
 import functools
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Set, Tuple
@@ -139,9 +149,29 @@ def guard_double_backward(op: str, backward: Callable) -> Callable:
     return guarded
 
 
+def _unused_grads_as_none(backward: Callable, setup_context: Callable
+                          ) -> Tuple[Callable, Callable]:
+    """``(backward, setup_context)`` with unused outputs' gradients left None (see the module
+    docstring): all None returns None for every input without running ``backward``."""
+
+    @functools.wraps(setup_context)
+    def setup(ctx, inputs, output):
+        setup_context(ctx, inputs, output)
+        ctx.set_materialize_grads(False)
+
+    @functools.wraps(backward)
+    def formula(ctx, *grads):
+        if all(g is None for g in grads):
+            return (None,) * len(ctx.needs_input_grad)
+        return backward(ctx, *grads)
+
+    return formula, setup
+
+
 def register_autograd(qualname: str, backward: Callable, *, setup_context: Callable) -> None:
-    """``torch.library.register_autograd`` with the backward wrapped by
-    :func:`guard_double_backward`."""
+    """``torch.library.register_autograd`` with unused outputs' gradients left None and the
+    backward wrapped by :func:`guard_double_backward`."""
+    backward, setup_context = _unused_grads_as_none(backward, setup_context)
     torch.library.register_autograd(qualname, guard_double_backward(op_label(qualname), backward),
                                     setup_context=setup_context)
     DOUBLE_BACKWARD_GUARDED.add(qualname)

@@ -96,14 +96,9 @@ def _setup_context(ctx, inputs, output):
     logits, _topk, score_function, padding_mask = inputs
     ctx.score_function = score_function
     ctx.save_for_backward(logits, padding_mask)
-    # an output nothing used gets no gradient (None), not a zero tensor that autograd would
-    # allocate and fill on every backward: the index / mask outputs are never differentiated
-    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_scores, _grad_map):
-    if grad_scores is None:
-        return None, None, None, None
     logits, padding_mask = ctx.saved_tensors
     grad_logits = _BWD(grad_scores.contiguous(), logits, ctx.score_function, padding_mask)
     return grad_logits, None, None, None

@@ -266,11 +266,10 @@ def _setup_context(ctx, inputs, output):
     ctx.need_rows = need_rows
     ctx.glu_opts = (activation, gated, offset, clamp)
     ctx.consumed = False
-    # an unused output's gradient stays None (a's, always: expert_mlp drops it)
-    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_y, grad_a_out):
+    # an unused output's gradient is None (ops/_guards.py; a's, always: expert_mlp drops it)
     if torch.is_grad_enabled():
         # create_graph=True: every gradient depends on the saved fc1 output (an output of this
         # op, so it requires grad), and the in-place backward must not run under grad mode

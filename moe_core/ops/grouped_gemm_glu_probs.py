@@ -108,12 +108,11 @@ def _setup_context(ctx, inputs, output):
     ctx.num_src = x.shape[0]
     ctx.glu_opts = (activation, gated, offset, clamp)
     ctx.trans_w = trans_w
-    # an unused output's gradient stays None instead of a zero tensor: adding zeros would turn a
-    # -0 of grad_a into +0, and the composition's autograd adds nothing there
-    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_h, grad_a_out):
+    # an unused output's gradient is None (ops/_guards.py), not zeros: adding zeros would turn a
+    # -0 of grad_a into +0, and the composition's autograd adds nothing there
     x, weight, expert_offsets, probs, a, x_index = ctx.saved_tensors
     grad_a = grad_probs = None
     if grad_h is not None:

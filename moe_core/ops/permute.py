@@ -196,9 +196,6 @@ def _setup_context(ctx, inputs, output):
     ctx.has_probs = probs is not None
     ctx.rows_dtype = output[0].dtype
     ctx.save_for_backward(output[2], output[3])
-    # an output nothing used gets no gradient (None), not a zero tensor that autograd would
-    # allocate and fill on every backward: the index / mask outputs are never differentiated
-    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_tokens, grad_probs, _gi, _go, _gc):
@@ -208,7 +205,7 @@ def _backward(ctx, grad_tokens, grad_probs, _gi, _go, _gc):
         grad_probs = grad_probs.contiguous()
     else:
         grad_probs = None
-    rows_used = grad_tokens is not None
+    rows_used = grad_tokens is not None  # None: unused (ops/_guards.py)
     if not rows_used:
         if grad_probs is None:
             return None, None, None, None, None, None

@@ -340,14 +340,9 @@ def _setup_context(ctx, inputs, output):
     ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function, _mode(inputs, 8))
     ctx.num_inputs = len(inputs)
     ctx.save_for_backward(logits, indices)
-    # an output nothing used gets no gradient (None), not a zero tensor that autograd would
-    # allocate and fill on every backward: the index / mask outputs are never differentiated
-    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_probs, _grad_indices):
-    if grad_probs is None:
-        return (None,) * ctx.num_inputs
     logits, indices = ctx.saved_tensors
     grad_logits = _BWD(grad_probs.contiguous(), logits, indices, *ctx.options)
     return (grad_logits,) + (None,) * (ctx.num_inputs - 1)
@@ -376,14 +371,9 @@ def _dense_setup_context(ctx, inputs, output):
     ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function, _mode(inputs, 8))
     ctx.num_inputs = len(inputs)
     ctx.save_for_backward(logits, indices)
-    # an output nothing used gets no gradient (None), not a zero tensor that autograd would
-    # allocate and fill on every backward: the index / mask outputs are never differentiated
-    ctx.set_materialize_grads(False)
 
 
 def _dense_backward(ctx, grad_probs, _grad_map, _grad_indices):
-    if grad_probs is None:
-        return (None,) * ctx.num_inputs
     logits, indices = ctx.saved_tensors
     grad_logits = _DENSE_BWD(grad_probs.contiguous(), logits, indices, *ctx.options)
     return (grad_logits,) + (None,) * (ctx.num_inputs - 1)
@@ -418,9 +408,6 @@ def _fused_setup_context(ctx, inputs, output):
     ctx.num_inputs = len(inputs)
     ctx.with_aux, ctx.with_lse = with_aux, with_lse
     ctx.save_for_backward(logits, indices, lse, padding_mask)
-    # an output nothing used gets no gradient (None), not a zero tensor that autograd would
-    # allocate and fill on every backward: the index / mask outputs are never differentiated
-    ctx.set_materialize_grads(False)
 
 
 def _fused_backward(ctx, grad_probs, _grad_map, _grad_indices, grad_aux, _grad_aux_map, grad_lse):

@@ -81,14 +81,9 @@ def _setup_context(ctx, inputs, output):
     _probs, routing_map = output
     ctx.topk = topk
     ctx.save_for_backward(logits, routing_map)
-    # an output nothing used gets no gradient (None), not a zero tensor that autograd would
-    # allocate and fill on every backward: the index / mask outputs are never differentiated
-    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_probs, _grad_map):
-    if grad_probs is None:
-        return None, None, None, None
     logits, routing_map = ctx.saved_tensors
     return _BWD(grad_probs.contiguous(), logits, routing_map, ctx.topk), None, None, None
 

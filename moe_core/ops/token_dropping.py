@@ -118,14 +118,9 @@ def _(grad_final_probs, final_map):
 
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(output[1])
-    # an output nothing used gets no gradient (None), not a zero tensor that autograd would
-    # allocate and fill on every backward: the index / mask outputs are never differentiated
-    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_final_probs, _grad_map):
-    if grad_final_probs is None:
-        return None, None, None, None, None
     (final_map,) = ctx.saved_tensors
     return _BWD(grad_final_probs.contiguous(), final_map), None, None, None, None
 

@@ -46,14 +46,9 @@ def _(grad_probs, topk_indices):
 def _setup_context(ctx, inputs, output):
     _probs, topk_indices, _num_experts = inputs
     ctx.save_for_backward(topk_indices)
-    # an output nothing used gets no gradient (None), not a zero tensor that autograd would
-    # allocate and fill on every backward: the index / mask outputs are never differentiated
-    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_probs, _grad_map):
-    if grad_probs is None:
-        return None, None, None
     (topk_indices,) = ctx.saved_tensors
     return _BWD(grad_probs.contiguous(), topk_indices), None, None
 

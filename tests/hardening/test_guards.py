@@ -8,7 +8,12 @@ No silent double backward: the backward kernels have no derivatives, so a backwa
 create_graph=True whose result would carry a graph must raise, per differentiable op and through
 MoELayer; where nothing requires grad the gradients are constants and must equal the ordinary
 backward's. A backward kernel called directly on inputs that require grad must raise when its
-output is differentiated (torch's fallback only warns and drops the gradient). Ordinary backward, opcheck and torch.compile are covered by their own test modules.
+output is differentiated (torch's fallback only warns and drops the gradient).
+
+No zero tensors for unused gradients: with one output of an op used, autograd makes no zero
+tensor for the others, and the gradients equal those of a backward given explicit zeros; a node
+that receives no gradient at all returns None. Ordinary backward, opcheck and torch.compile are
+covered by their own test modules.
 """
 from typing import Iterator, List, Sequence, Tuple
 
@@ -248,6 +253,27 @@ def test_unused_outputs_get_no_zero_gradient(name):
                 e = None if e is not None and g is None and not e.any() else e
                 assert (g is None) == (e is None), f"{name}: input {i}, output {used} used"
                 assert g is None or torch.equal(g, e), f"{name}: input {i}, output {used} used"
+
+
+def test_formula_with_no_incoming_gradient_returns_none():
+    """A node whose every incoming gradient is None (permute's rows unused, so nothing flows back
+    to the grouped_gemm that made its tokens) returns None for every input without running its
+    formula, which would read the missing gradient; the probs' gradient is still exact."""
+    T, E, H, k = 12, 4, 16, 2
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    m = torch.zeros(T, E, dtype=torch.bool).scatter_(1, idx, True)
+    probs = (torch.rand(T, E) * m).requires_grad_()
+    x = torch.randn(T, H, requires_grad=True)
+    w = torch.randn(1, H, H, requires_grad=True)
+    tokens = OPS.grouped_gemm(x, w, torch.tensor([0, T]))
+    _, row_probs, _, _, _ = OPS.permute(tokens, m, probs, T * k, False, 0)
+    weight = torch.rand(T * k, dtype=torch.float64)
+    (row_probs.double() * weight).sum().backward()
+    assert x.grad is None and w.grad is None
+    # the rows' probs are expert-major, tokens ascending: probs.t() masked by the map's transpose
+    ref = probs.detach().clone().requires_grad_()
+    (ref.t()[m.t()].double() * weight).sum().backward()
+    assert torch.equal(probs.grad, ref.grad)
 
 
 def test_every_backward_kernel_has_no_derivative():
