@@ -269,7 +269,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_y, grad_a_out):
-    # an unused output's gradient is None (ops/_guards.py; a's, always: expert_mlp drops it)
+    # an unused output's gradient is None (ops/_guards.py, which runs this only when one of the
+    # two is not; a's is None always: expert_mlp drops it)
     if torch.is_grad_enabled():
         # create_graph=True: every gradient depends on the saved fc1 output (an output of this
         # op, so it requires grad), and the in-place backward must not run under grad mode
@@ -282,8 +283,6 @@ def _backward(ctx, grad_y, grad_a_out):
     rows, tokens, sorted_indices, weight1, weight2, offsets, probs, a = ctx.saved_tensors
     need_rows, need_w1, need_w2, need_probs = (ctx.need_rows, ctx.needs_input_grad[1],
                                                ctx.needs_input_grad[2], ctx.needs_input_grad[4])
-    if grad_y is None and grad_a_out is None:
-        return (None,) * 12
     dtype = weight2.dtype
     g_index = None
     if grad_y is None:  # only fc1's output was used (a caller of the raw op): fc1's part alone

@@ -111,8 +111,9 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_h, grad_a_out):
-    # an unused output's gradient is None (ops/_guards.py), not zeros: adding zeros would turn a
-    # -0 of grad_a into +0, and the composition's autograd adds nothing there
+    # an unused output's gradient is None (ops/_guards.py, which runs this only when one of the
+    # two is not), not zeros: adding zeros would turn a -0 of grad_a into +0, and the
+    # composition's autograd adds nothing there
     x, weight, expert_offsets, probs, a, x_index = ctx.saved_tensors
     grad_a = grad_probs = None
     if grad_h is not None:
@@ -123,13 +124,12 @@ def _backward(ctx, grad_h, grad_a_out):
     if probs is None or grad_h is None or not ctx.needs_input_grad[3]:
         grad_probs = None
     dx = dw = None
-    if grad_a is not None:
-        if ctx.needs_input_grad[0]:
-            dx = _DGRAD(grad_a, weight, expert_offsets, ctx.trans_w, weight.dtype)
-            if x_index is not None:  # the rows' gradient, summed into the source rows they read
-                dx = gathered_rows_grad(dx, x_index, expert_offsets, ctx.num_src)
-        if ctx.needs_input_grad[1]:
-            dw = _WGRAD(x, grad_a, expert_offsets, ctx.trans_w, x.dtype, x_index)
+    if ctx.needs_input_grad[0]:
+        dx = _DGRAD(grad_a, weight, expert_offsets, ctx.trans_w, weight.dtype)
+        if x_index is not None:  # the rows' gradient, summed into the source rows they read
+            dx = gathered_rows_grad(dx, x_index, expert_offsets, ctx.num_src)
+    if ctx.needs_input_grad[1]:
+        dw = _WGRAD(x, grad_a, expert_offsets, ctx.trans_w, x.dtype, x_index)
     return dx, dw, None, grad_probs, None, None, None, None, None, None
 
 
