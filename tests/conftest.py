@@ -1,12 +1,21 @@
 """Shared pytest fixtures: devices, seeding, poisoned outputs, the router kernel on CUDA.
 
 Code the tests import lives in helpers/ (tests/ is on sys.path)."""
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+# A compile cache of this run's own: torch's caches key a compiled backward on the forward graph,
+# not on the Python of an op's autograd formula, so a cache kept from an earlier tree would run
+# that tree's backward (with a changed op schema, it fails; with changed math, it passes wrongly).
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe_core_inductor_")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 torch.backends.cuda.matmul.allow_tf32 = False  # parity: keep fp32 GEMMs in fp32 on both sides
 torch.backends.cudnn.allow_tf32 = False
 

@@ -272,9 +272,9 @@ Tensor glu_probs(const Device &d, const Tensor &a, const optional<Tensor> &probs
 Tensor2 glu_probs_bwd(const Device &d, const Tensor &grad_h, const Tensor &a,
                       const optional<Tensor> &probs, string_view activation, bool gated_linear_unit,
                       double linear_offset, optional<double> clamp_value);
-Tensor glu_probs_bwd_(const Device &d, Tensor grad_h, Tensor a, const optional<Tensor> &probs,
-                      string_view activation, bool gated_linear_unit, double linear_offset,
-                      optional<double> clamp_value);
+Tensor glu_probs_bwd_(const Device &d, Tensor grad_h, const Tensor &a, Tensor grad_a,
+                      const optional<Tensor> &probs, string_view activation,
+                      bool gated_linear_unit, double linear_offset, optional<double> clamp_value);
 Tensor2 grouped_gemm_glu_probs(const Device &d, const Tensor &x, const Tensor &weight,
                                const Tensor &expert_offsets, const optional<Tensor> &probs,
                                string_view activation, bool gated_linear_unit, double linear_offset,

@@ -276,24 +276,35 @@ Tensor2 glu_probs_bwd(const Device &d, const Tensor &grad_h_, const Tensor &a_,
   return {grad_a, grad_probs};
 }
 
-// In place: a becomes grad_a and grad_h becomes the forward's h (recomputed); returns grad_probs.
-// The expert MLP's backward uses it to need no [rows, 2F] or [rows, F] buffer of its own.
-Tensor glu_probs_bwd_(const Device &d, Tensor grad_h, Tensor a, const optional<Tensor> &probs_,
-                      string_view activation, bool gated_linear_unit, double linear_offset,
-                      optional<double> clamp_value) {
+// In place: grad_h becomes the forward's h (recomputed) and grad_a gets a's gradient; returns
+// grad_probs. grad_a may be a itself (a becomes its gradient: the expert MLP's eager backward,
+// which then needs no [rows, 2F] or [rows, F] buffer of its own) or a buffer of a's shape that
+// shares no memory with it (a compiled backward, whose saved a is an input of the graph that a
+// mutation would make the compiler copy first).
+Tensor glu_probs_bwd_(const Device &d, Tensor grad_h, const Tensor &a, Tensor grad_a,
+                      const optional<Tensor> &probs_, string_view activation,
+                      bool gated_linear_unit, double linear_offset, optional<double> clamp_value) {
   int64_t F = 0;
   const moe_glu_probs_params_t p = glu_probs_bwd_params(
       grad_h, a, probs_, activation, gated_linear_unit, linear_offset, clamp_value, &F);
-  MOE_CHECK_VALUE(a.is_contiguous() && grad_h.is_contiguous(),
-                  "glu_probs_bwd_ works in place: a and grad_h must be contiguous, got strides ",
-                  a.strides(), " and ", grad_h.strides());
-  const auto overlap = at::get_overlap_status(a, grad_h);
-  MOE_CHECK_VALUE(overlap == at::MemOverlapStatus::No,
-                  "glu_probs_bwd_: a and grad_h must not share memory (a becomes grad_a, grad_h "
+  check_dtype(grad_a, a.scalar_type(), "grad_a");
+  check_same_shape(grad_a, "grad_a", a, "a");
+  check_same_device(grad_a, a, "grad_a", "a");
+  MOE_CHECK_VALUE(a.is_contiguous() && grad_h.is_contiguous() && grad_a.is_contiguous(),
+                  "glu_probs_bwd_ works in place: a, grad_a and grad_h must be contiguous, got "
+                  "strides ", a.strides(), ", ", grad_a.strides(), " and ", grad_h.strides());
+  MOE_CHECK_VALUE(at::get_overlap_status(a, grad_h) == at::MemOverlapStatus::No &&
+                      at::get_overlap_status(grad_a, grad_h) == at::MemOverlapStatus::No,
+                  "glu_probs_bwd_: grad_h must not share memory with a or grad_a (grad_h "
                   "becomes h)");
+  const auto a_overlap = at::get_overlap_status(grad_a, a);
+  MOE_CHECK_VALUE(a_overlap == at::MemOverlapStatus::No ||
+                      (a_overlap == at::MemOverlapStatus::Full &&
+                       grad_a.data_ptr() == a.data_ptr()),
+                  "glu_probs_bwd_: grad_a must be a itself or share no memory with it");
   Tensor probs;
   if (probs_.has_value()) probs = probs_->contiguous();
-  return glu_probs_bwd_call(d, a, grad_h, grad_h, a, probs, F, p);
+  return glu_probs_bwd_call(d, grad_a, grad_h, grad_h, a, probs, F, p);
 }
 
 // ---- fc1 + glu_probs (the epilogue fusion) ------------------------------------------------------

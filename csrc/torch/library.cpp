@@ -101,9 +101,9 @@ namespace {
   X(glu_probs_bwd, "(Tensor grad_h, Tensor a, Tensor? probs, str activation, "                     \
                    "bool gated_linear_unit, float linear_offset=0.0, float? clamp_value=None)"     \
                    " -> (Tensor, Tensor)")                                                         \
-  X(glu_probs_bwd_, "(Tensor(a!) grad_h, Tensor(b!) a, Tensor? probs, str activation, "            \
-                    "bool gated_linear_unit, float linear_offset=0.0, float? clamp_value=None)"    \
-                    " -> Tensor")                                                                  \
+  X(glu_probs_bwd_, "(Tensor(a!) grad_h, Tensor a, Tensor(b!) grad_a, Tensor? probs, "            \
+                    "str activation, bool gated_linear_unit, float linear_offset=0.0, "            \
+                    "float? clamp_value=None) -> Tensor")                                          \
   X(grouped_gemm_glu_probs, "(Tensor x, Tensor weight, Tensor expert_offsets, Tensor? probs, "     \
                             "str activation, bool gated_linear_unit, float linear_offset=0.0, "    \
                             "float? clamp_value=None, bool trans_w=True, Tensor? x_index=None)"    \

@@ -18,7 +18,7 @@ same element functions, in the same pass that computes ``grad_a``). The backward
 ``combine`` (the rows' gradient is then read from the tokens' output gradient by index too)::
 
     grad_h = grouped_gemm_dgrad(grad_out, weight2, grad_y_index=sorted_indices)   [rows, F]
-    grad_probs = glu_probs_bwd_(grad_h, a, probs)                    a := grad_a, grad_h := h
+    grad_probs = glu_probs_bwd_(grad_h, a, a, probs)                 a := grad_a, grad_h := h
     d_tokens = permute_bwd(grouped_gemm_dgrad(grad_a, weight1))     in row chunks
     dW1 = grouped_gemm_wgrad(tokens, grad_a, x_index=sorted_indices)
     (grad_a's storage released)
@@ -29,6 +29,13 @@ the backward is the larger of dW1 + grad_a + h and dW1 + dW2 + h, plus the token
 gradients). Autograd holds a saved tensor until the backward returns, so the backward frees
 ``grad_a``'s memory itself (its storage resized to 0; in eager mode outside CUDA-graph capture,
 while no tensor outside the backward shares it; a compiled graph frees it on its own).
+A compiled backward writes ``grad_a`` into a new buffer instead where that costs no memory:
+there the saved ``a`` is an input of the graph, which inductor copies before any op may mutate
+it (one more pass over ``[rows, F1]``), while a buffer made in the graph is mutated where it
+lies, and the graph frees ``a`` after that op, its last reader. ``a`` and ``grad_a`` then exist
+together, before any weight gradient: below the step's peak (which holds both weight gradients
+and ``h``) as long as ``2·R·F1 <= |dW1| + |dW2|`` (at the reference shapes; not when the rows
+outnumber three quarters of E·H with a GLU). Where it would raise the peak, the copy stays.
 
 With the rows given, the same products run on materialised rows, dW2 first (which frees ``h``
 and the rows' gradient ``g = grad_out[sorted_indices]``), then dW1 on the rows gathered again
@@ -299,8 +306,11 @@ def _backward(ctx, grad_y, grad_a_out):
         grad_h = _DGRAD(g, weight2, offsets, True, dtype, g_index)
         if grad_a_out is None:
             ctx.consumed = True
-            grad_probs = _GLU_BWD_(grad_h, a, probs, *ctx.glu_opts)  # a := grad_a, grad_h := h
-            grad_a, h = a, grad_h
+            # a := grad_a, grad_h := h; compiled, maybe a new grad_a (see the module docstring)
+            new = _traced(a) and _new_grad_a_fits(a, grad_h, weight2, need_w1, need_w2)
+            grad_a = torch.empty_like(a) if new else a
+            grad_probs = _GLU_BWD_(grad_h, a, grad_a, probs, *ctx.glu_opts)
+            h = grad_h
         else:  # a was used elsewhere: keep it, and add the gradient it got there
             grad_a, grad_probs = _GLU_BWD(grad_h, a, probs, *ctx.glu_opts)
             grad_a = grad_a + grad_a_out.to(a.dtype)
@@ -342,6 +352,24 @@ def _backward(ctx, grad_y, grad_a_out):
 _SAVED_A_USES = 3
 
 
+def _new_grad_a_fits(a: torch.Tensor, grad_h: torch.Tensor, weight2: torch.Tensor,
+                     need_w1: bool, need_w2: bool) -> bool:
+    """Whether ``a`` and a new ``grad_a`` ``[R, F1]`` held together (with ``grad_h`` ``[R, F]``)
+    stay within what the step holds at its end anyway, the weight gradients it makes (dW1
+    ``[E, F1, H]``, dW2 ``[E, H, F]``) and ``h``: 2·R·F1 <= |dW1| + |dW2|. So at the reference
+    shapes, not when the rows outnumber three quarters of E·H."""
+    r, f1, f = _size_hint(a.shape[0]), _size_hint(a.shape[1]), _size_hint(grad_h.shape[1])
+    w2 = _size_hint(weight2.numel())
+    grads = (w2 * f1 // max(f, 1) if need_w1 else 0) + (w2 if need_w2 else 0)
+    return 2 * r * f1 <= grads
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """Whether the backward is being traced for a compiled graph: by dynamo, or by AOTAutograd,
+    which runs it on fake / functional tensor subclasses."""
+    return torch.compiler.is_compiling() or type(t) is not torch.Tensor
+
+
 def _release(t: torch.Tensor) -> None:
     """Frees the memory of ``t``'s storage now (``t`` spans all of it; the saved ``a``, turned
     into ``grad_a`` in place and read for the last time): autograd holds saved tensors until the
@@ -349,9 +377,8 @@ def _release(t: torch.Tensor) -> None:
     its own), nor during CUDA-graph capture (the captured step keeps its own memory), nor while
     a tensor outside the backward shares the storage (a tensor whose storage is resized to 0
     cannot be read safely)."""
-    # a traced backward (dynamo, or AOTAutograd tracing the joint graph on fake / functional
-    # tensor subclasses) has no storage to free, and its graph frees what it no longer reads
-    if torch.compiler.is_compiling() or type(t) is not torch.Tensor:
+    # a traced backward has no storage to free, and its graph frees what it no longer reads
+    if _traced(t):
         return
     if t.is_cuda and torch.cuda.is_current_stream_capturing():
         return

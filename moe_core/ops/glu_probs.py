@@ -29,11 +29,13 @@ l + offset, the product; then h0 * p in ``promote(a.dtype, probs.dtype)`` and th
   CUDA's expf/erff/tanhf differ from glibc's (2 ulps of the activation's φ(g), so ulps of |g|
   where act(g) = g·φ(g) cancels, as gelu's 1 + erf does for g < 0); grad_probs uses the same order, so it equals the CPU
   bit for bit whenever the terms do. Deterministic, no atomics.
-* ``torch.ops.moe_core.glu_probs_bwd_(grad_h, a, probs, ...)`` is the backward in place: ``a``
-  becomes ``grad_a`` and ``grad_h`` becomes the forward's ``h`` (recomputed from ``a``, the same
-  bits as :func:`glu_probs`), and it returns ``grad_probs``. ``ops.expert_mlp`` uses it so that its
-  backward keeps neither ``h`` nor a buffer for ``grad_a``. Both tensors must be contiguous and
-  must not share memory. (NaN results are NaN on both paths; on the CPU their sign can differ, as
+* ``torch.ops.moe_core.glu_probs_bwd_(grad_h, a, grad_a, probs, ...)`` is the backward in place:
+  ``grad_h`` becomes the forward's ``h`` (recomputed from ``a``, the same bits as
+  :func:`glu_probs`), ``grad_a`` gets ``a``'s gradient, and it returns ``grad_probs``. ``grad_a``
+  may be ``a`` itself: ``ops.expert_mlp``'s eager backward then keeps neither ``h`` nor a buffer
+  for ``grad_a``; its compiled backward passes a new buffer (mutating the saved ``a``, an input
+  of the compiled graph, would make inductor copy it first). All three must be contiguous;
+  ``grad_h`` shares no memory with the others, ``grad_a`` is ``a`` or shares none with it. (NaN results are NaN on both paths; on the CPU their sign can differ, as
   it can between any two compiled copies of a product.)
 """
 import functools
@@ -135,5 +137,6 @@ register_autograd("moe_core::glu_probs", _backward, setup_context=_setup_context
 
 
 @register_fake("moe_core::glu_probs_bwd_")
-def _(grad_h, a, probs, activation, gated_linear_unit, linear_offset=0.0, clamp_value=None):
+def _(grad_h, a, grad_a, probs, activation, gated_linear_unit, linear_offset=0.0,
+      clamp_value=None):
     return probs.new_empty(probs.shape) if probs is not None else a.new_empty((0,))

@@ -395,9 +395,11 @@ def test_mismatched_source_arguments():
 @pytest.mark.parametrize("act,gated,offset,clamp", CASES)
 @pytest.mark.parametrize("with_probs", [True, False])
 @pytest.mark.parametrize("F_", [24, 13])
-def test_glu_probs_bwd_inplace(device, dtype, act, gated, offset, clamp, with_probs, F_):
-    """a becomes grad_a and grad_h becomes h: bitwise the functional backward's grad_a and
-    grad_probs, and the forward's h (F = 13: the scalar kernels; 24: the vector ones)."""
+@pytest.mark.parametrize("into", ["a", "new"])
+def test_glu_probs_bwd_inplace(device, dtype, act, gated, offset, clamp, with_probs, F_, into):
+    """grad_a (a itself, or a buffer of its own) gets the gradient and grad_h becomes h: bitwise
+    the functional backward's grad_a and grad_probs, and the forward's h (F = 13: the scalar
+    kernels; 24: the vector ones); a buffer of its own leaves a as it was."""
     R = 37
     g = torch.Generator().manual_seed(4)
     a = (torch.randn(R, 2 * F_ if gated else F_, generator=g, dtype=torch.float64) * 3).to(dtype)
@@ -410,10 +412,13 @@ def test_glu_probs_bwd_inplace(device, dtype, act, gated, offset, clamp, with_pr
     want_ga, want_gp = OPS.glu_probs_bwd(grad_h, a, probs, *opts)
     want_h = OPS.glu_probs(a, probs, *opts)
     a2, h2 = a.clone(), grad_h.clone()
-    got_gp = OPS.glu_probs_bwd_(h2, a2, probs, *opts)
-    assert same_bits(a2, want_ga)
+    ga = a2 if into == "a" else torch.full_like(a, 7.0)
+    got_gp = OPS.glu_probs_bwd_(h2, a2, ga, probs, *opts)
+    assert same_bits(ga, want_ga)
     assert same_bits(h2, want_h)
     assert same_bits(got_gp, want_gp)
+    if into == "new":
+        assert same_bits(a2, a)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -429,13 +434,47 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_glu_probs_bwd_inplace_noncontiguous_raises(device):
     a = torch.randn(8, 16, device=device).t()  # [16, 8], not contiguous
     with pytest.raises(ValueError, match="must be contiguous"):
-        OPS.glu_probs_bwd_(torch.randn(16, 4, device=device), a, None, "silu", True)
+        OPS.glu_probs_bwd_(torch.randn(16, 4, device=device), a, a, None, "silu", True)
+
+
+def test_glu_probs_bwd_inplace_noncontiguous_grad_a_raises(device):
+    a = torch.randn(16, 8, device=device)
+    grad_a = torch.randn(8, 16, device=device).t()
+    with pytest.raises(ValueError, match="must be contiguous"):
+        OPS.glu_probs_bwd_(torch.randn(16, 4, device=device), a, grad_a, None, "silu", True)
 
 
 def test_glu_probs_bwd_inplace_overlap_raises(device):
     buf = torch.randn(8, 16, device=device)
-    with pytest.raises(ValueError, match="must not share memory"):
-        OPS.glu_probs_bwd_(buf.view(16, 8)[:8], buf, None, "silu", True)
+    with pytest.raises(ValueError, match="grad_h must not share memory"):
+        OPS.glu_probs_bwd_(buf.view(16, 8)[:8], buf, buf, None, "silu", True)
+
+
+def test_glu_probs_bwd_inplace_grad_h_overlaps_grad_a_raises(device):
+    a, buf = torch.randn(8, 16, device=device), torch.randn(8, 16, device=device)
+    with pytest.raises(ValueError, match="grad_h must not share memory"):
+        OPS.glu_probs_bwd_(buf.view(16, 8)[:8], a, buf, None, "silu", True)
+
+
+def test_glu_probs_bwd_inplace_grad_a_partly_a_raises(device):
+    buf = torch.randn(9, 16, device=device)
+    with pytest.raises(ValueError, match="grad_a must be a itself or share no memory with it"):
+        OPS.glu_probs_bwd_(torch.randn(8, 8, device=device), buf[:8], buf[1:], None, "silu",
+                           True)
+
+
+def test_glu_probs_bwd_inplace_grad_a_shape_raises(device):
+    a = torch.randn(8, 16, device=device)
+    with pytest.raises(ValueError, match=r"grad_a shape \[8, 14\] must equal a shape \[8, 16\]"):
+        OPS.glu_probs_bwd_(torch.randn(8, 8, device=device), a, torch.randn(8, 14, device=device),
+                           None, "silu", True)
+
+
+def test_glu_probs_bwd_inplace_grad_a_dtype_raises(device):
+    a = torch.randn(8, 16, device=device)
+    grad_a = torch.randn(8, 16, device=device, dtype=torch.float64)
+    with pytest.raises(TypeError, match="grad_a must be Float, got Double"):
+        OPS.glu_probs_bwd_(torch.randn(8, 8, device=device), a, grad_a, None, "silu", True)
 
 
 # ---- through the layer ------------------------------------------------------------------------
@@ -472,6 +511,7 @@ def test_opcheck(device):
     a = torch.randn(48, 16, device=device, dtype=torch.bfloat16)
     torch.library.opcheck(OPS.glu_probs_bwd_, (torch.randn(48, 8, device=device,
                                                            dtype=torch.bfloat16), a,
+                                               torch.empty_like(a),
                                                torch.rand(48, device=device), "silu", True, 0.0,
                                                None))
 
@@ -551,3 +591,48 @@ def test_layer_rows_by_index_inductor_equals_eager(device):
     got = _layer_step(compiled, x, g)
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"tensor {i}: max |diff| {(a.double() - b.double()).abs().max()}"
+
+
+@pytest.mark.parametrize("by_index", [True, False])
+@pytest.mark.parametrize("topk", [2, 4])
+def test_compiled_backward_mutates_no_saved_tensor(device, by_index, topk):
+    """The compiled backward's in-place activation backward writes a grad_a buffer made inside
+    the backward graph (a saved tensor is an input of that graph, which inductor would copy whole
+    before mutating it: one more pass over fc1's output [R, 2F]) where a and that buffer together
+    stay within the weight gradients' size, 2·R·2F <= |dW1| + |dW2| (top-2 here: 2·80·96 <=
+    6·96·32 + 6·32·48), and keeps the copy otherwise (top-4: 2·160·96 is more)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    layer = _by_index_layer(device, by_index, topk)
+    compiled = torch.compile(layer, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=keep))
+    x = torch.randn(40, 32, device=device).to(torch.bfloat16)
+    g = torch.randn_like(x)
+    got = _layer_step(compiled, x, g)
+    calls = [n for n in graphs[0].graph.nodes
+             if n.target is torch.ops.higher_order.auto_functionalized_v2
+             and n.args[0] is OPS.glu_probs_bwd_.default]
+    assert len(calls) == 1
+    kw = calls[0].kwargs
+    grad_h, grad_a = (_alias_root(kw["_all_bases"][kw[k]])
+                      for k in ("_grad_h_base_index", "_grad_a_base_index"))
+    assert grad_h.op != "placeholder"
+    assert (grad_a.op != "placeholder") == (topk == 2), grad_a
+    for i, (a, b) in enumerate(zip(got, _layer_step(layer, x, g))):
+        assert torch.equal(a, b), f"tensor {i}: max |diff| {(a.double() - b.double()).abs().max()}"
+
+
+def _alias_root(node):
+    """The node whose tensor ``node``'s aliases (through views and detaches)."""
+    while (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+           and node.target._schema.returns
+           and node.target._schema.returns[0].alias_info is not None):
+        node = node.args[0]
+    return node

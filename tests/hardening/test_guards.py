@@ -54,8 +54,8 @@ def extra_samples() -> Iterator[Sample]:
                            None)
     yield OPS.expert_mlp, (rows, w1, torch.randn(E, H, 16, requires_grad=True), off, None, None,
                            None, "gelu", False, 0.5, None)
-    yield OPS.glu_probs_bwd_, (torch.randn(R, 8), torch.randn(R, 16), torch.rand(R), "silu", True,
-                               0.0, None)
+    yield OPS.glu_probs_bwd_, (torch.randn(R, 8), torch.randn(R, 16), torch.empty(R, 16),
+                               torch.rand(R), "silu", True, 0.0, None)
     yield OPS.permute_bwd_accumulate_, (torch.zeros(T, H), torch.randn(R - 3, H), sidx, 2)
     yield OPS.rounded, (torch.randn(T, H), torch.bfloat16)
 
