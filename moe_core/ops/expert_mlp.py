@@ -357,7 +357,9 @@ def _new_grad_a_fits(a: torch.Tensor, grad_h: torch.Tensor, weight2: torch.Tenso
     """Whether ``a`` and a new ``grad_a`` ``[R, F1]`` held together (with ``grad_h`` ``[R, F]``)
     stay within what the step holds at its end anyway, the weight gradients it makes (dW1
     ``[E, F1, H]``, dW2 ``[E, H, F]``) and ``h``: 2·R·F1 <= |dW1| + |dW2|. So at the reference
-    shapes, not when the rows outnumber three quarters of E·H."""
+    shapes, not when the rows outnumber three quarters of E·H. Under dynamic shapes it is
+    decided at the sizes the graph is traced with (no guard: either choice gives the same
+    values)."""
     r, f1, f = _size_hint(a.shape[0]), _size_hint(a.shape[1]), _size_hint(grad_h.shape[1])
     w2 = _size_hint(weight2.numel())
     grads = (w2 * f1 // max(f, 1) if need_w1 else 0) + (w2 if need_w2 else 0)
