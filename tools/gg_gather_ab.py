@@ -12,6 +12,11 @@ tokens ascending within an expert: the order the layer reads them in), uniform r
   tokens grad  fc1's dgrad in expert_mlp's row chunks, each added into the fp32 accumulator
                (permute_bwd_accumulate_), then rounded  vs one dgrad and permute_bwd
 
+For the four products a third column (C) times the rows gathered first by the row-copy kernel
+(``unpermute_bwd``, what expert_mlp's rows-made backward runs) and then the GEMM on them: what a
+transient copy of the operand would cost in place of the gathered load, so "A / C" below 1 means
+reading by index beats copying the rows first.
+
 "bits" says whether A and B agree bit for bit (the tokens' gradient may not where the Hopper
 kernel splits a partial last wave: see expert_mlp's precision contract). Timing: median of
 ROUNDS interleaved rounds (benchmarks/timing.py), CUDA events. The CPU runs a smoke size.
@@ -38,7 +43,7 @@ OPS = torch.ops.moe_core
 
 
 def cases(name: str, dev: torch.device, dt: torch.dtype):
-    """name -> (gathered call, materialised call) at shape ``name``."""
+    """name -> (gathered call, materialised call, gather-then-materialised call or None)."""
     s = SHAPES[name]
     T, H, E, k, F = s.tokens, s.hidden, s.experts, s.topk, s.ffn
     R = T * k
@@ -54,6 +59,9 @@ def cases(name: str, dev: torch.device, dt: torch.dtype):
 
     x, d_out = randn(T, H), randn(T, H)
     rows, d_rows = x[idx], d_out[idx]
+
+    def gather(t):  # the row-copy kernel: t[idx], a zero row where idx is -1
+        return OPS.unpermute_bwd(t, idx, None, None, None)[0]
     w1, w2 = randn(E, 2 * F, H, scale=H ** -0.5), randn(E, H, F, scale=F ** -0.5)
     grad_a, h = randn(R, 2 * F), randn(R, F)
     # expert_mlp's chunk count: each chunk's rows' gradient no larger than the fp32 accumulator
@@ -73,14 +81,18 @@ def cases(name: str, dev: torch.device, dt: torch.dtype):
 
     return {
         "fc1 fwd": (lambda: ops.grouped_gemm(x, w1, off, True, None, idx),
-                    lambda: ops.grouped_gemm(rows, w1, off, True)),
+                    lambda: ops.grouped_gemm(rows, w1, off, True),
+                    lambda: ops.grouped_gemm(gather(x), w1, off, True)),
         "fc2 dgrad": (lambda: ops.grouped_gemm_dgrad(d_out, w2, off, True, None, idx),
-                      lambda: ops.grouped_gemm_dgrad(d_rows, w2, off, True)),
+                      lambda: ops.grouped_gemm_dgrad(d_rows, w2, off, True),
+                      lambda: ops.grouped_gemm_dgrad(gather(d_out), w2, off, True)),
         "dW1": (lambda: ops.grouped_gemm_wgrad(x, grad_a, off, True, None, x_index=idx),
-                lambda: ops.grouped_gemm_wgrad(rows, grad_a, off, True)),
+                lambda: ops.grouped_gemm_wgrad(rows, grad_a, off, True),
+                lambda: ops.grouped_gemm_wgrad(gather(x), grad_a, off, True)),
         "dW2": (lambda: ops.grouped_gemm_wgrad(h, d_out, off, True, None, grad_y_index=idx),
-                lambda: ops.grouped_gemm_wgrad(h, d_rows, off, True)),
-        f"tokens grad ({chunks} chunks)": (tokens_grad_chunked, tokens_grad_whole),
+                lambda: ops.grouped_gemm_wgrad(h, d_rows, off, True),
+                lambda: ops.grouped_gemm_wgrad(h, gather(d_out), off, True)),
+        f"tokens grad ({chunks} chunks)": (tokens_grad_chunked, tokens_grad_whole, None),
     }
 
 
@@ -99,16 +111,22 @@ def main() -> None:
             ap.error(f"--shapes: {n!r} is not one of {sorted(SHAPES)}")
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(f"gg_gather_ab: {where}; torch {torch.__version__}; median of {args.rounds} rounds")
-    print("| shape | product | by index ms | rows made ms | ratio | bits |")
-    print("|---|---|---|---|---|---|")
+    print("| shape | product | by index ms (A) | rows made ms (B) | A / B | rows copied, then "
+          "made ms (C) | A / C | bits |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in names:
-        for what, (gathered, made) in cases(name, dev, torch.bfloat16).items():
-            same = torch.equal(gathered(), made())
-            t = time_interleaved({"a": (lambda _i: gathered(), lambda: None),
-                                  "b": (lambda _i: made(), lambda: None)}, dev, args.warmup,
-                                 args.rounds)
+        for what, (gathered, made, copied) in cases(name, dev, torch.bfloat16).items():
+            ref = made()
+            same = torch.equal(gathered(), ref) and (copied is None or torch.equal(copied(), ref))
+            del ref
+            variants = {"a": (lambda _i: gathered(), lambda: None),
+                        "b": (lambda _i: made(), lambda: None)}
+            if copied is not None:
+                variants["c"] = (lambda _i: copied(), lambda: None)
+            t = time_interleaved(variants, dev, args.warmup, args.rounds)
+            c = (f"{t['c']:.3f} | {t['a'] / t['c']:.2f}x" if copied is not None else " | ")
             print(f"| {name} | {what} | {t['a']:.3f} | {t['b']:.3f} | {t['a'] / t['b']:.2f}x | "
-                  f"{'same' if same else 'differ'} |", flush=True)
+                  f"{c} | {'same' if same else 'differ'} |", flush=True)
 
 
 if __name__ == "__main__":
