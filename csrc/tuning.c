@@ -17,7 +17,7 @@ static once_flag tuning_once = ONCE_FLAG_INIT;
 
 static struct {
     atomic_int cpu_gemm_kernel, pdl, router_lanes, unpermute_slots, gg_split_tail,
-        gg_expert_maps, gg_tile, gg_wgrad_bk;
+        gg_expert_maps, gg_tile, gg_wgrad_bk, expert_copy_rows;
 } tuning;
 
 /* 1 when the variable is set and its value starts with `c` */
@@ -46,6 +46,9 @@ static void tuning_read(void) {
     int split = MOE_TUNING_SPLIT_AUTO;
     if (equals("MOE_GG_SM90_SPLIT_TAIL", "0")) split = MOE_TUNING_SPLIT_NEVER;
     if (equals("MOE_GG_SM90_SPLIT_TAIL", "1")) split = MOE_TUNING_SPLIT_ALWAYS;
+    int copy = MOE_TUNING_COPY_AUTO;
+    if (equals("MOE_CORE_EXPERT_COPY_ROWS", "0")) copy = MOE_TUNING_COPY_NEVER;
+    if (equals("MOE_CORE_EXPERT_COPY_ROWS", "1")) copy = MOE_TUNING_COPY_ALWAYS;
     const memory_order r = memory_order_relaxed;
     atomic_store_explicit(&tuning.cpu_gemm_kernel, gemm, r);
     atomic_store_explicit(&tuning.pdl, !starts_with("MOE_CORE_PDL", '0'), r);
@@ -56,6 +59,7 @@ static void tuning_read(void) {
     atomic_store_explicit(&tuning.gg_expert_maps, !equals("MOE_GG_SM90_EXPERT_MAPS", "0"), r);
     atomic_store_explicit(&tuning.gg_tile, one_of("MOE_GG_SM90_TILE", 128, 256), r);
     atomic_store_explicit(&tuning.gg_wgrad_bk, one_of("MOE_GG_SM90_WGRAD_BK", 32, 64), r);
+    atomic_store_explicit(&tuning.expert_copy_rows, copy, r);
 }
 
 moe_tuning_t moe_tuning_get(void) {
@@ -70,6 +74,7 @@ moe_tuning_t moe_tuning_get(void) {
     t.gg_expert_maps = atomic_load_explicit(&tuning.gg_expert_maps, r);
     t.gg_tile = atomic_load_explicit(&tuning.gg_tile, r);
     t.gg_wgrad_bk = atomic_load_explicit(&tuning.gg_wgrad_bk, r);
+    t.expert_copy_rows = atomic_load_explicit(&tuning.expert_copy_rows, r);
     return t;
 }
 

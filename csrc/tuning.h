@@ -33,6 +33,11 @@ extern "C" {
 #define MOE_TUNING_SPLIT_AUTO 1   /* unset or any other value (default) */
 #define MOE_TUNING_SPLIT_ALWAYS 2 /* MOE_GG_SM90_SPLIT_TAIL=1 */
 
+/* expert_copy_rows */
+#define MOE_TUNING_COPY_NEVER 0  /* MOE_CORE_EXPERT_COPY_ROWS=0 */
+#define MOE_TUNING_COPY_AUTO 1   /* unset or any other value (default) */
+#define MOE_TUNING_COPY_ALWAYS 2 /* MOE_CORE_EXPERT_COPY_ROWS=1 */
+
 /** The switches, one field each: the environment variable, its values, the default, the trade. */
 typedef struct moe_tuning {
     /** MOE_CORE_GEMM_KERNEL: the CPU grouped GEMM's micro-kernel (csrc/grouped_gemm.c).
@@ -85,6 +90,16 @@ typedef struct moe_tuning {
      * short reductions), else 64 (half the barrier and wgmma-group overhead per flop). 32 or 64
      * forces one. Same bits. */
     int gg_wgrad_bk;
+    /** MOE_CORE_EXPERT_COPY_ROWS: expert_mlp with the rows read by index (moe_core/ops/
+     * expert_mlp.py, the one reader of this field). Where the rows would be a GEMM's gathered
+     * operand (fc1's input, fc2's output gradient in its dgrad, fc1's input in dW1), copy them
+     * first into a transient buffer (unpermute's row-copy kernel) and run the GEMM on it, but only
+     * where that buffer stays below the step's own peak (the weight gradients the backward makes).
+     * MOE_TUNING_COPY_AUTO (default): on CUDA, for GEMMs at least 2048 outputs wide, where the
+     * copy costs less than the Hopper producer threads' gathered loads; never on the CPU, whose
+     * GEMM gathers at no cost. NEVER (=0): always gather. ALWAYS (=1): copy wherever it fits, on
+     * every device (tests). Same bits (the copied rows are the gathered ones). */
+    int expert_copy_rows;
 } moe_tuning_t;
 
 /** The switches as read from the environment at the first call in the process (or the last

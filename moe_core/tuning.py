@@ -27,9 +27,11 @@ SWITCHES: Dict[str, str] = {
     "gg_expert_maps": "MOE_GG_SM90_EXPERT_MAPS",
     "gg_tile": "MOE_GG_SM90_TILE",
     "gg_wgrad_bk": "MOE_GG_SM90_WGRAD_BK",
+    "expert_copy_rows": "MOE_CORE_EXPERT_COPY_ROWS",
 }
 
-# The values of an unset environment (tuning.h: MOE_TUNING_GEMM_AUTO is 0, MOE_TUNING_SPLIT_AUTO 1).
+# The values of an unset environment (tuning.h: MOE_TUNING_GEMM_AUTO is 0, MOE_TUNING_SPLIT_AUTO and
+# MOE_TUNING_COPY_AUTO 1).
 DEFAULTS: Dict[str, int] = {
     "cpu_gemm_kernel": 0,
     "pdl": 1,
@@ -39,6 +41,7 @@ DEFAULTS: Dict[str, int] = {
     "gg_expert_maps": 1,
     "gg_tile": 0,
     "gg_wgrad_bk": 0,
+    "expert_copy_rows": 1,
 }
 
 

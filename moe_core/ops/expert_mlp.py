@@ -9,7 +9,11 @@ It computes exactly::
 
 where ``rows = tokens[sorted_indices]`` (``permute``'s rows) may be left unmade: with
 ``rows=None`` the GEMMs read each row straight from ``tokens`` through ``sorted_indices``
-(the gathered operand of ``grouped_gemm``), so the ``[rows, H]`` copy exists in neither pass.
+(the gathered operand of ``grouped_gemm``), so no ``[rows, H]`` copy is kept. Where a copy costs
+less than the gathered loads (``MOE_CORE_EXPERT_COPY_ROWS``, csrc/tuning.h: wide GEMMs on CUDA)
+and fits in what the step holds at its peak anyway (the weight gradients it makes, beside fc1's
+output or its gradient ``[rows, F1]``), fc1, fc2's dgrad and dW1 read a transient copy instead,
+made just before the GEMM and freed right after it; dW2, at the step's peak, always gathers.
 What the op saves for the backward is fc1's output ``a`` ``[rows, F1]`` and the small index
 tensors: not the rows and not ``h`` (the activation backward recomputes it from ``a``, with the
 same element functions, in the same pass that computes ``grad_a``). The backward allocates no
@@ -19,7 +23,7 @@ same element functions, in the same pass that computes ``grad_a``). The backward
 
     grad_h = grouped_gemm_dgrad(grad_out, weight2, grad_y_index=sorted_indices)   [rows, F]
     grad_probs = glu_probs_bwd_(grad_h, a, a, probs)                 a := grad_a, grad_h := h
-    d_tokens = permute_bwd(grouped_gemm_dgrad(grad_a, weight1))     in row chunks
+    d_tokens = permute_bwd(grouped_gemm_dgrad(grad_a, weight1))     whole, or in row chunks
     dW1 = grouped_gemm_wgrad(tokens, grad_a, x_index=sorted_indices)
     (grad_a's storage released)
     dW2 = grouped_gemm_wgrad(h, grad_out, grad_y_index=sorted_indices)
@@ -42,19 +46,21 @@ and the rows' gradient ``g = grad_out[sorted_indices]``), then dW1 on the rows g
 (one pass of unpermute's row copy, freed after its GEMM), then ``d_rows``, which goes to
 ``rows``.
 
-With ``rows=None`` the tokens' gradient is made chunk by chunk when the rows outnumber
-``4 / itemsize`` times the tokens (top-k above 2 in bf16): each chunk of rows' gradient
-(``grouped_gemm_dgrad`` of that slice of ``grad_a``) is added into an fp32 ``[T, H]``
-accumulator (``permute_bwd_accumulate_``) and freed, so at no point does the whole ``[rows, H]``
-gradient exist; a chunk's buffer is never larger than the accumulator. fp64 is made in one
-piece: its ``permute_bwd`` sums in fp64, which the fp32 accumulator cannot.
+With ``rows=None`` the tokens' gradient is made whole where the ``[rows, H]`` rows' gradient
+fits in the same room as a copy does (it comes before any weight gradient exists), else chunk
+by chunk when the rows outnumber ``4 / itemsize`` times the tokens (top-k above 2 in bf16): each
+chunk of rows' gradient (``grouped_gemm_dgrad`` of that slice of ``grad_a``) is added into an
+fp32 ``[T, H]`` accumulator (``permute_bwd_accumulate_``) and freed, so at no point does the
+whole ``[rows, H]`` gradient exist; a chunk's buffer is never larger than the accumulator. fp64
+is made in one piece: its ``permute_bwd`` sums in fp64, which the fp32 accumulator cannot.
 
 Precision contract
 ------------------
 * The output and every gradient are bit for bit those of autograd through the two ops above
   (``grouped_gemm_glu_probs`` then ``grouped_gemm``), on every device: the same kernels on the
   same values in the same order (the recomputed ``h`` is the forward's, bit for bit: both come
-  from ``glu_probs_math.h``'s element functions on the same ``a``; the gathered rows are copies).
+  from ``glu_probs_math.h``'s element functions on the same ``a``; the gathered rows, and the
+  transient copies of them, are copies).
   So every statement of those ops' contracts holds: fp32 accumulation, one rounding of ``a`` to
   the dtype, the activation rounded where torch's eager sequence rounds it; deterministic, no
   atomics, no host synchronisation. The tokens' gradient made in row chunks adds each token's
@@ -62,7 +68,8 @@ Precision contract
   gradients come from ``grouped_gemm_dgrad`` over each chunk, the same sums except where the
   Hopper kernel splits a partial last wave of tiles along the reduction (reductions of 4096 or
   more), whose fp32 partial sums then group differently from the unchunked call's (still the
-  same bits run after run).
+  same bits run after run: whole or chunked, copied or gathered, is decided by the sizes, the
+  tuning switch and which weights need a gradient, never by the values).
 * The backward consumes what it saved (``a`` becomes ``grad_a``, and with ``rows=None`` its memory
   is freed): a second backward through the same graph (``retain_graph=True``) raises a
   RuntimeError instead of reading overwritten values.
@@ -75,6 +82,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from moe_core import tuning
 from moe_core.ops._guards import double_backward_error, register_autograd, register_fake
 from moe_core.ops.grouped_gemm import gathered_rows_grad
 from moe_core.ops.permute_bwd_accumulate import permute_bwd_accumulator
@@ -154,10 +162,16 @@ def expert_mlp(
                          f"size), got {tuple(tokens.shape)}")
     if tokens is not None and rows is not None:
         tokens = tokens.detach()  # the rows carry the gradient (to tokens through permute)
+    # the weight gradients the backward will make: what the forward may hold beside its own
+    # tensors without raising the step's peak (see _copies)
+    grads = torch.is_grad_enabled()
+    weight_grads = ((weight1.numel() if grads and weight1.requires_grad else 0)
+                    + (weight2.numel() if grads and weight2.requires_grad else 0))
     y, _a = _expert_mlp(rows, weight1, weight2, expert_offsets, probs, tokens, sorted_indices,
                         activation,
                         bool(gated_linear_unit), float(linear_offset),
-                        None if clamp_value is None else float(clamp_value), bool(combine))
+                        None if clamp_value is None else float(clamp_value), bool(combine),
+                        int(weight_grads))
     return y
 
 
@@ -166,12 +180,19 @@ def _expert_mlp(rows: Optional[torch.Tensor], weight1: torch.Tensor, weight2: to
                 expert_offsets: torch.Tensor, probs: Optional[torch.Tensor],
                 tokens: Optional[torch.Tensor], sorted_indices: Optional[torch.Tensor],
                 activation: str, gated_linear_unit: bool, linear_offset: float,
-                clamp_value: Optional[float], combine: bool = False
+                clamp_value: Optional[float], combine: bool = False, weight_grads: int = 0
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(y, a)``: ``a`` (fc1's output) is an output only so that the backward may keep
     it; :func:`expert_mlp` drops it. ``y``: the rows' outputs, or with ``combine`` their sums
-    per token."""
-    if rows is None:  # fc1 reads tokens[sorted_indices] by index
+    per token. ``weight_grads``: the elements of the weight gradients the backward will make
+    (0 without one), the room a transient copy of the rows may take (see _copies)."""
+    if rows is None and _copies(weight1.device, sorted_indices.shape[0], weight1.shape[2],
+                                weight1.shape[1], weight1.shape[1], weight_grads):
+        x = _gather_rows(tokens, sorted_indices)  # fc1 on a transient copy of its rows
+        h, a = _FC1(x, weight1, expert_offsets, probs, activation, gated_linear_unit,
+                    linear_offset, clamp_value, True)
+        del x
+    elif rows is None:  # fc1 reads tokens[sorted_indices] by index
         h, a = _FC1(tokens, weight1, expert_offsets, probs, activation, gated_linear_unit,
                     linear_offset, clamp_value, True, sorted_indices)
     else:
@@ -186,7 +207,7 @@ def _expert_mlp(rows: Optional[torch.Tensor], weight1: torch.Tensor, weight2: to
 
 @register_fake("moe_core::expert_mlp")
 def _(rows, weight1, weight2, expert_offsets, probs, tokens, sorted_indices, activation,
-      gated_linear_unit, linear_offset, clamp_value, combine=False):
+      gated_linear_unit, linear_offset, clamp_value, combine=False, weight_grads=0):
     num_rows = sorted_indices.shape[0] if rows is None else rows.shape[0]
     out_rows = tokens.shape[0] if combine else num_rows
     return weight2.new_empty((out_rows, weight2.shape[1])), \
@@ -204,6 +225,32 @@ def _gather_rows(tokens: torch.Tensor, sorted_indices: torch.Tensor) -> torch.Te
     return _UNPERMUTE_BWD(tokens.contiguous(), sorted_indices, None, None, None)[0]
 
 
+# MOE_CORE_EXPERT_COPY_ROWS's default (csrc/tuning.h): on CUDA the rows are copied before the GEMMs
+# at least this many outputs wide. The copy is one pass over [R, H]; the gathered loads cost the
+# Hopper kernel a fraction of its time that does not shrink with the width, so the copy pays on
+# wide GEMMs and breaks even around a width of 1-2 thousand (tools/gg_gather_ab.py,
+# docs/perf-history.md).
+_COPY_MIN_WIDTH = 2048
+
+
+def _copies(device: torch.device, num_rows, hidden, f1, width, room) -> bool:
+    """Whether a GEMM with the rows read by index, ``width`` outputs wide, reads a transient copy
+    of them instead (``[R, H]``, unpermute's row-copy kernel, freed after that GEMM): where
+    MOE_CORE_EXPERT_COPY_ROWS says the copy pays, and where the copy and fc1's output (or its
+    gradient) ``[R, F1]``, which every such step also holds, fit in ``room`` elements (what the
+    step holds at its peak anyway: the weight gradients it makes). So no copy raises the step's
+    peak. Decided at the traced sizes under dynamic shapes (no guard: the same bits either way)."""
+    mode = tuning.current()["expert_copy_rows"]
+    if mode == _COPY_NEVER or (mode != _COPY_ALWAYS and (
+            device.type != "cuda" or _size_hint(width) < _COPY_MIN_WIDTH)):
+        return False
+    return _size_hint(num_rows) * (_size_hint(hidden) + _size_hint(f1)) <= _size_hint(room)
+
+
+# tuning.h's MOE_TUNING_COPY_NEVER / _ALWAYS
+_COPY_NEVER, _COPY_ALWAYS = 0, 2
+
+
 def _size_hint(n) -> int:
     """A size's value for a choice that must not specialise a compiled graph (the chunk count of
     :func:`_tokens_grad`: every count gives the same bits): a symbolic size's hint, no guard."""
@@ -217,19 +264,20 @@ def _size_hint(n) -> int:
 
 
 def _tokens_grad(grad_a: torch.Tensor, weight1: torch.Tensor, offsets: torch.Tensor,
-                 sorted_indices: torch.Tensor, num_tokens: int, dtype: torch.dtype
-                 ) -> torch.Tensor:
+                 sorted_indices: torch.Tensor, num_tokens: int, dtype: torch.dtype,
+                 whole: bool = False) -> torch.Tensor:
     """The tokens' gradient ``[T, H]``: ``permute_bwd`` of fc1's input gradient
-    ``grouped_gemm_dgrad(grad_a, weight1)`` ``[R, H]``, made in ``ceil(R * itemsize / 4T)``
-    chunks of rows (a chunk's buffer then never outgrows the fp32 accumulator it is added into;
-    the count depends only on top-k and the dtype, so it stays one number under dynamic shapes).
+    ``grouped_gemm_dgrad(grad_a, weight1)`` ``[R, H]``, made whole when ``whole``, else in
+    ``ceil(R * itemsize / 4T)`` chunks of rows (a chunk's buffer then never outgrows the fp32
+    accumulator it is added into; the count depends only on top-k and the dtype, so it stays one
+    number under dynamic shapes).
     A chunk's expert offsets are the layout's, shifted to the chunk's first row and clamped to
     its rows, on the device: the experts before and after it are empty there, one cut by its ends
     keeps its rows inside it."""
     R = grad_a.shape[0]
     r, t = _size_hint(R), _size_hint(num_tokens)
     chunks = 1 if t == 0 else max(1, -(-(r * grad_a.element_size()) // (4 * t)))
-    if chunks == 1 or dtype == torch.float64:
+    if whole or chunks == 1 or dtype == torch.float64:
         # fp64: permute_bwd sums in fp64, which the fp32 accumulator cannot; one piece
         d_rows = _DGRAD(grad_a, weight1, offsets, True, dtype)
         return gathered_rows_grad(d_rows, sorted_indices, offsets, num_tokens)
@@ -258,14 +306,14 @@ def _(acc, dtype):
 
 def _setup_context(ctx, inputs, output):
     (rows, weight1, weight2, offsets, probs, tokens, sorted_indices, activation, gated, offset,
-     clamp, *combine) = inputs
+     clamp, *rest) = inputs
     _y, a = output
     ctx.gathered = rows is None
     # the rows' gradient goes to rows, or with rows=None to tokens
     need_rows = ctx.needs_input_grad[5] if ctx.gathered else ctx.needs_input_grad[0]
     need_w1 = ctx.needs_input_grad[1]
     keep_rows = need_w1 and tokens is None
-    ctx.combine = bool(combine and combine[0])
+    ctx.combine = bool(rest and rest[0])
     ctx.num_tokens = None if tokens is None else tokens.shape[0]
     ctx.save_for_backward(rows if keep_rows else None, tokens if need_w1 else None,
                           sorted_indices if need_w1 or ctx.combine or ctx.gathered else None,
@@ -292,6 +340,10 @@ def _backward(ctx, grad_y, grad_a_out):
                                                ctx.needs_input_grad[2], ctx.needs_input_grad[4])
     dtype = weight2.dtype
     g_index = None
+    # the room a transient [R, H] may take: the weight gradients this backward makes (_copies)
+    E, H, F = weight2.shape
+    R, F1 = a.shape
+    room = (E * F1 * H if need_w1 else 0) + (E * H * F if need_w2 else 0)
     if grad_y is None:  # only fc1's output was used (a caller of the raw op): fc1's part alone
         g = h = grad_probs = None
         grad_a, need_w2 = grad_a_out.to(a.dtype), False
@@ -303,7 +355,12 @@ def _backward(ctx, grad_y, grad_a_out):
         g = grad_y.to(dtype).contiguous()
     del grad_y
     if g is not None:
-        grad_h = _DGRAD(g, weight2, offsets, True, dtype, g_index)
+        if g_index is not None and _copies(a.device, R, H, F1, F, room):
+            g_rows = _gather_rows(g, g_index)  # fc2's dgrad on a transient copy of its rows
+            grad_h = _DGRAD(g_rows, weight2, offsets, True, dtype)
+            del g_rows
+        else:
+            grad_h = _DGRAD(g, weight2, offsets, True, dtype, g_index)
         if grad_a_out is None:
             ctx.consumed = True
             # a := grad_a, grad_h := h; compiled, maybe a new grad_a (see the module docstring)
@@ -319,17 +376,28 @@ def _backward(ctx, grad_y, grad_a_out):
     if probs is None or not need_probs:
         grad_probs = None
     if ctx.gathered:
-        # by index: the tokens' gradient first (its row chunks come and go before any weight
-        # gradient exists), then dW1, the last reader of grad_a, whose storage (the saved a) is
-        # then released, so dW2's buffer never coexists with it
-        d_tokens = (_tokens_grad(grad_a, weight1, offsets, sorted_indices, ctx.num_tokens, dtype)
+        # by index: the tokens' gradient first (whole where [R, H] fits in the room, else in
+        # row chunks; either way before any weight gradient exists), then dW1, the last reader
+        # of grad_a, whose storage (the saved a) is then released, so dW2's buffer never
+        # coexists with it
+        d_tokens = (_tokens_grad(grad_a, weight1, offsets, sorted_indices, ctx.num_tokens, dtype,
+                                 whole=_size_hint(R) * (_size_hint(H) + _size_hint(F1))
+                                 <= _size_hint(room))
                     if need_rows else None)
-        dw1 = _WGRAD(tokens, grad_a, offsets, True, dtype, sorted_indices) if need_w1 else None
+        dw1 = None
+        if need_w1 and _copies(a.device, R, H, F1, F1, E * H * F if need_w2 else 0):
+            # on a transient copy of its rows, beside grad_a, while dW2 does not exist yet
+            x = _gather_rows(tokens, sorted_indices)
+            dw1 = _WGRAD(x, grad_a, offsets, True, dtype)
+            del x
+        elif need_w1:
+            dw1 = _WGRAD(tokens, grad_a, offsets, True, dtype, sorted_indices)
         if ctx.consumed:
             _release(grad_a)
         del grad_a, a
         dw2 = _WGRAD(h, g, offsets, True, dtype, None, g_index) if need_w2 else None
-        return None, dw1, dw2, None, grad_probs, d_tokens, None, None, None, None, None, None
+        return (None, dw1, dw2, None, grad_probs, d_tokens, None, None, None, None, None, None,
+                None)
     # rows given or gathered again: dW2 first frees h and the rows' gradient before the
     # [R, H] buffers of dW1's rows and of d_rows (which autograd holds to the end) are made
     dw2 = _WGRAD(h, g, offsets, True, dtype, None, g_index) if need_w2 else None
@@ -343,7 +411,7 @@ def _backward(ctx, grad_y, grad_a_out):
             dw1 = _WGRAD(x, grad_a, offsets, True, dtype)
             del x
     d_rows = _DGRAD(grad_a, weight1, offsets, True, dtype) if need_rows else None
-    return d_rows, dw1, dw2, None, grad_probs, None, None, None, None, None, None, None
+    return d_rows, dw1, dw2, None, grad_probs, None, None, None, None, None, None, None, None
 
 
 # Tensors sharing the saved a's storage inside the backward: autograd's saved copy, the one

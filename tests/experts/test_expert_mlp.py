@@ -199,6 +199,115 @@ def test_rows_by_index_tokens_gradient_chunks_hold_less(device, monkeypatch):
     assert torch.equal(got, want)
 
 
+def _count_copies(monkeypatch):
+    """Spies on expert_mlp's row copies: returns the list of the copies' row counts."""
+    em = importlib.import_module("moe_core.ops.expert_mlp")
+    seen, real = [], em._gather_rows
+
+    def spy(t, idx):
+        seen.append((t.data_ptr(), idx.shape[0]))
+        return real(t, idx)
+
+    monkeypatch.setattr(em, "_gather_rows", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [2, 5])
+def test_rows_by_index_copies_same_bits(device, dtype, k, monkeypatch, tuning_env):
+    """MOE_CORE_EXPERT_COPY_ROWS=1: with the rows read by index, fc1, fc2's dgrad and dW1 run on
+    transient copies of their rows (three copies: the step has room for them, many experts' weight
+    gradients against few rows), with the same bits as the gathered GEMMs, forward and every
+    gradient."""
+    T, H, E, F_ = 24, 32, 16, 24  # R (H + F1) <= 120 * 80 = 9600 <= dW2's 16 * 32 * 24
+    tokens, w1, w2, table = problem(T, H, E, k, F_, True, dtype, device)
+    _, fn = layer_fns(T, E, k, 0, "silu", True, 0.0, None, True)
+
+    def by_index(tokens, w1, w2, probs_table):
+        _rows, row_probs, idx, off, _ = ops.permute(
+            tokens, probs_table.detach() > 0, probs_table, num_out_tokens=T * k)
+        return ops.expert_mlp(None, w1, w2, off, row_probs, "silu", True, tokens=tokens,
+                              sorted_indices=idx, combine=True)
+
+    tuning_env("MOE_CORE_EXPERT_COPY_ROWS", "0")
+    gathered = run(by_index, tokens, w1, w2, table)
+    tuning_env("MOE_CORE_EXPERT_COPY_ROWS", "1")
+    seen = _count_copies(monkeypatch)
+    copied = run(by_index, tokens, w1, w2, table)
+    assert [n for _p, n in seen] == [T * k] * 3  # fc1's rows, the output's gradient, dW1's rows
+    assert_same_bits(copied, gathered)
+    assert_same_bits(copied, run(fn, tokens, w1, w2, table))
+
+
+def test_rows_by_index_copies_only_where_they_fit(device, monkeypatch, tuning_env):
+    """A copy of the rows [R, H] is made only where it and fc1's output (or its gradient)
+    [R, F1] fit in the weight gradients the step makes anyway: not with two experts and many
+    rows, not in a forward whose weights need no gradient, and for dW1 only beside dW2's room
+    (dW1's own buffer already exists then). The tokens' gradient is made whole on the same
+    condition, else in row chunks."""
+    em = importlib.import_module("moe_core.ops.expert_mlp")
+    tuning_env("MOE_CORE_EXPERT_COPY_ROWS", "1")
+    H, F_ = 16, 8
+
+    def step(T, E, k):
+        tokens, _rows, row_probs, idx, off = routed(T, H, E, k, torch.float32, device)
+        w1, w2 = weights(E, H, F_, True, torch.float32, device)
+        x = tokens.detach().requires_grad_()
+        seen = _count_copies(monkeypatch)
+        dgrads, real = [], em._DGRAD
+
+        def spy(grad_y, *args):
+            dgrads.append(grad_y.shape[0])
+            return real(grad_y, *args)
+
+        monkeypatch.setattr(em, "_DGRAD", spy)
+        y = ops.expert_mlp(None, w1, w2, off, row_probs, "silu", True, tokens=x,
+                           sorted_indices=idx, combine=True)
+        forward = len(seen)
+        y.sum().backward()
+        monkeypatch.setattr(em, "_DGRAD", real)
+        return forward, len(seen) - forward, dgrads
+
+    # R (H + F1) = 32 * 32 = 1024 elements; weight gradients 8 * (16 * 16 + 16 * 8) = 3072, dW2
+    # alone 1024: every copy, the tokens' gradient whole (fc2's dgrad on the R = 32 copied rows,
+    # then one fc1 dgrad)
+    assert step(16, 8, 2) == (1, 2, [32, 32])
+    # R (H + F1) = 64 * 32 = 2048 against 3072 and dW2's 1024: no copy for dW1
+    assert step(16, 8, 4) == (1, 1, [64, 64])
+    # R (H + F1) = 32 * 32 = 1024 against two experts' 2 * 384 = 768: no copy (fc2's dgrad
+    # reads the T = 16 tokens' gradient by index), the tokens' gradient in ceil(2 * 4 / 4) = 2
+    # row chunks (fp32)
+    assert step(16, 2, 2) == (0, 0, [16, 16, 16])
+    # R (H + F1) = 128 * 32 = 4096 against 3072: no copy, ceil(8 * 4 / 4) = 8 row chunks
+    assert step(16, 8, 8) == (0, 0, [16] + [16] * 8)
+    # no weight gradient: no room in the forward
+    tokens, _rows, row_probs, idx, off = routed(16, H, 8, 2, torch.float32, device)
+    w1, w2 = weights(8, H, F_, True, torch.float32, device)
+    seen = _count_copies(monkeypatch)
+    with torch.no_grad():
+        ops.expert_mlp(None, w1, w2, off, row_probs, "silu", True, tokens=tokens,
+                       sorted_indices=idx, combine=True)
+    assert seen == []
+
+
+def test_rows_by_index_copies_by_default_on_cuda_only(monkeypatch, tuning_env):
+    """The default (MOE_CORE_EXPERT_COPY_ROWS unset): copies on CUDA for GEMMs at least
+    _COPY_MIN_WIDTH outputs wide; never on the CPU, whose GEMM reads rows by index at no cost;
+    never with MOE_CORE_EXPERT_COPY_ROWS=0."""
+    em = importlib.import_module("moe_core.ops.expert_mlp")
+    tuning_env("MOE_CORE_EXPERT_COPY_ROWS", None)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    wide, room = em._COPY_MIN_WIDTH, 10 ** 9
+    assert not em._copies(cpu, 64, 16, 2 * wide, wide, room)
+    assert em._copies(cuda, 64, 16, 2 * wide, wide, room)
+    assert not em._copies(cuda, 64, 16, 2 * wide, wide - 1, room)
+    assert not em._copies(cuda, 64, 16, 2 * wide, wide, 64 * (16 + 2 * wide) - 1)
+    tuning_env("MOE_CORE_EXPERT_COPY_ROWS", "0")
+    assert not em._copies(cuda, 64, 16, 2 * wide, wide, room)
+    tuning_env("MOE_CORE_EXPERT_COPY_ROWS", "1")
+    assert em._copies(cpu, 64, 16, 2 * wide, 1, room)
+
+
 def test_rows_by_index_frees_fc1_output_before_dw2(device, monkeypatch):
     """By index the backward makes the tokens' gradient and dW1 first, then frees the saved fc1
     output (grad_a by then, in place) before dW2 is made; autograd alone would hold it until the

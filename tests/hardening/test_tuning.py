@@ -31,6 +31,9 @@ READS = [
     ("MOE_GG_SM90_WGRAD_BK", "32", "gg_wgrad_bk", 32),
     ("MOE_GG_SM90_WGRAD_BK", "64", "gg_wgrad_bk", 64),
     ("MOE_GG_SM90_WGRAD_BK", "16", "gg_wgrad_bk", 0),
+    ("MOE_CORE_EXPERT_COPY_ROWS", "0", "expert_copy_rows", 0),
+    ("MOE_CORE_EXPERT_COPY_ROWS", "1", "expert_copy_rows", 2),
+    ("MOE_CORE_EXPERT_COPY_ROWS", "2", "expert_copy_rows", 1),
 ]
 
 
