@@ -13,7 +13,7 @@ tokens ascending within an expert: the order the layer reads them in), uniform r
                (permute_bwd_accumulate_), then rounded  vs one dgrad and permute_bwd
 
 For the four products a third column (C) times the rows gathered first by the row-copy kernel
-(``unpermute_bwd``, what expert_mlp's rows-made backward runs) and then the GEMM on them: what a
+(``unpermute_bwd``, as expert_mlp makes its transient copies) and then the GEMM on them: what a
 transient copy of the operand would cost in place of the gathered load, so "A / C" below 1 means
 reading by index beats copying the rows first.
 
@@ -33,6 +33,7 @@ import torch
 
 import moe_core  # noqa: F401  (registers the ops)
 from moe_core import ops
+from moe_core.ops.expert_mlp import _gather_rows  # the row copy expert_mlp runs
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))  # shapes, timing
@@ -59,9 +60,6 @@ def cases(name: str, dev: torch.device, dt: torch.dtype):
 
     x, d_out = randn(T, H), randn(T, H)
     rows, d_rows = x[idx], d_out[idx]
-
-    def gather(t):  # the row-copy kernel: t[idx], a zero row where idx is -1
-        return OPS.unpermute_bwd(t, idx, None, None, None)[0]
     w1, w2 = randn(E, 2 * F, H, scale=H ** -0.5), randn(E, H, F, scale=F ** -0.5)
     grad_a, h = randn(R, 2 * F), randn(R, F)
     # expert_mlp's chunk count: each chunk's rows' gradient no larger than the fp32 accumulator
@@ -78,6 +76,9 @@ def cases(name: str, dev: torch.device, dt: torch.dtype):
     def tokens_grad_whole():
         d = OPS.grouped_gemm_dgrad(grad_a, w1, off, True, dt)
         return OPS.permute_bwd(d, None, idx, off, T)[0]
+
+    def gather(t):  # expert_mlp's transient copy: t[idx], a zero row where idx is -1
+        return _gather_rows(t, idx)
 
     return {
         "fc1 fwd": (lambda: ops.grouped_gemm(x, w1, off, True, None, idx),

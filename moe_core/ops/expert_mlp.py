@@ -231,6 +231,15 @@ def _gather_rows(tokens: torch.Tensor, sorted_indices: torch.Tensor) -> torch.Te
 # wide GEMMs and breaks even around a width of 1-2 thousand (tools/gg_gather_ab.py,
 # docs/perf-history.md).
 _COPY_MIN_WIDTH = 2048
+# tuning.h's MOE_TUNING_COPY_NEVER / _ALWAYS
+_COPY_NEVER, _COPY_ALWAYS = 0, 2
+
+
+def _fits(num_rows, hidden, f1, room) -> bool:
+    """Whether ``[R, H]`` beside ``[R, F1]`` (fc1's output or its gradient, live at every step
+    before the weight gradients) takes at most ``room`` elements: the weight gradients the step
+    makes, so such a buffer never raises the step's peak."""
+    return _size_hint(num_rows) * (_size_hint(hidden) + _size_hint(f1)) <= _size_hint(room)
 
 
 def _copies(device: torch.device, num_rows, hidden, f1, width, room) -> bool:
@@ -244,11 +253,7 @@ def _copies(device: torch.device, num_rows, hidden, f1, width, room) -> bool:
     if mode == _COPY_NEVER or (mode != _COPY_ALWAYS and (
             device.type != "cuda" or _size_hint(width) < _COPY_MIN_WIDTH)):
         return False
-    return _size_hint(num_rows) * (_size_hint(hidden) + _size_hint(f1)) <= _size_hint(room)
-
-
-# tuning.h's MOE_TUNING_COPY_NEVER / _ALWAYS
-_COPY_NEVER, _COPY_ALWAYS = 0, 2
+    return _fits(num_rows, hidden, f1, room)
 
 
 def _size_hint(n) -> int:
@@ -381,8 +386,7 @@ def _backward(ctx, grad_y, grad_a_out):
         # of grad_a, whose storage (the saved a) is then released, so dW2's buffer never
         # coexists with it
         d_tokens = (_tokens_grad(grad_a, weight1, offsets, sorted_indices, ctx.num_tokens, dtype,
-                                 whole=_size_hint(R) * (_size_hint(H) + _size_hint(F1))
-                                 <= _size_hint(room))
+                                 whole=_fits(R, H, F1, room))
                     if need_rows else None)
         dw1 = None
         if need_w1 and _copies(a.device, R, H, F1, F1, E * H * F if need_w2 else 0):

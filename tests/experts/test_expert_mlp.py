@@ -205,7 +205,7 @@ def _count_copies(monkeypatch):
     seen, real = [], em._gather_rows
 
     def spy(t, idx):
-        seen.append((t.data_ptr(), idx.shape[0]))
+        seen.append(idx.shape[0])
         return real(t, idx)
 
     monkeypatch.setattr(em, "_gather_rows", spy)
@@ -234,7 +234,7 @@ def test_rows_by_index_copies_same_bits(device, dtype, k, monkeypatch, tuning_en
     tuning_env("MOE_CORE_EXPERT_COPY_ROWS", "1")
     seen = _count_copies(monkeypatch)
     copied = run(by_index, tokens, w1, w2, table)
-    assert [n for _p, n in seen] == [T * k] * 3  # fc1's rows, the output's gradient, dW1's rows
+    assert seen == [T * k] * 3  # fc1's rows, the output's gradient, dW1's rows
     assert_same_bits(copied, gathered)
     assert_same_bits(copied, run(fn, tokens, w1, w2, table))
 
