@@ -994,6 +994,23 @@ static gg_encode_fn_t gg_encode_fn(void) {
     return fn;
 }
 
+/* cuTensorMapEncodeTiled is a driver call and needs a current context. The runtime makes the
+ * device's primary context current on a thread only at that thread's first call that needs one
+ * (a launch, an allocation, cudaSetDevice), so on a thread whose first CUDA work is this GEMM
+ * (autograd's device thread when a backward starts with a gathered GEMM) the encode would fail
+ * and the call be declined. cudaSetDevice makes the context current; once per thread and device,
+ * since the current device is all that can change it for a runtime user. 1 when done. */
+static int gg_bind_context(int dev) {
+    static thread_local int bound = -1;
+    if (bound == dev) return 1;
+    if (cudaSetDevice(dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    bound = dev;
+    return 1;
+}
+
 /* 16-bit tensor [dim2][dim1][dim0] (dim0 contiguous) with a box [box2=1][box1][64], 128-byte
  * swizzle, out-of-bounds elements zero-filled. rank 2 drops dim2. */
 static int gg_make_map(CUtensorMap *map, const void *ptr, moe_dtype_t dt, int rank, uint64_t dim0,
@@ -1168,7 +1185,8 @@ static moe_status_t gg_sm90_run(gg_op_t op, void *out, const void *act_a, const 
 
     int dev = 0, sms = 0;
     if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        !gg_bind_context(dev)) {
         (void)cudaGetLastError();
         return MOE_ERR_UNSUPPORTED;
     }

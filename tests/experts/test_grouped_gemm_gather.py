@@ -7,6 +7,8 @@ whose rows' gradient is then summed into the source by ``permute``'s backward (t
 semantics), bit for bit; torch.compile(fullgraph=True) equals eager; opcheck; one test per bad
 input.
 """
+import threading
+
 import pytest
 import torch
 
@@ -421,3 +423,47 @@ def test_sm90_gathered_needs_no_row_copy():
     gathered = extra(lambda: ops.grouped_gemm(xs, w, off, True, None, idx))
     plain = extra(lambda: ops.grouped_gemm(rows, w, off, True))
     assert gathered < plain + R * K * 2 // 4, (gathered, plain)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (the sm90 kernels read the index)")
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad_x", "wgrad_grad_y"])
+def test_sm90_gathered_as_a_threads_first_cuda_work(op):
+    """A thread whose first CUDA work is a gathered GEMM (autograd's device thread when a backward
+    starts at the experts) has no current context until the runtime makes one current, and the
+    Hopper kernels' tensor maps are made by a driver call that needs one. Such a call must run
+    the Hopper kernel as on a thread that launched before (its workspace has no room for the
+    fallback's row copy): the same bits as on this thread."""
+    R, S, K, N, E = 2048, 512, 256, 128, 4
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, S, (R,), generator=g).to(dev)
+    off = offsets_of([R // E] * E, dev)
+    w = (torch.randn(E, N, K, generator=g) / K**0.5).to(dt).to(dev)
+    src_k = torch.randn(S, K, generator=g).to(dt).to(dev)
+    src_n = torch.randn(S, N, generator=g).to(dt).to(dev)
+    rows_k = torch.randn(R, K, generator=g).to(dt).to(dev)
+    rows_n = torch.randn(R, N, generator=g).to(dt).to(dev)
+    call = {
+        "fwd": lambda: ops.grouped_gemm(src_k, w, off, True, None, idx),
+        "dgrad": lambda: ops.grouped_gemm_dgrad(src_n, w, off, True, None, idx),
+        "wgrad_x": lambda: ops.grouped_gemm_wgrad(src_k, rows_n, off, True, None, x_index=idx),
+        "wgrad_grad_y": lambda: ops.grouped_gemm_wgrad(rows_k, src_n, off, True, None,
+                                                       grad_y_index=idx),
+    }[op]
+    want = call()
+    torch.cuda.synchronize()
+    box = {}
+
+    def first_cuda_work():
+        try:
+            box["got"] = call()
+            torch.cuda.synchronize()
+        except Exception as e:  # reported below, on this thread
+            box["error"] = e
+
+    t = threading.Thread(target=first_cuda_work)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive(), "the call on the fresh thread did not return"
+    assert "error" not in box, box.get("error")
+    assert_bitwise(box["got"], want)
