@@ -526,3 +526,51 @@ def test_fp32_router_with_bf16_experts_and_the_new_rules():
     torch.testing.assert_close(probs, _dense(p, i, 16), rtol=2 * 2.0**-23, atol=0)
     out = layer(x)
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
+
+
+_FIRST_BACKWARD = """
+import torch
+from moe_core import MoEConfig, MoELayer
+
+
+def step(device):
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=256, moe_ffn_hidden_size=128, num_moe_experts=8,
+                    moe_router_topk=2, moe_expert_rows_by_index=True, add_bias_linear=False,
+                    gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                    params_dtype=torch.bfloat16)
+    layer = MoELayer(cfg, device=device)
+    assert layer.experts.reads_rows_by_index  # the fused expert path
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 256, generator=g).to(torch.bfloat16).to(device).requires_grad_()
+    dy = torch.randn(512, 256, generator=g).to(torch.bfloat16).to(device)
+    out = layer(x)
+    out.backward(dy)
+    return {"out": out.detach().cpu(), "dx": x.grad.cpu(),
+            **{n: p.grad.cpu() for n, p in layer.named_parameters()}}
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_rows_by_index_first_backward_of_a_process(tmp_path):
+    """The by-index layer's backward as a fresh process's first backward: autograd's device
+    thread then does its first CUDA work in the experts' gathered GEMMs, with no context made
+    current on it yet. It runs, and equals bit for bit the same step in this process, where
+    earlier work has run on that thread."""
+    import os
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "step.pt")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = _FIRST_BACKWARD + "\nimport sys\ntorch.save(step('cuda'), sys.argv[1])\n"
+    proc = subprocess.run([sys.executable, "-c", child, path], capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(path)
+    scope = {}
+    exec(_FIRST_BACKWARD, scope)
+    want = scope["step"]("cuda")
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
