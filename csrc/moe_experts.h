@@ -102,7 +102,10 @@ size_t moe_grouped_gemm_workspace_size(const moe_grouped_gemm_params_t *params);
  * CUDA: a few hundred bytes, except for bf16/fp16 on Hopper: there wgrad builds two tensor maps
  * per expert in it (256 * E + 128 bytes), and when fwd or dgrad reduces over 64 or more blocks of
  * 64 (K or N > 4032) it holds the partial sums of a split last wave of tiles, 128 KB per SM
- * (about 17 MB on an H200); see csrc/cuda/grouped_gemm_sm90.cu.
+ * (about 17 MB on an H200); see csrc/cuda/grouped_gemm_sm90.cu. A gathered call gets no room
+ * for a copy of its rows on Hopper, where the kernels read them by index: there its operands and
+ * output must be 16-byte aligned (the tensor maps' bases), else the call is refused with an
+ * error, its fallback having no workspace to copy the rows into.
  */
 size_t moe_cuda_grouped_gemm_workspace_size(const moe_grouped_gemm_params_t *params);
 

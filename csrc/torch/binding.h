@@ -141,6 +141,15 @@ struct Workspace {
 };
 Workspace workspace(const at::Tensor &like, size_t bytes);
 
+// ---- GEMM operands ------------------------------------------------------------------------------
+
+// An operand as the grouped GEMMs take it: contiguous, and on CUDA at a 16-byte aligned address.
+// The Hopper kernels load through tensor maps, whose base must be aligned: a misaligned plain
+// call would run the portable kernel instead, and a gathered one has no workspace for the
+// fallback's row copy (moe_experts.h). So a misaligned tensor (a view at an odd element offset)
+// is copied once here; any other is passed as it is.
+at::Tensor gemm_operand(const at::Tensor &t);
+
 // ---- optional tensors -------------------------------------------------------------------------
 
 // The data of an optional tensor, or NULL when it is absent (undefined): the C core's "none".

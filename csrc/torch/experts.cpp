@@ -80,13 +80,13 @@ static void set_gather(moe_grouped_gemm_params_t &p, const optional<Tensor> &ind
   p.num_rows = index->size(0);
 }
 
-// One of the three products: the operands made contiguous, `out` allocated, the call.
+// One of the three products: the operands made contiguous (and aligned), `out` allocated, the call.
 using GroupedGemmFn = decltype(&moe_grouped_gemm_fwd);
 static Tensor run_product(const Device &d, GroupedGemmFn fn, const char *op, const Tensor &in0_,
                           const Tensor &in1_, const Tensor &offsets_,
                           const moe_grouped_gemm_params_t &p, at::IntArrayRef out_shape,
                           at::ScalarType out_dtype) {
-  Tensor in0 = in0_.contiguous(), in1 = in1_.contiguous(), off = offsets_.contiguous();
+  Tensor in0 = gemm_operand(in0_), in1 = gemm_operand(in1_), off = offsets_.contiguous();
   const OnDevice on(d, in0);
   Tensor out = at::empty(out_shape, in0.options().dtype(out_dtype));
   const Workspace ws = workspace(in0, d.grouped_gemm_workspace_size(&p));
@@ -324,7 +324,7 @@ Tensor2 grouped_gemm_glu_probs(const Device &d, const Tensor &x_, const Tensor &
       glu_options(activation, gated_linear_unit, linear_offset, clamp_value);
   check_row_probs(probs_, R, x_, "x",
                   x_index.has_value() ? "x_index.shape[0] (num_rows)" : "x.shape[0] (num_rows)");
-  Tensor x = x_.contiguous(), w = weight_.contiguous(), off = expert_offsets_.contiguous(), probs;
+  Tensor x = gemm_operand(x_), w = gemm_operand(weight_), off = expert_offsets_.contiguous(), probs;
   if (probs_.has_value()) probs = probs_->contiguous();
   const OnDevice on(d, x);
   Tensor h = at::empty({R, F}, x.options());

@@ -1,9 +1,11 @@
 // validate.cpp: the binding's shared helpers: message assembly, tensor checks, the C core's
-// status as a Python exception, the current stream and the workspace allocation.
+// status as a Python exception, the current stream, the workspace allocation and the GEMM
+// operands (contiguous, aligned).
 #include <ATen/ops/empty.h>
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <cstdint>
 #include <cstdio>
 
 #include "binding.h"
@@ -139,6 +141,15 @@ Workspace workspace(const at::Tensor &like, size_t bytes) {
   ws.ptr = ws.buffer.data_ptr();
   ws.bytes = bytes;
   return ws;
+}
+
+// ---- GEMM operands ------------------------------------------------------------------------------
+
+at::Tensor gemm_operand(const at::Tensor &t) {
+  at::Tensor c = t.contiguous();
+  if (c.is_cuda() && c.numel() > 0 && reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0)
+    c = c.clone();  // a new allocation: the caching allocator's blocks are aligned
+  return c;
 }
 
 // ---- optional tensors -------------------------------------------------------------------------
