@@ -425,38 +425,53 @@ def test_sm90_gathered_needs_no_row_copy():
     assert gathered < plain + R * K * 2 // 4, (gathered, plain)
 
 
+PRODUCTS = ["fwd", "fwd_plain", "dgrad", "wgrad_x", "wgrad_grad_y"]
+
+
+def products(device, R, S, K, N, E):
+    """Inputs of every product, bf16: the four gathered ones and the plain forward. Returns
+    call(op, t): the product `op` (one of PRODUCTS) with every tensor operand passed through t."""
+    dt = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, S, (R,), generator=g).to(device)
+    off = offsets_of([R // E] * E, device)
+    w = (torch.randn(E, N, K, generator=g) / K**0.5).to(dt).to(device)
+    src_k = torch.randn(S, K, generator=g).to(dt).to(device)
+    src_n = torch.randn(S, N, generator=g).to(dt).to(device)
+    rows_k = torch.randn(R, K, generator=g).to(dt).to(device)
+    rows_n = torch.randn(R, N, generator=g).to(dt).to(device)
+
+    def call(op, t=lambda x: x):
+        return {
+            "fwd": lambda: ops.grouped_gemm(t(src_k), t(w), off, True, None, idx),
+            "fwd_plain": lambda: ops.grouped_gemm(t(rows_k), t(w), off, True),
+            "dgrad": lambda: ops.grouped_gemm_dgrad(t(src_n), t(w), off, True, None, idx),
+            "wgrad_x": lambda: ops.grouped_gemm_wgrad(t(src_k), t(rows_n), off, True, None,
+                                                      x_index=idx),
+            "wgrad_grad_y": lambda: ops.grouped_gemm_wgrad(t(rows_k), t(src_n), off, True, None,
+                                                           grad_y_index=idx),
+        }[op]()
+
+    return call
+
+
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (the sm90 kernels read the index)")
-@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad_x", "wgrad_grad_y"])
-def test_sm90_gathered_as_a_threads_first_cuda_work(op):
-    """A thread whose first CUDA work is a gathered GEMM (autograd's device thread when a backward
+@pytest.mark.parametrize("op", PRODUCTS)
+def test_sm90_as_a_threads_first_cuda_work(op):
+    """A thread whose first CUDA work is a grouped GEMM (autograd's device thread when a backward
     starts at the experts) has no current context until the runtime makes one current, and the
     Hopper kernels' tensor maps are made by a driver call that needs one. Such a call must run
-    the Hopper kernel as on a thread that launched before (its workspace has no room for the
-    fallback's row copy): the same bits as on this thread."""
-    R, S, K, N, E = 2048, 512, 256, 128, 4
-    dev, dt = "cuda", torch.bfloat16
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, S, (R,), generator=g).to(dev)
-    off = offsets_of([R // E] * E, dev)
-    w = (torch.randn(E, N, K, generator=g) / K**0.5).to(dt).to(dev)
-    src_k = torch.randn(S, K, generator=g).to(dt).to(dev)
-    src_n = torch.randn(S, N, generator=g).to(dt).to(dev)
-    rows_k = torch.randn(R, K, generator=g).to(dt).to(dev)
-    rows_n = torch.randn(R, N, generator=g).to(dt).to(dev)
-    call = {
-        "fwd": lambda: ops.grouped_gemm(src_k, w, off, True, None, idx),
-        "dgrad": lambda: ops.grouped_gemm_dgrad(src_n, w, off, True, None, idx),
-        "wgrad_x": lambda: ops.grouped_gemm_wgrad(src_k, rows_n, off, True, None, x_index=idx),
-        "wgrad_grad_y": lambda: ops.grouped_gemm_wgrad(rows_k, src_n, off, True, None,
-                                                       grad_y_index=idx),
-    }[op]
-    want = call()
+    the Hopper kernel as on a thread that launched before (a gathered call's workspace has no
+    room for the fallback's row copy; a plain one would run the portable kernel): the same bits
+    as on this thread."""
+    call = products("cuda", 2048, 512, 256, 128, 4)
+    want = call(op)
     torch.cuda.synchronize()
     box = {}
 
     def first_cuda_work():
         try:
-            box["got"] = call()
+            box["got"] = call(op)
             torch.cuda.synchronize()
         except Exception as e:  # reported below, on this thread
             box["error"] = e
@@ -475,40 +490,15 @@ def _at_odd_offset(t: torch.Tensor) -> torch.Tensor:
     flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
     view = flat[1:].view(t.shape)
     view.copy_(t)
+    assert view.data_ptr() % 16
     return view
 
 
-@pytest.mark.parametrize("op", ["fwd", "fwd_plain", "dgrad", "wgrad_x", "wgrad_grad_y"])
+@pytest.mark.parametrize("op", PRODUCTS)
 def test_misaligned_operands(device, op):
     """Operands that start at an odd element (views into a larger buffer) give the same bits as
     the same values at aligned addresses, gathered or not: the Hopper kernels need aligned
     bases, and a gathered call has no workspace for the fallback's row copy, so the binding
     copies such an operand first."""
-    R, S, K, N, E = 512, 200, 64, 32, 4
-    dt = torch.bfloat16
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, S, (R,), generator=g).to(device)
-    off = offsets_of([R // E] * E, device)
-    w = (torch.randn(E, N, K, generator=g) / K**0.5).to(dt).to(device)
-    src_k = torch.randn(S, K, generator=g).to(dt).to(device)
-    src_n = torch.randn(S, N, generator=g).to(dt).to(device)
-    rows_k = torch.randn(R, K, generator=g).to(dt).to(device)
-    rows_n = torch.randn(R, N, generator=g).to(dt).to(device)
-
-    def call(t):  # t: every operand as the call passes it
-        return {
-            "fwd": lambda: ops.grouped_gemm(t(src_k), t(w), off, True, None, idx),
-            "fwd_plain": lambda: ops.grouped_gemm(t(rows_k), t(w), off, True),
-            "dgrad": lambda: ops.grouped_gemm_dgrad(t(src_n), t(w), off, True, None, idx),
-            "wgrad_x": lambda: ops.grouped_gemm_wgrad(t(src_k), t(rows_n), off, True, None,
-                                                      x_index=idx),
-            "wgrad_grad_y": lambda: ops.grouped_gemm_wgrad(t(rows_k), t(src_n), off, True, None,
-                                                           grad_y_index=idx),
-        }[op]()
-
-    def odd(x):
-        view = _at_odd_offset(x)
-        assert view.data_ptr() % 16
-        return view
-
-    assert_bitwise(call(odd), call(lambda x: x))
+    call = products(device, 512, 200, 64, 32, 4)
+    assert_bitwise(call(op, _at_odd_offset), call(op))
