@@ -11,15 +11,24 @@ clocks differ by more than the copies save. Here the switch is flipped between s
   the host), then ``--queued`` steps back to back (the host running ahead), and the host's own
   time in the alone step's forward and backward;
 * the variants' order alternates from one round to the next; medians are printed;
-* on CUDA, one profiled step per variant: the kernels' GPU time summed (what the step would take
-  with no host waits), and the kernels whose time differs most between the variants.
+* on CUDA, ``--queued`` steps per variant profiled back to back: the kernels' GPU time summed
+  per step (what the step would take with no host waits), and the kernels whose time differs
+  most between the variants. (One profiled step alone can read milliseconds away from the same
+  step queued: at dsv3_like it put the by-index step's kernels below the rows made's, which the
+  queued profile and the events below do not.)
+* ``--ops``: the queued step's GPU time op by op, from CUDA events recorded around each of
+  ``expert_mlp``'s kernels calls (its module's op handles wrapped for the run) and around
+  ``permute`` and the router; no profiler. What lies between two wrapped calls is listed as
+  ``a..b`` (unwrapped ops, or the GPU waiting), so the rows add up to the step.
 
     python3 tools/layer_rows_ab.py
     python3 tools/layer_rows_ab.py --shapes qwen3_30b_a3b --rounds 20
+    python3 tools/layer_rows_ab.py --ops
     PYTHONPATH=. python3 tools/layer_rows_ab.py --device cpu --shapes tiny --rounds 2
 """
 import argparse
 import collections
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -30,6 +39,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import moe_core.ops
 from moe_core import tuning
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -46,21 +56,90 @@ VARIANTS: Dict[str, Tuple[bool, object]] = {
 }
 
 
-def kernel_times(step, dev) -> Dict[str, float]:
-    """ms of GPU time per kernel name in one step."""
+def kernel_times(step, dev, steps: int) -> Dict[str, float]:
+    """ms of GPU time per kernel name per step, over ``steps`` steps profiled back to back."""
     step()
     sync(dev)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
+        for _ in range(steps):
+            step()
         sync(dev)
     per: Dict[str, float] = collections.defaultdict(float)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name] += ev.device_time / 1e3
+            per[ev.name] += ev.device_time / 1e3 / steps
     return per
 
 
-def run_shape(name: str, dev: torch.device, rounds: int, queued: int, top: int) -> List[str]:
+# expert_mlp's op handles (module globals it calls through), timed by --ops
+_EXPERT_OPS = ("_FC1", "_FC2", "_DGRAD", "_WGRAD", "_GLU_BWD_", "_GLU_BWD", "_UNPERMUTE",
+               "_UNPERMUTE_BWD", "_ACCUMULATE_", "gathered_rows_grad", "_rounded")
+
+
+@contextlib.contextmanager
+def op_events(layer, marks: List[Tuple[str, torch.cuda.Event]]):
+    """Records a CUDA event before (``<name``) and after (``name``) each of expert_mlp's op calls,
+    ``permute`` and the router's forward, into ``marks``; restores everything on exit."""
+    mlp = sys.modules["moe_core.ops.expert_mlp"]  # the module (the package exports the function)
+
+    def mark(label):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        marks.append((label, e))
+
+    def wrapped(name, fn):
+        def call(*args, **kwargs):
+            mark("<" + name)
+            out = fn(*args, **kwargs)
+            mark(name)
+            return out
+        return call
+
+    patched = [(mlp, n) for n in _EXPERT_OPS] + [(moe_core.ops, "permute")]
+    saved = [(mod, n, getattr(mod, n)) for mod, n in patched]
+    hooks = [layer.router.register_forward_pre_hook(lambda *_: mark("<router")),
+             layer.router.register_forward_hook(lambda *_: mark("router"))]
+    try:
+        for mod, n, fn in saved:
+            setattr(mod, n, wrapped(n, fn))
+        yield mark
+    finally:
+        for mod, n, fn in saved:
+            setattr(mod, n, fn)
+        for h in hooks:
+            h.remove()
+
+
+def op_times(layer, x, g, clear, dev, steps: int) -> Dict[str, float]:
+    """ms per step of each wrapped op and of each stretch between two (``a..b``), ``steps``
+    steps queued back to back (:func:`op_events`)."""
+    marks: List[Tuple[str, torch.cuda.Event]] = []
+    with op_events(layer, marks) as mark:
+        def step():
+            mark("<step")
+            out = layer(x)
+            mark("forward end")
+            out.backward(g)
+            mark("backward end")
+            clear()
+        step()
+        sync(dev)
+        marks.clear()
+        for _ in range(steps):
+            step()
+        sync(dev)
+    per: Dict[str, float] = collections.defaultdict(float)
+    for (l0, e0), (l1, e1) in zip(marks, marks[1:]):
+        if l1 == "<step":
+            continue  # between steps
+        name0, name1 = l0.lstrip("<"), l1.lstrip("<")
+        key = name1 if l0 == "<" + l1 else f"{name0}..{name1}"
+        per[key] += e0.elapsed_time(e1) / steps
+    return per
+
+
+def run_shape(name: str, dev: torch.device, rounds: int, queued: int, top: int,
+              ops: bool) -> List[str]:
     s = SHAPES[name]
     layer = build_ours(moe_kwargs(s, "dropless", 1), dev, 0, None, None)
     base = layer.config
@@ -126,8 +205,8 @@ def run_shape(name: str, dev: torch.device, rounds: int, queued: int, top: int) 
         per = {}
         for v in VARIANTS:
             with variant(v):
-                per[v] = kernel_times(step, dev)
-            lines.append(f"  {v:20s} kernels summed {sum(per[v].values()):8.2f} ms")
+                per[v] = kernel_times(step, dev, queued)
+            lines.append(f"  {v:20s} kernels summed {sum(per[v].values()):8.2f} ms (queued)")
         names = set().union(*per.values())
         spread = sorted(names, key=lambda k: -(max(p.get(k, 0.0) for p in per.values())
                                                - min(p.get(k, 0.0) for p in per.values())))
@@ -135,6 +214,22 @@ def run_shape(name: str, dev: torch.device, rounds: int, queued: int, top: int) 
         for k in spread[:top]:
             lines.append("    " + " / ".join(f"{per[v].get(k, 0.0):7.3f}" for v in VARIANTS)
                          + f"  {k[:100]}")
+    if dev.type == "cuda" and ops:
+        runs = {v: collections.defaultdict(list) for v in VARIANTS}
+        for r in range(rounds):
+            for v in (order if r % 2 == 0 else order[::-1]):
+                with variant(v):
+                    for k, t in op_times(layer, x, g, clear, dev, queued).items():
+                        runs[v][k].append(t)
+        med = {v: {k: statistics.median(ts) for k, ts in runs[v].items()} for v in VARIANTS}
+        lines.append("  queued step op by op, CUDA events (ms: " + " / ".join(VARIANTS) + "):")
+        lines.append("    " + " / ".join(f"{sum(med[v].values()):7.3f}" for v in VARIANTS)
+                     + "  the step")
+        keys = set().union(*med.values())
+        for k in sorted(keys, key=lambda k: -max(m.get(k, 0.0) for m in med.values())):
+            if max(m.get(k, 0.0) for m in med.values()) >= 0.01:
+                lines.append("    " + " / ".join(f"{med[v].get(k, 0.0):7.3f}" for v in VARIANTS)
+                             + f"  {k}")
     layer.config = base
     return lines
 
@@ -146,10 +241,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--queued", type=int, default=4, help="steps back to back per round")
     ap.add_argument("--top", type=int, default=8, help="kernels listed (CUDA)")
+    ap.add_argument("--ops", action="store_true",
+                    help="also time the queued step op by op with CUDA events (CUDA)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     for name in args.shapes.split(","):
-        print("\n".join(run_shape(name, dev, args.rounds, args.queued, args.top)), flush=True)
+        print("\n".join(run_shape(name, dev, args.rounds, args.queued, args.top, args.ops)), flush=True)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
