@@ -17,9 +17,10 @@ clocks differ by more than the copies save. Here the switch is flipped between s
   step queued: at dsv3_like it put the by-index step's kernels below the rows made's, which the
   queued profile and the events below do not.)
 * ``--ops``: the queued step's GPU time op by op, from CUDA events recorded around each of
-  ``expert_mlp``'s kernels calls (its module's op handles wrapped for the run) and around
-  ``permute`` and the router; no profiler. What lies between two wrapped calls is listed as
-  ``a..b`` (unwrapped ops, or the GPU waiting), so the rows add up to the step.
+  ``expert_mlp``'s kernel calls (its module's op handles wrapped for the run) and around
+  ``permute`` and the router; no profiler (on the CPU, the wall clock at the same points). What
+  lies between two wrapped calls is listed as ``a..b`` (unwrapped ops, or the GPU waiting), so
+  the rows add up to the step.
 
     python3 tools/layer_rows_ab.py
     python3 tools/layer_rows_ab.py --shapes qwen3_30b_a3b --rounds 20
@@ -76,14 +77,25 @@ _EXPERT_OPS = ("_FC1", "_FC2", "_DGRAD", "_WGRAD", "_GLU_BWD_", "_GLU_BWD", "_UN
                "_UNPERMUTE_BWD", "_ACCUMULATE_", "gathered_rows_grad", "_rounded")
 
 
+class WallStamp:
+    """A CPU stand-in for ``torch.cuda.Event``: the wall clock when recorded."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: "WallStamp") -> float:
+        return (end.t - self.t) * 1e3
+
+
 @contextlib.contextmanager
-def op_events(layer, marks: List[Tuple[str, torch.cuda.Event]]):
-    """Records a CUDA event before (``<name``) and after (``name``) each of expert_mlp's op calls,
-    ``permute`` and the router's forward, into ``marks``; restores everything on exit."""
+def op_events(layer, marks: List[Tuple[str, object]], dev: torch.device):
+    """Records an event (a CUDA event; a :class:`WallStamp` off CUDA) before (``<name``) and after
+    (``name``) each of expert_mlp's op calls, ``permute`` and the router's forward, into
+    ``marks``; yields the function that records one; restores every handle on exit."""
     mlp = sys.modules["moe_core.ops.expert_mlp"]  # the module (the package exports the function)
 
     def mark(label):
-        e = torch.cuda.Event(enable_timing=True)
+        e = torch.cuda.Event(enable_timing=True) if dev.type == "cuda" else WallStamp()
         e.record()
         marks.append((label, e))
 
@@ -113,8 +125,8 @@ def op_events(layer, marks: List[Tuple[str, torch.cuda.Event]]):
 def op_times(layer, x, g, clear, dev, steps: int) -> Dict[str, float]:
     """ms per step of each wrapped op and of each stretch between two (``a..b``), ``steps``
     steps queued back to back (:func:`op_events`)."""
-    marks: List[Tuple[str, torch.cuda.Event]] = []
-    with op_events(layer, marks) as mark:
+    marks: List[Tuple[str, object]] = []
+    with op_events(layer, marks, dev) as mark:
         def step():
             mark("<step")
             out = layer(x)
@@ -214,7 +226,7 @@ def run_shape(name: str, dev: torch.device, rounds: int, queued: int, top: int,
         for k in spread[:top]:
             lines.append("    " + " / ".join(f"{per[v].get(k, 0.0):7.3f}" for v in VARIANTS)
                          + f"  {k[:100]}")
-    if dev.type == "cuda" and ops:
+    if ops:
         runs = {v: collections.defaultdict(list) for v in VARIANTS}
         for r in range(rounds):
             for v in (order if r % 2 == 0 else order[::-1]):
@@ -222,7 +234,8 @@ def run_shape(name: str, dev: torch.device, rounds: int, queued: int, top: int,
                     for k, t in op_times(layer, x, g, clear, dev, queued).items():
                         runs[v][k].append(t)
         med = {v: {k: statistics.median(ts) for k, ts in runs[v].items()} for v in VARIANTS}
-        lines.append("  queued step op by op, CUDA events (ms: " + " / ".join(VARIANTS) + "):")
+        lines.append("  queued step op by op, " + ("CUDA events" if dev.type == "cuda" else "wall clock")
+                     + " (ms: " + " / ".join(VARIANTS) + "):")
         lines.append("    " + " / ".join(f"{sum(med[v].values()):7.3f}" for v in VARIANTS)
                      + "  the step")
         keys = set().union(*med.values())
@@ -242,7 +255,7 @@ def main() -> None:
     ap.add_argument("--queued", type=int, default=4, help="steps back to back per round")
     ap.add_argument("--top", type=int, default=8, help="kernels listed (CUDA)")
     ap.add_argument("--ops", action="store_true",
-                    help="also time the queued step op by op with CUDA events (CUDA)")
+                    help="also time the queued step op by op (CUDA events; the wall clock on the CPU)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     for name in args.shapes.split(","):
