@@ -1,7 +1,6 @@
 """The demo (examples/train_tiny_moe.py), end to end on the CPU at a small size: it trains (the
 training loss falls, every recorded value is finite), writes a readable PNG figure and a
 checkpoint that loads into a fresh model and reproduces the run's last validation loss."""
-import importlib.util
 import argparse
 import math
 import os
@@ -9,15 +8,11 @@ import os
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers.scripts import load_script
 
 
 def _demo_module():
-    spec = importlib.util.spec_from_file_location(
-        "train_tiny_moe", os.path.join(ROOT, "examples", "train_tiny_moe.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(os.path.join("examples", "train_tiny_moe.py"))
 
 
 @pytest.fixture(scope="module")

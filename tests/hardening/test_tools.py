@@ -1,7 +1,7 @@
 """tools/layer_rows_ab.py's op-by-op timing (``--ops``) on the CPU: it wraps expert_mlp's op
 handles, ``permute`` and the router for a run, so the run must leave the same gradients as an
 unwrapped step, see each path's own ops, and put every handle back, on an error too."""
-import importlib.util
+import dataclasses
 import os
 import sys
 
@@ -9,17 +9,12 @@ import pytest
 import torch
 
 import moe_core.ops
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def ab():
-    spec = importlib.util.spec_from_file_location(
-        "layer_rows_ab", os.path.join(ROOT, "tools", "layer_rows_ab.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(os.path.join("tools", "layer_rows_ab.py"))
 
 
 def _handles(ab):
@@ -28,7 +23,6 @@ def _handles(ab):
 
 
 def _tiny(ab, by_index):
-    import dataclasses
     from bench_ep import build_ours, moe_kwargs  # benchmarks/, put on sys.path by the tool
     from shapes import SHAPES
     s = SHAPES["tiny"]

@@ -14,6 +14,7 @@
 * ``fuzz``: the hypothesis profiles, tensor builders and comparisons of the fuzz tier (tests/fuzz/);
 * ``hf_models``: tiny random Hugging Face MoE models and the comparison helpers of tests/hf/;
 * ``hf_router_rules``: plain-torch references of the HF families' router math;
+* ``scripts``: examples/ and tools/ scripts imported as modules by path;
 * ``resume``: the training run of tests/hardening/test_resume.py and its fresh-process resume
   (``python -m helpers.resume CKPT OUT``).
 """
