@@ -234,8 +234,8 @@ def run_shape(name: str, dev: torch.device, rounds: int, queued: int, top: int,
                     for k, t in op_times(layer, x, g, clear, dev, queued).items():
                         runs[v][k].append(t)
         med = {v: {k: statistics.median(ts) for k, ts in runs[v].items()} for v in VARIANTS}
-        lines.append("  queued step op by op, " + ("CUDA events" if dev.type == "cuda" else "wall clock")
-                     + " (ms: " + " / ".join(VARIANTS) + "):")
+        clock = "CUDA events" if dev.type == "cuda" else "wall clock"
+        lines.append(f"  queued step op by op, {clock} (ms: " + " / ".join(VARIANTS) + "):")
         lines.append("    " + " / ".join(f"{sum(med[v].values()):7.3f}" for v in VARIANTS)
                      + "  the step")
         keys = set().union(*med.values())
@@ -255,11 +255,12 @@ def main() -> None:
     ap.add_argument("--queued", type=int, default=4, help="steps back to back per round")
     ap.add_argument("--top", type=int, default=8, help="kernels listed (CUDA)")
     ap.add_argument("--ops", action="store_true",
-                    help="also time the queued step op by op (CUDA events; the wall clock on the CPU)")
+                    help="also time the queued step op by op (CUDA events; the CPU's wall clock)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     for name in args.shapes.split(","):
-        print("\n".join(run_shape(name, dev, args.rounds, args.queued, args.top, args.ops)), flush=True)
+        lines = run_shape(name, dev, args.rounds, args.queued, args.top, args.ops)
+        print("\n".join(lines), flush=True)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 

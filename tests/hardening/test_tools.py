@@ -40,15 +40,16 @@ def test_ops_timing_same_gradients_own_ops_handles_restored(ab, by_index):
     layer, x, g = _tiny(ab, by_index)
     layer(x).backward(g)
     expected = x.grad.clone()
+    params = list(layer.parameters()) + [x]
+    for p in params:
+        p.grad = None
     grads = []
 
     def clear():
         grads.append(x.grad.clone())
-        for p in list(layer.parameters()) + [x]:
+        for p in params:
             p.grad = None
 
-    clear()
-    grads.clear()
     per = ab.op_times(layer, x, g, clear, torch.device("cpu"), 2)
     assert len(grads) == 3 and all(torch.equal(t, expected) for t in grads)
     for op in ("router", "permute", "_FC1", "_FC2", "_DGRAD", "_WGRAD", "_GLU_BWD_"):
