@@ -83,7 +83,10 @@ On the device machine, megatron-core from the carried wheel: ``source benchmarks
 first. On the CPU (``--shapes tiny`` or ``tiny_dsv3``) Megatron runs with bench_ep's CPU patches,
 and memory and syncs read n/a. Each shape prints its lines and table rows when done; a shape that
 fails is reported (traceback), the next one runs, and the exit status is 1. The last lines are a
-markdown table, one row per shape x variant.
+markdown table, one row per shape x variant, then the goals table: per shape the time goal
+(``GOAL_MS``) and the share of the run's dense ceiling it asks of the whole layer, our fastest
+variant against it and against both peers, and our leanest variant's ``peak - grads`` against
+``MEMORY_GOAL`` times the lower of the peers' (n/a where a peer did not run).
 """
 import os
 import sys
@@ -117,6 +120,11 @@ from timing import (dense_ceiling, held_after_forward, peak_bytes, sync,  # noqa
 
 SHAPES: Dict[str, Shape] = select(LAYER_SHAPES)
 SKIPPABLE = ("megatron", "compiled", "plain")
+# The layer's goals (targets live here, not in tests): fwd+bwd ms on one GPU, each shape; and at
+# every shape faster than Megatron's layer and the compiled plain layer, with activation memory
+# ("peak - grads") at most MEMORY_GOAL times the lower of theirs. The goals table checks them.
+GOAL_MS: Dict[str, float] = {"mixtral": 25.0, "qwen3_30b_a3b": 7.0, "dsv3_like": 32.0}
+MEMORY_GOAL = 0.7
 
 
 def layer_flops(shape: Shape) -> float:
@@ -549,6 +557,66 @@ def print_table(rows: List[Row], header: bool = True) -> None:
               f"{r.vs_megatron} | {r.vs_plain} | {gib} | {act} | {r.syncs} | {r.err} |")
 
 
+@dataclasses.dataclass
+class Goal:
+    """One shape's goals against one run's rows (goal_rows)."""
+    shape: str
+    goal_ms: float          # nan: the shape has no time goal
+    needs_pct: float        # the % of the run's dense ceiling the time goal asks of the layer
+    best: Row               # ours, fastest variant
+    time_met: bool
+    faster_than_peers: str  # "yes" / "no" / "n/a" (a peer not run)
+    mem_goal_gib: float     # MEMORY_GOAL x the lower peer's peak - grads; nan: no peer ran
+    leanest: Row            # ours, lowest peak - grads
+    mem_met: str            # "yes" / "no" / "n/a"
+
+
+def goal_rows(rows: List[Row], ceiling: float) -> List[Goal]:
+    """Each shape's goals (GOAL_MS, MEMORY_GOAL) checked against the run's ``rows``: ours is its
+    fastest variant for time and its leanest for memory; the needed % dense is the goal's
+    TFLOP/s over ``ceiling`` (the one the table's % dense uses)."""
+    goals = []
+    for shape in dict.fromkeys(r.shape for r in rows):
+        mine = [r for r in rows if r.shape == shape]
+        ours = [r for r in mine if r.variant.startswith("ours")]
+        if not ours:
+            continue
+        peers = {r.variant: r for r in mine if r.variant in ("megatron", "plain compiled")}
+        best = min(ours, key=lambda r: r.ms)
+        goal_ms = GOAL_MS.get(shape, float("nan"))
+        flops = best.tflops * best.ms * 1e9  # the shape's FLOPs, as the row counted them
+        needs = 100.0 * flops / (goal_ms * 1e9) / ceiling
+        faster = ("n/a" if len(peers) < 2 else
+                  "yes" if all(best.ms < p.ms for p in peers.values()) else "no")
+        acts = [p.peak_gib - p.grads_gib for p in peers.values() if not math.isnan(p.peak_gib)]
+        mem_goal = MEMORY_GOAL * min(acts) if len(acts) == 2 else float("nan")
+        leanest = min(ours, key=lambda r: (math.isnan(r.peak_gib), r.peak_gib - r.grads_gib))
+        act = leanest.peak_gib - leanest.grads_gib
+        mem_met = "n/a" if math.isnan(mem_goal) or math.isnan(act) else (
+            "yes" if act <= mem_goal else "no")
+        goals.append(Goal(shape, goal_ms, needs, best, best.ms <= goal_ms, faster, mem_goal,
+                          leanest, mem_met))
+    return goals
+
+
+def print_goals(goals: List[Goal]) -> None:
+    print("| shape | goal ms | the goal in % dense | ours fastest ms (variant) | met "
+          "| faster than Megatron and plain | memory goal GiB | ours leanest GiB (variant) "
+          "| met |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for g in goals:
+        act = g.leanest.peak_gib - g.leanest.grads_gib
+        if math.isnan(g.goal_ms):
+            time_cells = "none | | " + f"{g.best.ms:.2f} ({g.best.variant}) | n/a"
+        else:
+            time_cells = (f"{g.goal_ms:.1f} | {g.needs_pct:.1f}% | {g.best.ms:.2f} "
+                          f"({g.best.variant}) | {'yes' if g.time_met else 'no'}")
+        mem_goal = "n/a" if math.isnan(g.mem_goal_gib) else f"{g.mem_goal_gib:.2f}"
+        lean = "n/a" if math.isnan(act) else f"{act:.2f} ({g.leanest.variant})"
+        print(f"| {g.shape} | {time_cells} | {g.faster_than_peers} | {mem_goal} | {lean} "
+              f"| {g.mem_met} |")
+
+
 # ---- main ---------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -623,6 +691,9 @@ def main() -> None:
     print(f"\nMoE layer, fwd+bwd, one device ({where}; median of {args.rounds} interleaved rounds; "
           f"peak: above the allocation before the step, parameter gradients included)\n")
     print_table(rows)
+    print(f"\nGoals (GOAL_MS, MEMORY_GOAL: activation memory as peak - grads; % dense of "
+          f"{best:.1f} TFLOP/s)\n")
+    print_goals(goal_rows(rows, best))
     print(f"\nbench_layer: {time.perf_counter() - t_start:.0f} s in all", flush=True)
     torch.distributed.destroy_process_group()
     if failed:

@@ -1,0 +1,72 @@
+"""benchmarks/bench_layer.py's goals table: the goals checked against a run's rows (ours fastest
+for time, leanest for memory, both peers beaten, the memory goal from the lower peer, the share
+of the dense ceiling a time goal asks for), and the benchmark's CPU smoke run printing it."""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers.scripts import ROOT, load_script
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script(os.path.join("benchmarks", "bench_layer.py"))
+
+
+def _row(bench, shape, variant, ms, act_gib):
+    """A row of a shape of 10 TFLOP a step, holding ``act_gib`` above 2 GiB of gradients."""
+    return bench.Row(shape, variant, ms=ms, tflops=10.0 / (ms / 1e3), peak_gib=2.0 + act_gib,
+                     grads_gib=2.0)
+
+
+def test_goals_pick_fastest_and_leanest_and_compare_both_peers(bench):
+    goal = bench.GOAL_MS["qwen3_30b_a3b"]
+    rows = [_row(bench, "qwen3_30b_a3b", "megatron", 90.0, 2.0),
+            _row(bench, "qwen3_30b_a3b", "ours eager", goal + 2.0, 1.0),
+            _row(bench, "qwen3_30b_a3b", "ours by index", goal + 1.0, 0.5),
+            _row(bench, "qwen3_30b_a3b", "plain compiled", goal + 3.0, 1.0)]
+    (g,) = bench.goal_rows(rows, ceiling=1000.0)
+    assert g.best.variant == "ours by index" and g.leanest.variant == "ours by index"
+    assert not g.time_met and g.faster_than_peers == "yes"
+    assert g.mem_goal_gib == pytest.approx(bench.MEMORY_GOAL * 1.0)  # the lower peer's 1.0
+    assert g.mem_met == ("yes" if 0.5 <= bench.MEMORY_GOAL else "no")
+    # 10 TFLOP in the goal's time over a 1000 TFLOP/s ceiling
+    assert g.needs_pct == pytest.approx(100.0 * 10.0 / (goal / 1e3) / 1000.0)
+
+
+def test_goals_met_and_missed_per_shape(bench):
+    goal = bench.GOAL_MS["mixtral"]
+    rows = [_row(bench, "mixtral", "megatron", goal - 1.0, 1.0),
+            _row(bench, "mixtral", "ours eager", goal - 2.0, 0.8),
+            _row(bench, "mixtral", "plain compiled", goal + 5.0, 0.9),
+            _row(bench, "dsv3_like", "ours eager", 1.0, 0.1),
+            _row(bench, "dsv3_like", "megatron", 2.0, 1.0)]
+    mix, dsv3 = bench.goal_rows(rows, ceiling=1000.0)
+    assert mix.time_met and mix.faster_than_peers == "yes"
+    assert mix.mem_goal_gib == pytest.approx(bench.MEMORY_GOAL * 0.9)
+    assert mix.mem_met == "no"  # 0.8 > 0.7 * 0.9
+    # one peer missing: the comparisons that need both read n/a
+    assert dsv3.time_met and dsv3.faster_than_peers == "n/a" and dsv3.mem_met == "n/a"
+    assert math.isnan(dsv3.mem_goal_gib)
+    # a peer faster than ours fails the peers' goal
+    rows[0].ms = goal - 3.0
+    assert bench.goal_rows(rows, ceiling=1000.0)[0].faster_than_peers == "no"
+
+
+def test_cpu_smoke_prints_the_goals_table():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "benchmarks/bench_layer.py", "--shapes", "tiny",
+                          "--device", "cpu", "--rounds", "1", "--warmup", "1", "--skip",
+                          "compiled"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    head = next(i for i, s in enumerate(lines) if s.startswith("| shape | goal ms"))
+    cells = [c.strip() for c in lines[head + 2].strip("|").split("|")]
+    # tiny has no time goal; ours eager is the one variant of ours; the CPU measures no memory
+    assert cells[0] == "tiny" and cells[1] == "none"
+    assert cells[3].endswith("(ours eager)") and float(cells[3].split()[0]) > 0
+    assert cells[5] in ("yes", "no") and cells[6] == "n/a"
