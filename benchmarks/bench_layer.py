@@ -655,8 +655,8 @@ def main() -> None:
         version = str(getattr(megatron.core, "__version__", "?")).split("+")[0]
         mcore = f", megatron-core {version}"
     print(f"bench_layer: {where}; torch {torch.__version__}{mcore}, "
-          f"moe_core {moe_core.__version__}; warm-up {args.warmup}, rounds {args.rounds}; torch._grouped_mm "
-          f"{'usable' if gmm_ok else 'NOT usable'} here", flush=True)
+          f"moe_core {moe_core.__version__}; warm-up {args.warmup}, rounds {args.rounds}; "
+          f"torch._grouped_mm {'usable' if gmm_ok else 'NOT usable'} here", flush=True)
     reps = max(args.rounds, 10)
     ceiling = dense_ceiling(dev, reps)
     print(f"dense bf16 ceiling (torch.mm, square): {ceiling:.1f} TFLOP/s", flush=True)
