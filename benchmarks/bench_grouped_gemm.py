@@ -9,7 +9,9 @@ Method (docs/design.md): CUDA events around each call, warm-up first, median of 
 a product timed in turns (one call of each per round: the clock drifts under load); random data,
 never zeros; every output checked against torch._grouped_mm (or the loop) by relative Frobenius
 error before it is timed. Printed per shape and product: ms, TFLOP/s, speed ratio vs grouped_mm
-and vs the loop (> 1: ours is faster), % of the dense ceiling; a short table last.
+and vs the loop (> 1: ours is faster), % of the dense ceiling; a short table last, then per layer
+the six products summed (ours, grouped_mm, the loop, the fastest per product) beside the whole
+layer's time goal (shapes.GOAL_MS): what the goal leaves for the rest of the layer.
 
 Extra row set, per layer: fc1 with SwiGLU and the router probs, forward only — ours (the one op
 grouped_gemm_glu_probs: the grouped GEMM, then the glu_probs kernel) vs torch (torch._grouped_mm,
@@ -31,7 +33,7 @@ import contextlib
 import torch
 
 import moe_core  # registers the ops
-from shapes import REFERENCE, SHAPES  # this folder
+from shapes import GOAL_MS, REFERENCE, SHAPES  # this folder
 from timing import dense_ceiling, time_round_robin  # this folder: the variants timed in turns
 
 OPS = torch.ops.moe_core
@@ -202,6 +204,38 @@ def bench_fused_fc1(name, rows_per_expert, H, ffn, reps, ceiling, results):
     torch.cuda.empty_cache()
 
 
+def layer_sums(results):
+    """Per layer whose six products (fc1 and fc2: fwd, dgrad, wgrad) all ran: their times summed,
+    i.e. the expert GEMMs of one forward + backward, in ms: ours, torch._grouped_mm, the loop and
+    the fastest of the three product by product (nan where grouped_mm did not run)."""
+    sums = {}
+    for r in results:
+        layer = r["shape"].rsplit(".", 1)[0]
+        s = sums.setdefault(layer, dict(n=0, ours=0.0, gmm=0.0, loop=0.0, fastest=0.0))
+        s["n"] += 1
+        s["ours"] += r["ms"]
+        s["gmm"] += r["gmm_ms"]
+        s["loop"] += r["loop_ms"]
+        s["fastest"] += min(t for t in (r["ms"], r["gmm_ms"], r["loop_ms"]) if t == t)
+    return {layer: s for layer, s in sums.items() if s["n"] == 6}
+
+
+def print_layer_sums(results):
+    """The six products summed per layer beside the whole layer's time goal (shapes.GOAL_MS):
+    what is left of the goal for everything else the layer does (router, permutation, the
+    activation, the combine) if its GEMMs ran at these speeds."""
+    sums = layer_sums(results)
+    if not sums:
+        return
+    print(f"\nthe six products summed (one forward + backward's expert GEMMs), ms; goal: the "
+          f"whole layer's (shapes.GOAL_MS)\n{'layer':14s} {'ours':>8s} {'gmm':>8s} {'loop':>8s} "
+          f"{'fastest':>8s} {'goal':>6s} {'goal - fastest':>14s}")
+    for layer, s in sums.items():
+        goal = GOAL_MS.get(layer, float("nan"))
+        print(f"{layer:14s} {s['ours']:8.3f} {s['gmm']:8.3f} {s['loop']:8.3f} "
+              f"{s['fastest']:8.3f} {goal:6.1f} {goal - s['fastest']:14.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default=",".join(LAYERS))
@@ -239,6 +273,7 @@ def main():
         print(f"{r['shape']:22s} {r['prod']:5s} {r['ms']:8.3f} {r['tflops']:8.1f} "
               f"{r['vs_gmm']:7.2f} {r['vs_loop']:7.2f} {r['pct']:6.1f}" +
               (f" {r['vs_var']:7.3f}" if args.variant else ""))
+    print_layer_sums(results)
     if fused_rows:
         print(f"\n{'shape':22s} {'ms':>8s} {'TFLOP/s':>8s} {'torch':>8s} {'vs torch':>8s} "
               f"{'%dense':>6s}")

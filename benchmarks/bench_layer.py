@@ -114,17 +114,13 @@ from bench_ep import (add_run_args, build_megatron, build_ours, free_grads,  # n
                       rel_diff, resolve_run_args,
                       set_rows_by_index)  # this folder: the layers' builders, syncs
 from moe_core import MoELayer  # noqa: E402
-from shapes import LAYER_SHAPES, REFERENCE, Shape, select  # noqa: E402
+from shapes import (GOAL_MS, LAYER_SHAPES, MEMORY_GOAL, REFERENCE, Shape,  # noqa: E402
+                    select)
 from timing import (dense_ceiling, held_after_forward, peak_bytes, sync,  # noqa: E402
                     time_interleaved, time_queued)
 
 SHAPES: Dict[str, Shape] = select(LAYER_SHAPES)
 SKIPPABLE = ("megatron", "compiled", "plain")
-# The layer's goals (targets live here, not in tests): fwd+bwd ms on one GPU, each shape; and at
-# every shape faster than Megatron's layer and the compiled plain layer, with activation memory
-# ("peak - grads") at most MEMORY_GOAL times the lower of theirs. The goals table checks them.
-GOAL_MS: Dict[str, float] = {"mixtral": 25.0, "qwen3_30b_a3b": 7.0, "dsv3_like": 32.0}
-MEMORY_GOAL = 0.7
 
 
 def layer_flops(shape: Shape) -> float:

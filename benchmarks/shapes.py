@@ -6,6 +6,7 @@ that set each layer's routing; :func:`routing_options` turns them into the keywo
 ``topk_routing_with_score_function`` (ours and Megatron-Core's), as the op benchmarks call it.
 
     REFERENCE        mixtral, qwen3_30b_a3b, dsv3_like: what the GPU tables report
+    GOAL_MS          the whole layer's time goal per reference shape (and MEMORY_GOAL)
     OP_SHAPES        REFERENCE plus dsv3_T16k (dsv3_like at T = 16384): the routing / layout ops
     EP_SHAPES        REFERENCE plus tiny (a CPU smoke size): bench_ep.py, profile_layer.py
     LAYER_SHAPES     EP_SHAPES plus tiny_dsv3 (dsv3_like's router at a CPU smoke size)
@@ -52,6 +53,13 @@ SHAPES["tiny_dsv3"] = Shape(256, 128, 32, 8, 128, tuple(
 SHAPES["dsv3_T16k"] = dataclasses.replace(SHAPES["dsv3_like"], tokens=16384)
 
 REFERENCE = ("mixtral", "qwen3_30b_a3b", "dsv3_like")
+# The layer's goals (targets live in the benchmarks, not in tests): forward + backward of the whole
+# layer on one GPU, ms; and at every shape faster than Megatron's layer and the compiled plain
+# layer, with activation memory (bench_layer's "peak - grads") at most MEMORY_GOAL times the lower
+# of theirs. bench_layer.py checks them; bench_grouped_gemm.py sets the time goals beside the six
+# expert GEMMs alone.
+GOAL_MS: Dict[str, float] = {"mixtral": 25.0, "qwen3_30b_a3b": 7.0, "dsv3_like": 32.0}
+MEMORY_GOAL = 0.7
 OP_SHAPES = REFERENCE + ("dsv3_T16k",)
 EP_SHAPES = REFERENCE + ("tiny",)
 LAYER_SHAPES = EP_SHAPES + ("tiny_dsv3",)

@@ -1,6 +1,8 @@
-"""benchmarks/bench_layer.py's goals table: the goals checked against a run's rows (ours fastest
-for time, leanest for memory, both peers beaten, the memory goal from the lower peer, the share
-of the dense ceiling a time goal asks for), and the benchmark's CPU smoke run printing it."""
+"""The benchmarks' goal reports. bench_layer.py's goals table: the goals checked against a run's
+rows (ours fastest for time, leanest for memory, both peers beaten, the memory goal from the
+lower peer, the share of the dense ceiling a time goal asks for), and the benchmark's CPU smoke
+run printing it. bench_grouped_gemm.py's per-layer sums of the six expert GEMMs (set beside the
+layer's time goal)."""
 import math
 import os
 import subprocess
@@ -70,3 +72,24 @@ def test_cpu_smoke_prints_the_goals_table():
     assert cells[0] == "tiny" and cells[1] == "none"
     assert cells[3].endswith("(ours eager)") and float(cells[3].split()[0]) > 0
     assert cells[5] in ("yes", "no") and cells[6] == "n/a"
+
+
+def test_grouped_gemm_layer_sums_take_the_fastest_per_product():
+    gg = load_script(os.path.join("benchmarks", "bench_grouped_gemm.py"))
+    nan = float("nan")
+    rows = []
+    products = [(f, p) for f in ("fc1", "fc2") for p in ("fwd", "dgrad", "wgrad")]
+    for i, (fc, prod) in enumerate(products):
+        # ours fastest on fc1, the loop on fc2; grouped_mm missing for fc2's wgrad
+        ours, loop = (1.0 + i, 2.0 + i) if fc == "fc1" else (3.0 + i, 1.5 + i)
+        gmm = nan if (fc, prod) == ("fc2", "wgrad") else ours + 0.25
+        rows.append(dict(shape=f"qwen3_30b_a3b.{fc}", prod=prod, ms=ours, gmm_ms=gmm,
+                         loop_ms=loop))
+    rows.append(dict(shape="mixtral.fc1", prod="fwd", ms=1.0, gmm_ms=1.0, loop_ms=1.0))
+    sums = gg.layer_sums(rows)
+    assert set(sums) == {"qwen3_30b_a3b"}  # mixtral ran one product of six: no sum
+    s = sums["qwen3_30b_a3b"]
+    assert s["ours"] == pytest.approx(sum(r["ms"] for r in rows[:6]))
+    assert s["loop"] == pytest.approx(sum(r["loop_ms"] for r in rows[:6]))
+    assert math.isnan(s["gmm"])
+    assert s["fastest"] == pytest.approx((1 + 2 + 3) + (1.5 + 3) + (1.5 + 4) + (1.5 + 5))
