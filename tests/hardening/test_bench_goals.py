@@ -74,7 +74,9 @@ def test_cpu_smoke_prints_the_goals_table():
     assert cells[5] in ("yes", "no") and cells[6] == "n/a"
 
 
-def test_grouped_gemm_layer_sums_take_the_fastest_per_product():
+def test_grouped_gemm_layer_sums_take_the_fastest_per_product(monkeypatch):
+    # run as a script, it finds its folder's modules (shapes, timing) on sys.path
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     gg = load_script(os.path.join("benchmarks", "bench_grouped_gemm.py"))
     nan = float("nan")
     rows = []
