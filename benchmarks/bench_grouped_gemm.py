@@ -29,6 +29,7 @@ small, tools/gg_split_tail_ab.py (host work hidden behind a sleep kernel) is the
 """
 import argparse
 import contextlib
+import math
 
 import torch
 
@@ -216,7 +217,7 @@ def layer_sums(results):
         s["ours"] += r["ms"]
         s["gmm"] += r["gmm_ms"]
         s["loop"] += r["loop_ms"]
-        s["fastest"] += min(t for t in (r["ms"], r["gmm_ms"], r["loop_ms"]) if t == t)
+        s["fastest"] += min(t for t in (r["ms"], r["gmm_ms"], r["loop_ms"]) if not math.isnan(t))
     return {layer: s for layer, s in sums.items() if s["n"] == 6}
 
 

@@ -567,10 +567,10 @@ class Goal:
     mem_met: str            # "yes" / "no" / "n/a"
 
 
-def goal_rows(rows: List[Row], ceiling: float) -> List[Goal]:
+def goal_rows(rows: List[Row]) -> List[Goal]:
     """Each shape's goals (GOAL_MS, MEMORY_GOAL) checked against the run's ``rows``: ours is its
-    fastest variant for time and its leanest for memory; the needed % dense is the goal's
-    TFLOP/s over ``ceiling`` (the one the table's % dense uses)."""
+    fastest variant for time and its leanest for memory; the needed % dense is the fastest
+    row's % dense scaled to the goal's time (the same FLOPs, the same ceiling as the table)."""
     goals = []
     for shape in dict.fromkeys(r.shape for r in rows):
         mine = [r for r in rows if r.shape == shape]
@@ -580,8 +580,7 @@ def goal_rows(rows: List[Row], ceiling: float) -> List[Goal]:
         peers = {r.variant: r for r in mine if r.variant in ("megatron", "plain compiled")}
         best = min(ours, key=lambda r: r.ms)
         goal_ms = GOAL_MS.get(shape, float("nan"))
-        flops = best.tflops * best.ms * 1e9  # the shape's FLOPs, as the row counted them
-        needs = 100.0 * flops / (goal_ms * 1e9) / ceiling
+        needs = best.pct_dense * best.ms / goal_ms
         faster = ("n/a" if len(peers) < 2 else
                   "yes" if all(best.ms < p.ms for p in peers.values()) else "no")
         acts = [p.peak_gib - p.grads_gib for p in peers.values() if not math.isnan(p.peak_gib)]
@@ -689,7 +688,7 @@ def main() -> None:
     print_table(rows)
     print(f"\nGoals (GOAL_MS, MEMORY_GOAL: activation memory as peak - grads; % dense of "
           f"{best:.1f} TFLOP/s)\n")
-    print_goals(goal_rows(rows, best))
+    print_goals(goal_rows(rows))
     print(f"\nbench_layer: {time.perf_counter() - t_start:.0f} s in all", flush=True)
     torch.distributed.destroy_process_group()
     if failed:
