@@ -86,8 +86,8 @@ from moe_core import ops
 from moe_core.config import MoEConfig
 from moe_core.experts import GroupedMLP
 from moe_core.hf.backend import _deinterleave, activation_of, gate_spec
+from moe_core.hf.router import MoECoreRouter, _router_class, _StopInit
 from moe_core.layer import MoELayer
-from moe_core.router import TopKRouter
 
 _ACTIVATION_FUNCS: Dict[str, Callable] = {
     "silu": F.silu,
@@ -102,96 +102,14 @@ class UnsupportedMoEBlockError(ValueError):
     exactly."""
 
 
-# ---- the router: TopKRouter, visible to HF as the family's router class ---------------------
-class _StopInit(nn.Module):
-    """Ends the ``__init__`` chain before the HF router class (whose ``__init__`` wants an HF
-    config and would create a second weight)."""
-
-    def __init__(self, *args, **kwargs):
-        nn.Module.__init__(self)
-
-
-class MoECoreRouter(TopKRouter):
-    """moe-core's TopKRouter with HF's router interface.
-
-    ``forward(hidden [T, H]) -> (router_logits [T, E], probs [T, E], routing_map [T, E] bool)``:
-    the logits in the router dtype (what HF records for ``output_router_logits``), the probs in the
-    router dtype (zero off the map; moe-core's aux / z losses attached) and the routing map.
-    With ``logits_index`` 1 (Llama-4, whose router returns ``(router_scores, router_logits)`` and
-    whose recorder reads index 1) the first two swap places: ``(probs, router_logits,
-    routing_map)``, the probs being HF's dense router scores. Instances are made by
-    :func:`_router_class`, whose class also derives from the family's HF router class.
-    """
-
-    # where the logits are in forward's output: HF's output recording index for the family
-    logits_index = 0
-
-    @property
-    def expert_bias(self) -> Optional[torch.Tensor]:
-        # HF's e_score_correction_bias, loaded as is: DeepSeek-V3's buffer of the router [E], or
-        # Ernie-4.5's Parameter [1, E] (requires_grad=False) of the router's moe_statics module.
-        # HF keeps it fp32, but a model cast with .to(dtype) rounds it: the score math is fp32
-        bias = self._buffers.get("e_score_correction_bias")
-        statics = self._modules.get("moe_statics")
-        if bias is None and statics is not None:
-            bias = statics.e_score_correction_bias.reshape(-1)
-        return bias if bias is None or bias.dtype == torch.float32 else bias.float()
-
-    @expert_bias.setter
-    def expert_bias(self, value: Optional[torch.Tensor]) -> None:
-        if value is not None:
-            raise AttributeError("the expert bias of an HF router is its e_score_correction_bias "
-                                 "buffer")
-
-    def update_expert_bias(self, group=None) -> None:
-        """Nothing to do: the HF router's expert bias is a checkpoint constant that HF never
-        updates, and this router counts no tokens for it (``moe_router_enable_expert_bias`` is
-        off), so ``moe_core.finalize_step`` leaves it as loaded."""
-
-    def gating(self, inp: torch.Tensor) -> torch.Tensor:
-        logits = super().gating(inp)
-        self._logits = logits  # handed to HF by forward (TopKRouter.forward keeps them local)
-        return logits
-
-    def forward(self, hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Route ``hidden`` ``[T, H]``; see the class docstring for the outputs."""
-        probs, routing_map = TopKRouter.forward(self, hidden, padding_mask)
-        logits, self._logits = self._logits, None
-        logits = logits.reshape(-1, self.config.num_moe_experts)
-        if self.logits_index == 1:
-            return probs, logits, routing_map
-        return logits, probs, routing_map
-
-
-_ROUTER_PREFIX = "MoECoreRouter__"
-
-
-@functools.lru_cache(maxsize=None)
-def _router_class(hf_router_cls: type) -> type:
-    """The router class for one HF router class: ``MoECoreRouter`` first (its forward and
-    TopKRouter's state), the HF class last (for ``isinstance``, which HF's output recording
-    uses). Its name encodes the HF class's module and name, so pickle finds it again
-    (see ``__getattr__``)."""
-    name = (_ROUTER_PREFIX + hf_router_cls.__module__.replace(".", "__DOT__") + "__CLS__"
-            + hf_router_cls.__name__)
-    cls = type(name, (MoECoreRouter, _StopInit, hf_router_cls), {"__module__": __name__})
-    cls.__qualname__ = name
-    return cls
-
-
 _EXPERTS_PREFIX = "MoECoreExperts__"
 
 
 def __getattr__(name: str):
-    # a pickled swapped model names its router class (or, built through the patch mapping, its
-    # experts class); make it again from that name
+    # a swapped model built through the patch mapping and pickled names its experts class; make
+    # it again from that name
     import importlib
 
-    if name.startswith(_ROUTER_PREFIX):
-        module, _, cls = name[len(_ROUTER_PREFIX):].partition("__CLS__")
-        hf_cls = getattr(importlib.import_module(module.replace("__DOT__", ".")), cls)
-        return _router_class(hf_cls)
     if name.startswith(_EXPERTS_PREFIX):
         mlp, _, rest = name[len(_EXPERTS_PREFIX):].partition("__MOD__")
         module, _, cls = rest.partition("__CLS__")
