@@ -10,16 +10,17 @@ Two routes onto moe-core:
   names, state-dict keys and return type; :func:`register_patch_mapping` (or
   :func:`patch_mapping` with transformers' ``apply_patches``) has ``from_pretrained`` /
   ``from_config`` build those blocks directly.
+
+Modules, each importing only those above it: ``backend`` (the experts implementation), ``router``
+(the swap's router, with HF's router interface), ``experts`` (the swap's experts, on HF's
+Parameters), ``families`` (the routing rules of each supported family, and the refusals),
+``blocks`` (the swapped block and :func:`replace_moe_blocks`), ``patching`` (the
+``register_patch_mapping`` route).
 """
 from moe_core.hf.backend import BACKEND_NAME, moe_core_experts_forward, register_experts_backend
-from moe_core.hf.blocks import (
-    MoECoreSparseMoeBlock,
-    UnsupportedMoEBlockError,
-    moe_core_losses,
-    patch_mapping,
-    register_patch_mapping,
-    replace_moe_blocks,
-)
+from moe_core.hf.blocks import MoECoreSparseMoeBlock, moe_core_losses, replace_moe_blocks
+from moe_core.hf.families import UnsupportedMoEBlockError
+from moe_core.hf.patching import patch_mapping, register_patch_mapping
 
 __all__ = [
     "BACKEND_NAME",
