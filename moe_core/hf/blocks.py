@@ -57,6 +57,18 @@ from moe_core.hf.router import MoECoreRouter, _router_class
 from moe_core.layer import MoELayer
 
 
+def __getattr__(name: str):
+    # a swapped model pickled when this module made the run-time router and experts classes
+    # names them here: the modules that make them resolve those names
+    from moe_core.hf import experts, router
+
+    if name.startswith(router._ROUTER_PREFIX):
+        return getattr(router, name)
+    if name.startswith(experts._EXPERTS_PREFIX):
+        return getattr(experts, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # ---- the block --------------------------------------------------------------------------------
 class MoECoreSparseMoeBlock(MoELayer):
     """A MoELayer standing in for an HF sparse-MoE block (see the module docstring).

@@ -188,6 +188,30 @@ def test_swapped_model_pickles(tmp_path, family):
         assert torch.equal(loaded(ids).logits, swapped(ids).logits)
 
 
+def test_pickle_naming_the_classes_under_blocks_loads():
+    # a pickle may name the run-time router and experts classes under moe_core.hf.blocks (where
+    # they were once made): that name resolves to the same class
+    import pickle
+
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from moe_core.hf import blocks
+    from moe_core.hf.experts import HFGroupedMLP, _experts_class
+
+    swapped = _swapped(tiny_model("mixtral"))
+    data = pickle.dumps(swapped)
+    assert b"moe_core.hf.router" in data
+    # the same length, so the pickle's string lengths stay right
+    loaded = pickle.loads(data.replace(b"moe_core.hf.router", b"moe_core.hf.blocks"))
+    ids = inputs()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, swapped(ids).logits)
+    experts_cls = _experts_class(HFGroupedMLP, MixtralExperts)
+    assert getattr(blocks, experts_cls.__name__) is experts_cls
+    with pytest.raises(AttributeError, match="MoECoreNothing"):
+        getattr(blocks, "MoECoreNothing")
+
+
 @pytest.mark.parametrize("hooked_before", [True, False], ids=["hooked-before", "hooked-after"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "llama4"])
 def test_router_logits_recorded_whenever_hf_installed_its_hooks(family, hooked_before):
