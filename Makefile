@@ -141,10 +141,10 @@ demo: build
 	$(PY) examples/train_tiny_moe.py
 
 bench: build
-	$(PY) benchmarks/bench_router.py
-	PYTHONPATH=. $(PY) benchmarks/bench_grouped_gemm_cpu.py
+	$(PY) -m benchmarks.bench_router
+	$(PY) -m benchmarks.bench_grouped_gemm_cpu
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
-	    $(PY) benchmarks/bench_ops.py && $(PY) benchmarks/bench_grouped_gemm.py; \
+	    $(PY) -m benchmarks.bench_ops && $(PY) -m benchmarks.bench_grouped_gemm; \
 	else echo "no GPU: bench_ops.py and bench_grouped_gemm.py skipped"; fi
 
 clean:

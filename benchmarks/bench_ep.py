@@ -41,11 +41,11 @@ Megatron with the CPU patches of tests/helpers/megatron_layer.py plus two for it
 dispatcher (no side stream; split sizes read with ``.tolist()``); times then come from
 ``perf_counter``.
 
-    torchrun --nproc-per-node N benchmarks/bench_ep.py
+    torchrun --nproc-per-node N -m benchmarks.bench_ep
         [--shape qwen3_30b_a3b|dsv3_like|mixtral|tiny] [--tokens T] [--experts E]
         [--modes dropless,drop_pad] [--skip-megatron] [--no-dispatch] [--warmup W] [--rounds R]
         [--device cuda|cpu]
-    python benchmarks/bench_ep.py --shape qwen3_30b_a3b          (a world of one)
+    python -m benchmarks.bench_ep --shape qwen3_30b_a3b          (a world of one)
 """
 import argparse
 import contextlib
@@ -68,16 +68,14 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import moe_core  # noqa: E402
+from benchmarks.shapes import EP_SHAPES, SHAPES, Shape  # noqa: E402,F401
+from benchmarks.timing import Variant, peak_bytes, sync, time_interleaved  # noqa: E402,F401
 from moe_core import MoEConfig, MoELayer, load_megatron_state_dict  # noqa: E402
 from moe_core.ops import AuxLossScale  # noqa: E402
-from shapes import EP_SHAPES, SHAPES, Shape  # noqa: E402,F401  (this folder)
-from timing import Variant, peak_bytes, sync, time_interleaved  # noqa: E402,F401  (this folder)
 
 # the sync-debug mode's warning for a blocking operation (its first use also warns that the mode
 # is a prototype, which is not a sync)
 SYNC_WARNING = "called a synchronizing CUDA operation"
-
-TESTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
 
 
 MODES: Dict[str, dict] = {
@@ -117,8 +115,7 @@ def patch_megatron_for_cpu() -> None:
     (tests/helpers/megatron_ep.py: gating without .cuda(), eager expert-bias counting,
     ``torch.cuda.current_device`` answering "cpu", and for the alltoall dispatcher no side stream
     and host split sizes)."""
-    sys.path.insert(0, TESTS_DIR)
-    from helpers import megatron_ep
+    from tests.helpers import megatron_ep
 
     megatron_ep.patch_megatron_for_cpu_ep()
 

@@ -18,7 +18,7 @@ grouped_gemm_glu_probs: the grouped GEMM, then the glu_probs kernel) vs torch (t
 then F.silu(g) * l * p in torch ops). The op's output must equal grouped_gemm then glu_probs
 called apart, bit for bit (asserted before timing).
 
-    python3 benchmarks/bench_grouped_gemm.py [--layers mixtral,qwen3_30b_a3b] [--reps 15]
+    python3 -m benchmarks.bench_grouped_gemm [--layers mixtral,qwen3_30b_a3b] [--reps 15]
                                              [--fused only|no] [--variant VAR=VALUE]
 
 --variant times ours a second time under an environment option, in the same rounds (column
@@ -34,8 +34,8 @@ import math
 import torch
 
 import moe_core  # registers the ops
-from shapes import GOAL_MS, REFERENCE, SHAPES  # this folder
-from timing import dense_ceiling, time_round_robin  # this folder: the variants timed in turns
+from benchmarks.shapes import GOAL_MS, REFERENCE, SHAPES
+from benchmarks.timing import dense_ceiling, time_round_robin  # the variants timed in turns
 
 OPS = torch.ops.moe_core
 

@@ -8,16 +8,16 @@ The torch loop writes into preallocated outputs with torch.mm(out=...) so neithe
 a concatenation. Wall-clock after warm-up, the two sides called alternately; the table gives the
 best time of each (the machine this was written on is shared) and the ratio of the medians.
 
-    PYTHONPATH=. python benchmarks/bench_grouped_gemm_cpu.py [--threads N] [--iters N] [--dtypes fp32,bf16]
+    python -m benchmarks.bench_grouped_gemm_cpu [--threads N] [--iters N] [--dtypes fp32,bf16]
 """
 import argparse
 
 import torch
 
 import moe_core  # noqa: F401
+from benchmarks.shapes import CPU_GEMM_SHAPES as SHAPES
+from benchmarks.timing import paired_times
 from moe_core import ops
-from shapes import CPU_GEMM_SHAPES as SHAPES  # this folder
-from timing import paired_times  # this folder
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -2,10 +2,10 @@
 implementation (``grouped_mm``), the moe-core experts backend (``experts_implementation=
 "moe_core"``), and the moe-core block swap (``replace_moe_blocks``).
 
-    python benchmarks/bench_hf.py                      # on a GPU: both shapes, bf16
-    python benchmarks/bench_hf.py --shape qwen3_30b_a3b --tokens 8192 --rounds 20
-    python benchmarks/bench_hf.py --smoke              # tiny shapes on the CPU (a quick check)
-    python benchmarks/bench_hf.py --batch 4 --part block  # 4 sequences; the MoE block alone
+    python -m benchmarks.bench_hf                      # on a GPU: both shapes, bf16
+    python -m benchmarks.bench_hf --shape qwen3_30b_a3b --tokens 8192 --rounds 20
+    python -m benchmarks.bench_hf --smoke              # tiny shapes on the CPU (a quick check)
+    python -m benchmarks.bench_hf --batch 4 --part block  # 4 sequences; the MoE block alone
 
 Each shape is one decoder layer built from the family's config class (random weights, the
 model's dtype; the routers' weights are redrawn so that routing spreads over the experts as a
@@ -19,17 +19,13 @@ printed last.
 """
 import argparse
 import copy
-import os
 import statistics
-import sys
 import time
 from typing import Callable, Dict, List, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import moe_core.hf as mh  # noqa: E402
+import moe_core.hf as mh
 
 VARIANTS = ("hf grouped_mm", "moe-core backend", "moe-core block")
 

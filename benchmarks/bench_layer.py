@@ -74,10 +74,10 @@ Memory (dsv3_like: ~22.5 GB of expert weights per copy): two copies of the weigh
 ours (shared by ours eager, ours compiled and the plain layer), plus one set of gradients at a time.
 Layers are built on the device (``with torch.device(...)``, bench_ep's builders).
 
-    python benchmarks/bench_layer.py [--shapes mixtral,qwen3_30b_a3b,dsv3_like] [--tokens T]
+    python -m benchmarks.bench_layer [--shapes mixtral,qwen3_30b_a3b,dsv3_like] [--tokens T]
         [--experts E] [--rounds R] [--warmup W] [--skip megatron,compiled,plain]
         [--device cuda|cpu] [--seed S]
-    python benchmarks/bench_layer.py --shapes tiny --device cpu --rounds 2 --warmup 1   (smoke)
+    python -m benchmarks.bench_layer --shapes tiny --device cpu --rounds 2 --warmup 1   (smoke)
 
 On the device machine, megatron-core from the carried wheel: ``source benchmarks/device_env.sh``
 first. On the CPU (``--shapes tiny`` or ``tiny_dsv3``) Megatron runs with bench_ep's CPU patches,
@@ -89,10 +89,8 @@ variant against it and against both peers, and our leanest variant's ``peak - gr
 ``MEMORY_GOAL`` times the lower of the peers' (n/a where a peer did not run).
 """
 import os
-import sys
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before any CUDA use
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
@@ -109,15 +107,15 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import moe_core  # noqa: E402
-from bench_ep import (add_run_args, build_megatron, build_ours, free_grads,  # noqa: E402
-                      host_syncs, init_distributed, moe_kwargs, patch_megatron_for_cpu,
-                      rel_diff, resolve_run_args,
-                      set_rows_by_index)  # this folder: the layers' builders, syncs
+from benchmarks.bench_ep import (add_run_args, build_megatron, build_ours,  # noqa: E402
+                                 free_grads, host_syncs, init_distributed, moe_kwargs,
+                                 patch_megatron_for_cpu, rel_diff, resolve_run_args,
+                                 set_rows_by_index)  # the layers' builders, syncs
+from benchmarks.shapes import (GOAL_MS, LAYER_SHAPES, MEMORY_GOAL, REFERENCE, Shape,  # noqa: E402
+                               select)
+from benchmarks.timing import (dense_ceiling, held_after_forward, peak_bytes, sync,  # noqa: E402
+                               time_interleaved, time_queued)
 from moe_core import MoELayer  # noqa: E402
-from shapes import (GOAL_MS, LAYER_SHAPES, MEMORY_GOAL, REFERENCE, Shape,  # noqa: E402
-                    select)
-from timing import (dense_ceiling, held_after_forward, peak_bytes, sync,  # noqa: E402
-                    time_interleaved, time_queued)
 
 SHAPES: Dict[str, Shape] = select(LAYER_SHAPES)
 SKIPPABLE = ("megatron", "compiled", "plain")

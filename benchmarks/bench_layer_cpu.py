@@ -6,22 +6,18 @@ shapes that fit a laptop-class CPU, and prints the medians and the ratio. Megatr
 unfused eager path (the only one it has on a CPU), with a host sync for the per-expert split;
 ours runs the custom ops with no host sync.
 
-    python benchmarks/bench_layer_cpu.py [--iters N] [--threads N]
+    python -m benchmarks.bench_layer_cpu [--iters N] [--threads N]
 """
 import argparse
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from helpers import megatron_layer  # noqa: E402
-
-from moe_core import MoEConfig, MoELayer, load_megatron_state_dict  # noqa: E402
-from moe_core.ops import AuxLossScale  # noqa: E402
-from shapes import CPU_LAYER_SHAPES as SHAPES  # noqa: E402  (this folder)
-from timing import median_ms  # noqa: E402  (this folder)
+from benchmarks.shapes import CPU_LAYER_SHAPES as SHAPES
+from benchmarks.timing import median_ms
+from moe_core import MoEConfig, MoELayer, load_megatron_state_dict
+from moe_core.ops import AuxLossScale
+from tests.helpers import megatron_layer  # Megatron's CPU MoELayer, as the parity tests build it
 
 
 def median_time(fn, iters):

@@ -12,7 +12,7 @@ input copies) and the replay time per call is reported: the GPU time the op adds
 step, without the Python / dispatcher cost of an eager call or the graph's own launch latency
 (a Megatron-Core function that syncs with the host cannot be captured: shown as n/a).
 
-    python benchmarks/bench_ops.py [--iters N] [--shapes mixtral,qwen3_30b_a3b,...] [--ops ...]
+    python -m benchmarks.bench_ops [--iters N] [--shapes mixtral,qwen3_30b_a3b,...] [--ops ...]
                                    [--graph]
 """
 import argparse
@@ -22,10 +22,10 @@ import warnings
 import torch
 
 import moe_core
+from benchmarks.shapes import OP_SHAPES, SHAPES, routing_options
+from benchmarks.timing import copy_bandwidth, median_ms
 from moe_core import ops
 from moe_core.ops.router_topk import router_topk_fused, z_loss_from_lse
-from shapes import OP_SHAPES, SHAPES, routing_options  # this folder
-from timing import copy_bandwidth, median_ms  # this folder
 
 warnings.filterwarnings("ignore")
 from megatron.core.transformer.moe import moe_utils as mcore  # noqa: E402

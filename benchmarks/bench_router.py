@@ -6,7 +6,7 @@ time, the bytes it must move at least (read the fp32 logits, write the [T, E] pr
 achieved bandwidth against the device-to-device copy bandwidth measured first, and the speed-up
 over Megatron-Core. CUDA events, warm-up, median of many; on the CPU, wall-clock medians.
 
-    python benchmarks/bench_router.py [--device cuda|cpu] [--iters N]
+    python -m benchmarks.bench_router [--device cuda|cpu] [--iters N]
 """
 import argparse
 import warnings
@@ -14,9 +14,9 @@ import warnings
 import torch
 
 import moe_core  # noqa: F401
+from benchmarks.shapes import OP_SHAPES, SHAPES, routing_options
+from benchmarks.timing import copy_bandwidth, median_ms
 from moe_core import ops
-from shapes import OP_SHAPES, SHAPES, routing_options  # this folder
-from timing import copy_bandwidth, median_ms  # this folder
 
 warnings.filterwarnings("ignore")
 from megatron.core.transformer.moe import moe_utils as mcore  # noqa: E402

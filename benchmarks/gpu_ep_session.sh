@@ -59,16 +59,16 @@ fi
 BENCH_LOGS=()
 if [ -z "${SKIP_BENCH:-}" ]; then
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  run_step bench_qwen3 200 python3 benchmarks/bench_ep.py --shape qwen3_30b_a3b \
+  run_step bench_qwen3 200 python3 -m benchmarks.bench_ep --shape qwen3_30b_a3b \
       $MCORE_ARGS ${BENCH_ARGS:-}
   BENCH_LOGS+=("$OUT/bench_qwen3.log")
   tail -n 30 "$OUT/bench_qwen3.log"
   BENCH_LOGS+=("$OUT/bench_dsv3.log")
-  if ! run_step bench_dsv3 260 python3 benchmarks/bench_ep.py --shape dsv3_like \
+  if ! run_step bench_dsv3 260 python3 -m benchmarks.bench_ep --shape dsv3_like \
       ${DSV3_ARGS:---rounds 10} $MCORE_ARGS ${BENCH_ARGS:-}; then
     tail -n 12 "$OUT/bench_dsv3.log"
     if [ -z "$MCORE_ARGS" ]; then
-      run_step bench_dsv3_no_megatron 200 python3 benchmarks/bench_ep.py --shape dsv3_like \
+      run_step bench_dsv3_no_megatron 200 python3 -m benchmarks.bench_ep --shape dsv3_like \
           ${DSV3_ARGS:---rounds 10} --skip-megatron ${BENCH_ARGS:-}
       BENCH_LOGS+=("$OUT/bench_dsv3_no_megatron.log")
     fi

@@ -39,10 +39,10 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   # with the rows read by index (opt-in on CUDA) timed beside the default, same rounds
   BY_INDEX=both
   [ -n "${SKIP_BY_INDEX:-}" ] && BY_INDEX=auto
-  run_step bench_layer 240 python3 benchmarks/bench_layer.py ${LAYER_ARGS:---rounds 10} \
+  run_step bench_layer 240 python3 -m benchmarks.bench_layer ${LAYER_ARGS:---rounds 10} \
       --rows-by-index $BY_INDEX
-  run_step bench_hf 120 python3 benchmarks/bench_hf.py ${HF_ARGS:-}
-  run_step profile_layer 120 python3 benchmarks/profile_layer.py ${PROFILE_ARGS:---top 12}
+  run_step bench_hf 120 python3 -m benchmarks.bench_hf ${HF_ARGS:-}
+  run_step profile_layer 120 python3 -m benchmarks.profile_layer ${PROFILE_ARGS:---top 12}
 fi
 
 echo

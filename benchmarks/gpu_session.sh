@@ -56,8 +56,9 @@ if [ -z "${SKIP_SANITIZER:-}" ] && command -v compute-sanitizer >/dev/null; then
   done
 fi
 if [ -n "${PROFILE:-}" ]; then
-  for shape in dsv3 mixtral; do python3 benchmarks/profile_routing.py --shape $shape 2>&1 | tail -n 20; done
+  for shape in dsv3 mixtral; do python3 -m benchmarks.profile_routing --shape $shape 2>&1 | tail -n 20; done
 fi
-for b in ${BENCHES-benchmarks/bench_ops.py benchmarks/bench_grouped_gemm.py}; do
-  python3 $b ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+# BENCHES: module names (benchmarks.<script>), run with python3 -m from the repo root
+for b in ${BENCHES-benchmarks.bench_ops benchmarks.bench_grouped_gemm}; do
+  python3 -m $b ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
 done

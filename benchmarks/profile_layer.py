@@ -12,27 +12,22 @@ Three tables per shape (``bench_ep``'s layer builders, bf16, dropless, the same 
   the output), and the peak during forward + backward above that base, with and without the
   parameter gradients.
 
-    python benchmarks/profile_layer.py [--shapes mixtral,qwen3_30b_a3b,dsv3_like] [--top 15]
+    python -m benchmarks.profile_layer [--shapes mixtral,qwen3_30b_a3b,dsv3_like] [--top 15]
         [--device cuda|cpu] [--gaps 20] [--trace /tmp/out/trace]
-    python benchmarks/profile_layer.py --shapes tiny --device cpu     (smoke: no kernel table)
-    python benchmarks/profile_layer.py --device meta   (what is saved for backward at the reference
+    python -m benchmarks.profile_layer --shapes tiny --device cpu     (smoke: no kernel table)
+    python -m benchmarks.profile_layer --device meta   (what is saved for backward at the reference
                                                         shapes, from shapes alone: no GPU)
 """
-import os
-import sys
+import argparse
+from collections import defaultdict
+from typing import Dict, List, Tuple
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import argparse  # noqa: E402
-from collections import defaultdict  # noqa: E402
-from typing import Dict, List, Tuple  # noqa: E402
-
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from bench_ep import build_ours, moe_kwargs, set_rows_by_index  # noqa: E402  (this folder)
-from shapes import SHAPES  # noqa: E402
-from timing import held_after_forward, peak_bytes, sync  # noqa: E402
+from benchmarks.bench_ep import build_ours, moe_kwargs, set_rows_by_index
+from benchmarks.shapes import SHAPES
+from benchmarks.timing import held_after_forward, peak_bytes, sync
 
 GiB = float(1 << 30)
 

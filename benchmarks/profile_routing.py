@@ -2,7 +2,7 @@
 permute and unpermute, at the dsv3 shape with T = 16384 (E = 256, k = 8, groups and bias) or at
 mixtral's (T = 8192, H = 4096, E = 8, k = 2, softmax), where permute's planning kernels weigh most.
 
-    python benchmarks/profile_routing.py [--shape dsv3|mixtral] [--tokens N] [--hidden H]
+    python -m benchmarks.profile_routing [--shape dsv3|mixtral] [--tokens N] [--hidden H]
 """
 import argparse
 
@@ -10,9 +10,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import moe_core  # noqa: F401
+from benchmarks.shapes import SHAPES, routing_options
+from benchmarks.timing import sync
 from moe_core import ops
-from shapes import SHAPES, routing_options  # this folder
-from timing import sync  # this folder
 
 # --shape: the shapes.py shape it profiles
 PROFILED = {"dsv3": "dsv3_T16k", "mixtral": "mixtral"}

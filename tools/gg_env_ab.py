@@ -13,25 +13,21 @@ Two timings:
                    the samples): what a training step sees once the card sits at its power cap,
                    where less energy per flop turns into clock.
 
-    python3 tools/gg_env_ab.py MOE_GG_SM90_EXPERT_MAPS=0
-    python3 tools/gg_env_ab.py MOE_GG_SM90_EXPERT_MAPS=0 --layers mixtral --prods wgrad --sustained
+    python3 -m tools.gg_env_ab MOE_GG_SM90_EXPERT_MAPS=0
+    python3 -m tools.gg_env_ab MOE_GG_SM90_EXPERT_MAPS=0 --layers mixtral --prods wgrad --sustained
 """
 import argparse
 import os
 import statistics
 import subprocess
-import sys
 import threading
 import time
 
 import torch
 
 import moe_core  # registers the ops
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))  # shapes, timing, bench_grouped_gemm
-from bench_grouped_gemm import LAYERS, expert_offsets, routing_counts  # noqa: E402
-from timing import time_call, time_turns  # noqa: E402
+from benchmarks.bench_grouped_gemm import LAYERS, expert_offsets, routing_counts
+from benchmarks.timing import time_call, time_turns
 
 OPS = torch.ops.moe_core
 PRODS = ("fwd", "dgrad", "wgrad")

@@ -21,24 +21,19 @@ reading by index beats copying the rows first.
 kernel splits a partial last wave: see expert_mlp's precision contract). Timing: median of
 ROUNDS interleaved rounds (benchmarks/timing.py), CUDA events. The CPU runs a smoke size.
 
-    python3 tools/gg_gather_ab.py
-    python3 tools/gg_gather_ab.py --shapes dsv3_like --rounds 20
-    PYTHONPATH=. python3 tools/gg_gather_ab.py --device cpu --shapes tiny --rounds 2
+    python3 -m tools.gg_gather_ab
+    python3 -m tools.gg_gather_ab --shapes dsv3_like --rounds 20
+    python3 -m tools.gg_gather_ab --device cpu --shapes tiny --rounds 2
 """
 import argparse
-import os
-import sys
 
 import torch
 
 import moe_core  # noqa: F401  (registers the ops)
+from benchmarks.shapes import REFERENCE, SHAPES
+from benchmarks.timing import time_interleaved
 from moe_core import ops
 from moe_core.ops.expert_mlp import _gather_rows  # the row copy expert_mlp runs
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))  # shapes, timing
-from shapes import REFERENCE, SHAPES  # noqa: E402
-from timing import time_interleaved  # noqa: E402
 
 OPS = torch.ops.moe_core
 

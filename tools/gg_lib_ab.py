@@ -9,20 +9,17 @@ in turns, each after a sleep kernel so the host's launch work is hidden; median 
 "bits" says whether old and new wrote the same output. For changes that a run-time option
 cannot switch (gg_env_ab.py covers those).
 
-    python3 tools/gg_lib_ab.py /tmp/old.cu [--layers mixtral] [--rounds 12]
+    python3 -m tools.gg_lib_ab /tmp/old.cu [--layers mixtral] [--rounds 12]
 """
 import argparse
 import ctypes
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))  # shapes, timing, bench_grouped_gemm
-from bench_grouped_gemm import LAYERS, expert_offsets, routing_counts  # noqa: E402
-from gg_sm90_check import DT, Params, build  # noqa: E402  (this folder)
-from timing import time_turns  # noqa: E402
+from benchmarks.bench_grouped_gemm import LAYERS, expert_offsets, routing_counts
+from benchmarks.timing import time_turns
+from tools.gg_sm90_check import DT, Params, build
 
 PRODS = ("fwd", "dgrad", "wgrad")
 

@@ -5,9 +5,9 @@ The kernel: csrc/cuda/grouped_gemm_sm90.cu.
 Needs no moe_core build: compiles the .cu with csrc/common.c into a shared library and calls
 moe_cuda_gg_sm90_{fwd,dgrad,wgrad} through ctypes on torch CUDA tensors (current stream).
 
-  python tools/gg_sm90_check.py              # build, check, benchmark
-  python tools/gg_sm90_check.py --lib X.so   # use a prebuilt library (rebuilt if it fails)
-  python tools/gg_sm90_check.py --no-bench   # correctness only
+  python -m tools.gg_sm90_check              # build, check, benchmark
+  python -m tools.gg_sm90_check --lib X.so   # use a prebuilt library (rebuilt if it fails)
+  python -m tools.gg_sm90_check --no-bench   # correctness only
   GG_WATCHDOG=1 ...                                # build with the mbarrier-wait watchdog
 
 Checks: fwd / dgrad / wgrad, trans_w 0 and 1, bf16 and fp16 operands, bf16 / fp16 / fp32
@@ -93,11 +93,11 @@ import sys
 
 import torch
 
+from benchmarks.shapes import REFERENCE, select
+from benchmarks.timing import sync as _sync
+from benchmarks.timing import time_round_robin
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from shapes import REFERENCE, select  # noqa: E402
-from timing import sync as _sync  # noqa: E402
-from timing import time_round_robin  # noqa: E402
 
 DEV = "cuda"
 DT = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}

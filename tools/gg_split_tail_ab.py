@@ -7,21 +7,17 @@ call is preceded by a sleep kernel so the host's launch work is hidden (the vari
 environment switch); the variants run in turns, median of ROUNDS. "bits" says whether the split
 changed the output (EQUAL: no split at that shape, so its ratio is the harness's noise).
 
-    python3 tools/gg_split_tail_ab.py [--rounds R]        (ROUNDS=25 by default)
+    python3 -m tools.gg_split_tail_ab [--rounds R]        (ROUNDS=25 by default)
 """
 import argparse
 import os
-import sys
 
 import torch
 
 import moe_core  # noqa: F401  (registers the ops)
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))  # shapes, timing, bench_grouped_gemm
-from bench_grouped_gemm import LAYERS, expert_offsets, routing_counts  # noqa: E402
-from gg_env_ab import Env  # noqa: E402  (this folder)
-from timing import time_turns  # noqa: E402
+from benchmarks.bench_grouped_gemm import LAYERS, expert_offsets, routing_counts
+from benchmarks.timing import time_turns
+from tools.gg_env_ab import Env
 
 OPS = torch.ops.moe_core
 ROUNDS = int(os.environ.get("ROUNDS", "25"))

@@ -22,16 +22,15 @@ clocks differ by more than the copies save. Here the switch is flipped between s
   lies between two wrapped calls is listed as ``a..b`` (unwrapped ops, or the GPU waiting), so
   the rows add up to the step.
 
-    python3 tools/layer_rows_ab.py
-    python3 tools/layer_rows_ab.py --shapes qwen3_30b_a3b --rounds 20
-    python3 tools/layer_rows_ab.py --ops
-    PYTHONPATH=. python3 tools/layer_rows_ab.py --device cpu --shapes tiny --rounds 2
+    python3 -m tools.layer_rows_ab
+    python3 -m tools.layer_rows_ab --shapes qwen3_30b_a3b --rounds 20
+    python3 -m tools.layer_rows_ab --ops
+    python3 -m tools.layer_rows_ab --device cpu --shapes tiny --rounds 2
 """
 import argparse
 import collections
 import contextlib
 import dataclasses
-import os
 import statistics
 import sys
 import time
@@ -41,13 +40,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import moe_core.ops
+from benchmarks.bench_ep import build_ours, moe_kwargs  # the layer builders
+from benchmarks.shapes import REFERENCE, SHAPES
+from benchmarks.timing import sync, time_call
 from moe_core import tuning
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))  # the layer builders, shapes, timing
-from bench_ep import build_ours, moe_kwargs  # noqa: E402
-from shapes import REFERENCE, SHAPES  # noqa: E402
-from timing import sync, time_call  # noqa: E402
 
 # name -> (moe_expert_rows_by_index, MOE_CORE_EXPERT_COPY_ROWS; None: the default)
 VARIANTS: Dict[str, Tuple[bool, object]] = {

@@ -29,7 +29,7 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 
 # importing megatron_layer applies its Router.gating / _apply_expert_bias patches
-from helpers import megatron_layer
+from . import megatron_layer
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
