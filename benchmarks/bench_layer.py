@@ -97,6 +97,7 @@ import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import math  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402
