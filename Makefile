@@ -132,8 +132,10 @@ pytest-sanitize: $(SAN)/.ext_stamp
 	@# -P: the checkout's own moe_core/ (the uninstrumented .so) must not come first on sys.path
 	$(SAN_ENV) $(PY) -P -c "import moe_core._C as c, sys; \
 	    sys.exit(0 if '/$(SAN)/lib/' in c.__file__ else 'wrong moe_core._C: ' + c.__file__)"
+	@# -o pythonpath=tests: pyproject's pythonpath would put the repository root, and with it the
+	@# checkout's moe_core/, ahead of the sanitizer build; these tests import only helpers/
 	$(SAN_ENV) $(PY) -P -m pytest $(SAN_PYTESTS) -q -ra -m "not megatron" -p no:cacheprovider \
-	    --capture=sys
+	    --capture=sys -o pythonpath=tests
 
 test-sanitize: ctest-sanitize pytest-sanitize
 

@@ -17,16 +17,13 @@ import argparse
 import copy
 import glob
 import os
-import sys
 import sysconfig
 import time
 from typing import Callable, Dict, List
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import moe_core.hf as mh  # noqa: E402
+import moe_core.hf as mh
 
 ROUTES = ("eager", "grouped_mm", "moe_core", "moe_core_block")
 

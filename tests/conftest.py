@@ -1,6 +1,7 @@
 """Shared pytest fixtures: devices, seeding, poisoned outputs, the router kernel on CUDA.
 
-Code the tests import lives in helpers/ (tests/ is on sys.path)."""
+Code the tests import lives in helpers/; pyproject's ``pythonpath`` puts tests/ (``helpers``)
+and the repository root (``benchmarks``, ``tools``, this checkout's ``moe_core``) on sys.path."""
 import atexit
 import os
 import shutil

@@ -1,8 +1,8 @@
-"""The benchmarks' goal reports. bench_layer.py's goals table: the goals checked against a run's
-rows (ours fastest for time, leanest for memory, both peers beaten, the memory goal from the
-lower peer, the share of the dense ceiling a time goal asks for), and the benchmark's CPU smoke
-run printing it. bench_grouped_gemm.py's per-layer sums of the six expert GEMMs (set beside the
-layer's time goal)."""
+"""The benchmarks' goal reports. benchmarks.bench_layer's goals table: the goals checked against a
+run's rows (ours fastest for time, leanest for memory, both peers beaten, the memory goal from
+the lower peer, the share of the dense ceiling a time goal asks for), and the benchmark's CPU
+smoke run printing it. benchmarks.bench_grouped_gemm's per-layer sums of the six expert GEMMs
+(set beside the layer's time goal)."""
 import math
 import os
 import subprocess
@@ -10,12 +10,17 @@ import sys
 
 import pytest
 
-from helpers.scripts import ROOT, load_script
+from benchmarks import bench_grouped_gemm
+from helpers.scripts import ROOT
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script(os.path.join("benchmarks", "bench_layer.py"))
+    # imported when a test needs it, not at collection: importing it sets PYTORCH_CUDA_ALLOC_CONF
+    # (and, through benchmarks.bench_ep, NCCL's multicast switches) for the whole process
+    from benchmarks import bench_layer
+
+    return bench_layer
 
 
 def _row(bench, shape, variant, ms, act_gib):
@@ -61,8 +66,9 @@ def test_goals_met_and_missed_per_shape(bench):
 
 
 def test_cpu_smoke_prints_the_goals_table():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    res = subprocess.run([sys.executable, "benchmarks/bench_layer.py", "--shapes", "tiny",
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # -m from the repository root: the root (this checkout's benchmarks and moe_core) on sys.path
+    res = subprocess.run([sys.executable, "-m", "benchmarks.bench_layer", "--shapes", "tiny",
                           "--device", "cpu", "--rounds", "1", "--warmup", "1", "--skip",
                           "compiled"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
@@ -76,10 +82,7 @@ def test_cpu_smoke_prints_the_goals_table():
     assert cells[5] in ("yes", "no") and cells[6] == "n/a"
 
 
-def test_grouped_gemm_layer_sums_take_the_fastest_per_product(monkeypatch):
-    # run as a script, it finds its folder's modules (shapes, timing) on sys.path
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
-    gg = load_script(os.path.join("benchmarks", "bench_grouped_gemm.py"))
+def test_grouped_gemm_layer_sums_take_the_fastest_per_product():
     nan = float("nan")
     rows = []
     products = [(f, p) for f in ("fc1", "fc2") for p in ("fwd", "dgrad", "wgrad")]
@@ -90,7 +93,7 @@ def test_grouped_gemm_layer_sums_take_the_fastest_per_product(monkeypatch):
         rows.append(dict(shape=f"qwen3_30b_a3b.{fc}", prod=prod, ms=ours, gmm_ms=gmm,
                          loop_ms=loop))
     rows.append(dict(shape="mixtral.fc1", prod="fwd", ms=1.0, gmm_ms=1.0, loop_ms=1.0))
-    sums = gg.layer_sums(rows)
+    sums = bench_grouped_gemm.layer_sums(rows)
     assert set(sums) == {"qwen3_30b_a3b"}  # mixtral ran one product of six: no sum
     s = sums["qwen3_30b_a3b"]
     assert s["ours"] == pytest.approx(sum(r["ms"] for r in rows[:6]))

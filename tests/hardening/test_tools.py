@@ -1,20 +1,22 @@
-"""tools/layer_rows_ab.py's op-by-op timing (``--ops``) on the CPU: it wraps expert_mlp's op
+"""tools.layer_rows_ab's op-by-op timing (``--ops``) on the CPU: it wraps expert_mlp's op
 handles, ``permute`` and the router for a run, so the run must leave the same gradients as an
 unwrapped step, see each path's own ops, and put every handle back, on an error too."""
 import dataclasses
-import os
 import sys
 
 import pytest
 import torch
 
 import moe_core.ops
-from helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def ab():
-    return load_script(os.path.join("tools", "layer_rows_ab.py"))
+    # imported when a test needs it, not at collection: through benchmarks.bench_ep it sets NCCL's
+    # multicast switches for the whole process
+    from tools import layer_rows_ab
+
+    return layer_rows_ab
 
 
 def _handles(ab):
@@ -23,8 +25,8 @@ def _handles(ab):
 
 
 def _tiny(ab, by_index):
-    from bench_ep import build_ours, moe_kwargs  # benchmarks/, put on sys.path by the tool
-    from shapes import SHAPES
+    from benchmarks.bench_ep import build_ours, moe_kwargs
+    from benchmarks.shapes import SHAPES
     s = SHAPES["tiny"]
     layer = build_ours(moe_kwargs(s, "dropless", 1), torch.device("cpu"), 0, None, None)
     layer.config = dataclasses.replace(layer.config, moe_expert_rows_by_index=by_index)

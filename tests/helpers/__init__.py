@@ -1,5 +1,6 @@
 """Code the tests share (imported as ``helpers.<module>``; tests/ is on sys.path through the
-``pythonpath`` option in pyproject.toml, and tests/conftest.py's folder):
+``pythonpath`` option in pyproject.toml, and tests/conftest.py's folder; the benchmarks, which
+run from the repository root, import the Megatron builders as ``tests.helpers.<module>``):
 
 * ``reference_router`` / ``reference_layout``: pure-PyTorch references of the ops, from the spec;
 * ``tolerances``: float tolerances derived from the dtype (and the router probs' ulp bound);
@@ -14,7 +15,8 @@
 * ``fuzz``: the hypothesis profiles, tensor builders and comparisons of the fuzz tier (tests/fuzz/);
 * ``hf_models``: tiny random Hugging Face MoE models and the comparison helpers of tests/hf/;
 * ``hf_router_rules``: plain-torch references of the HF families' router math;
-* ``scripts``: examples/ and tools/ scripts imported as modules by path;
+* ``scripts``: examples/ scripts imported as modules by path (benchmarks/ and tools/ are
+  packages, imported by name);
 * ``resume``: the training run of tests/hardening/test_resume.py and its fresh-process resume
   (``python -m helpers.resume CKPT OUT``).
 """

@@ -1,5 +1,6 @@
-"""The repository's scripts (examples/, tools/) imported as modules, by path: they are files to
-run, not part of a package."""
+"""The examples (examples/) imported as modules, by path: they are standalone files a user
+runs or copies (``python examples/train_tiny_moe.py``), not a package, so the tests load them
+from where they lie. benchmarks/ and tools/ are packages and import by name."""
 import importlib.util
 import os
 from types import ModuleType

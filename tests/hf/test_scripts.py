@@ -1,4 +1,4 @@
-"""examples/finetune_hf_moe.py and benchmarks/bench_hf.py run on the CPU: the example's four
+"""examples/finetune_hf_moe.py and benchmarks.bench_hf run on the CPU: the example's four
 routes train on the same batches to the same losses, and the benchmark's smoke run prints the
 decoder-layer and the sparse-MoE-block parts of each shape for each variant, their input
 gradients matching HF's."""
@@ -11,7 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(*args: str) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # the repository root first on the path: this checkout's moe_core for the example
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     res = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -39,7 +41,7 @@ def test_finetune_example_runs_its_four_routes_to_the_same_losses():
 
 
 def test_bench_hf_smoke_prints_layer_and_block_parts():
-    out = _run("benchmarks/bench_hf.py", "--smoke")
+    out = _run("-m", "benchmarks.bench_hf", "--smoke")
     rows = _table(out)
     got = {(r[0], r[1], r[2]) for r in rows}
     want = {(s, p, v) for s in ("qwen3_30b_a3b", "mixtral") for p in ("layer", "block")
