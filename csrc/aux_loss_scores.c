@@ -46,7 +46,7 @@ static moe_status_t check_common(int64_t num_tokens, int64_t num_experts,
     MOE_TRY(check_sizes(num_tokens, num_experts, "num_experts"));
     MOE_CHECK(moe_is_float_dtype(logits_dtype), "logits must be a float dtype, got %s",
               moe_dtype_name(logits_dtype));
-    return check_score_function(score_function);
+    return moe_check_score_function(score_function);
 }
 
 moe_status_t moe_aux_loss_scores_fwd_check(const void *scores, const uint8_t *routing_map,

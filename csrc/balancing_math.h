@@ -103,11 +103,4 @@ static inline moe_status_t check_sizes(int64_t num_tokens, int64_t num_experts, 
     return moe_check_mul(num_tokens, "num_tokens", num_experts, cols);
 }
 
-static inline moe_status_t check_score_function(moe_score_function_t sf) {
-    MOE_CHECK(sf == MOE_SCORE_SOFTMAX || sf == MOE_SCORE_SIGMOID || sf == MOE_SCORE_SQRTSOFTPLUS,
-              "score_function must be softmax (0), sigmoid (1) or sqrtsoftplus (2), got %d",
-              (int)sf);
-    return MOE_OK;
-}
-
 #endif /* MOE_CORE_BALANCING_MATH_H_ */

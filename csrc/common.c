@@ -1,6 +1,6 @@
 /*
- * common.c: status strings, the thread-local error message, dtype sizes, the overflow checks
- * shared by every op's argument check.
+ * common.c: status strings, the thread-local error message, dtype sizes, the overflow and option
+ * checks shared by every op's argument check.
  *
  * The message buffer is thread-local, so concurrent callers (PyTorch's inter-op threads, the
  * autograd engine's device threads) never read each other's errors.
@@ -35,6 +35,23 @@ moe_status_t moe_check_mul(int64_t a, const char *a_name, int64_t b, const char 
     MOE_CHECK(!moe_checked_mul_i64(a, b, &product),
               "%s=%lld times %s=%lld overflows int64", a_name, (long long)a, b_name,
               (long long)b);
+    return MOE_OK;
+}
+
+/* An option table's rows as a value test and as the list a message shows ("softmax (0), ..."). */
+#define MOE_IS_ROW_(enumerator, value, name) || v == enumerator
+#define MOE_LISTED_ROW_(enumerator, value, name) name " (" #value "), "
+
+moe_status_t moe_check_score_function(moe_score_function_t v) {
+    MOE_CHECK(0 MOE_SCORE_FUNCTIONS(MOE_IS_ROW_),
+              "score_function must be one of " MOE_SCORE_FUNCTIONS(MOE_LISTED_ROW_) "got %d",
+              (int)v);
+    return MOE_OK;
+}
+
+moe_status_t moe_check_activation(moe_activation_t v) {
+    MOE_CHECK(0 MOE_ACTIVATIONS(MOE_IS_ROW_),
+              "activation must be one of " MOE_ACTIVATIONS(MOE_LISTED_ROW_) "got %d", (int)v);
     return MOE_OK;
 }
 

@@ -51,6 +51,11 @@ size_t moe_fail_size(const char *fmt, ...)
  * buffer), so the index arithmetic of the kernels behind them cannot wrap. */
 moe_status_t moe_check_mul(int64_t a, const char *a_name, int64_t b, const char *b_name);
 
+/* MOE_OK when the value is a row of its option table (moe_types.h), else MOE_ERR_INVALID_ARGUMENT
+ * listing the table: the one check of each option, which every op taking it calls. */
+moe_status_t moe_check_score_function(moe_score_function_t score_function);
+moe_status_t moe_check_activation(moe_activation_t activation);
+
 /* Checks a workspace against the bytes its size function asked for. MOE_SIZE_OVERFLOW (the size
  * function has already recorded why) is an invalid argument, not a request for SIZE_MAX bytes. */
 moe_status_t moe_check_workspace(const void *workspace, size_t have, size_t need, const char *fn);

@@ -552,8 +552,7 @@ static inline moe_status_t moe_gp_check_args(const void *out, const void *a, int
               moe_dtype_name(dtype));
     MOE_CHECK(!probs || moe_is_float_dtype(probs_dtype), "probs_dtype must be a float dtype, got %s",
               moe_dtype_name(probs_dtype));
-    MOE_CHECK((int)p->activation >= (int)MOE_ACT_SILU && (int)p->activation <= (int)MOE_ACT_QUICK_GELU,
-              "activation must be a moe_activation_t, got %d", (int)p->activation);
+    MOE_TRY(moe_check_activation(p->activation));
     MOE_CHECK(!p->has_clamp || p->clamp_value >= 0.0,
               "clamp_value must be >= 0 (the linear half is clamped to [-v, v]), got %g",
               p->clamp_value);

@@ -184,15 +184,25 @@ moe_status_t moe_cuda_grouped_gemm_wgrad(void *grad_weight, const void *x, const
  * fixed-order fp64 row sum, the same order on both devices.
  * ------------------------------------------------------------------------------------------- */
 
-/** Activation function (Megatron's activation_func). */
-typedef enum moe_activation {
-    MOE_ACT_SILU = 0,         /**< F.silu (SwiGLU with gated_linear_unit) */
-    MOE_ACT_GELU = 1,         /**< F.gelu, exact erf form (GEGLU with gated_linear_unit) */
-    MOE_ACT_GELU_TANH = 2,    /**< F.gelu(approximate="tanh") */
-    MOE_ACT_RELU = 3,         /**< F.relu */
-    MOE_ACT_SQUARED_RELU = 4, /**< torch.pow(F.relu(x), 2), Megatron's squared_relu */
-    MOE_ACT_QUICK_GELU = 5    /**< x * torch.sigmoid(1.702 * x), eager (three rounded tensors) */
-} moe_activation_t;
+/**
+ * Activation functions (Megatron's activation_func), an option table as in moe_types.h:
+ *   silu:         F.silu (SwiGLU with gated_linear_unit)
+ *   gelu:         F.gelu, exact erf form (GEGLU with gated_linear_unit)
+ *   gelu_tanh:    F.gelu(approximate="tanh")
+ *   relu:         F.relu
+ *   squared_relu: torch.pow(F.relu(x), 2), Megatron's squared_relu
+ *   quick_gelu:   x * torch.sigmoid(1.702 * x), eager (three rounded tensors)
+ */
+#define MOE_ACTIVATIONS(X)                     \
+    X(MOE_ACT_SILU, 0, "silu")                 \
+    X(MOE_ACT_GELU, 1, "gelu")                 \
+    X(MOE_ACT_GELU_TANH, 2, "gelu_tanh")       \
+    X(MOE_ACT_RELU, 3, "relu")                 \
+    X(MOE_ACT_SQUARED_RELU, 4, "squared_relu") \
+    X(MOE_ACT_QUICK_GELU, 5, "quick_gelu")
+
+/** Activation function, one of MOE_ACTIVATIONS. */
+typedef enum moe_activation { MOE_ACTIVATIONS(MOE_ENUMERATOR) } moe_activation_t;
 
 /** Options of glu_probs (Megatron's TransformerConfig fields of the same meaning). */
 typedef struct moe_glu_probs_params {

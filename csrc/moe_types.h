@@ -1,8 +1,8 @@
 /*
- * moe_types.h: what every op of moe-core shares: the status codes, the element types, the router
- * score functions, the error message and the workspace-size sentinel. Included by each area
- * header (moe_router.h, moe_layout.h, moe_balancing.h, moe_experts.h) and by moe_core.h, which
- * documents the calling convention.
+ * moe_types.h: what every op of moe-core shares: the status codes, the element types, the option
+ * tables (the router score functions here), the error message and the workspace-size sentinel.
+ * Included by each area header (moe_router.h, moe_layout.h, moe_balancing.h, moe_experts.h) and
+ * by moe_core.h, which documents the calling convention.
  */
 #ifndef MOE_TYPES_H_
 #define MOE_TYPES_H_
@@ -37,12 +37,29 @@ typedef enum moe_dtype {
     MOE_DTYPE_BOOL = 6 /**< one byte per element, 0 or 1 */
 } moe_dtype_t;
 
-/** Router score function (Megatron's moe_router_score_function). */
-typedef enum moe_score_function {
-    MOE_SCORE_SOFTMAX = 0,     /**< softmax over the experts (pre) or over the top-k (post) */
-    MOE_SCORE_SIGMOID = 1,     /**< sigmoid(x), renormalised over the top-k when topk > 1 */
-    MOE_SCORE_SQRTSOFTPLUS = 2 /**< sqrt(softplus(x)), renormalised like sigmoid */
-} moe_score_function_t;
+/*
+ * The named options (score functions here, activations in moe_experts.h) are each listed once, as
+ * a table of X(enumerator, value, "name") rows. The enum, the core's check of a value
+ * (csrc/common.h) and the binding's name lookup are all made from the table, and the Python list
+ * (moe_core/ops/names.py) is tested against it, so a new option is one row plus its math.
+ */
+
+/** One enumerator of an option table: `X(enumerator, value, name)` -> `enumerator = value,`. */
+#define MOE_ENUMERATOR(enumerator, value, name) enumerator = value,
+
+/**
+ * Router score functions (Megatron's moe_router_score_function):
+ *   softmax:      softmax over the experts (pre) or over the top-k (post)
+ *   sigmoid:      sigmoid(x), renormalised over the top-k when topk > 1
+ *   sqrtsoftplus: sqrt(softplus(x)), renormalised like sigmoid
+ */
+#define MOE_SCORE_FUNCTIONS(X)                   \
+    X(MOE_SCORE_SOFTMAX, 0, "softmax")           \
+    X(MOE_SCORE_SIGMOID, 1, "sigmoid")           \
+    X(MOE_SCORE_SQRTSOFTPLUS, 2, "sqrtsoftplus")
+
+/** Router score function, one of MOE_SCORE_FUNCTIONS. */
+typedef enum moe_score_function { MOE_SCORE_FUNCTIONS(MOE_ENUMERATOR) } moe_score_function_t;
 
 /**
  * What every *_workspace_size function returns when the size does not fit (an argument so large

@@ -56,10 +56,7 @@ moe_status_t moe_router_topk_check(const moe_router_topk_params_t *p, int64_t nu
     MOE_CHECK(p->topk >= 1 && p->topk <= num_experts,
               "topk must be in [1, num_experts=%lld], got topk=%lld", (long long)num_experts,
               (long long)p->topk);
-    MOE_CHECK(p->score_function == MOE_SCORE_SOFTMAX || p->score_function == MOE_SCORE_SIGMOID ||
-                  p->score_function == MOE_SCORE_SQRTSOFTPLUS,
-              "score_function must be softmax (0), sigmoid (1) or sqrtsoftplus (2), got %d",
-              (int)p->score_function);
+    MOE_TRY(moe_check_score_function(p->score_function));
     const int post = p->score_function == MOE_SCORE_SOFTMAX && !p->use_pre_softmax;
     MOE_CHECK(!(has_expert_bias && post),
               "expert_bias with score_function softmax needs use_pre_softmax (the bias is added "

@@ -76,7 +76,9 @@ const uint8_t *padding_mask_ptr(const c10::optional<at::Tensor> &mask_, at::Tens
 // Raises the C core's message: ValueError for a bad argument, RuntimeError otherwise.
 void check_status(moe_status_t status, const char *op);
 
+// A named option as its enumerator (moe_types.h's option tables), or a ValueError listing them.
 moe_score_function_t to_score_function(c10::string_view name);
+moe_activation_t to_activation(c10::string_view name);
 
 // ---- devices ------------------------------------------------------------------------------------
 

@@ -152,18 +152,6 @@ Tensor grouped_gemm_wgrad(const Device &d, const Tensor &x, const Tensor &grad_y
 
 // ---- glu_probs ----------------------------------------------------------------------------------
 
-static moe_activation_t to_activation(string_view name) {
-  if (name == "silu") return MOE_ACT_SILU;
-  if (name == "gelu") return MOE_ACT_GELU;
-  if (name == "gelu_tanh") return MOE_ACT_GELU_TANH;
-  if (name == "relu") return MOE_ACT_RELU;
-  if (name == "squared_relu") return MOE_ACT_SQUARED_RELU;
-  if (name == "quick_gelu") return MOE_ACT_QUICK_GELU;
-  MOE_CHECK_VALUE(false, "activation must be 'silu', 'gelu', 'gelu_tanh', 'relu', 'squared_relu' "
-                  "or 'quick_gelu', got '", std::string(name), "'");
-  return MOE_ACT_SILU;
-}
-
 // The activation options of glu_probs and of fc1 + glu_probs (the core checks their values).
 static moe_glu_probs_params_t glu_options(string_view activation, bool gated_linear_unit,
                                           double linear_offset, optional<double> clamp_value) {

@@ -1,12 +1,13 @@
-// validate.cpp: the binding's shared helpers: message assembly, tensor checks, the C core's
-// status as a Python exception, the current stream, the workspace allocation and the GEMM
-// operands (contiguous, aligned).
+// validate.cpp: the binding's shared helpers: message assembly, tensor checks, the named options
+// (score functions, activations) by name, the C core's status as a Python exception, the current
+// stream, the workspace allocation and the GEMM operands (contiguous, aligned).
 #include <ATen/ops/empty.h>
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <cstdint>
 #include <cstdio>
+#include <utility>
 
 #include "binding.h"
 
@@ -87,14 +88,35 @@ void check_status(moe_status_t status, const char *op) {
   MOE_CHECK_RUNTIME(false, msg, " (", moe_status_string(status), ")");
 }
 
-moe_score_function_t to_score_function(c10::string_view name) {
-  if (name == "softmax") return MOE_SCORE_SOFTMAX;
-  if (name == "sigmoid") return MOE_SCORE_SIGMOID;
-  if (name == "sqrtsoftplus") return MOE_SCORE_SQRTSOFTPLUS;
-  MOE_CHECK_VALUE(false, "score_function must be 'softmax', 'sigmoid' or 'sqrtsoftplus', got '",
-                    std::string(name), "'");
-  return MOE_SCORE_SOFTMAX;
+// ---- named options: the rows of an option table (moe_types.h) as (name, enumerator) pairs ------
+
+// The enumerator named `name`, or a ValueError naming the argument `what` and listing the names
+// as Python's tuple of them prints (moe_core/ops/names.py).
+template <typename Enum, size_t N>
+static Enum from_name(c10::string_view name, const std::pair<const char *, Enum> (&rows)[N],
+                      const char *what) {
+  for (const auto &row : rows)
+    if (name == row.first) return row.second;
+  std::string names;
+  for (const auto &row : rows) names += moe_cat(names.empty() ? "" : ", ", "'", row.first, "'");
+  MOE_CHECK_VALUE(false, what, " must be one of (", names, "), got '", std::string(name), "'");
+  return rows[0].second;
 }
+
+#define MOE_NAMED_ROW(enumerator, value, name) {name, enumerator},
+
+moe_score_function_t to_score_function(c10::string_view name) {
+  static const std::pair<const char *, moe_score_function_t> rows[] = {
+      MOE_SCORE_FUNCTIONS(MOE_NAMED_ROW)};
+  return from_name(name, rows, "score_function");
+}
+
+moe_activation_t to_activation(c10::string_view name) {
+  static const std::pair<const char *, moe_activation_t> rows[] = {MOE_ACTIVATIONS(MOE_NAMED_ROW)};
+  return from_name(name, rows, "activation");
+}
+
+#undef MOE_NAMED_ROW
 
 void check_same_shape(const at::Tensor &t, const char *name, const at::Tensor &ref,
                       const char *ref_name) {

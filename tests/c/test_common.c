@@ -1,4 +1,6 @@
-/* test_common.c: half-precision conversions, status strings and the error buffer. */
+/* test_common.c: half-precision conversions, status strings, the error buffer and the option
+ * tables' checks. */
+#include <stdio.h>
 #include <string.h>
 
 #include "common.h"
@@ -39,8 +41,35 @@ static void test_status_and_errors(void) {
     CHECK(strstr(moe_last_error(), "topk=9") != NULL, "message names the value: %s", moe_last_error());
 }
 
+/* The option tables (moe_types.h, moe_experts.h) and their one check each: every row's value
+ * passes; the value past the last row is refused with a message that lists every row as
+ * "name (value)" and names the bad value. */
+#define MOE_TEST_ROW_COUNT(enumerator, value, name) +1
+#define MOE_TEST_ROW_LISTED(enumerator, value, name)                                              \
+    CHECK(strstr(moe_last_error(), name " (" #value ")") != NULL, "%s missing from: %s", name,   \
+          moe_last_error());
+#define MOE_TEST_OPTION_TABLE(TABLE, check, type, what)                                          \
+    do {                                                                                          \
+        const int rows = 0 TABLE(MOE_TEST_ROW_COUNT);                                             \
+        char got[32];                                                                             \
+        for (int v = 0; v < rows; ++v) CHECK(check((type)v) == MOE_OK, what " %d passes", v);     \
+        CHECK(check((type)rows) == MOE_ERR_INVALID_ARGUMENT, what " %d refused", rows);           \
+        CHECK(strncmp(moe_last_error(), what " must be one of ", strlen(what) + 13) == 0,         \
+              "names the argument: %s", moe_last_error());                                        \
+        TABLE(MOE_TEST_ROW_LISTED)                                                                \
+        snprintf(got, sizeof got, "got %d", rows);                                                \
+        CHECK(strstr(moe_last_error(), got) != NULL, "names the value: %s", moe_last_error());   \
+    } while (0)
+
+static void test_option_tables(void) {
+    MOE_TEST_OPTION_TABLE(MOE_SCORE_FUNCTIONS, moe_check_score_function, moe_score_function_t,
+                          "score_function");
+    MOE_TEST_OPTION_TABLE(MOE_ACTIVATIONS, moe_check_activation, moe_activation_t, "activation");
+}
+
 void ctest_register_common(void) {
     ctest_add("half_round_trip", test_half_round_trip);
     ctest_add("half_rounding", test_half_rounding);
     ctest_add("status_and_errors", test_status_and_errors);
+    ctest_add("option_tables", test_option_tables);
 }
