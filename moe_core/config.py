@@ -53,8 +53,9 @@ from typing import Callable, List, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from moe_core.ops.names import SCORE_FUNCTIONS
+
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
-SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
 @dataclasses.dataclass

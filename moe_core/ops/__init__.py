@@ -8,6 +8,7 @@ different devices (a meta tensor among real ones included) with a ValueError, an
 ``create_graph=True`` whose result would carry a graph raises a RuntimeError: the backward kernels
 have no derivatives of their own (``moe_core.ops._guards``).
 """
+from moe_core.ops.names import ACTIVATIONS, SCORE_FUNCTIONS
 from moe_core.ops.router_gating_linear import router_gating_linear
 from moe_core.ops.router_topk import (
     group_limited_topk,
@@ -59,6 +60,8 @@ for _name in BACKWARD_KERNELS:
 del _name
 
 __all__ = [
+    "SCORE_FUNCTIONS",
+    "ACTIVATIONS",
     "router_gating_linear",
     "router_topk",
     "router_topk_dense",

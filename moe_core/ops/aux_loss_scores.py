@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from moe_core.ops._guards import register_autograd, register_fake
-from moe_core.ops.router_topk import SCORE_FUNCTIONS
+from moe_core.ops.names import SCORE_FUNCTIONS
 
 _OP = torch.ops.moe_core.aux_loss_scores
 _BWD = torch.ops.moe_core.aux_loss_scores_bwd
@@ -57,7 +57,7 @@ def compute_routing_scores_for_aux_loss(
     Args:
         logits: ``[num_tokens, num_experts]``, float dtype.
         topk: experts per token in the map, ``1 <= topk <= num_experts``.
-        score_function: "softmax", "sigmoid" or "sqrtsoftplus".
+        score_function: one of :data:`~moe_core.ops.names.SCORE_FUNCTIONS`.
         fused: accepted for signature compatibility and ignored (this is always one kernel).
         padding_mask: bool, ``num_tokens`` elements (e.g. ``[S, B]`` or ``[T]``), True = padding;
             padded rows are zero in both outputs.

@@ -45,11 +45,10 @@ import torch
 import torch.nn.functional as F
 
 from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops.names import ACTIVATIONS  # noqa: F401  (moe_core.ops.glu_probs.ACTIVATIONS)
 
 _OP = torch.ops.moe_core.glu_probs
 _BWD = torch.ops.moe_core.glu_probs_bwd
-
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "squared_relu", "quick_gelu")
 
 
 def activation_name(fn: Callable) -> Optional[str]:

@@ -73,7 +73,7 @@ def grouped_gemm_glu_probs(
             last <= rows; rows past it belong to no expert).
         probs: ``[rows]`` router probs of each row (any float dtype; the multiply happens in
             ``promote(x.dtype, probs.dtype)``), or None for no multiply.
-        activation: one of ``ops.glu_probs.ACTIVATIONS`` (``"silu"``, ``"gelu"``, ...).
+        activation: one of ``moe_core.ops.ACTIVATIONS`` (``"silu"``, ``"gelu"``, ...).
         gated_linear_unit: Megatron's ``gated_linear_unit``.
         linear_offset: ``glu_linear_offset`` (GLU only).
         clamp_value: ``activation_func_clamp_value`` (GLU only), or None.

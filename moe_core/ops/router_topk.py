@@ -47,6 +47,7 @@ from typing import Optional, Tuple
 import torch
 
 from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops.names import SCORE_FUNCTIONS
 
 
 _OP = torch.ops.moe_core.router_topk
@@ -56,7 +57,6 @@ _DENSE_BWD = torch.ops.moe_core.router_topk_dense_bwd
 _FUSED = torch.ops.moe_core.router_topk_fused
 _LSE_BWD = torch.ops.moe_core.router_lse_bwd
 _AUX_BWD = torch.ops.moe_core.aux_loss_scores_bwd
-SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 # the kernels' moe_topk_norm_t (csrc/moe_router.h) for each value of `normalize`
 _NORM_CODES = {None: 0, False: 1, True: 2}
 
@@ -112,7 +112,7 @@ def router_topk(
         num_groups: expert groups for group-limited routing (used when ``group_topk`` is set).
         group_topk: groups kept per token; None or 0 disables group-limited routing.
         scaling_factor: multiplies the probs; None or 0 means off (Megatron's truthiness test).
-        score_function: "softmax", "sigmoid" or "sqrtsoftplus".
+        score_function: one of :data:`~moe_core.ops.names.SCORE_FUNCTIONS`.
         expert_bias: ``[num_experts]`` fp32, added to the scores for selection only
             (sigmoid/sqrtsoftplus, or softmax with ``use_pre_softmax``).
         normalize: None (Megatron's rule), False (the picked scores as they are) or True

@@ -14,7 +14,7 @@ from helpers.tolerances import assert_close_ulps, eps
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-SCORE_FUNCTIONS = ["softmax", "sigmoid", "sqrtsoftplus"]
+SCORE_FUNCTIONS = ops.SCORE_FUNCTIONS
 
 
 def _pad(T, frac=0.3):

@@ -13,7 +13,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from megatron.core.transformer.moe import moe_utils as mcore
 
-SCORE_FUNCTIONS = ["softmax", "sigmoid", "sqrtsoftplus"]
+SCORE_FUNCTIONS = ops.SCORE_FUNCTIONS
 
 
 def _pad(num_tokens, frac=0.3, device="cpu"):

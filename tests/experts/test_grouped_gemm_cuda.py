@@ -466,7 +466,7 @@ def test_cuda_graph_forward_backward(trans_w):
 # fused op is compared with torch.equal-strictness; the composition itself is held to the fp64
 # truth by the tests above and by test_glu_probs.py. On every GPU the op runs the two kernels.
 
-GLU_ACTS = ["silu", "gelu", "gelu_tanh", "relu", "squared_relu", "quick_gelu"]
+GLU_ACTS = list(ops.ACTIVATIONS)
 GLU_CASES = [(True, 0.0, None), (True, -0.5, None), (True, 0.3, 2.01), (False, 0.0, None)]
 # (H, F): F % 8 == 0 (glu_probs' 16-byte vectors), a narrow F, and an F that is no multiple of 8
 # (glu_probs' element-wise path)

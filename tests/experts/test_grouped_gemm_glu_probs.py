@@ -25,7 +25,7 @@ from moe_core import MoEConfig, ops
 from moe_core.experts import GroupedMLP, activation_times_probs, apply_activation
 
 OPS = torch.ops.moe_core
-ACTS = ["silu", "gelu", "gelu_tanh", "relu", "squared_relu", "quick_gelu"]
+ACTS = list(ops.ACTIVATIONS)
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 CASES = [  # (gated, offset, clamp)
     (True, 0.0, None), (True, -0.5, None), (True, 0.3, 2.01), (False, 0.0, None)]

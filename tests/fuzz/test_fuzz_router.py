@@ -27,8 +27,7 @@ from moe_core import ops
 TOKENS = st.one_of(st.sampled_from([0, 1, 2, 3, 5, 16]), st.integers(0, 40),
                    st.sampled_from([257, 1024]))
 EXPERTS = st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256])
-MODES = st.sampled_from([("softmax", False), ("softmax", True), ("sigmoid", False),
-                         ("sqrtsoftplus", False)])
+MODES = st.sampled_from(ref.ROUTING_MODES)
 
 
 @st.composite
@@ -142,7 +141,7 @@ def test_group_limited_router_topk_vs_reference(case):
     check(*case)
 
 
-@pytest.mark.parametrize("score", ["sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("score", [s for s in ops.SCORE_FUNCTIONS if s != "softmax"])
 def test_sigmoid_renormalisation_sum_is_as_accurate_as_torch(score):
     """Found by test_router_topk_vs_reference: T=1, E=topk=256, fp32 logits from {-1/8, 0, 1/8}.
     tests/helpers/tolerances.py's rule: our error against the fp64 truth at most 2x torch's + 1
@@ -158,7 +157,7 @@ def test_sigmoid_renormalisation_sum_is_as_accurate_as_torch(score):
     assert_error_at_most(ours, torch32, truth, factor=2.0, msg=score)
 
 
-@pytest.mark.parametrize("score", ["softmax", "sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("score", ops.SCORE_FUNCTIONS)
 def test_all_tied_row_picks_the_lowest_indices(score):
     """A row of equal logits: the top-k are experts 0..k-1, in order (the documented rule)."""
     logits = torch.zeros(3, 8)

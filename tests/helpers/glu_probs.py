@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 from moe_core import MoEConfig
 from moe_core.experts import apply_activation
+from moe_core.ops import ACTIVATIONS
 
-ACTS = ["silu", "gelu", "gelu_tanh", "relu", "squared_relu", "quick_gelu"]
+ACTS = list(ACTIVATIONS)
 
 
 def strided(x: torch.Tensor) -> torch.Tensor:

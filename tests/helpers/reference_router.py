@@ -8,6 +8,12 @@ from typing import Optional, Tuple
 
 import torch
 
+from moe_core.ops import SCORE_FUNCTIONS
+
+# (score_function, use_pre_softmax): every score function, and softmax before the top-k too
+ROUTING_MODES = [("softmax", False), ("softmax", True)] + \
+    [(s, False) for s in SCORE_FUNCTIONS if s != "softmax"]
+
 
 def ranked_topk(values: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-k along dim 1: descending, NaN first, ties to the lowest index."""

@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 
+from helpers.reference_router import ROUTING_MODES
 from helpers.tolerances import cuda_cpu_fp64_ulps
 from moe_core import ops
 from moe_core.config import MoEConfig
@@ -25,7 +26,7 @@ from moe_core.ops.router_topk import router_topk_fused, z_loss_from_lse
 from moe_core.router import TopKRouter
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-SCORES = ["softmax", "sigmoid", "sqrtsoftplus"]
+SCORES = ops.SCORE_FUNCTIONS
 
 
 def compute_dtype(dtype):
@@ -218,8 +219,7 @@ def unfused_grad(logits, k, sf, pre, mask, coeff, w_probs, w_scores, g_z):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("sf,pre", [("softmax", False), ("softmax", True), ("sigmoid", False),
-                                    ("sqrtsoftplus", False)])
+@pytest.mark.parametrize("sf,pre", ROUTING_MODES)
 @pytest.mark.parametrize("masked", [False, True])
 def test_fused_grad_equals_unfused_composition(device, dtype, sf, pre, masked):
     T, E, k, coeff = 37, 24, 4, 0.3
@@ -265,8 +265,7 @@ def test_lse_grad_is_z_loss_grad(device, masked):
 def test_gradcheck_fp64_through_all_outputs():
     logits = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)
     mask = torch.tensor([0, 1, 0, 0, 0, 1], dtype=torch.bool)
-    for sf, pre in [("softmax", False), ("softmax", True), ("sigmoid", False),
-                    ("sqrtsoftplus", False)]:
+    for sf, pre in ROUTING_MODES:
         def f(x):
             p, _, _, s, _, lse = run_fused(x, 3, sf, pre, mask)
             return p, s, lse

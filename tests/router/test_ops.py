@@ -20,7 +20,7 @@ mcore = megatron_moe_utils()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 SIZES = [(0, 8, 2), (1, 8, 2), (7, 1, 1), (7, 16, 16), (7, 16, 3), (64, 64, 4), (33, 128, 8),
          (4096, 256, 8)]
-MODES = [("softmax", False), ("softmax", True), ("sigmoid", False), ("sqrtsoftplus", False)]
+MODES = ref.ROUTING_MODES
 
 
 def tie_free_logits(T, E, dtype, num_groups=None, device="cpu"):
@@ -232,7 +232,7 @@ def test_nan_and_inf_logits(device):
     x[1, 3] = float("nan")
     x[2, 5] = float("-inf")
     x[3, 6] = float("inf")
-    for score in ("softmax", "sigmoid", "sqrtsoftplus"):
+    for score in ops.SCORE_FUNCTIONS:
         p, idx = ops.router_topk(x, 2, score_function=score)
         rp, ridx = ref.topk_routing(x, 2, score_function=score)
         assert torch.equal(idx, ridx)
@@ -247,7 +247,7 @@ def test_nan_and_inf_logits(device):
 
 
 @pytest.mark.parametrize("k", [2, 64, 256])
-@pytest.mark.parametrize("score", ["sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("score", [s for s in ops.SCORE_FUNCTIONS if s != "softmax"])
 def test_renormalisation_sum_is_rounded_once(score, k, device):
     """sigmoid / sqrtsoftplus divide the k picked fp32 scores by their sum plus 1e-20; the sum is
     the correctly rounded fp32 value of the exact sum (fp64 accumulation, one rounding), so the
@@ -399,7 +399,7 @@ def test_cuda_ties_signed_zeros_and_nan_like_cpu(dtype, router_kernel):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("score", ["softmax", "sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("score", ops.SCORE_FUNCTIONS)
 @pytest.mark.parametrize("E,G,gk,k", [
     (32, 32, 8, 8),    # one expert per group (P = 1): segments of one lane
     (64, 32, 8, 8),    # P = 2
