@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from moe_core.ops.aux_loss_scores import flat_padding_mask
+from moe_core.ops._padding_mask import flat_padding_mask
 from moe_core.ops.switch_aux_loss import (
     _masked,
     get_tokens_per_expert_and_token_count,

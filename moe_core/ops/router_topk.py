@@ -47,6 +47,7 @@ from typing import Optional, Tuple
 import torch
 
 from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops._padding_mask import flat_padding_mask
 from moe_core.ops.names import SCORE_FUNCTIONS
 
 
@@ -242,8 +243,6 @@ def router_topk_fused(
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"logits must be 2-D [num_tokens, num_experts], got {shape}")
-    from moe_core.ops.aux_loss_scores import flat_padding_mask  # (that module imports this one)
-
     mask = flat_padding_mask(padding_mask, logits.shape[0])
     probs, routing_map, indices, aux_scores, aux_map, lse = _FUSED(
         logits, *opts, expert_bias, mask, bool(with_aux), bool(with_lse),

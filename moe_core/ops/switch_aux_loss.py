@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moe_core.ops._guards import register_autograd, register_fake
-from moe_core.ops.aux_loss_scores import flat_padding_mask
+from moe_core.ops._padding_mask import flat_padding_mask
 from moe_core.ops.tokens_per_expert import tokens_per_expert as _tokens_per_expert
 
 _OP = torch.ops.moe_core.switch_aux_loss

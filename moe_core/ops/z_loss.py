@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from moe_core.ops._guards import register_autograd, register_fake
-from moe_core.ops.aux_loss_scores import flat_padding_mask
+from moe_core.ops._padding_mask import flat_padding_mask
 
 _OP = torch.ops.moe_core.z_loss
 _BWD = torch.ops.moe_core.z_loss_bwd
