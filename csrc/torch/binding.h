@@ -185,18 +185,18 @@ Tensor3 router_gating_linear_bwd(const Device &d, const Tensor &grad_logits, con
 Tensor2 router_topk(const Device &d, const Tensor &logits, int64_t topk, bool use_pre_softmax,
                     int64_t num_groups, int64_t group_topk, double scaling_factor,
                     string_view score_function, const optional<Tensor> &expert_bias,
-                    int64_t routing_mode);
+                    optional<bool> normalize, int64_t group_score_topk);
 Tensor3 router_topk_dense(const Device &d, const Tensor &logits, int64_t topk, bool use_pre_softmax,
                           int64_t num_groups, int64_t group_topk, double scaling_factor,
                           string_view score_function, const optional<Tensor> &expert_bias,
-                          int64_t routing_mode);
+                          optional<bool> normalize, int64_t group_score_topk);
 // router_topk_bwd (grad_probs [T, topk]) and router_topk_dense_bwd (the dense [T, E] gradient)
 template <bool dense>
 struct RouterTopkBwd {
   static Tensor op(const Device &d, const Tensor &grad_probs, const Tensor &logits,
                    const Tensor &topk_indices, int64_t topk, bool use_pre_softmax,
                    int64_t num_groups, int64_t group_topk, double scaling_factor,
-                   string_view score_function, int64_t routing_mode);
+                   string_view score_function, optional<bool> normalize, int64_t group_score_topk);
 };
 inline constexpr auto router_topk_bwd = &RouterTopkBwd<false>::op;
 inline constexpr auto router_topk_dense_bwd = &RouterTopkBwd<true>::op;
@@ -204,7 +204,7 @@ Tensor6 router_topk_fused(const Device &d, const Tensor &logits, int64_t topk, b
                           int64_t num_groups, int64_t group_topk, double scaling_factor,
                           string_view score_function, const optional<Tensor> &expert_bias,
                           const optional<Tensor> &padding_mask, bool with_aux, bool with_lse,
-                          int64_t routing_mode);
+                          optional<bool> normalize, int64_t group_score_topk);
 Tensor router_lse_bwd(const Device &d, const Tensor &grad_lse, const Tensor &logits,
                       const Tensor &lse, const optional<Tensor> &padding_mask);
 

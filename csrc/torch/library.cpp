@@ -26,21 +26,24 @@ namespace {
                               "Tensor, Tensor)")                                                   \
   X(router_topk, "(Tensor logits, int topk, bool use_pre_softmax, int num_groups, "                \
                  "int group_topk, float scaling_factor, str score_function, Tensor? expert_bias, " \
-                 "int routing_mode=0) -> (Tensor, Tensor)")                                        \
+                 "bool? normalize=None, int group_score_topk=0) -> (Tensor, Tensor)")              \
   X(router_topk_bwd, "(Tensor grad_probs, Tensor logits, Tensor topk_indices, int topk, "          \
                      "bool use_pre_softmax, int num_groups, int group_topk, "                      \
-                     "float scaling_factor, str score_function, int routing_mode=0) -> Tensor")    \
+                     "float scaling_factor, str score_function, bool? normalize=None, "            \
+                     "int group_score_topk=0) -> Tensor")                                          \
   X(router_topk_dense, "(Tensor logits, int topk, bool use_pre_softmax, int num_groups, "          \
                        "int group_topk, float scaling_factor, str score_function, "                \
-                       "Tensor? expert_bias, int routing_mode=0) -> (Tensor, Tensor, Tensor)")     \
+                       "Tensor? expert_bias, bool? normalize=None, int group_score_topk=0)"        \
+                       " -> (Tensor, Tensor, Tensor)")                                             \
   X(router_topk_dense_bwd, "(Tensor grad_probs, Tensor logits, Tensor topk_indices, int topk, "    \
                            "bool use_pre_softmax, int num_groups, int group_topk, "                \
-                           "float scaling_factor, str score_function, int routing_mode=0)"         \
-                           " -> Tensor")                                                           \
+                           "float scaling_factor, str score_function, bool? normalize=None, "      \
+                           "int group_score_topk=0) -> Tensor")                                    \
   X(router_topk_fused, "(Tensor logits, int topk, bool use_pre_softmax, int num_groups, "          \
                        "int group_topk, float scaling_factor, str score_function, "                \
                        "Tensor? expert_bias, Tensor? padding_mask, bool with_aux, bool with_lse, " \
-                       "int routing_mode=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")  \
+                       "bool? normalize=None, int group_score_topk=0) -> (Tensor, Tensor, "        \
+                       "Tensor, Tensor, Tensor, Tensor)")                                          \
   X(router_lse_bwd, "(Tensor grad_lse, Tensor logits, Tensor lse, Tensor? padding_mask)"           \
                     " -> Tensor")                                                                  \
   /* layout.cpp */                                                                                 \

@@ -8,17 +8,20 @@
 
 namespace moe_torch {
 
-// routing_mode packs the rules beyond Megatron's (moe_core/ops/router_topk.py, routing_mode):
-// bits 0-1 the moe_topk_norm_t, bits 2.. the group_score_topk (0: topk / group_topk).
+// The schema's options as the C params. The rules beyond Megatron's (moe_core/ops/router_topk.py)
+// are `normalize` (None: Megatron's rule, False: none, True: always renormalised, i.e. the
+// moe_topk_norm_t) and `group_score_topk` (0: topk / group_topk); the core checks every value.
 static moe_router_topk_params_t make_topk_params(int64_t topk, bool use_pre_softmax,
                                                  int64_t num_groups, int64_t group_topk,
                                                  double scaling_factor,
                                                  string_view score_function,
-                                                 int64_t routing_mode) {
-  MOE_CHECK_VALUE(routing_mode >= 0, "routing_mode must be >= 0, got ", routing_mode);
+                                                 optional<bool> normalize,
+                                                 int64_t group_score_topk) {
   moe_router_topk_params_t p;
-  p.norm = (moe_topk_norm_t)(routing_mode & 3);
-  p.group_score_topk = routing_mode >> 2;
+  p.norm = !normalize.has_value() ? MOE_TOPK_NORM_DEFAULT
+           : *normalize           ? MOE_TOPK_NORM_SUM
+                                  : MOE_TOPK_NORM_NONE;
+  p.group_score_topk = group_score_topk;
   p.topk = topk;
   p.num_groups = num_groups;
   p.group_topk = group_topk;
@@ -107,7 +110,8 @@ struct TopkInputs {
 static TopkInputs topk_inputs(const Tensor &logits_, int64_t topk, bool use_pre_softmax,
                               int64_t num_groups, int64_t group_topk, double scaling_factor,
                               string_view score_function, const optional<Tensor> &expert_bias_,
-                              int64_t routing_mode, const char *op) {
+                              optional<bool> normalize, int64_t group_score_topk,
+                              const char *op) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   TopkInputs in;
@@ -123,7 +127,7 @@ static TopkInputs topk_inputs(const Tensor &logits_, int64_t topk, bool use_pre_
     check_same_device(in.bias, in.logits, "expert_bias", "logits");
   }
   in.p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                          score_function, routing_mode);
+                          score_function, normalize, group_score_topk);
   // topk sizes the outputs: the core's check of the params runs before anything is allocated
   check_status(moe_router_topk_check(&in.p, in.E, in.bias.defined()), op);
   return in;
@@ -132,10 +136,10 @@ static TopkInputs topk_inputs(const Tensor &logits_, int64_t topk, bool use_pre_
 Tensor2 router_topk(const Device &d, const Tensor &logits_, int64_t topk, bool use_pre_softmax,
                     int64_t num_groups, int64_t group_topk, double scaling_factor,
                     string_view score_function, const optional<Tensor> &expert_bias_,
-                    int64_t routing_mode) {
+                    optional<bool> normalize, int64_t group_score_topk) {
   TopkInputs in = topk_inputs(logits_, topk, use_pre_softmax, num_groups, group_topk,
-                              scaling_factor, score_function, expert_bias_, routing_mode,
-                              "router_topk");
+                              scaling_factor, score_function, expert_bias_, normalize,
+                              group_score_topk, "router_topk");
   const Tensor &logits = in.logits;
   const OnDevice on(d, logits);
   Tensor probs = at::empty({in.T, topk}, logits.options());
@@ -153,7 +157,8 @@ template <bool dense>
 Tensor RouterTopkBwd<dense>::op(const Device &d, const Tensor &grad_probs_, const Tensor &logits_,
                                 const Tensor &topk_indices_, int64_t topk, bool use_pre_softmax,
                                 int64_t num_groups, int64_t group_topk, double scaling_factor,
-                                string_view score_function, int64_t routing_mode) {
+                                string_view score_function, optional<bool> normalize,
+                                int64_t group_score_topk) {
   check_dim(logits_, 2, "logits");
   check_float(logits_, "logits");
   const int64_t T = logits_.size(0), E = logits_.size(1);
@@ -173,7 +178,8 @@ Tensor RouterTopkBwd<dense>::op(const Device &d, const Tensor &grad_probs_, cons
   Tensor logits = logits_.contiguous(), indices = topk_indices_.contiguous();
   Tensor grad_probs = grad_probs_.to(logits.scalar_type()).contiguous();
   moe_router_topk_params_t p = make_topk_params(topk, use_pre_softmax, num_groups, group_topk,
-                                                scaling_factor, score_function, routing_mode);
+                                                scaling_factor, score_function, normalize,
+                                                group_score_topk);
   const OnDevice on(d, logits);
   Tensor grad_logits = at::empty_like(logits);
   const Workspace ws = workspace(logits, d.router_topk_workspace_size(T, E, &p));
@@ -227,10 +233,10 @@ Tensor6 router_topk_fused(const Device &d, const Tensor &logits, int64_t topk, b
                           int64_t num_groups, int64_t group_topk, double scaling_factor,
                           string_view score_function, const optional<Tensor> &expert_bias,
                           const optional<Tensor> &padding_mask, bool with_aux, bool with_lse,
-                          int64_t routing_mode) {
+                          optional<bool> normalize, int64_t group_score_topk) {
   const TopkInputs in = topk_inputs(logits, topk, use_pre_softmax, num_groups, group_topk,
-                                    scaling_factor, score_function, expert_bias, routing_mode,
-                                    "router_topk_fused");
+                                    scaling_factor, score_function, expert_bias, normalize,
+                                    group_score_topk, "router_topk_fused");
   return fused_router(d, in, topk, padding_mask, with_aux, with_lse, "router_topk_fused");
 }
 
@@ -238,10 +244,10 @@ Tensor6 router_topk_fused(const Device &d, const Tensor &logits, int64_t topk, b
 Tensor3 router_topk_dense(const Device &d, const Tensor &logits, int64_t topk, bool use_pre_softmax,
                           int64_t num_groups, int64_t group_topk, double scaling_factor,
                           string_view score_function, const optional<Tensor> &expert_bias,
-                          int64_t routing_mode) {
+                          optional<bool> normalize, int64_t group_score_topk) {
   const TopkInputs in = topk_inputs(logits, topk, use_pre_softmax, num_groups, group_topk,
-                                    scaling_factor, score_function, expert_bias, routing_mode,
-                                    "router_topk");
+                                    scaling_factor, score_function, expert_bias, normalize,
+                                    group_score_topk, "router_topk");
   auto out = fused_router(d, in, topk, c10::nullopt, false, false, "router_topk_dense");
   return {std::get<0>(out), std::get<1>(out), std::get<2>(out)};
 }

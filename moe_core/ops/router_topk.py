@@ -40,7 +40,8 @@ Rules beyond Megatron's (Hugging Face families), as keyword arguments of every r
   whatever topk is); None is Megatron's ``topk // group_topk``.
 * ``expert_bias`` with softmax-pre: added to the softmax probs for the selection only; the probs
   are the unbiased softmax values (Ernie-4.5's ``e_score_correction_bias``).
-The three travel to the kernels as one int, :func:`routing_mode`.
+``normalize`` and ``group_score_topk`` are named arguments of the ops' schemas as well
+(``bool? normalize=None, int group_score_topk=0``); the binding maps them to the C params.
 """
 from typing import Optional, Tuple
 
@@ -58,13 +59,11 @@ _DENSE_BWD = torch.ops.moe_core.router_topk_dense_bwd
 _FUSED = torch.ops.moe_core.router_topk_fused
 _LSE_BWD = torch.ops.moe_core.router_lse_bwd
 _AUX_BWD = torch.ops.moe_core.aux_loss_scores_bwd
-# the kernels' moe_topk_norm_t (csrc/moe_router.h) for each value of `normalize`
-_NORM_CODES = {None: 0, False: 1, True: 2}
 
 
-def routing_mode(normalize: Optional[bool] = None, group_score_topk: Optional[int] = None) -> int:
-    """The ops' ``routing_mode`` argument: bits 0-1 the normalisation (0 Megatron's, 1 none,
-    2 always renormalised), bits 2.. the group score's expert count (0: ``topk // group_topk``).
+def _rules(normalize: Optional[bool], group_score_topk: Optional[int]) -> dict:
+    """The rules beyond Megatron's as the ops' named arguments: ``normalize`` None / False / True
+    as it is, ``group_score_topk`` None as 0 (the schema's "``topk // group_topk``").
 
     Raises:
         ValueError: ``normalize`` not None / bool, or ``group_score_topk`` not None or an int
@@ -75,7 +74,7 @@ def routing_mode(normalize: Optional[bool] = None, group_score_topk: Optional[in
     n = group_score_topk
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
         raise ValueError(f"group_score_topk must be None or an int >= 1, got {n!r}")
-    return _NORM_CODES[normalize] | (int(n or 0) << 2)
+    return dict(normalize=normalize, group_score_topk=int(n or 0))
 
 
 def _options(topk: int, use_pre_softmax: bool, num_groups: Optional[int],
@@ -125,7 +124,7 @@ def router_topk(
         ``(probs [num_tokens, topk] in logits.dtype, indices [num_tokens, topk] int64)``, best first.
     """
     opts = _options(topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function)
-    return _OP(logits, *opts, expert_bias, routing_mode(normalize, group_score_topk))
+    return _OP(logits, *opts, expert_bias, **_rules(normalize, group_score_topk))
 
 
 def topk_routing_with_score_function(
@@ -194,7 +193,7 @@ def router_topk_dense(
         bool, indices [num_tokens, topk] int64 best first)``; only ``probs`` is differentiable.
     """
     opts = _options(topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function)
-    return _DENSE(logits, *opts, expert_bias, routing_mode(normalize, group_score_topk))
+    return _DENSE(logits, *opts, expert_bias, **_rules(normalize, group_score_topk))
 
 
 def router_topk_fused(
@@ -246,7 +245,7 @@ def router_topk_fused(
     mask = flat_padding_mask(padding_mask, logits.shape[0])
     probs, routing_map, indices, aux_scores, aux_map, lse = _FUSED(
         logits, *opts, expert_bias, mask, bool(with_aux), bool(with_lse),
-        routing_mode(normalize, group_score_topk))
+        **_rules(normalize, group_score_topk))
     return (probs, routing_map, indices, aux_scores if with_aux else None,
             aux_map if with_aux else None, lse if with_lse else None)
 
@@ -315,28 +314,31 @@ def group_limited_topk(
     return scores.gather(1, indices), indices
 
 
-def _mode(inputs: tuple, at: int) -> int:
-    """routing_mode from an op's inputs (absent: its schema default, 0)."""
-    return inputs[at] if len(inputs) > at else 0
+def _rules_of(inputs: tuple, at: int) -> Tuple[Optional[bool], int]:
+    """``(normalize, group_score_topk)`` from an op's inputs, the first at ``at`` (the dispatcher
+    leaves out trailing arguments equal to their schema defaults, None and 0)."""
+    return (inputs[at] if len(inputs) > at else None,
+            inputs[at + 1] if len(inputs) > at + 1 else 0)
 
 
 @register_fake("moe_core::router_topk")
 def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
-      expert_bias, routing_mode=0):
+      expert_bias, normalize=None, group_score_topk=0):
     shape = (logits.shape[0], topk)
     return logits.new_empty(shape), logits.new_empty(shape, dtype=torch.long)
 
 
 @register_fake("moe_core::router_topk_bwd")
 def _(grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups, group_topk,
-      scaling_factor, score_function, routing_mode=0):
+      scaling_factor, score_function, normalize=None, group_score_topk=0):
     return torch.empty_like(logits)
 
 
 def _setup_context(ctx, inputs, output):
     logits, topk, pre, num_groups, group_topk, scaling, score_function, _bias = inputs[:8]
     _probs, indices = output
-    ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function, _mode(inputs, 8))
+    ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function,
+                   *_rules_of(inputs, 8))
     ctx.num_inputs = len(inputs)
     ctx.save_for_backward(logits, indices)
 
@@ -352,7 +354,7 @@ register_autograd("moe_core::router_topk", _backward, setup_context=_setup_conte
 
 @register_fake("moe_core::router_topk_dense")
 def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
-      expert_bias, routing_mode=0):
+      expert_bias, normalize=None, group_score_topk=0):
     T, E = logits.shape
     return (logits.new_empty((T, E)), logits.new_empty((T, E), dtype=torch.bool),
             logits.new_empty((T, topk), dtype=torch.long))
@@ -360,14 +362,15 @@ def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, sco
 
 @register_fake("moe_core::router_topk_dense_bwd")
 def _(grad_probs, logits, topk_indices, topk, use_pre_softmax, num_groups, group_topk,
-      scaling_factor, score_function, routing_mode=0):
+      scaling_factor, score_function, normalize=None, group_score_topk=0):
     return torch.empty_like(logits)
 
 
 def _dense_setup_context(ctx, inputs, output):
     logits, topk, pre, num_groups, group_topk, scaling, score_function, _bias = inputs[:8]
     _probs, _map, indices = output
-    ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function, _mode(inputs, 8))
+    ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function,
+                   *_rules_of(inputs, 8))
     ctx.num_inputs = len(inputs)
     ctx.save_for_backward(logits, indices)
 
@@ -384,7 +387,7 @@ register_autograd("moe_core::router_topk_dense", _dense_backward,
 
 @register_fake("moe_core::router_topk_fused")
 def _(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
-      expert_bias, padding_mask, with_aux, with_lse, routing_mode=0):
+      expert_bias, padding_mask, with_aux, with_lse, normalize=None, group_score_topk=0):
     T, E = logits.shape
     st = torch.float64 if logits.dtype == torch.float64 else torch.float32
     ta = T if with_aux else 0
@@ -403,7 +406,8 @@ def _fused_setup_context(ctx, inputs, output):
     (logits, topk, pre, num_groups, group_topk, scaling, score_function, _bias, padding_mask,
      with_aux, with_lse) = inputs[:11]
     _probs, _map, indices, _aux, _aux_map, lse = output
-    ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function, _mode(inputs, 11))
+    ctx.options = (topk, pre, num_groups, group_topk, scaling, score_function,
+                   *_rules_of(inputs, 11))
     ctx.num_inputs = len(inputs)
     ctx.with_aux, ctx.with_lse = with_aux, with_lse
     ctx.save_for_backward(logits, indices, lse, padding_mask)

@@ -23,16 +23,23 @@ def samples(device: str) -> Iterator[Tuple[object, tuple]]:
     yield OPS.router_topk, (logits, k, True, 4, 2, 2.5, "softmax", None)
     yield OPS.router_topk, (logits, k, False, 4, 2, 2.5, "sigmoid", torch.randn(E, device=device))
     yield OPS.router_topk, (logits, k, False, 0, 0, 0.0, "sqrtsoftplus", None)
+    # the named rules beyond Megatron's: normalize, group_score_topk
+    yield OPS.router_topk, (logits, k, False, 4, 2, 0.0, "sigmoid", None, False, 1)
     yield OPS.router_topk_bwd, (torch.randn(T, k, device=device), logits.detach(), idx, k, False,
                                 0, 0, 1.5, "sigmoid")
+    yield OPS.router_topk_bwd, (torch.randn(T, k, device=device), logits.detach(), idx, k, True,
+                                0, 0, 0.0, "softmax", True)
     yield OPS.router_topk_dense, (logits, k, False, 0, 0, 0.0, "softmax", None)
     yield OPS.router_topk_dense, (logits, k, True, 4, 2, 2.5, "softmax", None)
     yield OPS.router_topk_dense, (logits, k, False, 4, 2, 2.5, "sigmoid",
                                   torch.randn(E, device=device))
     yield OPS.router_topk_dense, (logits.detach().double().requires_grad_(), k, False, 0, 0, 0.0,
                                   "sqrtsoftplus", None)
+    yield OPS.router_topk_dense, (logits, k, True, 0, 0, 0.0, "softmax", None, True)
     yield OPS.router_topk_dense_bwd, (torch.randn(T, E, device=device), logits.detach(), idx, k,
                                       False, 0, 0, 1.5, "sigmoid")
+    yield OPS.router_topk_dense_bwd, (torch.randn(T, E, device=device), logits.detach(), idx, k,
+                                      False, 4, 2, 0.0, "sigmoid", False, 2)
     # the fused router's extras: aux scores + map and lse, with and without a mask
     pad = torch.rand(T, device=device) < 0.3
     yield OPS.router_topk_fused, (logits, k, False, 0, 0, 0.0, "softmax", None, pad, True, True)
@@ -43,6 +50,8 @@ def samples(device: str) -> Iterator[Tuple[object, tuple]]:
                                   "sqrtsoftplus", None, pad, True, True)
     yield OPS.router_topk_fused, (logits, k, False, 0, 0, 0.0, "sigmoid", None, None, False,
                                   False)
+    yield OPS.router_topk_fused, (logits, k, False, 4, 2, 2.5, "sqrtsoftplus", None, pad, True,
+                                  True, None, 2)
     yield OPS.router_lse_bwd, (torch.randn(T, device=device, dtype=torch.float64),
                                logits.detach(), torch.logsumexp(logits.detach().double(), 1), pad)
     yield OPS.topk_to_dense, (torch.randn(T, k, device=device, requires_grad=True), idx, E)

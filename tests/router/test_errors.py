@@ -94,7 +94,7 @@ def test_expert_bias_with_post_softmax():
         routing(expert_bias=torch.zeros(8))
 
 
-# ---- the rules beyond Megatron's: normalize, group_score_topk, routing_mode ----
+# ---- the rules beyond Megatron's: normalize, group_score_topk ----
 
 def test_normalize_not_bool():
     with pytest.raises(ValueError, match="normalize must be None, True or False, got 1"):
@@ -132,14 +132,20 @@ def test_group_score_topk_without_groups():
         routing(topk=4, group_score_topk=2)
 
 
-def test_routing_mode_negative():
-    with pytest.raises(ValueError, match="routing_mode must be >= 0, got -4"):
-        torch.ops.moe_core.router_topk(X, 2, False, 0, 0, 0.0, "sigmoid", None, -4)
+def test_op_group_score_topk_negative():
+    with pytest.raises(ValueError, match=r"group_score_topk must be >= 0 \(0: topk / group_topk\), "
+                                         r"got -4"):
+        torch.ops.moe_core.router_topk(X, 2, False, 0, 0, 0.0, "sigmoid", None,
+                                       group_score_topk=-4)
 
 
-def test_routing_mode_unknown_norm():
-    with pytest.raises(ValueError, match=r"norm must be default \(0\), none \(1\) or sum \(2\), got 3"):
-        torch.ops.moe_core.router_topk(X, 2, False, 0, 0, 0.0, "sigmoid", None, 3)
+@pytest.mark.parametrize("normalize,norm", [(False, 1), (True, 2)])
+def test_op_normalize_is_the_norm(normalize, norm):
+    """The op's named normalize reaches the core as its moe_topk_norm_t (False: none, True: sum),
+    which softmax-post refuses by number."""
+    with pytest.raises(ValueError, match=rf"norm={norm}: softmax without use_pre_softmax"):
+        torch.ops.moe_core.router_topk(X, 2, False, 0, 0, 0.0, "softmax", None,
+                                       normalize=normalize)
 
 
 def test_unknown_score_function():
