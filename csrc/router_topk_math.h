@@ -1,6 +1,6 @@
 /*
  * router_topk_math.h: the per-token routing math, shared verbatim by the C kernel
- * (csrc/router_topk.c) and the CUDA kernel (csrc/cuda/router_topk.cu).
+ * (csrc/router_topk.c) and the CUDA kernels (csrc/cuda/router_topk*.cu).
  *
  * Sharing one definition is what makes "the same routing on CPU and CUDA" a property of the code
  * rather than of testing: selection order, tie-breaking and the rounding points are the same

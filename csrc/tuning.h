@@ -55,7 +55,7 @@ typedef struct moe_tuning {
      * timeline then shows each kernel's own time. Same bits. */
     int pdl;
     /** MOE_CORE_ROUTER_LANES: the fused fp32 router kernel for rows of 33-256 experts
-     * (csrc/cuda/router_topk.cu). 1 (default): the lanes kernel (a lane holds neighbouring
+     * (csrc/cuda/router_topk_lanes.cu). 1 (default): the lanes kernel (a lane holds neighbouring
      * experts, a group is a run of lanes, the top-k a threshold), fewer instructions per token
      * than the strided kernel at those widths. 0 (a value starting with 0): the strided kernel,
      * which also serves every row the lanes kernel does not take (up to 32 experts, odd group

@@ -1,6 +1,6 @@
 /*
  * exp_poly_math.h: the fp64 exp that the CUDA router's lanes kernel evaluates instead of the
- * library's (csrc/cuda/router_topk.cu), and its host reference.
+ * library's (csrc/cuda/router_topk_lanes.cu), and its host reference.
  *
  * a = k·ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so k·hi is exact), e^r by its Taylor
  * series to degree 13 (truncation < 0.03 ulp), then k added to the exponent field: 17 FMAs, no
@@ -26,8 +26,8 @@
      1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5,         \
      6.93147180369123816490e-01, 1.90821492927058770002e-10, 1.4426950408889634}
 
-/* exp(a) for |a| <= 708, c = MOE_EXP_POLY_COEFS; moe_exp_fd_n in router_topk.cu performs these
- * operations in this order. */
+/* exp(a) for |a| <= 708, c = MOE_EXP_POLY_COEFS; moe_exp_fd_n in router_topk_lanes.cu performs
+ * these operations in this order. */
 static inline double moe_exp_poly(const double *c, double a) {
     const double kd = rint(a * c[14]);
     double r = fma(-kd, c[12], a);
