@@ -136,7 +136,8 @@ moe_status_t moe_topk_overlap_check(const float *overlap, const int64_t *indices
                                     const int64_t *indices_b, int64_t num_tokens, int64_t topk,
                                     int64_t num_experts);
 
-/* ---- experts (grouped_gemm.c; glu_probs' checks are glu_probs_math.h's moe_gp_check_args) -- */
+/* ---- experts (grouped_gemm.c; glu_probs' own checks are glu_probs_math.h's moe_gp_check_args,
+ * beside the element math that both devices share) ------------------------------------------ */
 
 /* The grouped GEMM op a params struct is checked for: which operand it may gather differs. */
 typedef enum moe_gg_op {
@@ -147,6 +148,13 @@ typedef enum moe_gg_op {
 } moe_gg_op_t;
 
 moe_status_t moe_grouped_gemm_check_params(const moe_grouped_gemm_params_t *p, moe_gg_op_t op);
+/* grouped_gemm_glu_probs: the GEMM's params, then glu_probs' check of a = fc1's output
+ * [num_rows, out_features]; *ffn receives F (out_features / 2 with GLU). */
+moe_status_t moe_grouped_gemm_glu_probs_fwd_check(const void *h, const void *a, const void *probs,
+                                                  moe_dtype_t probs_dtype,
+                                                  const moe_grouped_gemm_params_t *gemm,
+                                                  const moe_glu_probs_params_t *glu,
+                                                  int64_t *ffn);
 
 #ifdef __cplusplus
 }

@@ -564,28 +564,4 @@ static inline moe_status_t moe_gp_check_args(const void *out, const void *a, int
     return moe_check_mul(num_rows, "num_rows", width, p->gated_linear_unit ? "2 * ffn" : "ffn");
 }
 
-/* Argument checks of grouped_gemm_glu_probs (fc1, then glu_probs on its output), shared by the
- * CPU and CUDA entry points (host code): the GEMM's params, then glu_probs' checks of a = fc1's
- * output [num_rows, out_features]. *ffn receives F (out_features / 2 with GLU). */
-static inline moe_status_t moe_gp_fused_check_args(const void *h, const void *a, const void *probs,
-                                                   moe_dtype_t probs_dtype,
-                                                   const moe_grouped_gemm_params_t *gemm,
-                                                   const moe_glu_probs_params_t *glu,
-                                                   int64_t *ffn) {
-    MOE_TRY(moe_grouped_gemm_check_params(gemm, MOE_GG_OP_GLU_PROBS_FWD));
-    MOE_CHECK(gemm->out_dtype == gemm->dtype,
-              "out_dtype must equal dtype (%s): a is both fc1's output and the activation's input, "
-              "got %s", moe_dtype_name(gemm->dtype), moe_dtype_name(gemm->out_dtype));
-    MOE_CHECK(glu != NULL, "glu params must not be NULL");
-    const int64_t n = gemm->out_features;
-    if (glu->gated_linear_unit)
-        MOE_CHECK(n >= 2 && n % 2 == 0,
-                  "out_features must be 2F (even, >= 2) with gated_linear_unit, got %lld",
-                  (long long)n);
-    else
-        MOE_CHECK(n >= 1, "out_features must be F >= 1, got %lld", (long long)n);
-    *ffn = glu->gated_linear_unit ? n / 2 : n;
-    return moe_gp_check_args(h, a, gemm->num_rows, *ffn, gemm->dtype, probs, probs_dtype, glu);
-}
-
 #endif /* MOE_CORE_GLU_PROBS_MATH_H_ */

@@ -20,7 +20,7 @@
 #include <stdlib.h>
 
 #include "common.h"
-#include "glu_probs_math.h"
+#include "glu_probs_math.h" /* moe_gp_check_args: glu_probs' own check */
 #include "tuning.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -901,6 +901,29 @@ moe_status_t moe_grouped_gemm_wgrad(void *grad_weight, const void *x, const void
     return run(&call, workspace, workspace_bytes);
 }
 
+/* Shared with the CUDA entry point (grouped_gemm.cu): the GEMM's params, then glu_probs' own
+ * check (glu_probs_math.h) of a = fc1's output [num_rows, out_features]. */
+moe_status_t moe_grouped_gemm_glu_probs_fwd_check(const void *h, const void *a, const void *probs,
+                                                  moe_dtype_t probs_dtype,
+                                                  const moe_grouped_gemm_params_t *gemm,
+                                                  const moe_glu_probs_params_t *glu,
+                                                  int64_t *ffn) {
+    MOE_TRY(moe_grouped_gemm_check_params(gemm, MOE_GG_OP_GLU_PROBS_FWD));
+    MOE_CHECK(gemm->out_dtype == gemm->dtype,
+              "out_dtype must equal dtype (%s): a is both fc1's output and the activation's input, "
+              "got %s", moe_dtype_name(gemm->dtype), moe_dtype_name(gemm->out_dtype));
+    MOE_CHECK(glu != NULL, "glu params must not be NULL");
+    const int64_t n = gemm->out_features;
+    if (glu->gated_linear_unit)
+        MOE_CHECK(n >= 2 && n % 2 == 0,
+                  "out_features must be 2F (even, >= 2) with gated_linear_unit, got %lld",
+                  (long long)n);
+    else
+        MOE_CHECK(n >= 1, "out_features must be F >= 1, got %lld", (long long)n);
+    *ffn = glu->gated_linear_unit ? n / 2 : n;
+    return moe_gp_check_args(h, a, gemm->num_rows, *ffn, gemm->dtype, probs, probs_dtype, glu);
+}
+
 /* fc1 with glu_probs: on the CPU the op is the composition itself (a must be written anyway, the
  * backward needs it), so its bits are those of the two ops called apart by construction. A
  * gathered x goes to fc1 with the params (glu_probs reads a: num_rows rows either way). */
@@ -912,7 +935,7 @@ moe_status_t moe_grouped_gemm_glu_probs_fwd(void *h, void *a, const void *x, con
                                             size_t workspace_bytes, void *stream) {
     moe_clear_error();
     int64_t ffn = 0;
-    MOE_TRY(moe_gp_fused_check_args(h, a, probs, probs_dtype, gemm, glu, &ffn));
+    MOE_TRY(moe_grouped_gemm_glu_probs_fwd_check(h, a, probs, probs_dtype, gemm, glu, &ffn));
     MOE_TRY(moe_grouped_gemm_fwd(a, x, weight, expert_offsets, gemm, workspace, workspace_bytes,
                                  stream));
     return moe_glu_probs_fwd(h, a, probs, gemm->num_rows, ffn, gemm->dtype, probs_dtype, glu, NULL,

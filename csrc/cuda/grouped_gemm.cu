@@ -30,7 +30,6 @@
 
 #include "cuda_common.cuh"
 #include "grouped_gemm_impl.cuh"
-#include "../glu_probs_math.h"
 #include <stdlib.h>
 
 #define GG_BAND 16 /* row tiles per band (see the header comment) */
@@ -834,7 +833,8 @@ extern "C" moe_status_t moe_cuda_grouped_gemm_glu_probs_fwd(
     const moe_glu_probs_params_t *glu, void *workspace, size_t workspace_bytes, void *stream) {
     moe_clear_error();
     int64_t ffn = 0;
-    MOE_TRY(moe_gp_fused_check_args(h, a, probs, probs_dtype, params, glu, &ffn));
+    MOE_TRY(moe_grouped_gemm_glu_probs_fwd_check(h, a, probs, probs_dtype, params, glu,
+                                                  &ffn));
     MOE_TRY(check_common(expert_offsets, params, MOE_GG_OP_GLU_PROBS_FWD, workspace,
                          workspace_bytes));
     if (params->num_rows == 0) return MOE_OK;
