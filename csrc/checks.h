@@ -34,8 +34,8 @@ moe_status_t moe_router_lse_bwd_check(const void *grad_logits, const double *gra
                                       const void *logits, const double *lse, int64_t num_tokens,
                                       int64_t num_experts, moe_dtype_t logits_dtype);
 
-/* ---- layout (topk_to_dense.c, token_dropping.c, permute.c, layout.c, sort_chunks_by_idxs.c,
- * tokens_per_expert.c) ---------------------------------------------------------------------- */
+/* ---- layout (topk_to_dense.c, token_dropping.c, permute.c, permute_bwd.c, unpermute.c, layout.c,
+ * sort_chunks_by_idxs.c, tokens_per_expert.c) ------------------------------------------------ */
 
 moe_status_t moe_topk_to_dense_check_sizes(int64_t num_tokens, int64_t num_experts, int64_t topk,
                                            moe_dtype_t dtype);
