@@ -63,7 +63,7 @@ typedef struct moe_tuning {
     int router_lanes;
     /** MOE_CORE_UNPERMUTE_SLOTS: the token → rows map of unpermute's forward gathers (the
      * combine, permute's backward without probs, unpermute's backward without probs;
-     * csrc/cuda/unpermute.cu). 1 (default): a [tokens, 16] slots table, one short kernel to
+     * csrc/cuda/layout.cu). 1 (default): a [tokens, 16] slots table, one short kernel to
      * build. 0 (a value starting with 0): the CSR that the backwards with probs use (five short
      * kernels to build); the tests run both. Same bits. */
     int unpermute_slots;

@@ -1,7 +1,8 @@
 /*
  * layout_cuda.cuh: pieces shared by the CUDA token layout kernels (permute, unpermute, chunk
  * sorting, token dropping): element conversions that round exactly as the C core does, the
- * widest vector access a row allows, and a single-block int64 scan.
+ * widest vector access a row allows, a single-block int64 scan, and the token → rows maps and
+ * gather-sum of layout.cu that the combine and permute's backward share.
  *
  * The one idea: every float conversion and every product/sum that the CPU reference rounds is
  * spelled here with the same helpers (common.h's bit-exact half conversions, __f*_rn intrinsics
@@ -171,6 +172,136 @@ __device__ __forceinline__ int64_t moe_block_exclusive_scan_n(int64_t v, int64_t
 /* The same over a block of MOE_SCAN_THREADS threads. */
 __device__ __forceinline__ int64_t moe_block_exclusive_scan(int64_t v, int64_t *total) {
     return moe_block_exclusive_scan_n<MOE_SCAN_THREADS>(v, total);
+}
+
+/* ---- the token → rows maps and the gather-sum (layout.cu) ------------------------------------
+ * Shared by the combine (unpermute.cu) and permute's backward (permute_bwd.cu). Both maps live
+ * in the op's workspace, moe_cuda_unpermute_workspace_size(T, R) bytes (the larger of the two). */
+
+#define MOE_SLOTS 16 /* rows per token held in the slots table; topk <= 16 never overflows */
+#define MOE_GATHER_THREADS 256 /* threads per block of the data kernels */
+
+/* The CSR map: token t's rows, ascending, with each row's expert. */
+typedef struct {
+    int64_t *start;  /* [T + 1]: token t owns entries [start[t], start[t + 1]) */
+    int64_t *cursor; /* [T]: fill cursors */
+    int64_t *rows;   /* [R]: rows, ascending within each token */
+    int64_t *rexp;   /* [R]: the expert of each entry's row (when expert_offsets are given) */
+    double *dots;    /* [R]: per-entry fp64 scratch (unpermute_bwd's grad_probs terms) */
+} moe_cuda_token_rows_t;
+
+/* The slots table: token t's first MOE_SLOTS rows in arrival order, the rest in one list. */
+typedef struct {
+    int64_t *count;  /* [T]: the token's rows (all of them, slots and overflow) */
+    int64_t *ovf_n;  /* [1]: entries in the overflow list */
+    int64_t *slot;   /* [T, MOE_SLOTS]: the token's first rows, in arrival order */
+    longlong2 *ovf;  /* [R]: (token, row) of every row past its token's slots */
+} moe_cuda_token_slots_t;
+
+/* Whether the forward gathers (and unpermute_bwd without probs) take the slots (else the CSR). */
+int moe_cuda_use_slots(int64_t T);
+
+/* The maps of sorted_indices [R] (entries outside [0, T) are skipped), built on `st`. The CSR
+ * gets each entry's expert when expert_offsets [E + 1] is given. */
+moe_status_t moe_cuda_token_slots_build(moe_cuda_token_slots_t *m, void *workspace,
+                                       size_t workspace_bytes, const int64_t *sorted_indices,
+                                       int64_t T, int64_t R, cudaStream_t st);
+moe_status_t moe_cuda_token_rows_build(moe_cuda_token_rows_t *m, void *workspace,
+                                      size_t workspace_bytes, const int64_t *sorted_indices,
+                                      const int64_t *expert_offsets, int64_t T, int64_t E,
+                                      int64_t R, cudaStream_t st);
+
+/* grad_probs [T, E] = Σ per (token, expert) of dots[entry] (unpermute_bwd), or, with dots NULL,
+ * of grad_permuted_probs[row] (permute_bwd), over the CSR map m (built with expert_offsets). */
+moe_status_t moe_cuda_token_expert_sum(void *grad_probs, const double *dots,
+                                       const void *grad_permuted_probs,
+                                       const moe_cuda_token_rows_t *m, int64_t T, int64_t E,
+                                       moe_dtype_t probs_dtype, cudaStream_t st);
+
+/* The kernels' own limit, after the op's shared check. */
+static inline moe_status_t moe_cuda_layout_check_tokens(int64_t num_tokens) {
+    MOE_CHECK(num_tokens <= 0x7fffffffLL, "num_tokens=%lld; the CUDA kernels take at most 2^31-1",
+              (long long)num_tokens);
+    return MOE_OK;
+}
+
+/* VE elements of type T moved as one access of VE·sizeof(T) bytes. */
+template <typename T, int VE>
+union moe_pack {
+    typename moe_vec_t<sizeof(T) * VE>::type raw;
+    T v[VE];
+};
+
+/* Compute type and product rounding for a token dtype and (optional) probs dtype. */
+typedef struct {
+    int compute_fp64; /* C = double */
+    int rp;           /* MOE_RP_* */
+} moe_cuda_math_t;
+
+static inline moe_cuda_math_t moe_cuda_math_for(moe_dtype_t dtype, const void *probs,
+                                                moe_dtype_t probs_dtype) {
+    /* the promoted dtype P of the product (torch.promote_types of two float dtypes) */
+    const moe_dtype_t p = !probs || dtype == probs_dtype ? dtype
+                          : dtype == MOE_DTYPE_FP64 || probs_dtype == MOE_DTYPE_FP64
+                              ? MOE_DTYPE_FP64
+                              : MOE_DTYPE_FP32;
+    moe_cuda_math_t m;
+    m.compute_fp64 = p == MOE_DTYPE_FP64;
+    m.rp = !probs ? MOE_RP_NONE
+           : p == MOE_DTYPE_BF16 ? MOE_RP_BF16
+           : p == MOE_DTYPE_FP16 ? MOE_RP_FP16 : MOE_RP_NONE;
+    return m;
+}
+
+/* The arguments of a data kernel over the rows (the gather-sum, unpermute's backward). */
+typedef struct {
+    void *dst;             /* gather: output [T, H]; bwd: grad_x [R, H] */
+    double *dots;          /* bwd only */
+    const void *src;       /* gather: rows [R, H]; bwd: grad_output [T, H] */
+    const void *x_rows;    /* bwd only: permuted_tokens, or NULL */
+    const moe_cuda_token_rows_t *m;   /* the CSR map, or NULL when the gather reads the slots */
+    const moe_cuda_token_slots_t *sl; /* forward only: the slots table, or NULL */
+    const int64_t *sorted_indices, *expert_offsets; /* the slots gather's own lookups */
+    int64_t num_rows;
+    const void *probs;
+    moe_dtype_t probs_dtype;
+    int64_t T, E, hidden;
+    cudaStream_t st;
+} moe_cuda_rows_args_t;
+
+/* The gather-sum of every token's rows (the combine; permute's backward without probs). */
+moe_status_t moe_cuda_gather_sum(const moe_cuda_rows_args_t *a, moe_dtype_t dtype,
+                                 moe_cuda_math_t mt);
+
+/* L<ET, C, RP, VE>::launch(a) for the element type ET, with 16-byte accesses (VE elements each)
+ * when the row size and a's buffers allow, else one element per access. */
+template <template <typename, typename, int, int> class L, typename ET, typename C, int RP>
+static moe_status_t moe_cuda_launch_rows_t(const moe_cuda_rows_args_t *a) {
+    const int w = moe_vec_bytes((size_t)a->hidden * sizeof(ET), a->dst, a->src, a->x_rows);
+    if (w == 16) return L<ET, C, RP, 16 / sizeof(ET)>::launch(a);
+    return L<ET, C, RP, 1>::launch(a);
+}
+
+/* L's launch for the token dtype and the math: element type, compute type C, product rounding. */
+template <template <typename, typename, int, int> class L>
+static moe_status_t moe_cuda_launch_rows(const moe_cuda_rows_args_t *a, moe_dtype_t dtype,
+                                         moe_cuda_math_t mt) {
+    if (a->T == 0) return MOE_OK;
+    switch (dtype) {
+    case MOE_DTYPE_FP32:
+        return mt.compute_fp64 ? moe_cuda_launch_rows_t<L, float, double, MOE_RP_NONE>(a)
+                               : moe_cuda_launch_rows_t<L, float, float, MOE_RP_NONE>(a);
+    case MOE_DTYPE_FP64: return moe_cuda_launch_rows_t<L, double, double, MOE_RP_NONE>(a);
+    case MOE_DTYPE_BF16:
+        if (mt.compute_fp64) return moe_cuda_launch_rows_t<L, moe_bf16_s, double, MOE_RP_NONE>(a);
+        return mt.rp == MOE_RP_BF16 ? moe_cuda_launch_rows_t<L, moe_bf16_s, float, MOE_RP_BF16>(a)
+                                    : moe_cuda_launch_rows_t<L, moe_bf16_s, float, MOE_RP_NONE>(a);
+    case MOE_DTYPE_FP16:
+        if (mt.compute_fp64) return moe_cuda_launch_rows_t<L, moe_fp16_s, double, MOE_RP_NONE>(a);
+        return mt.rp == MOE_RP_FP16 ? moe_cuda_launch_rows_t<L, moe_fp16_s, float, MOE_RP_FP16>(a)
+                                    : moe_cuda_launch_rows_t<L, moe_fp16_s, float, MOE_RP_NONE>(a);
+    default: return moe_fail(MOE_ERR_INTERNAL, "token layout: unexpected dtype %d", (int)dtype);
+    }
 }
 
 #endif /* MOE_CORE_LAYOUT_CUDA_CUH_ */

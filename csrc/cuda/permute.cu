@@ -1,6 +1,6 @@
 /*
  * permute.cu: tokens → the expert-grouped row layout, on CUDA (the backward, and its chunked
- * accumulate permute_bwd_accumulate, are in unpermute.cu).
+ * accumulate permute_bwd_accumulate, are in permute_bwd.cu).
  *
  * The layout is planned with integers only, then the data moves once. Plan: per chunk of
  * MOE_PERM_CHUNK tokens × expert, the column's routed flags as one 32-bit ballot and their
