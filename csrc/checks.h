@@ -48,7 +48,8 @@ moe_status_t moe_token_dropping_bwd_check(const void *grad_routing_probs,
                                           const void *grad_final_probs, const uint8_t *final_map,
                                           int64_t num_tokens, int64_t num_experts,
                                           moe_dtype_t dtype);
-/* Sizes and params of permute; *num_rows receives the row bound (moe_permute_num_rows). */
+/* Sizes and params of permute (hidden 0: the layout only); *num_rows receives the row bound
+ * (moe_permute_num_rows). */
 moe_status_t moe_permute_check_params(int64_t num_tokens, int64_t hidden, int64_t num_experts,
                                       const moe_permute_params_t *p, int64_t *num_rows);
 moe_status_t moe_permute_fwd_check(const void *permuted_tokens, const void *permuted_probs,

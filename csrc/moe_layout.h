@@ -207,10 +207,15 @@ size_t moe_cuda_permute_workspace_size(int64_t num_tokens, int64_t num_experts,
  * \param[in]  tokens          [num_tokens, hidden], `dtype`
  * \param[in]  routing_map     [num_tokens, num_experts], bool (uint8 0/1)
  * \param[in]  probs           [num_tokens, num_experts], `probs_dtype`, or NULL
- * \param[in]  num_tokens, hidden, num_experts  sizes (>= 0, >= 1, >= 1)
+ * \param[in]  num_tokens, hidden, num_experts  sizes (>= 0, >= 0, >= 1)
  * \param[in]  dtype, probs_dtype  element types (any moe_dtype_t for tokens; float for probs)
  * \param[in]  params          layout options; num_rows = moe_permute_num_rows(...)
  * \param[in]  workspace       moe_permute_workspace_size(...) bytes (none on the CPU)
+ *
+ * Layout only: hidden = 0 with permuted_tokens and tokens NULL (and dtype not read) computes the
+ * layout alone: sorted_indices, permuted_probs (when asked), expert_offsets and
+ * tokens_per_expert, bitwise those of the full mode, and moves no row. Any other combination of
+ * hidden = 0 or a NULL row buffer is rejected, naming the argument.
  */
 moe_status_t moe_permute_fwd(void *permuted_tokens, void *permuted_probs, int64_t *sorted_indices,
                              int64_t *expert_offsets, int64_t *tokens_per_expert,
@@ -220,7 +225,10 @@ moe_status_t moe_permute_fwd(void *permuted_tokens, void *permuted_probs, int64_
                              const moe_permute_params_t *params, void *workspace,
                              size_t workspace_bytes, void *stream);
 
-/** CUDA: bitwise the CPU's rows, probs, indices, offsets and counts. */
+/**
+ * CUDA: bitwise the CPU's rows, probs, indices, offsets and counts. The layout only runs the same
+ * plan and scatter kernels, which then read and write no row.
+ */
 moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permuted_probs,
                                   int64_t *sorted_indices, int64_t *expert_offsets,
                                   int64_t *tokens_per_expert, const void *tokens,
@@ -252,7 +260,13 @@ size_t moe_cuda_unpermute_workspace_size(int64_t num_tokens, int64_t num_rows);
  * \param[in]  grad_permuted_probs  [num_rows], `probs_dtype` (NULL iff grad_probs is NULL)
  * \param[in]  sorted_indices       [num_rows], int64, from the forward (-1: padding row)
  * \param[in]  expert_offsets       [num_experts + 1], int64, from the forward (with grad_probs)
+ * \param[in]  hidden               >= 0
  * \param[in]  workspace            moe_unpermute_workspace_size(num_tokens, num_rows) bytes
+ *
+ * grad_probs only (the backward of the layout-only forward): hidden = 0 with grad_tokens and
+ * grad_permuted_tokens NULL computes grad_probs alone (required then), bitwise the full mode's;
+ * dtype is not read. Any other combination of hidden = 0 or a NULL row buffer is rejected,
+ * naming the argument.
  */
 moe_status_t moe_permute_bwd(void *grad_tokens, void *grad_probs, const void *grad_permuted_tokens,
                              const void *grad_permuted_probs, const int64_t *sorted_indices,

@@ -69,7 +69,8 @@ moe_status_t moe_permute_check_params(int64_t num_tokens, int64_t hidden, int64_
                                       const moe_permute_params_t *p, int64_t *num_rows) {
     MOE_CHECK(p != NULL, "params must not be NULL");
     MOE_CHECK(num_tokens >= 0, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    MOE_CHECK(hidden >= 1, "hidden must be >= 1, got %lld", (long long)hidden);
+    MOE_CHECK(hidden >= 0, "hidden must be >= 0 (0: the layout only, no rows), got %lld",
+              (long long)hidden);
     MOE_CHECK(num_experts >= 1, "num_experts must be >= 1, got %lld", (long long)num_experts);
     MOE_CHECK(p->num_out_tokens >= 0, "num_out_tokens must be >= 0, got %lld",
               (long long)p->num_out_tokens);
@@ -92,17 +93,28 @@ moe_status_t moe_permute_fwd_check(const void *permuted_tokens, const void *perm
                                    const moe_permute_params_t *params, int64_t *num_rows) {
     int64_t R;
     MOE_TRY(moe_permute_check_params(num_tokens, hidden, num_experts, params, &R));
-    MOE_CHECK(moe_dtype_size(dtype) > 0, "tokens has an unknown dtype (%d)", (int)dtype);
+    /* hidden = 0 is the layout-only mode: no rows in, none out, so both row buffers are NULL */
+    const int layout_only = hidden == 0;
+    MOE_CHECK(!layout_only || !permuted_tokens,
+              "permuted_tokens must be NULL with hidden = 0 (the layout only: no row is moved)");
+    MOE_CHECK(!layout_only || !tokens,
+              "tokens must be NULL with hidden = 0 (the layout only: no row is read)");
+    MOE_CHECK(layout_only || moe_dtype_size(dtype) > 0, "tokens has an unknown dtype (%d)",
+              (int)dtype);
     MOE_CHECK(!permuted_probs || moe_is_float_dtype(probs_dtype),
               "probs must be a float dtype, got %s", moe_dtype_name(probs_dtype));
     MOE_CHECK(!permuted_probs || num_tokens == 0 || probs,
               "probs must not be NULL when permuted_probs is requested");
     MOE_CHECK(expert_offsets && tokens_per_expert,
               "expert_offsets and tokens_per_expert must not be NULL");
-    MOE_CHECK(R == 0 || (permuted_tokens && sorted_indices),
-              "permuted_tokens and sorted_indices must not be NULL");
-    MOE_CHECK(num_tokens == 0 || (tokens && routing_map),
-              "tokens and routing_map must not be NULL");
+    MOE_CHECK(layout_only || R == 0 || permuted_tokens,
+              "permuted_tokens must not be NULL with hidden=%lld (NULL, with tokens NULL, needs "
+              "hidden = 0: the layout only)", (long long)hidden);
+    MOE_CHECK(R == 0 || sorted_indices, "sorted_indices must not be NULL");
+    MOE_CHECK(num_tokens == 0 || routing_map, "routing_map must not be NULL");
+    MOE_CHECK(layout_only || num_tokens == 0 || tokens,
+              "tokens must not be NULL with hidden=%lld (NULL, with permuted_tokens NULL, needs "
+              "hidden = 0: the layout only)", (long long)hidden);
     *num_rows = R;
     return MOE_OK;
 }
@@ -163,6 +175,8 @@ moe_status_t moe_permute_fwd(void *permuted_tokens, void *permuted_probs, int64_
         sorted_indices[r] = -1;
         if (permuted_probs) moe_store(permuted_probs, probs_dtype, r, 0.0);
     }
+
+    if (hidden == 0) return MOE_OK; /* the layout only: no row to move */
 
     /* 3. move the rows (int64 offsets: R × hidden passes 2^31) */
     const size_t row_bytes = (size_t)hidden * esize;

@@ -12,16 +12,36 @@ moe_status_t moe_permute_bwd_check(const void *grad_tokens, const void *grad_pro
                                    const void *grad_permuted_probs, const int64_t *expert_offsets,
                                    int64_t num_tokens, int64_t hidden, int64_t num_experts,
                                    int64_t num_rows, moe_dtype_t dtype, moe_dtype_t probs_dtype) {
-    MOE_TRY(moe_layout_check_sizes(num_tokens, hidden, num_experts, num_rows, dtype,
-                                   "grad_permuted_tokens"));
+    MOE_CHECK(hidden >= 0, "hidden must be >= 0 (0: grad_probs only, no rows), got %lld",
+              (long long)hidden);
+    if (hidden == 0) {
+        /* the backward of the layout-only permute: grad_probs alone, from the rows' probs, which
+         * are rows of one element for the size checks */
+        MOE_CHECK(!grad_tokens,
+                  "grad_tokens must be NULL with hidden = 0 (grad_probs only: no rows)");
+        MOE_CHECK(!grad_permuted_tokens,
+                  "grad_permuted_tokens must be NULL with hidden = 0 (grad_probs only: no rows)");
+        MOE_CHECK(grad_probs,
+                  "grad_probs must not be NULL with hidden = 0 (it is all this backward computes)");
+        MOE_TRY(moe_layout_check_sizes(num_tokens, 1, num_experts, num_rows, probs_dtype,
+                                       "grad_permuted_probs"));
+    } else {
+        MOE_TRY(moe_layout_check_sizes(num_tokens, hidden, num_experts, num_rows, dtype,
+                                       "grad_permuted_tokens"));
+        MOE_CHECK(num_tokens == 0 || grad_tokens,
+                  "grad_tokens must not be NULL with hidden=%lld (NULL, with "
+                  "grad_permuted_tokens NULL, needs hidden = 0: grad_probs only)",
+                  (long long)hidden);
+        MOE_CHECK(num_rows == 0 || grad_permuted_tokens,
+                  "grad_permuted_tokens must not be NULL with hidden=%lld (NULL, with "
+                  "grad_tokens NULL, needs hidden = 0: grad_probs only)", (long long)hidden);
+    }
     MOE_CHECK(!grad_probs || moe_is_float_dtype(probs_dtype),
               "grad_permuted_probs must be a float dtype, got %s", moe_dtype_name(probs_dtype));
     MOE_CHECK(!grad_probs || num_rows == 0 || grad_permuted_probs,
               "grad_permuted_probs must not be NULL when grad_probs is requested");
     MOE_CHECK(!grad_probs || expert_offsets,
               "expert_offsets must not be NULL when grad_probs is requested");
-    MOE_CHECK(num_tokens == 0 || grad_tokens, "grad_tokens must not be NULL");
-    MOE_CHECK(num_rows == 0 || grad_permuted_tokens, "grad_permuted_tokens must not be NULL");
     return MOE_OK;
 }
 
@@ -49,8 +69,10 @@ moe_status_t moe_permute_bwd(void *grad_tokens, void *grad_probs, const void *gr
     for (int64_t t = 0; t < num_tokens; ++t) {
         const int64_t *rows = map.rows + map.start[t];
         const int64_t n = map.start[t + 1] - map.start[t];
-        moe_gather_sum_token(moe_row_ptr(grad_tokens, t, hidden, esize), grad_permuted_tokens,
-                             rows, n, hidden, dtype, NULL, dtype, NULL, num_experts, t);
+        if (hidden > 0) /* hidden = 0: grad_probs only */
+            moe_gather_sum_token(moe_row_ptr(grad_tokens, t, hidden, esize),
+                                 grad_permuted_tokens, rows, n, hidden, dtype, NULL, dtype, NULL,
+                                 num_experts, t);
         if (grad_probs) {
             for (int64_t e = 0; e < num_experts; ++e)
                 moe_store(grad_probs, probs_dtype, t * num_experts + e, 0.0);

@@ -247,7 +247,8 @@ typedef struct {
     int64_t *expert_offsets;           /* [E + 1]: written by block 0 when plan_here */
     int64_t *tokens_per_expert;        /* [E]: written by block 0 when plan_here */
     const int64_t *npad;               /* [1]: rows no token fills */
-    int64_t T, E, nchunks, R, capacity, nvec;
+    int64_t T, E, nchunks, R, capacity;
+    int64_t nvec; /* W-byte vectors per row; 0: the layout only (hidden = 0), no row is touched */
     int dap;
     int pf_probs; /* probs rows of <= 64 bytes: the scatter loads a prob before its wait */
     int plan_here; /* E <= MOE_PERM_PLAN_E: every block plans in a warp (perm_plan_warp) */
@@ -300,7 +301,8 @@ __device__ __forceinline__ void permute_pad_warp(const perm_scatter_args_t &a, i
         a.sorted_indices[r] = -1;
         if (a.permuted_probs) moe_store(a.permuted_probs, a.probs_dtype, r, 0.0);
     }
-    moe_zero_rows_warp<W>(a.permuted_tokens, __ballot_sync(0xffffffffu, pad), r0, a.nvec);
+    if (a.nvec > 0) /* uniform: the layout only (nvec = 0) has no rows to zero */
+        moe_zero_rows_warp<W>(a.permuted_tokens, __ballot_sync(0xffffffffu, pad), r0, a.nvec);
 }
 
 /* The block's plan in shared memory, E <= MOE_PERM_PLAN_E, one warp: the same values as
@@ -448,7 +450,7 @@ __global__ void __launch_bounds__(256) moe_permute_scatter_kernel(const perm_sca
     }
     __syncthreads();
     V *out = (V *)a.permuted_tokens;
-    if (live) {
+    if (live && nvec > 0) { /* nvec = 0: the layout only, no row to store (nor was one loaded) */
         const int n = s_n[y];
         for (;;) {
             for (int k = 0; k < n; ++k) {
@@ -590,6 +592,9 @@ extern "C" moe_status_t moe_cuda_permute_fwd(void *permuted_tokens, void *permut
     /* two sectors or less: what the routed entries of a row read anyway, so loading each
      * thread's first entry whether routed or not costs no extra traffic */
     a.pf_probs = permuted_probs && (size_t)E * moe_dtype_size(probs_dtype) <= 64;
+    /* the layout only (hidden = 0, no row buffers): the same plan and scatter with rows of no
+     * vectors, so the indices and probs are the full mode's and no row is read or written */
+    if (hidden == 0) return launch_data<16>(a, 0, st);
     const size_t row_bytes = (size_t)hidden * esize;
     switch (moe_vec_bytes(row_bytes, permuted_tokens, tokens, NULL)) {
     case 16: return launch_data<16>(a, row_bytes, st);

@@ -5,7 +5,9 @@
  * The backward is layout.cu's gather-sum without weights: one thread group owns each token and
  * adds its rows in ascending row order, so grad_tokens is the CPU's bit for bit, with no atomics
  * on data. grad_probs needs each (token, expert) entry in order, so it takes the CSR map (with
- * each row's expert); the plain gather takes the slots table.
+ * each row's expert); the plain gather takes the slots table. With hidden = 0 (the backward of
+ * the layout-only permute) only grad_probs is computed: the CSR and the per-(token, expert) sum,
+ * no gather.
  *
  * permute_bwd_accumulate (permute_bwd's token sum over one chunk of rows [row_lo, row_lo + n),
  * added into an fp32 accumulator) builds the CSR per call over the chunk's own slice of
@@ -46,7 +48,8 @@ extern "C" moe_status_t moe_cuda_permute_bwd(void *grad_tokens, void *grad_probs
                                           grad_probs ? expert_offsets : NULL, num_tokens,
                                           num_experts, num_rows, st));
     }
-    MOE_TRY(moe_cuda_gather_sum(&a, dtype, moe_cuda_math_for(dtype, NULL, probs_dtype)));
+    if (hidden > 0) /* hidden = 0: grad_probs only, no rows to gather */
+        MOE_TRY(moe_cuda_gather_sum(&a, dtype, moe_cuda_math_for(dtype, NULL, probs_dtype)));
     if (grad_probs)
         MOE_TRY(moe_cuda_token_expert_sum(grad_probs, NULL, grad_permuted_probs, &m, num_tokens,
                                           num_experts, probs_dtype, st));

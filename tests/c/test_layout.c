@@ -138,6 +138,111 @@ static void test_round_trip_and_gather(void) {
     free_permuted(&o);
 }
 
+/* The layout-only permute (hidden = 0, no row buffers) writes the full mode's indices, probs,
+ * offsets and counts bit for bit; the probs-only backward (hidden = 0) the full backward's
+ * grad_probs. Over dropless, drop-and-pad (capacity below and above T), align_size > 1 and a row
+ * bound below the routed count (rows cut off). */
+static void test_permute_layout_only(void) {
+    unsigned long long s = 13;
+    enum { T = 37, E = 6, K = 2, H = 3 };
+    static uint8_t map[T * E];
+    static double x[T * H], p[T * E];
+    random_map(map, T, E, K, &s);
+    for (int i = 0; i < T * H; ++i) x[i] = ctest_rand_normal(&s);
+    for (int i = 0; i < T * E; ++i) p[i] = map[i] ? ctest_rand_uniform(&s) : 0.0;
+    const struct { int64_t num_out; int dap; int64_t align; } cases[] = {
+        {T * K, 0, 0},     /* dropless */
+        {T * K, 0, 4},     /* aligned blocks */
+        {T * K - 9, 0, 0}, /* a row bound below the routed count: the tail is cut off */
+        {T * K - 9, 0, 8}, /* cut off, aligned */
+        {5 * E, 1, 0},     /* drop and pad, capacity 5 < T */
+        {45 * E, 1, 4},    /* capacity 45 > T, aligned to 48 */
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; ++c) {
+        const moe_permute_params_t prm = {cases[c].num_out, cases[c].align, cases[c].dap};
+        permuted_t full = run_permute(x, map, p, T, H, E, prm.num_out_tokens, prm.drop_and_pad,
+                                      prm.align_size);
+        const int64_t R = full.R;
+        double *probs = malloc((size_t)(R + 1) * sizeof(double));
+        int64_t *idx = malloc((size_t)(R + 1) * sizeof(int64_t));
+        int64_t off[E + 1], cnt[E];
+        for (int with_probs = 0; with_probs <= 1; ++with_probs) {
+            memset(idx, 0x5a, (size_t)(R + 1) * sizeof(int64_t));
+            memset(off, 0x5a, sizeof off), memset(cnt, 0x5a, sizeof cnt);
+            CHECK(moe_permute_fwd(NULL, with_probs ? probs : NULL, idx, off, cnt, NULL, map,
+                                  with_probs ? p : NULL, T, 0, E, MOE_DTYPE_FP64, MOE_DTYPE_FP64,
+                                  &prm, NULL, 0, NULL) == MOE_OK,
+                  "layout only, case %zu: %s", c, moe_last_error());
+            CHECK(memcmp(idx, full.idx, (size_t)R * sizeof(int64_t)) == 0, "indices, case %zu", c);
+            CHECK(memcmp(off, full.off, sizeof off) == 0, "offsets, case %zu", c);
+            CHECK(memcmp(cnt, full.cnt, sizeof cnt) == 0, "counts, case %zu", c);
+            CHECK(!with_probs || memcmp(probs, full.probs, (size_t)R * sizeof(double)) == 0,
+                  "probs, case %zu", c);
+        }
+        /* the cut-off case really cuts: fewer rows than routed pairs */
+        CHECK(c != 2 || full.off[E] == R, "case 2 fills its %lld rows", (long long)R);
+
+        /* backward: grad_probs of the probs-only call == the full call's */
+        size_t ws_bytes = moe_unpermute_workspace_size(T, R);
+        void *ws = malloc(ws_bytes);
+        double *g_rows = malloc((size_t)(R * H + 1) * sizeof(double));
+        double *g_pp = malloc((size_t)(R + 1) * sizeof(double));
+        static double gx[T * H], gp_full[T * E], gp_only[T * E];
+        for (int64_t i = 0; i < R * H; ++i) g_rows[i] = ctest_rand_normal(&s);
+        for (int64_t r = 0; r < R; ++r) g_pp[r] = full.idx[r] >= 0 ? ctest_rand_normal(&s) : 0.0;
+        CHECK(moe_permute_bwd(gx, gp_full, g_rows, g_pp, full.idx, full.off, T, H, E, R,
+                              MOE_DTYPE_FP64, MOE_DTYPE_FP64, ws, ws_bytes, NULL) == MOE_OK,
+              "full backward, case %zu: %s", c, moe_last_error());
+        memset(gp_only, 0x5a, sizeof gp_only);
+        CHECK(moe_permute_bwd(NULL, gp_only, NULL, g_pp, full.idx, full.off, T, 0, E, R,
+                              MOE_DTYPE_FP64, MOE_DTYPE_FP64, ws, ws_bytes, NULL) == MOE_OK,
+              "probs-only backward, case %zu: %s", c, moe_last_error());
+        CHECK(memcmp(gp_only, gp_full, sizeof gp_full) == 0, "grad_probs, case %zu", c);
+        int64_t nonzero = 0;
+        for (int64_t i = 0; i < T * E; ++i) nonzero += gp_full[i] != 0.0;
+        CHECK(nonzero > 0, "case %zu: grad_probs has values to compare", c);
+        free(g_pp), free(g_rows), free(ws), free(idx), free(probs);
+        free_permuted(&full);
+    }
+}
+
+/* hidden = 0 goes with NULL row buffers and nothing else: each inconsistent call names the
+ * argument. */
+static void test_bad_layout_only_args(void) {
+    double x[4] = {0}, rows[8], pp[8], gp[4];
+    uint8_t map[4] = {1, 0, 0, 1};
+    int64_t idx[8] = {0, 1}, off[3] = {0, 1, 2}, cnt[2];
+    const moe_permute_params_t p = {2, 0, 0};
+    struct { void *out; const void *in; int64_t hidden; const char *msg; } fwd[] = {
+        {rows, NULL, 0, "permuted_tokens must be NULL with hidden = 0"},
+        {NULL, x, 0, "tokens must be NULL with hidden = 0"},
+        {NULL, x, 2, "permuted_tokens must not be NULL with hidden=2"},
+        {rows, NULL, 2, "tokens must not be NULL with hidden=2"},
+        {NULL, NULL, -1, "hidden must be >= 0"},
+    };
+    for (size_t i = 0; i < sizeof fwd / sizeof fwd[0]; ++i)
+        CHECK(moe_permute_fwd(fwd[i].out, NULL, idx, off, cnt, fwd[i].in, map, NULL, 2,
+                              fwd[i].hidden, 2, MOE_DTYPE_FP64, MOE_DTYPE_FP64, &p, NULL, 0,
+                              NULL) == MOE_ERR_INVALID_ARGUMENT &&
+                  strstr(moe_last_error(), fwd[i].msg) != NULL,
+              "forward case %zu: %s", i, moe_last_error());
+    int64_t ws[16];
+    struct { void *gt; void *gprobs; const void *grows; int64_t hidden; const char *msg; } bwd[] = {
+        {x, gp, NULL, 0, "grad_tokens must be NULL with hidden = 0"},
+        {NULL, gp, rows, 0, "grad_permuted_tokens must be NULL with hidden = 0"},
+        {NULL, NULL, NULL, 0, "grad_probs must not be NULL with hidden = 0"},
+        {NULL, gp, rows, 2, "grad_tokens must not be NULL with hidden=2"},
+        {x, gp, NULL, 2, "grad_permuted_tokens must not be NULL with hidden=2"},
+        {NULL, gp, NULL, -1, "hidden must be >= 0"},
+    };
+    for (size_t i = 0; i < sizeof bwd / sizeof bwd[0]; ++i)
+        CHECK(moe_permute_bwd(bwd[i].gt, bwd[i].gprobs, bwd[i].grows, pp, idx, off, 2,
+                              bwd[i].hidden, 2, 2, MOE_DTYPE_FP64, MOE_DTYPE_FP64, ws, sizeof ws,
+                              NULL) == MOE_ERR_INVALID_ARGUMENT &&
+                  strstr(moe_last_error(), bwd[i].msg) != NULL,
+              "backward case %zu: %s", i, moe_last_error());
+}
+
 /* Position keeps the first capacity routed tokens; probs keeps the largest, ties to low index. */
 static void test_token_dropping_rules(void) {
     enum { T = 8, E = 2 };
@@ -249,6 +354,8 @@ void ctest_register_layout(void) {
     ctest_add("permute_dropless_order", test_permute_dropless_order);
     ctest_add("permute_drop_and_pad", test_permute_drop_and_pad);
     ctest_add("round_trip_and_gather", test_round_trip_and_gather);
+    ctest_add("permute_layout_only", test_permute_layout_only);
+    ctest_add("bad_layout_only_args", test_bad_layout_only_args);
     ctest_add("token_dropping_rules", test_token_dropping_rules);
     ctest_add("sort_chunks", test_sort_chunks);
     ctest_add("bad_layout_args", test_bad_layout_args);
