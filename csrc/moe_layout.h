@@ -264,9 +264,9 @@ size_t moe_cuda_unpermute_workspace_size(int64_t num_tokens, int64_t num_rows);
  * \param[in]  workspace            moe_unpermute_workspace_size(num_tokens, num_rows) bytes
  *
  * grad_probs only (the backward of the layout-only forward): hidden = 0 with grad_tokens and
- * grad_permuted_tokens NULL computes grad_probs alone (required then), bitwise the full mode's;
- * dtype is not read. Any other combination of hidden = 0 or a NULL row buffer is rejected,
- * naming the argument.
+ * grad_permuted_tokens NULL computes grad_probs alone (required then, unless num_tokens = 0),
+ * bitwise the full mode's; dtype is not read. Any other combination of hidden = 0 or a NULL row
+ * buffer is rejected, naming the argument.
  */
 moe_status_t moe_permute_bwd(void *grad_tokens, void *grad_probs, const void *grad_permuted_tokens,
                              const void *grad_permuted_probs, const int64_t *sorted_indices,

@@ -21,7 +21,7 @@ moe_status_t moe_permute_bwd_check(const void *grad_tokens, const void *grad_pro
                   "grad_tokens must be NULL with hidden = 0 (grad_probs only: no rows)");
         MOE_CHECK(!grad_permuted_tokens,
                   "grad_permuted_tokens must be NULL with hidden = 0 (grad_probs only: no rows)");
-        MOE_CHECK(grad_probs,
+        MOE_CHECK(num_tokens == 0 || grad_probs,
                   "grad_probs must not be NULL with hidden = 0 (it is all this backward computes)");
         MOE_TRY(moe_layout_check_sizes(num_tokens, 1, num_experts, num_rows, probs_dtype,
                                        "grad_permuted_probs"));

@@ -174,6 +174,7 @@ using c10::string_view;
 using at::Tensor;
 using Tensor2 = std::tuple<Tensor, Tensor>;
 using Tensor3 = std::tuple<Tensor, Tensor, Tensor>;
+using Tensor4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 using Tensor5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 using Tensor6 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
@@ -221,6 +222,11 @@ Tensor5 permute(const Device &d, const Tensor &tokens, const Tensor &routing_map
 Tensor2 permute_bwd(const Device &d, const Tensor &grad_permuted_tokens,
                     const optional<Tensor> &grad_permuted_probs, const Tensor &sorted_indices,
                     const Tensor &expert_offsets, int64_t num_tokens);
+Tensor4 permute_layout(const Device &d, const Tensor &routing_map, const optional<Tensor> &probs,
+                       int64_t num_out_tokens, bool drop_and_pad, int64_t align_size);
+Tensor permute_layout_bwd(const Device &d, const Tensor &grad_permuted_probs,
+                          const Tensor &sorted_indices, const Tensor &expert_offsets,
+                          int64_t num_tokens);
 void permute_bwd_accumulate_(const Device &d, const Tensor &acc, const Tensor &grad_rows_chunk,
                              const Tensor &sorted_indices, int64_t row_lo);
 Tensor unpermute(const Device &d, const Tensor &permuted_tokens, const Tensor &sorted_indices,

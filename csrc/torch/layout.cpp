@@ -111,34 +111,61 @@ Tensor token_dropping_bwd(const Device &d, const Tensor &grad_final_probs_,
   return out;
 }
 
+// What permute and permute_layout check alike (one check): the tokens [T, H] float with H >= 1
+// when given (permute; undefined for the layout only), the map [T, E] bool with E >= 1, the
+// optional probs of the map's shape on the same device, and the params, whose core check
+// (checked int64 arithmetic, the row bound and [rows, hidden] included) runs before anything is
+// allocated.
+struct PermuteArgs {
+  Tensor tokens, map, probs;  // contiguous; tokens and probs undefined where absent
+  moe_permute_params_t params;
+  int64_t num_rows;
+};
+
+static PermuteArgs check_permute_args(const char *op, const Tensor &tokens_,
+                                      const Tensor &routing_map_, const optional<Tensor> &probs_,
+                                      int64_t num_out_tokens, bool drop_and_pad,
+                                      int64_t align_size) {
+  const bool rows = tokens_.defined();
+  if (rows) {
+    check_dim(tokens_, 2, "tokens");
+    check_float(tokens_, "tokens");
+  }
+  check_routing_map(routing_map_, "routing_map");
+  if (rows) {
+    check_size(routing_map_, 0, tokens_.size(0), "routing_map", "tokens.shape[0] (num_tokens)");
+    check_same_device(routing_map_, tokens_, "routing_map", "tokens");
+  }
+  const int64_t T = routing_map_.size(0), E = routing_map_.size(1);
+  const int64_t H = rows ? tokens_.size(1) : 0;  // 0: the layout only
+  if (rows) MOE_CHECK_VALUE(H >= 1, "tokens must have hidden >= 1, got shape ", tokens_.sizes());
+  MOE_CHECK_VALUE(E >= 1, "routing_map must have at least one expert column, got shape ",
+                  routing_map_.sizes());
+  PermuteArgs a;
+  if (rows) a.tokens = tokens_.contiguous();
+  a.map = routing_map_.contiguous();
+  if (probs_.has_value()) {
+    a.probs = probs_->contiguous();
+    check_dim(a.probs, 2, "probs");
+    check_float(a.probs, "probs");
+    check_same_shape(a.probs, "probs", a.map, "routing_map");
+    check_same_device(a.probs, rows ? a.tokens : a.map, "probs", rows ? "tokens" : "routing_map");
+  }
+  a.params.num_out_tokens = num_out_tokens;
+  a.params.align_size = align_size;
+  a.params.drop_and_pad = drop_and_pad ? 1 : 0;
+  a.num_rows = 0;
+  check_status(moe_permute_check_params(T, H, E, &a.params, &a.num_rows), op);
+  return a;
+}
+
 Tensor5 permute(const Device &d, const Tensor &tokens_, const Tensor &routing_map_,
                 const optional<Tensor> &probs_, int64_t num_out_tokens, bool drop_and_pad,
                 int64_t align_size) {
-  check_dim(tokens_, 2, "tokens");
-  check_float(tokens_, "tokens");
-  check_routing_map(routing_map_, "routing_map");
-  check_size(routing_map_, 0, tokens_.size(0), "routing_map", "tokens.shape[0] (num_tokens)");
-  check_same_device(routing_map_, tokens_, "routing_map", "tokens");
-  const int64_t T = tokens_.size(0), H = tokens_.size(1), E = routing_map_.size(1);
-  MOE_CHECK_VALUE(H >= 1, "tokens must have hidden >= 1, got shape ", tokens_.sizes());
-  MOE_CHECK_VALUE(E >= 1, "routing_map must have at least one expert column, got shape ",
-                    routing_map_.sizes());
-  Tensor tokens = tokens_.contiguous(), map = routing_map_.contiguous(), probs;
-  if (probs_.has_value()) {
-    probs = probs_->contiguous();
-    check_dim(probs, 2, "probs");
-    check_float(probs, "probs");
-    check_same_shape(probs, "probs", map, "routing_map");
-    check_same_device(probs, tokens, "probs", "tokens");
-  }
-  moe_permute_params_t p;
-  p.num_out_tokens = num_out_tokens;
-  p.align_size = align_size;
-  p.drop_and_pad = drop_and_pad ? 1 : 0;
-  // The outputs' row bound comes from the params: the core's check of them (checked int64
-  // arithmetic, the row bound and [rows, hidden] included) runs before anything is allocated.
-  int64_t R = 0;
-  check_status(moe_permute_check_params(T, H, E, &p, &R), "permute");
+  const PermuteArgs a = check_permute_args("permute", tokens_, routing_map_, probs_,
+                                           num_out_tokens, drop_and_pad, align_size);
+  const Tensor &tokens = a.tokens, &map = a.map, &probs = a.probs;
+  const int64_t T = tokens.size(0), H = tokens.size(1), E = map.size(1), R = a.num_rows;
   Tensor out = at::empty({R, H}, tokens.options());
   Tensor out_probs;  // with probs only
   if (probs.defined()) out_probs = at::empty({R}, probs.options());
@@ -146,43 +173,92 @@ Tensor5 permute(const Device &d, const Tensor &tokens_, const Tensor &routing_ma
   Tensor offsets = at::empty({E + 1}, idx.options());
   Tensor counts = at::empty({E}, idx.options());
   const OnDevice on(d, tokens);
-  const Workspace ws = workspace(tokens, d.permute_workspace_size(T, E, &p));
+  const Workspace ws = workspace(tokens, d.permute_workspace_size(T, E, &a.params));
   check_status(d.permute_fwd(out.data_ptr(), data_or_null(out_probs), idx.data_ptr<int64_t>(),
                              offsets.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
                              tokens.data_ptr(), (const uint8_t *)map.data_ptr(),
                              data_or_null(probs), T, H, E,
                              to_moe_dtype(tokens.scalar_type(), "tokens"),
-                             dtype_or(probs, "probs", MOE_DTYPE_FP32), &p, ws.ptr, ws.bytes,
+                             dtype_or(probs, "probs", MOE_DTYPE_FP32), &a.params, ws.ptr, ws.bytes,
                              on.stream()),
                "permute");
   return {out, or_empty(out_probs, tokens), idx, offsets, counts};
 }
 
+// permute without the rows: the core's layout-only mode (no row buffers, hidden 0). Without
+// probs the first output is an empty fp32 [0].
+Tensor4 permute_layout(const Device &d, const Tensor &routing_map_,
+                       const optional<Tensor> &probs_, int64_t num_out_tokens, bool drop_and_pad,
+                       int64_t align_size) {
+  const PermuteArgs a = check_permute_args("permute_layout", Tensor(), routing_map_, probs_,
+                                           num_out_tokens, drop_and_pad, align_size);
+  const Tensor &map = a.map, &probs = a.probs;
+  const int64_t T = map.size(0), E = map.size(1), R = a.num_rows;
+  Tensor out_probs = probs.defined() ? at::empty({R}, probs.options())
+                                     : at::empty({0}, map.options().dtype(at::kFloat));
+  Tensor idx = at::empty({R}, map.options().dtype(at::kLong));
+  Tensor offsets = at::empty({E + 1}, idx.options());
+  Tensor counts = at::empty({E}, idx.options());
+  const moe_dtype_t pdt = dtype_or(probs, "probs", MOE_DTYPE_FP32);
+  const OnDevice on(d, map);
+  const Workspace ws = workspace(map, d.permute_workspace_size(T, E, &a.params));
+  // no rows: their dtype is not read, the probs' stands in
+  check_status(d.permute_fwd(nullptr, probs.defined() ? out_probs.data_ptr() : nullptr,
+                             idx.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
+                             counts.data_ptr<int64_t>(), nullptr,
+                             (const uint8_t *)map.data_ptr(), data_or_null(probs), T, 0, E, pdt,
+                             pdt, &a.params, ws.ptr, ws.bytes, on.stream()),
+               "permute_layout");
+  return {out_probs, idx, offsets, counts};
+}
+
+// What permute_bwd and permute_layout_bwd check alike (one check): the rows' gradient
+// grad_rows [R, H] float with H >= 1 when given (permute_bwd; undefined for the layout's
+// backward, whose R is grad_permuted_probs'), grad_permuted_probs [R] float when given, the
+// layout (sorted_indices [R], expert_offsets [E + 1], E >= 1) on their device, and the token
+// count. Returns E.
+static int64_t check_permute_bwd_args(const Tensor &grad_rows,
+                                      const optional<Tensor> &grad_permuted_probs,
+                                      const Tensor &sorted_indices, const Tensor &expert_offsets,
+                                      int64_t num_tokens) {
+  const bool rows = grad_rows.defined();
+  if (rows) {
+    check_dim(grad_rows, 2, "grad_permuted_tokens");
+    check_float(grad_rows, "grad_permuted_tokens");
+    MOE_CHECK_VALUE(grad_rows.size(1) >= 1, "grad_permuted_tokens must have hidden >= 1, got "
+                    "shape ", grad_rows.sizes());
+  }
+  if (grad_permuted_probs.has_value()) {
+    check_dim(*grad_permuted_probs, 1, "grad_permuted_probs");
+    check_float(*grad_permuted_probs, "grad_permuted_probs");
+  }
+  const Tensor &ref = rows ? grad_rows : *grad_permuted_probs;
+  const char *ref_name = rows ? "grad_permuted_tokens" : "grad_permuted_probs";
+  const char *rows_what = rows ? "grad_permuted_tokens.shape[0] (rows)"
+                               : "grad_permuted_probs.shape[0] (rows)";
+  const int64_t R = ref.size(0);
+  if (rows && grad_permuted_probs.has_value()) {
+    check_size(*grad_permuted_probs, 0, R, "grad_permuted_probs", rows_what);
+    check_same_device(*grad_permuted_probs, grad_rows, "grad_permuted_probs", ref_name);
+  }
+  check_index_vector(sorted_indices, R, "sorted_indices", rows_what, ref, ref_name);
+  check_index_vector(expert_offsets, -1, "expert_offsets", "", ref, ref_name);
+  const int64_t E = expert_offsets.size(0) - 1;
+  MOE_CHECK_VALUE(E >= 1, "expert_offsets must have num_experts + 1 >= 2 entries, got shape ",
+                  expert_offsets.sizes());
+  MOE_CHECK_VALUE(num_tokens >= 0, "num_tokens must be >= 0, got ", num_tokens);
+  return E;
+}
+
 Tensor2 permute_bwd(const Device &d, const Tensor &grad_permuted_tokens_,
                     const optional<Tensor> &grad_permuted_probs_, const Tensor &sorted_indices_,
                     const Tensor &expert_offsets_, int64_t num_tokens) {
-  check_dim(grad_permuted_tokens_, 2, "grad_permuted_tokens");
-  check_float(grad_permuted_tokens_, "grad_permuted_tokens");
+  const int64_t E = check_permute_bwd_args(grad_permuted_tokens_, grad_permuted_probs_,
+                                           sorted_indices_, expert_offsets_, num_tokens);
   const int64_t R = grad_permuted_tokens_.size(0), H = grad_permuted_tokens_.size(1);
-  MOE_CHECK_VALUE(H >= 1, "grad_permuted_tokens must have hidden >= 1, got shape ",
-                  grad_permuted_tokens_.sizes());
-  check_index_vector(sorted_indices_, R, "sorted_indices", "grad_permuted_tokens.shape[0] (rows)",
-                     grad_permuted_tokens_, "grad_permuted_tokens");
-  check_index_vector(expert_offsets_, -1, "expert_offsets", "", grad_permuted_tokens_,
-                     "grad_permuted_tokens");
-  const int64_t E = expert_offsets_.size(0) - 1;
-  MOE_CHECK_VALUE(E >= 1, "expert_offsets must have num_experts + 1 >= 2 entries, got shape ",
-                    expert_offsets_.sizes());
-  MOE_CHECK_VALUE(num_tokens >= 0, "num_tokens must be >= 0, got ", num_tokens);
   Tensor g = grad_permuted_tokens_.contiguous(), idx = sorted_indices_.contiguous();
   Tensor offsets = expert_offsets_.contiguous(), gp;
-  if (grad_permuted_probs_.has_value()) {
-    gp = grad_permuted_probs_->contiguous();
-    check_dim(gp, 1, "grad_permuted_probs");
-    check_float(gp, "grad_permuted_probs");
-    check_size(gp, 0, R, "grad_permuted_probs", "grad_permuted_tokens.shape[0] (rows)");
-    check_same_device(gp, g, "grad_permuted_probs", "grad_permuted_tokens");
-  }
+  if (grad_permuted_probs_.has_value()) gp = grad_permuted_probs_->contiguous();
   Tensor grad_tokens = at::empty({num_tokens, H}, g.options());
   Tensor grad_probs;  // with grad_permuted_probs only
   if (gp.defined()) grad_probs = at::empty({num_tokens, E}, gp.options());
@@ -196,6 +272,26 @@ Tensor2 permute_bwd(const Device &d, const Tensor &grad_permuted_tokens_,
                              on.stream()),
                "permute_bwd");
   return {grad_tokens, or_empty(grad_probs, g)};
+}
+
+// permute_bwd without the rows: the core's grad_probs-only mode (no row buffers, hidden 0).
+Tensor permute_layout_bwd(const Device &d, const Tensor &grad_permuted_probs_,
+                          const Tensor &sorted_indices_, const Tensor &expert_offsets_,
+                          int64_t num_tokens) {
+  const int64_t E = check_permute_bwd_args(Tensor(), grad_permuted_probs_, sorted_indices_,
+                                           expert_offsets_, num_tokens);
+  Tensor gp = grad_permuted_probs_.contiguous(), idx = sorted_indices_.contiguous();
+  Tensor offsets = expert_offsets_.contiguous();
+  const int64_t R = gp.size(0);
+  Tensor grad_probs = at::empty({num_tokens, E}, gp.options());
+  const moe_dtype_t pdt = to_moe_dtype(gp.scalar_type(), "grad_permuted_probs");
+  const OnDevice on(d, gp);
+  const Workspace ws = workspace(gp, d.unpermute_workspace_size(num_tokens, R));
+  check_status(d.permute_bwd(nullptr, grad_probs.data_ptr(), nullptr, gp.data_ptr(),
+                             idx.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), num_tokens, 0,
+                             E, R, pdt, pdt, ws.ptr, ws.bytes, on.stream()),
+               "permute_layout_bwd");
+  return grad_probs;
 }
 
 // In place: acc is the caller's accumulator, so it is never copied (it must be contiguous fp32);

@@ -58,6 +58,11 @@ namespace {
   X(permute_bwd, "(Tensor grad_permuted_tokens, Tensor? grad_permuted_probs, "                     \
                  "Tensor sorted_indices, Tensor expert_offsets, int num_tokens) -> (Tensor, "      \
                  "Tensor)")                                                                        \
+  X(permute_layout, "(Tensor routing_map, Tensor? probs, int num_out_tokens, bool drop_and_pad, "  \
+                    "int align_size) -> (Tensor permuted_probs, Tensor sorted_indices, "           \
+                    "Tensor expert_offsets, Tensor tokens_per_expert)")                            \
+  X(permute_layout_bwd, "(Tensor grad_permuted_probs, Tensor sorted_indices, "                     \
+                        "Tensor expert_offsets, int num_tokens) -> Tensor")                        \
   X(permute_bwd_accumulate_, "(Tensor(a!) acc, Tensor grad_rows_chunk, Tensor sorted_indices, "  \
                              "int row_lo) -> ()")                                                  \
   X(unpermute, "(Tensor permuted_tokens, Tensor sorted_indices, int num_tokens, Tensor? probs, "   \

@@ -18,7 +18,7 @@ from moe_core.ops.router_topk import (
 )
 from moe_core.ops.topk_to_dense import topk_to_dense
 from moe_core.ops.token_dropping import apply_router_token_dropping, get_capacity
-from moe_core.ops.permute import permute
+from moe_core.ops.permute import permute, permute_layout
 from moe_core.ops.permute_bwd_accumulate import (
     permute_bwd_accumulate_,
     permute_bwd_accumulator,
@@ -51,8 +51,8 @@ from moe_core.ops._guards import register_no_derivative
 # outputs are gradients, which have no derivative here.
 BACKWARD_KERNELS = (
     "aux_loss_scores_bwd", "glu_probs_bwd", "grouped_gemm_dgrad", "grouped_gemm_wgrad",
-    "permute_bwd", "router_gating_linear_bwd", "router_lse_bwd", "router_topk_bwd",
-    "router_topk_dense_bwd", "sinkhorn_routing_bwd", "sort_chunks_by_idxs_bwd",
+    "permute_bwd", "permute_layout_bwd", "router_gating_linear_bwd", "router_lse_bwd",
+    "router_topk_bwd", "router_topk_dense_bwd", "sinkhorn_routing_bwd", "sort_chunks_by_idxs_bwd",
     "switch_aux_loss_bwd", "token_dropping_bwd", "topk_to_dense_bwd", "unpermute_bwd",
     "z_loss_bwd")
 for _name in BACKWARD_KERNELS:
@@ -71,6 +71,7 @@ __all__ = [
     "get_capacity",
     "apply_router_token_dropping",
     "permute",
+    "permute_layout",
     "permute_bwd_accumulate_",
     "permute_bwd_accumulator",
     "unpermute",

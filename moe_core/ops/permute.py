@@ -35,9 +35,13 @@ Dynamic shapes
 The C++ schemas take the row bound and the token count as ``int``, which the tracer specialises
 to one value. While tracing (``torch.compile``, where dynamo shows a symbolic size to Python as a
 plain ``int``, or any ``torch.SymInt`` size), the calls go through ``permute_symint`` /
-``permute_bwd_symint``: Python-defined ops with a ``SymInt`` in that place that run the same C++
+``permute_bwd_symint`` (``permute_layout_symint`` / ``permute_layout_bwd_symint`` for
+:func:`permute_layout`): Python-defined ops with a ``SymInt`` in that place that run the same C++
 kernels, so with a dynamic token dimension one graph serves every token count. Eager calls run the
 C++ ops directly, as before.
+
+:func:`permute_layout` is permute without the rows (the C core's layout-only mode): the same
+indices, offsets, counts and row probs, for callers that read the tokens by index themselves.
 """
 from typing import Optional, Tuple, Union
 
@@ -101,6 +105,20 @@ def permute(
         tokens_per_expert [E] int64)`` with ``R = num_permuted_rows(...)``.
     """
     del fused, tokens_per_expert
+    num_out_tokens, symbolic = _row_bound(num_out_tokens, align_size)
+    op = _OP_SYMINT if symbolic else _OP
+    pt, pp, idx, offsets, counts = op(tokens, routing_map, probs, num_out_tokens,
+                                      bool(drop_and_pad), align_size)
+    return pt, (pp if probs is not None else None), idx, offsets, counts
+
+
+def _row_bound(num_out_tokens: Union[int, torch.SymInt, torch.Tensor, None],
+               align_size: int) -> Tuple[Union[int, torch.SymInt], bool]:
+    """The argument checks of :func:`permute` and :func:`permute_layout`: ``num_out_tokens`` is
+    required, ``align_size`` an int >= 0 (the C++ op checks the rest). Returns the bound as the op
+    takes it (a 0-d tensor read with ``int()``) and whether it may be symbolic, which needs the
+    ``SymInt`` schema of the ``*_symint`` op: the C++ schema's int would pin the graph to the
+    first token count."""
     if num_out_tokens is None:
         raise ValueError("num_out_tokens is required (as in Megatron's argsort-based permute): "
                          "pass num_tokens * topk for dropless routing, E * capacity with "
@@ -109,16 +127,9 @@ def permute(
         raise ValueError(f"align_size must be an int >= 0, got {align_size!r}")
     if isinstance(num_out_tokens, torch.Tensor):
         num_out_tokens = int(num_out_tokens)  # a host read, as Megatron's
-    op = _OP
     if _tracing(num_out_tokens):
-        # a symbolic bound (dynamic token count) must stay symbolic: the C++ schema's int would
-        # pin the graph to the first token count
-        op = _OP_SYMINT
-    else:
-        num_out_tokens = int(num_out_tokens)
-    pt, pp, idx, offsets, counts = op(tokens, routing_map, probs, num_out_tokens,
-                                      bool(drop_and_pad), align_size)
-    return pt, (pp if probs is not None else None), idx, offsets, counts
+        return num_out_tokens, True
+    return int(num_out_tokens), False
 
 
 @torch.library.custom_op("moe_core::permute_symint", mutates_args=())
@@ -223,3 +234,123 @@ def _backward(ctx, grad_tokens, grad_probs, _gi, _go, _gc):
 
 for _name in ("moe_core::permute", "moe_core::permute_symint"):
     register_autograd(_name, _backward, setup_context=_setup_context)
+
+
+# ---- permute_layout: the layout alone ------------------------------------------------------------
+
+_LAYOUT = torch.ops.moe_core.permute_layout
+_LAYOUT_BWD = torch.ops.moe_core.permute_layout_bwd
+
+
+def permute_layout(
+    routing_map: torch.Tensor,
+    probs: Optional[torch.Tensor] = None,
+    num_out_tokens: Optional[int] = None,
+    drop_and_pad: bool = False,
+    align_size: int = 0,
+) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layout :func:`permute` would make, without moving any row: each row's prob, its
+    source token, the experts' block starts and block sizes, bitwise permute's.
+
+    For callers that read the tokens' rows by index themselves (a gathered grouped GEMM): the
+    C core runs permute's plan and index pass and no data pass. The gradient flows to ``probs``
+    only, bitwise permute's.
+
+    Args:
+        routing_map: ``[num_tokens, num_experts]`` bool.
+        probs: ``[num_tokens, num_experts]`` float, or None.
+        num_out_tokens: the row bound, as :func:`permute` (an int, a ``torch.SymInt`` while
+            tracing, or a 0-d tensor read with ``int()``).
+        drop_and_pad: the ``[E * capacity]`` layout, ``capacity = num_out_tokens // E``.
+        align_size: 0/1 for none, else pad each expert block to a multiple of it.
+
+    Returns:
+        ``(row_probs [R] probs.dtype or None, sorted_indices [R] int64 (-1: padding row),
+        expert_offsets [E + 1] int64, tokens_per_expert [E] int64)`` with
+        ``R = num_permuted_rows(...)``, on the map's device.
+    """
+    num_out_tokens, symbolic = _row_bound(num_out_tokens, align_size)
+    op = _LAYOUT_SYMINT if symbolic else _LAYOUT
+    pp, idx, offsets, counts = op(routing_map, probs, num_out_tokens, bool(drop_and_pad),
+                                  align_size)
+    return (pp if probs is not None else None), idx, offsets, counts
+
+
+@torch.library.custom_op("moe_core::permute_layout_symint", mutates_args=())
+def permute_layout_symint(routing_map: torch.Tensor, probs: Optional[torch.Tensor],
+                          num_out_tokens: int, drop_and_pad: bool, align_size: int
+                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe_core::permute_layout`` with ``num_out_tokens`` a ``SymInt`` in the schema (the op
+    that dynamic-shape graphs record). Same arguments, outputs and kernels.
+
+    Args:
+        routing_map: ``[num_tokens, num_experts]`` bool.
+        probs: ``[num_tokens, num_experts]`` float, or None.
+        num_out_tokens: the row bound (an int, symbolic while tracing).
+        drop_and_pad, align_size: as :func:`permute_layout`.
+
+    Returns:
+        ``(permuted_probs [R] probs.dtype, or fp32 [0] without probs, sorted_indices [R] int64,
+        expert_offsets [E + 1] int64, tokens_per_expert [E] int64)``.
+    """
+    return _LAYOUT(routing_map, probs, num_out_tokens, drop_and_pad, align_size)
+
+
+@torch.library.custom_op("moe_core::permute_layout_bwd_symint", mutates_args=())
+def permute_layout_bwd_symint(grad_permuted_probs: torch.Tensor, sorted_indices: torch.Tensor,
+                              expert_offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``moe_core::permute_layout_bwd`` with ``num_tokens`` a ``SymInt`` in the schema.
+
+    Args:
+        grad_permuted_probs: ``[R]`` float.
+        sorted_indices: ``[R]`` int64, permute_layout's.
+        expert_offsets: ``[E + 1]`` int64, permute_layout's.
+        num_tokens: tokens of the forward's map (an int, symbolic while tracing).
+
+    Returns:
+        ``grad_probs [num_tokens, E]`` grad_permuted_probs.dtype.
+    """
+    return _LAYOUT_BWD(grad_permuted_probs, sorted_indices, expert_offsets, num_tokens)
+
+
+def _permute_layout_fake(routing_map, probs, num_out_tokens, drop_and_pad, align_size):
+    E = routing_map.shape[1]
+    R = num_permuted_rows(E, num_out_tokens, drop_and_pad, align_size)
+    pp = (probs.new_empty((R,)) if probs is not None
+          else routing_map.new_empty((0,), dtype=torch.float32))
+    return (pp, routing_map.new_empty((R,), dtype=torch.long),
+            routing_map.new_empty((E + 1,), dtype=torch.long),
+            routing_map.new_empty((E,), dtype=torch.long))
+
+
+def _permute_layout_bwd_fake(grad_permuted_probs, sorted_indices, expert_offsets, num_tokens):
+    return grad_permuted_probs.new_empty((num_tokens, expert_offsets.shape[0] - 1))
+
+
+_LAYOUT_SYMINT = torch.ops.moe_core.permute_layout_symint
+_LAYOUT_BWD_SYMINT = torch.ops.moe_core.permute_layout_bwd_symint
+for _name in ("moe_core::permute_layout", "moe_core::permute_layout_symint"):
+    register_fake(_name)(_permute_layout_fake)
+for _name in ("moe_core::permute_layout_bwd", "moe_core::permute_layout_bwd_symint"):
+    register_fake(_name)(_permute_layout_bwd_fake)
+
+
+def _layout_setup_context(ctx, inputs, output):
+    routing_map, probs, _n, _dap, _align = inputs
+    ctx.num_tokens = routing_map.shape[0]
+    ctx.has_probs = probs is not None
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _layout_backward(ctx, grad_probs, _gi, _go, _gc):
+    if grad_probs is None or not (ctx.has_probs and ctx.needs_input_grad[1]):
+        return None, None, None, None, None
+    sorted_indices, expert_offsets = ctx.saved_tensors
+    # a symbolic token count (dynamic-shape tracing) needs the SymInt schema, as in the forward
+    bwd = _LAYOUT_BWD_SYMINT if _tracing(ctx.num_tokens) else _LAYOUT_BWD
+    return (None, bwd(grad_probs.contiguous(), sorted_indices, expert_offsets, ctx.num_tokens),
+            None, None, None)
+
+
+for _name in ("moe_core::permute_layout", "moe_core::permute_layout_symint"):
+    register_autograd(_name, _layout_backward, setup_context=_layout_setup_context)

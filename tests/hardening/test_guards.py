@@ -43,6 +43,8 @@ def extra_samples() -> Iterator[Sample]:
     rows, _, sidx, off, _ = OPS.permute(x.detach(), m, None, T * k, False, 0)
     R = rows.shape[0]
     yield OPS.permute_bwd_symint, (torch.randn(R, H), torch.randn(R), sidx, off, T)
+    yield OPS.permute_layout_symint, (m, probs, T * k, False, 0)
+    yield OPS.permute_layout_bwd_symint, (torch.randn(R), sidx, off, T)
     y = torch.randn(R, H, requires_grad=True)
     yield OPS.unpermute_symint, (y, sidx, T, probs, off)
     rows = rows.requires_grad_()
@@ -108,7 +110,8 @@ def test_every_op_registers_through_the_guards():
     assert set(GUARDED) <= autograd
     assert set(NO_DERIVATIVE) <= autograd
     # the rest are Python-defined ops with torch's default autograd kernel
-    assert autograd - set(GUARDED) - set(NO_DERIVATIVE) == {"permute_bwd_symint", "rounded"}
+    assert autograd - set(GUARDED) - set(NO_DERIVATIVE) == {"permute_bwd_symint",
+                                                            "permute_layout_bwd_symint", "rounded"}
 
 
 @pytest.mark.parametrize("name", MIXABLE)

@@ -68,11 +68,14 @@ def samples(device: str) -> Iterator[Tuple[object, tuple]]:
                           (5 * E, True, 4)]:
         yield OPS.permute, (x, m, probs, n, dap, align)
         yield OPS.permute, (x, m, None, n, dap, align)
+        yield OPS.permute_layout, (m, probs, n, dap, align)
+        yield OPS.permute_layout, (m, None, n, dap, align)
     rows, _, sidx, off, _ = OPS.permute(x.detach(), m, None, T * k, False, 4)
     R = rows.shape[0]
     yield OPS.permute_bwd, (torch.randn(R, H, device=device), torch.randn(R, device=device), sidx,
                             off, T)
     yield OPS.permute_bwd, (torch.randn(R, H, device=device), None, sidx, off, T)
+    yield OPS.permute_layout_bwd, (torch.randn(R, device=device), sidx, off, T)
     y = torch.randn(R, H, device=device, requires_grad=True)
     yield OPS.unpermute, (y, sidx, T, probs, off)
     yield OPS.unpermute, (y, sidx, T, None, None)
