@@ -19,6 +19,15 @@ static void random_map(uint8_t *map, int64_t T, int64_t E, int64_t k, unsigned l
     }
 }
 
+/* A random map (k experts per token), normal fp64 tokens [T, H] and uniform probs where routed
+ * (zero elsewhere). */
+static void random_inputs(uint8_t *map, double *x, double *p, int64_t T, int64_t E, int64_t k,
+                          int64_t H, unsigned long long *s) {
+    random_map(map, T, E, k, s);
+    for (int64_t i = 0; i < T * H; ++i) x[i] = ctest_rand_normal(s);
+    for (int64_t i = 0; i < T * E; ++i) p[i] = map[i] ? ctest_rand_uniform(s) : 0.0;
+}
+
 /* Runs permute on fp64 tokens; returns R (the row count) and fills the outputs (caller frees). */
 typedef struct {
     int64_t R;
@@ -52,9 +61,7 @@ static void test_permute_dropless_order(void) {
     enum { T = 50, E = 12, K = 3, H = 5 };
     static uint8_t map[T * E];
     static double x[T * H], p[T * E];
-    random_map(map, T, E, K, &s);
-    for (int i = 0; i < T * H; ++i) x[i] = ctest_rand_normal(&s);
-    for (int i = 0; i < T * E; ++i) p[i] = map[i] ? ctest_rand_uniform(&s) : 0.0;
+    random_inputs(map, x, p, T, E, K, H, &s);
     for (int64_t align = 0; align <= 4; align += 4) {
         permuted_t o = run_permute(x, map, p, T, H, E, T * K, 0, align);
         int64_t r = 0;
@@ -109,9 +116,7 @@ static void test_round_trip_and_gather(void) {
     enum { T = 40, E = 8, K = 2, H = 3 };
     static uint8_t map[T * E];
     static double x[T * H], p[T * E], out[T * H], gx[T * H], gp[T * E];
-    random_map(map, T, E, K, &s);
-    for (int i = 0; i < T * H; ++i) x[i] = ctest_rand_normal(&s);
-    for (int i = 0; i < T * E; ++i) p[i] = map[i] ? ctest_rand_uniform(&s) : 0.0;
+    random_inputs(map, x, p, T, E, K, H, &s);
     permuted_t o = run_permute(x, map, p, T, H, E, T * K, 0, 4);
     size_t ws_bytes = moe_unpermute_workspace_size(T, o.R);
     void *ws = malloc(ws_bytes);
@@ -147,9 +152,7 @@ static void test_permute_layout_only(void) {
     enum { T = 37, E = 6, K = 2, H = 3 };
     static uint8_t map[T * E];
     static double x[T * H], p[T * E];
-    random_map(map, T, E, K, &s);
-    for (int i = 0; i < T * H; ++i) x[i] = ctest_rand_normal(&s);
-    for (int i = 0; i < T * E; ++i) p[i] = map[i] ? ctest_rand_uniform(&s) : 0.0;
+    random_inputs(map, x, p, T, E, K, H, &s);
     const struct { int64_t num_out; int dap; int64_t align; } cases[] = {
         {T * K, 0, 0},     /* dropless */
         {T * K, 0, 4},     /* aligned blocks */
