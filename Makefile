@@ -44,9 +44,9 @@ SAN_OBJECTS := $(patsubst csrc/%.c,$(SAN)/core/%.o,$(C_SOURCES))
 SAN_PRELOAD = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -print-file-name=libubsan.so)
 SAN_ENV = LD_PRELOAD="$(SAN_PRELOAD)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=$(CURDIR)/$(SAN)/lib
-SAN_PYTESTS := tests/layout/test_ops.py tests/router/test_ops.py tests/router/test_errors.py \
-	tests/router/test_fused_losses.py tests/balancing/test_losses.py tests/balancing/test_errors.py \
-	tests/balancing/test_expert_bias.py tests/balancing/test_sinkhorn.py \
+SAN_PYTESTS := tests/layout/test_ops.py tests/layout/test_permute_layout.py tests/router/test_ops.py \
+	tests/router/test_errors.py tests/router/test_fused_losses.py tests/balancing/test_losses.py \
+	tests/balancing/test_errors.py tests/balancing/test_expert_bias.py tests/balancing/test_sinkhorn.py \
 	tests/balancing/test_metrics.py tests/experts/test_glu_probs.py \
 	tests/experts/test_grouped_gemm.py tests/experts/test_grouped_gemm_gather.py \
 	tests/experts/test_grouped_gemm_glu_probs.py \
