@@ -36,7 +36,7 @@ from moe_core import ops
 from moe_core.config import MoEConfig
 from moe_core.dispatcher import DISPATCHERS
 from moe_core.experts import GroupedMLP, SharedExpertMLP, uninitialized_linear
-from moe_core.parallel import GroupLike, as_group
+from moe_core.groups import GroupLike, as_group
 from moe_core.router import TopKRouter
 
 # Fields every rank of an expert-parallel group must agree on (checked once, at construction).

@@ -34,7 +34,7 @@ from moe_core.config import MoEConfig
 from moe_core.ops.aux_loss_autoscaler import AuxLossScale, MoEAuxLossAutoScaler
 from moe_core.ops.global_aux_loss import apply_keeping_fp32_buffers
 from moe_core.ops.router_topk import router_topk_fused, z_loss_from_lse
-from moe_core.parallel import group_size
+from moe_core.groups import group_size
 
 
 class TopKRouter(nn.Module):
