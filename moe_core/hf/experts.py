@@ -22,7 +22,7 @@ from moe_core import ops
 from moe_core.config import MoEConfig
 from moe_core.experts import GroupedMLP
 from moe_core.hf.backend import _deinterleave
-from moe_core.hf.router import _StopInit
+from moe_core.hf.router import _StopInit, decode_class, encode_class, made_class
 
 
 class HFGroupedMLP(GroupedMLP):
@@ -157,22 +157,14 @@ def _experts_class(mlp_cls: type, hf_experts_cls: type) -> type:
     """``mlp_cls`` (forward, parameters) that is also an instance of the family's HF experts
     class, so that HF's ``_init_weights`` initialises its parameters (same names) when
     ``from_config`` / ``from_pretrained`` build the swapped block directly."""
-    name = (_EXPERTS_PREFIX + mlp_cls.__name__ + "__MOD__"
-            + hf_experts_cls.__module__.replace(".", "__DOT__") + "__CLS__"
-            + hf_experts_cls.__name__)
-    cls = type(name, (mlp_cls, _StopInit, hf_experts_cls), {"__module__": __name__})
-    cls.__qualname__ = name
-    return cls
+    name = _EXPERTS_PREFIX + mlp_cls.__name__ + "__MOD__" + encode_class(hf_experts_cls)
+    return made_class(name, (mlp_cls, _StopInit, hf_experts_cls), __name__)
 
 
 def __getattr__(name: str):
     # a swapped model built through the patch mapping and pickled names its experts class; make
     # it again from that name
-    import importlib
-
     if name.startswith(_EXPERTS_PREFIX):
         mlp, _, rest = name[len(_EXPERTS_PREFIX):].partition("__MOD__")
-        module, _, cls = rest.partition("__CLS__")
-        hf_cls = getattr(importlib.import_module(module.replace("__DOT__", ".")), cls)
-        return _experts_class(globals()[mlp], hf_cls)
+        return _experts_class(globals()[mlp], decode_class(rest))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

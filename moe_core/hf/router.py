@@ -86,19 +86,34 @@ def _router_class(hf_router_cls: type) -> type:
     TopKRouter's state), the HF class last (for ``isinstance``, which HF's output recording
     uses). Its name encodes the HF class's module and name, so pickle finds it again
     (see ``__getattr__``)."""
-    name = (_ROUTER_PREFIX + hf_router_cls.__module__.replace(".", "__DOT__") + "__CLS__"
-            + hf_router_cls.__name__)
-    cls = type(name, (MoECoreRouter, _StopInit, hf_router_cls), {"__module__": __name__})
+    return made_class(_ROUTER_PREFIX + encode_class(hf_router_cls),
+                      (MoECoreRouter, _StopInit, hf_router_cls), __name__)
+
+
+def encode_class(cls: type) -> str:
+    """``cls``'s module and name as a part of an identifier (:func:`decode_class` inverts it):
+    a class made at run time is named with it, so pickle finds it again by name."""
+    return cls.__module__.replace(".", "__DOT__") + "__CLS__" + cls.__name__
+
+
+def decode_class(encoded: str) -> type:
+    """The class :func:`encode_class` named, imported again."""
+    import importlib
+
+    module, _, name = encoded.partition("__CLS__")
+    return getattr(importlib.import_module(module.replace("__DOT__", ".")), name)
+
+
+def made_class(name: str, bases: tuple, module: str) -> type:
+    """A class made at run time, named ``name`` in ``module`` (whose ``__getattr__`` makes it
+    again when pickle looks it up)."""
+    cls = type(name, bases, {"__module__": module})
     cls.__qualname__ = name
     return cls
 
 
 def __getattr__(name: str):
     # a pickled swapped model names its router class; make it again from that name
-    import importlib
-
     if name.startswith(_ROUTER_PREFIX):
-        module, _, cls = name[len(_ROUTER_PREFIX):].partition("__CLS__")
-        hf_cls = getattr(importlib.import_module(module.replace("__DOT__", ".")), cls)
-        return _router_class(hf_cls)
+        return _router_class(decode_class(name[len(_ROUTER_PREFIX):]))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
