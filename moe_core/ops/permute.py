@@ -176,13 +176,12 @@ def permute_bwd_symint(grad_permuted_tokens: torch.Tensor,
 
 
 def _permute_fake(tokens, routing_map, probs, num_out_tokens, drop_and_pad, align_size):
-    # sizes from the input shapes and the (possibly symbolic) bound, never int() of them
-    E = routing_map.shape[1]
-    R = num_permuted_rows(E, num_out_tokens, drop_and_pad, align_size)
-    pp = probs.new_empty((R,)) if probs is not None else tokens.new_empty((0,))
-    idx = tokens.new_empty((R,), dtype=torch.long)
-    return (tokens.new_empty((R, tokens.shape[1])), pp, idx,
-            tokens.new_empty((E + 1,), dtype=torch.long), tokens.new_empty((E,), dtype=torch.long))
+    # the layout's outputs, and the rows of the tokens' width and dtype beside them
+    pp, idx, offsets, counts = _permute_layout_fake(routing_map, probs, num_out_tokens,
+                                                    drop_and_pad, align_size)
+    if probs is None:
+        pp = tokens.new_empty((0,))
+    return tokens.new_empty((idx.shape[0], tokens.shape[1])), pp, idx, offsets, counts
 
 
 def _permute_bwd_fake(grad_permuted_tokens, grad_permuted_probs, sorted_indices, expert_offsets,
@@ -195,41 +194,39 @@ def _permute_bwd_fake(grad_permuted_tokens, grad_permuted_probs, sorted_indices,
 
 _OP_SYMINT = torch.ops.moe_core.permute_symint
 _BWD_SYMINT = torch.ops.moe_core.permute_bwd_symint
-for _name in ("moe_core::permute", "moe_core::permute_symint"):
-    register_fake(_name)(_permute_fake)
-for _name in ("moe_core::permute_bwd", "moe_core::permute_bwd_symint"):
-    register_fake(_name)(_permute_bwd_fake)
+
+
+def _register_fake(fake, *names: str) -> None:
+    """One fake kernel for an op and its ``_symint`` twin (the same outputs)."""
+    for name in names:
+        register_fake(name)(fake)
+
+
+_register_fake(_permute_fake, "moe_core::permute", "moe_core::permute_symint")
+_register_fake(_permute_bwd_fake, "moe_core::permute_bwd", "moe_core::permute_bwd_symint")
 
 
 def _setup_context(ctx, inputs, output):
     tokens, _map, probs, _n, _dap, _align = inputs
     ctx.num_tokens = tokens.shape[0]
     ctx.has_probs = probs is not None
-    ctx.rows_dtype = output[0].dtype
     ctx.save_for_backward(output[2], output[3])
 
 
 def _backward(ctx, grad_tokens, grad_probs, _gi, _go, _gc):
     sorted_indices, expert_offsets = ctx.saved_tensors
     want_probs = ctx.has_probs and ctx.needs_input_grad[2]
-    if grad_probs is not None and want_probs:
-        grad_probs = grad_probs.contiguous()
-    else:
-        grad_probs = None
-    rows_used = grad_tokens is not None  # None: unused (ops/_guards.py)
-    if not rows_used:
+    grad_probs = grad_probs.contiguous() if grad_probs is not None and want_probs else None
+    if grad_tokens is None:  # the rows unused (ops/_guards.py): the probs' gradient alone
         if grad_probs is None:
             return None, None, None, None, None, None
-        # only the permuted probs were used (the rows read by index elsewhere): the kernel's
-        # rows part runs on one zero column, so no [rows, H] zeros are made or summed
-        grad_tokens = sorted_indices.new_zeros((sorted_indices.shape[0], 1), dtype=ctx.rows_dtype)
+        return None, None, _probs_grad(grad_probs, sorted_indices, expert_offsets,
+                                       ctx.num_tokens), None, None, None
     # a symbolic token count (dynamic-shape tracing) needs the SymInt schema, as in the forward
     bwd = _BWD_SYMINT if _tracing(ctx.num_tokens) else _BWD
     g_tokens, g_probs = bwd(grad_tokens.contiguous(), grad_probs, sorted_indices,
                             expert_offsets, ctx.num_tokens)
-    if grad_probs is None:
-        g_probs = None
-    return (g_tokens if rows_used else None), None, g_probs, None, None, None
+    return g_tokens, None, (g_probs if grad_probs is not None else None), None, None, None
 
 
 for _name in ("moe_core::permute", "moe_core::permute_symint"):
@@ -314,6 +311,7 @@ def permute_layout_bwd_symint(grad_permuted_probs: torch.Tensor, sorted_indices:
 
 
 def _permute_layout_fake(routing_map, probs, num_out_tokens, drop_and_pad, align_size):
+    # sizes from the input shapes and the (possibly symbolic) bound, never int() of them
     E = routing_map.shape[1]
     R = num_permuted_rows(E, num_out_tokens, drop_and_pad, align_size)
     pp = (probs.new_empty((R,)) if probs is not None
@@ -329,10 +327,9 @@ def _permute_layout_bwd_fake(grad_permuted_probs, sorted_indices, expert_offsets
 
 _LAYOUT_SYMINT = torch.ops.moe_core.permute_layout_symint
 _LAYOUT_BWD_SYMINT = torch.ops.moe_core.permute_layout_bwd_symint
-for _name in ("moe_core::permute_layout", "moe_core::permute_layout_symint"):
-    register_fake(_name)(_permute_layout_fake)
-for _name in ("moe_core::permute_layout_bwd", "moe_core::permute_layout_bwd_symint"):
-    register_fake(_name)(_permute_layout_bwd_fake)
+_register_fake(_permute_layout_fake, "moe_core::permute_layout", "moe_core::permute_layout_symint")
+_register_fake(_permute_layout_bwd_fake, "moe_core::permute_layout_bwd",
+               "moe_core::permute_layout_bwd_symint")
 
 
 def _layout_setup_context(ctx, inputs, output):
@@ -346,10 +343,17 @@ def _layout_backward(ctx, grad_probs, _gi, _go, _gc):
     if grad_probs is None or not (ctx.has_probs and ctx.needs_input_grad[1]):
         return None, None, None, None, None
     sorted_indices, expert_offsets = ctx.saved_tensors
+    return (None, _probs_grad(grad_probs.contiguous(), sorted_indices, expert_offsets,
+                              ctx.num_tokens), None, None, None)
+
+
+def _probs_grad(grad_row_probs: torch.Tensor, sorted_indices: torch.Tensor,
+                expert_offsets: torch.Tensor, num_tokens) -> torch.Tensor:
+    """``[T, E]``: the row probs' gradient scattered back to the probs (permute's layout-only
+    backward, no rows); bitwise the probs part of ``permute_bwd``."""
     # a symbolic token count (dynamic-shape tracing) needs the SymInt schema, as in the forward
-    bwd = _LAYOUT_BWD_SYMINT if _tracing(ctx.num_tokens) else _LAYOUT_BWD
-    return (None, bwd(grad_probs.contiguous(), sorted_indices, expert_offsets, ctx.num_tokens),
-            None, None, None)
+    bwd = _LAYOUT_BWD_SYMINT if _tracing(num_tokens) else _LAYOUT_BWD
+    return bwd(grad_row_probs, sorted_indices, expert_offsets, num_tokens)
 
 
 for _name in ("moe_core::permute_layout", "moe_core::permute_layout_symint"):
