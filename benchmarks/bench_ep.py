@@ -406,7 +406,7 @@ def dispatch_bench(args, ep: MoELayer, meg, xs, gs, dev, rank: int, world: int, 
     E = ep.config.num_moe_experts
     nle = E // world
     pad = ep.config.moe_pad_expert_input_to_capacity
-    num_rows = ep.num_permuted_rows(T)
+    num_rows = ep.num_out_tokens(T)
     with torch.no_grad():
         probs, rmap = ep.router(xs[0])
     probs, rmap = probs.detach(), rmap.detach()
@@ -429,7 +429,7 @@ def dispatch_bench(args, ep: MoELayer, meg, xs, gs, dev, rank: int, world: int, 
 
     def ours(i: int) -> None:
         x = x2d[i % 2].detach().requires_grad_()
-        rows, _, _, handle = ep.dispatcher.dispatch(x, probs, rmap, num_rows, pad)
+        rows, _, _, handle = ep.dispatch(x, probs, rmap)
         ep.dispatcher.combine(rows, handle).backward(g2d[i % 2])
 
     def bare(i: int) -> None:

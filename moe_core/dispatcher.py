@@ -7,11 +7,13 @@ token dropping and the combine stay on the token's own rank. Both dispatchers ar
 ``alltoall`` (``AlltoAllDispatcher``)::
 
     counts [E] = routing_map.sum(0)            all-gathered -> [N, E]    (dropless / dropping)
-    rows [T·K, H] = permute(x, routing_map)    expert-major = destination-rank-major
+    rows [T·K, H], layout = permute_tokens(x, routing_map, probs)   (the layer, as asked:
+                                               expert-major = destination-rank-major)
     recv = all_to_all(rows, output_splits, input_splits)     then the fp32 probs, same splits
     recv = sort_chunks_by_idxs(recv)           (source, local expert) -> (local expert, source)
     y = experts(recv)                          grouped GEMMs on nle experts
-    ... the inverse: chunk sort back, all_to_all back, unpermute (per-token fp32 gather-sum)
+    ... the inverse: chunk sort back, all_to_all back, combine (per-token fp32 gather-sum over
+    the layout: the dispatcher owns the combine)
 
 ``allgather`` (``AllGatherDispatcher``): all-gather the tokens, probs and maps of the group,
 permute the gathered tokens routed to local experts, run them, sum each token's local rows in
@@ -94,30 +96,48 @@ class _HostSplits:
 
 
 class _Dispatcher:
-    """What both dispatchers know: the group, this rank's place in it, the local experts.
+    """What every dispatcher knows: the group, this rank's place in it, the local experts.
 
-    ``dispatch(x, probs, routing_map, num_rows, drop_and_pad)`` returns the local experts' rows
-    ``[R_local, H]``, their probs ``[R_local]``, the local ``expert_offsets`` ``[nle + 1]`` and a
-    handle; ``combine(y, handle)`` returns ``[T, H]``.
+    The layer makes the tokens' :class:`moe_core.ops.RoutingLayout` as :meth:`layout_request`
+    asks (with the rows or without, drop-and-pad or not), then
+    ``dispatch(x, layout, rows)`` returns the local experts' rows ``[R_local, H]``, their probs
+    ``[R_local]``, the local ``expert_offsets`` ``[nle + 1]`` and a handle, and
+    ``combine(y, handle)`` returns ``[T, H]``: the dispatcher owns the combine (each token's
+    rows come back to its rank and are summed there, in a fixed order).
     """
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int):
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, drop_and_pad: bool = False):
+        """drop_and_pad: Megatron's ``moe_pad_expert_input_to_capacity`` (every expert block
+        padded to the capacity, so the exchanged blocks have static sizes)."""
         self.group = group
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
         self.num_experts = num_experts
         self.nle = num_experts // self.ep_size
+        self.drop_and_pad = bool(drop_and_pad)
         # A group of one exchanges nothing: the collectives, the chunk sort and the host read
         # are identities and are skipped (as Megatron's all-to-all returns its input at one
         # rank). Tests set it to force the collectives at one rank.
         self.exchange = self.ep_size > 1
 
+    def layout_request(self) -> Tuple[bool, bool]:
+        """``(with_rows, drop_and_pad)``: whether :meth:`dispatch` reads the rows (made in the
+        layout's pass) and whether the layout is Megatron's drop-and-pad one (only where blocks
+        of the capacity are exchanged; a group of one runs the single-device layout)."""
+        return True, self.drop_and_pad and self.exchange
+
+    def plan(self, routing_map: torch.Tensor):
+        """The exchange's own planning from the routing map, started before the layout is made
+        (so a host copy it waits for later runs meanwhile); handed back to :meth:`dispatch`.
+        None where there is none."""
+        return None
+
 
 class AlltoAllDispatcher(_Dispatcher):
     """Megatron's ``alltoall`` dispatcher over ``group`` (``N`` ranks, ``nle`` local experts)."""
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int):
-        super().__init__(group, num_experts)
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, drop_and_pad: bool = False):
+        super().__init__(group, num_experts, drop_and_pad)
         N, nle = self.ep_size, self.nle
         chunks = torch.arange(N * nle)
         # (source, local expert) chunks -> (local expert, source), and back
@@ -149,40 +169,40 @@ class AlltoAllDispatcher(_Dispatcher):
         splits = torch.cat([counts.view(N, nle).sum(1), per_local.sum(1)])          # [2N]
         return per_local, _HostSplits(splits)
 
-    def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                 num_rows: int, drop_and_pad: bool,
-                 overlap: Optional[Callable[[], None]] = None):
-        """x ``[T, H]``, probs ``[T, E]`` (router dtype), routing_map ``[T, E]`` bool.
-        ``overlap`` runs after the rows are sent, before they are needed (the shared expert)."""
+    def plan(self, routing_map: torch.Tensor):
+        """Dropless / dropping across ranks: :meth:`preprocess`, whose split sizes travel to the
+        host while the layer makes the layout (Megatron's sync-point schedule)."""
+        if self.exchange and not self.drop_and_pad:
+            return self.preprocess(routing_map)
+        return None
+
+    def dispatch(self, x: torch.Tensor, layout: ops.RoutingLayout, rows: torch.Tensor,
+                 plan=None, overlap: Optional[Callable[[], None]] = None):
+        """x ``[T, H]``, its layout (routing_map / probs ``[T, E]``, probs in the router dtype),
+        its rows ``[R, H]`` (expert-major = destination-rank-major) and :meth:`plan`'s result.
+        ``overlap`` runs after the rows are sent, before they are needed (the shared
+        expert)."""
         N, nle = self.ep_size, self.nle
         if not self.exchange:  # a group of one: the plain layer's steps, every mode
-            rows, row_probs, sorted_indices, offsets, _ = ops.permute(
-                x, routing_map, probs, num_out_tokens=num_rows)
             if overlap is not None:
                 overlap()
-            handle = dict(sorted_indices=sorted_indices, num_tokens=x.shape[0], identity=True,
-                          drop_and_pad=False)
-            return rows, row_probs, offsets, handle
-        if drop_and_pad:
-            rows, row_probs, sorted_indices, _, _ = ops.permute(
-                x, routing_map, probs, num_out_tokens=num_rows, drop_and_pad=True)
+            return rows, layout.row_probs, layout.expert_offsets, dict(layout=layout,
+                                                                       identity=True)
+        row_probs = layout.row_probs
+        if layout.drop_and_pad:
             recv = self._all_to_all(rows, None, None)
             recv_probs = self._all_to_all(row_probs, None, None)
             if overlap is not None:
                 overlap()
-            cap = num_rows // self.num_experts
+            cap = layout.num_rows // self.num_experts
             H = x.shape[1]
             # (source, local expert, slot) -> (local expert, source, slot): a view and a copy
             recv = _wait(recv).view(N, nle, cap, H).transpose(0, 1).reshape(N * nle * cap, H)
             recv_probs = _wait(recv_probs).view(N, nle, cap).transpose(0, 1).reshape(-1)
             offsets = torch.arange(nle + 1, device=x.device, dtype=torch.long) * (N * cap)
-            handle = dict(sorted_indices=sorted_indices, num_tokens=x.shape[0], cap=cap,
-                          drop_and_pad=True)
-            return recv, recv_probs, offsets, handle
+            return recv, recv_probs, offsets, dict(layout=layout, cap=cap)
 
-        per_local, host = self.preprocess(routing_map)
-        rows, row_probs, sorted_indices, _, _ = ops.permute(
-            x, routing_map, probs, num_out_tokens=num_rows)
+        per_local, host = plan if plan is not None else self.preprocess(layout.routing_map)
         splits = host.get()                                    # the one host wait
         input_splits, output_splits = splits[:N], splits[N:]
         used = sum(input_splits)
@@ -199,9 +219,8 @@ class AlltoAllDispatcher(_Dispatcher):
         tokens_per_local_expert = per_local.sum(0)                                  # [nle]
         offsets = torch.cat([tokens_per_local_expert.new_zeros(1),
                              tokens_per_local_expert.cumsum(0)])
-        handle = dict(sorted_indices=sorted_indices, num_tokens=x.shape[0], per_local=per_local,
-                      input_splits=input_splits, output_splits=output_splits,
-                      num_rows=num_rows, drop_and_pad=False)
+        handle = dict(layout=layout, per_local=per_local, input_splits=input_splits,
+                      output_splits=output_splits)
         return recv, recv_probs, offsets, handle
 
     def combine(self, y: torch.Tensor, handle: dict,
@@ -209,9 +228,10 @@ class AlltoAllDispatcher(_Dispatcher):
         """y ``[R_local, H]`` (the local experts' outputs) -> ``[T, H]`` on the tokens' rank."""
         N, nle = self.ep_size, self.nle
         H = y.shape[1]
+        layout = handle["layout"]
         if handle.get("identity"):
             back = y
-        elif handle["drop_and_pad"]:
+        elif layout.drop_and_pad:
             cap = handle["cap"]
             y = y.view(nle, N, cap, H).transpose(0, 1).reshape(N * nle * cap, H)
             back = self._all_to_all(y, None, None)
@@ -223,53 +243,53 @@ class AlltoAllDispatcher(_Dispatcher):
         if overlap is not None:
             overlap()
         back = _wait(back)
-        pad = handle.get("num_rows", back.shape[0]) - back.shape[0]
-        if pad > 0:
+        pad = layout.num_rows - back.shape[0]
+        if pad > 0:  # dropping without padding: the rows past the used count were not sent
             back = torch.cat([back, back.new_zeros(pad, H)])
-        return ops.unpermute(back, handle["sorted_indices"], restore_shape=(handle["num_tokens"], H))
+        return ops.combine(back, layout)
 
 
 class AllGatherDispatcher(_Dispatcher):
     """Megatron's ``allgather`` dispatcher over ``group``: every rank sees the group's tokens and
     keeps the rows routed to its local experts. Needs the same token count on every rank."""
 
-    def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                 num_rows: int, drop_and_pad: bool,
-                 overlap: Optional[Callable[[], None]] = None):
+    def layout_request(self) -> Tuple[bool, bool]:
+        """The exchange gathers the tokens and plans its own layout over them (below), so it
+        reads the layout's routing map and probs, not its rows; a group of one runs the
+        single-device steps on the rows."""
+        return not self.exchange, False
+
+    def dispatch(self, x: torch.Tensor, layout: ops.RoutingLayout, rows: Optional[torch.Tensor],
+                 plan=None, overlap: Optional[Callable[[], None]] = None):
         N, nle, T = self.ep_size, self.nle, x.shape[0]
         if not self.exchange:
-            rows, row_probs, sorted_indices, offsets, _ = ops.permute(
-                x, routing_map, probs, num_out_tokens=num_rows)
             if overlap is not None:
                 overlap()
-            return rows, row_probs, offsets, dict(sorted_indices=sorted_indices, num_tokens=T,
-                                                  identity=True)
+            return rows, layout.row_probs, layout.expert_offsets, dict(layout=layout,
+                                                                       identity=True)
         lo = self.ep_rank * nle
-        x_all = _wait(_all_gather_autograd(x, 0, self.group))              # [N·T, H]
-        probs_all = _wait(_all_gather_autograd(probs, 0, self.group))      # [N·T, E]
-        map_all = _wait(_all_gather(routing_map.to(torch.uint8), 0, self.group))
+        x_all = _wait(_all_gather_autograd(x, 0, self.group))                    # [N·T, H]
+        probs_all = _wait(_all_gather_autograd(layout.probs, 0, self.group))     # [N·T, E]
+        map_all = _wait(_all_gather(layout.routing_map.to(torch.uint8), 0, self.group))
         if overlap is not None:
             overlap()
         local_map = map_all[:, lo:lo + nle].bool()
         local_probs = probs_all[:, lo:lo + nle]
         # static bound: each token reaches at most min(K, nle) local experts (with padding to
         # capacity: at most nle·capacity rows per source rank)
-        bound = N * (num_rows // self.num_experts * nle if drop_and_pad
+        num_rows = layout.num_rows
+        bound = N * (num_rows // self.num_experts * nle if self.drop_and_pad
                      else min(num_rows, T * nle))
-        rows, row_probs, sorted_indices, offsets, _ = ops.permute(
-            x_all, local_map, local_probs, num_out_tokens=bound)
-        handle = dict(sorted_indices=sorted_indices, num_tokens=N * T)
-        return rows, row_probs, offsets, handle
+        rows, gathered = ops.permute_tokens(x_all, local_map, local_probs, bound)
+        return rows, gathered.row_probs, gathered.expert_offsets, dict(layout=gathered)
 
     def combine(self, y: torch.Tensor, handle: dict,
                 overlap: Optional[Callable[[], None]] = None) -> torch.Tensor:
-        H = y.shape[1]
         if handle.get("identity"):
             if overlap is not None:
                 overlap()
-            return ops.unpermute(y, handle["sorted_indices"], restore_shape=(handle["num_tokens"], H))
-        partial = ops.unpermute(y.float(), handle["sorted_indices"],
-                                restore_shape=(handle["num_tokens"], H))           # [N·T, H] fp32
+            return ops.combine(y, handle["layout"])
+        partial = ops.combine(y.float(), handle["layout"])                       # [N·T, H] fp32
         out = _reduce_scatter_autograd(partial, "sum", 0, self.group)
         if overlap is not None:
             overlap()

@@ -71,6 +71,16 @@ def uninitialized_linear(in_features: int, out_features: int, bias: bool,
     return lin.to_empty(device=device if device is not None else torch.get_default_device())
 
 
+def reads_rows_by_index(config: MoEConfig) -> bool:
+    """True when the experts of ``config`` can run without the rows: the whole MLP is then
+    ``ops.expert_mlp``, whose GEMMs read each row from the tokens by index, so the caller need
+    not make the ``[rows, H]`` rows at all. (The unfused path, for a bias, probs on the input or
+    an activation outside glu_probs, needs the rows.) Read from the config alone, so a wrapper
+    around the experts module (PEFT's parameter LoRA) does not hide it."""
+    return (not config.add_bias_linear and ops.activation_name(config.activation_func) is not None
+            and not config.moe_apply_probs_on_input)
+
+
 class GroupedMLP(nn.Module):
     """The routed experts of this rank.
 
@@ -140,55 +150,56 @@ class GroupedMLP(nn.Module):
 
     @property
     def reads_rows_by_index(self) -> bool:
-        """True when :meth:`forward` takes ``x=None`` with ``tokens`` and ``sorted_indices``:
-        the whole MLP is then ``ops.expert_mlp``, whose GEMMs read each row from the tokens by
-        index, so the caller need not make the ``[rows, H]`` rows at all. (The unfused path, for
-        a bias, probs on the input or an activation outside glu_probs, needs the rows.)"""
-        cfg = self.config
-        return (self.bias1 is None and ops.activation_name(cfg.activation_func) is not None
-                and not cfg.moe_apply_probs_on_input)
+        """:func:`reads_rows_by_index` of this module's config."""
+        return reads_rows_by_index(self.config)
 
-    def forward(self, x: Optional[torch.Tensor], expert_offsets: torch.Tensor, probs: torch.Tensor,
-                tokens: Optional[torch.Tensor] = None,
-                sorted_indices: Optional[torch.Tensor] = None,
-                combine: bool = False) -> torch.Tensor:
-        """Expert outputs.
+    def forward(self, x: torch.Tensor, layout: "ops.RoutingLayout",
+                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The experts on routed tokens, combined: each token's sum of its rows' outputs (the
+        experts own the combine on one device: their backward then makes the rows' gradient
+        itself and frees it as soon as fc2's backward is done with it).
 
         Args:
-            x: ``[rows, H]`` expert-sorted tokens (activation dtype), or None when
-                :attr:`reads_rows_by_index`: the rows are then ``tokens[sorted_indices]``, read
-                by index, and the gradient goes to ``tokens``.
-            expert_offsets: ``[E + 1]`` int64 row offsets on x's device (local experts).
-            probs: ``[rows]`` router probs of each row (router dtype).
-            tokens, sorted_indices: where x came from (``permute``'s input ``[T, H]`` and its
-                ``sorted_indices`` ``[rows]``), or None: with them the backward gathers the rows
-                again rather than keeping x.
-            combine: return each token's sum of its rows' outputs (``unpermute``'s output
-                ``[T, H]``; needs tokens and sorted_indices) instead of the rows' outputs.
+            x: ``[T, H]`` the tokens (activation dtype).
+            layout: their :class:`moe_core.ops.RoutingLayout` (local experts).
+            rows: ``[R, H]`` ``x``'s rows in the layout's order, made with the layout
+                (``ops.permute_tokens``; they carry the gradient to ``x``), or None where
+                :attr:`reads_rows_by_index`: the GEMMs then read each row from ``x`` by index.
 
         Returns:
-            ``[rows, H]`` (``[T, H]`` with combine) in x's dtype.
+            ``[T, H]`` in x's dtype.
         """
-        if combine and (tokens is None or sorted_indices is None):
-            raise ValueError("GroupedMLP: combine=True needs tokens and sorted_indices (the tokens "
-                             "whose rows are summed), got None")
-        if x is None and not (self.reads_rows_by_index and tokens is not None
-                              and sorted_indices is not None):
-            raise ValueError("GroupedMLP: x=None (rows read from tokens by index) needs tokens and "
-                             "sorted_indices and the fused expert path (no bias, probs after the "
-                             "activation, a glu_probs activation); got "
-                             f"reads_rows_by_index={self.reads_rows_by_index}")
+        if self.reads_rows_by_index:
+            # fc1, the activation, the probs, fc2 and the combine as one op that keeps only fc1's
+            # output for the backward (ops/expert_mlp.py); the same bits as the ops below
+            return self._expert_mlp(rows, layout.expert_offsets, layout.row_probs, x,
+                                    layout.sorted_indices)
+        if rows is None:
+            raise ValueError("GroupedMLP: these experts (a bias, probs on the input or an "
+                             "activation outside glu_probs) run on the rows: pass rows=, made "
+                             "with the layout by ops.permute_tokens")
+        return ops.combine(self.forward_rows(rows, layout.expert_offsets, layout.row_probs),
+                           layout)
+
+    def forward_rows(self, rows: torch.Tensor, expert_offsets: torch.Tensor,
+                     probs: torch.Tensor) -> torch.Tensor:
+        """The experts on rows already grouped by expert (what an expert-parallel dispatcher
+        receives): each row's output, not combined.
+
+        Args:
+            rows: ``[R, H]`` expert-sorted rows (activation dtype); expert ``e`` owns
+                ``rows[expert_offsets[e]:expert_offsets[e + 1]]``.
+            expert_offsets: ``[E + 1]`` int64 row offsets on rows' device (local experts).
+            probs: ``[R]`` router probs of each row (router dtype).
+
+        Returns:
+            ``[R, H]`` in rows' dtype.
+        """
+        if self.reads_rows_by_index:
+            return self._expert_mlp(rows, expert_offsets, probs)
         cfg = self.config
         name = ops.activation_name(cfg.activation_func)
-        if self.reads_rows_by_index:
-            # fc1, the activation, the probs and fc2 as one op that keeps only fc1's output for
-            # the backward (ops/expert_mlp.py); the same bits as the two ops below
-            gated = cfg.gated_linear_unit
-            return ops.expert_mlp(
-                x, self.weight1, self.weight2, expert_offsets, probs, name, gated,
-                cfg.glu_linear_offset if gated else 0.0,
-                cfg.activation_func_clamp_value if gated else None, tokens, sorted_indices,
-                combine=combine)
+        x = rows
         if cfg.moe_apply_probs_on_input:
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
@@ -210,9 +221,21 @@ class GroupedMLP(nn.Module):
         y = ops.grouped_gemm(h, self.weight2, expert_offsets, trans_w=True)
         if self.bias2 is not None:
             y = y + (self.bias2[row_expert] * probs.unsqueeze(-1)).to(y.dtype)
-        if combine:
-            y = ops.unpermute(y, sorted_indices, restore_shape=tokens.shape)
         return y
+
+    def _expert_mlp(self, rows: Optional[torch.Tensor], expert_offsets: torch.Tensor,
+                    probs: torch.Tensor, tokens: Optional[torch.Tensor] = None,
+                    sorted_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``ops.expert_mlp`` with this module's weights and activation; with ``tokens`` and
+        ``sorted_indices`` it also combines (``[T, H]``), else it returns the rows' outputs."""
+        cfg = self.config
+        gated = cfg.gated_linear_unit
+        return ops.expert_mlp(
+            rows, self.weight1, self.weight2, expert_offsets, probs,
+            ops.activation_name(cfg.activation_func), gated,
+            cfg.glu_linear_offset if gated else 0.0,
+            cfg.activation_func_clamp_value if gated else None, tokens, sorted_indices,
+            combine=tokens is not None)
 
     @staticmethod
     def _row_expert(expert_offsets: torch.Tensor, rows: int) -> torch.Tensor:

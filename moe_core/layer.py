@@ -1,4 +1,4 @@
-"""MoELayer: route -> dispatch -> experts -> combine, a drop-in for Megatron-Core's MoELayer.
+"""MoELayer: route -> layout -> experts -> combine, a drop-in for Megatron-Core's MoELayer.
 
 forward(hidden [S, B, H] or [T, H], padding_mask=None) returns a tensor of the input's shape:
 
@@ -7,26 +7,26 @@ forward(hidden [S, B, H] or [T, H], padding_mask=None) returns a tensor of the i
     shared = shared_experts(hidden)                         (if configured; before routing)
     probs, routing_map = router(hidden, padding_mask)       [T, E] each
     x = fc1_latent_proj(hidden)                             (latent MoE only, H -> L)
-    rows, row_probs, sorted_indices, expert_offsets, _ = permute(x, routing_map, probs, bound)
-    y = experts(rows, expert_offsets, row_probs)            grouped GEMMs
-    out = unpermute(y, sorted_indices, x.shape)             per-token gather-sum, fixed order
-                                                            (the experts' op runs it: its
-                                                            backward frees the rows' gradient
-                                                            early)
+    out = routed_experts(x, probs, routing_map):            the one data path (below)
+        layout = routing_layout(routing_map, probs, bound)  where the experts read x by index,
+        rows, layout = permute_tokens(x, ...)               else the rows in the same pass
+        out = experts(x, layout, rows)                      grouped GEMMs, and the combine: a
+                                                            per-token gather-sum, fixed order
     out = fc2_latent_proj(out) + shared
 
-No step reads a device value on the host: the permuted buffer is sized by a static bound
+No step reads a device value on the host: the layout's buffers are sized by a static bound
 (T·topk dropless; E·capacity with pad-to-capacity; T·topk with dropping, the kept count staying in
 expert_offsets[-1]), so the layer runs under torch.compile(fullgraph=True) and in CUDA graphs.
 
 Expert parallel (``expert_model_parallel_size = N > 1``, or an ``ep_group`` given): the layer
 holds the ``E / N`` local experts of its rank and a dispatcher (``moe_core.dispatcher``) moves the
-permuted rows to their experts' ranks and back; routing and the combine stay on the token's rank.
-Only the dropless / dropping all-to-all reads its split sizes on the host (one wait per forward),
-unless ``moe_alltoall_exchange="symm_mem"`` (dropless, NVSHMEM, a static receive budget:
+layout's rows to their experts' ranks and back (``dispatch``, the experts' ``forward_rows``,
+``combine``); routing and the combine stay on the token's rank. Only the dropless / dropping
+all-to-all reads its split sizes on the host (one wait per forward), unless
+``moe_alltoall_exchange="symm_mem"`` (dropless, NVSHMEM, a static receive budget:
 ``moe_core.symm_exchange``).
 """
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,8 @@ from torch import nn
 from moe_core import ops
 from moe_core.config import MoEConfig
 from moe_core.dispatcher import DISPATCHERS
-from moe_core.experts import GroupedMLP, SharedExpertMLP, uninitialized_linear
+from moe_core.experts import (GroupedMLP, SharedExpertMLP, reads_rows_by_index,
+                              uninitialized_linear)
 from moe_core.groups import GroupLike, as_group
 from moe_core.router import TopKRouter
 
@@ -92,10 +93,12 @@ class MoELayer(nn.Module):
 
                 self.dispatcher = SymmMemAlltoAllDispatcher(
                     self.ep_group, config.num_moe_experts, config.moe_router_topk,
-                    config.moe_alltoall_recv_factor)
+                    config.moe_alltoall_recv_factor,
+                    drop_and_pad=config.moe_pad_expert_input_to_capacity)
             else:
                 self.dispatcher = DISPATCHERS[config.moe_token_dispatcher_type](
-                    self.ep_group, config.num_moe_experts)
+                    self.ep_group, config.num_moe_experts,
+                    drop_and_pad=config.moe_pad_expert_input_to_capacity)
             self._check_same_config_on_every_rank()
         self.tp_cp_group = as_group(tp_cp_group, "tp_cp_group")
         self.tp_dp_cp_group = as_group(tp_dp_cp_group, "tp_dp_cp_group")
@@ -201,8 +204,9 @@ class MoELayer(nn.Module):
                              f"the same number on every expert-parallel rank, got {seen}")
         self._validated_tokens = num_tokens
 
-    def num_permuted_rows(self, num_tokens: Union[int, torch.SymInt]) -> Union[int, torch.SymInt]:
-        """Static size of the permuted buffer for ``num_tokens`` tokens (no host sync needed).
+    def num_out_tokens(self, num_tokens: Union[int, torch.SymInt]) -> Union[int, torch.SymInt]:
+        """The row bound of the layout for ``num_tokens`` tokens (permute's ``num_out_tokens``;
+        a static size, no host sync).
 
         Dropless (and dropping without padding): ``num_tokens * topk``, integer arithmetic, so a
         symbolic token count (``torch.compile`` with a dynamic token dimension) stays symbolic.
@@ -242,22 +246,11 @@ class MoELayer(nn.Module):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         if self.fc1_latent_proj is not None:
             x = self.fc1_latent_proj(x)
-        if self.dispatcher is None:
-            by_index = self.experts.reads_rows_by_index and self._rows_by_index(x)
-            # by index: the experts' GEMMs read each row from x through sorted_indices, so
-            # permute makes only the layout and the rows' probs, moving one column of x (a
-            # detached view: no gradient flows through that copy; x's comes from the experts)
-            rows, row_probs, sorted_indices, expert_offsets, _ = ops.permute(
-                x[:, :1].detach() if by_index else x, routing_map, probs,
-                num_out_tokens=self.num_permuted_rows(x.shape[0]))
-            # the experts sum each token's rows themselves (unpermute) and, reading them by
-            # index, never hold the [T·k, H] rows or their gradient whole
-            out = self.experts(None if by_index else rows, expert_offsets, row_probs, x,
-                               sorted_indices, combine=True)
-        else:
-            out, overlapped = self._expert_parallel(x, probs, routing_map, hidden_states, overlap)
-            if overlap:
-                shared = overlapped
+        box = {}
+        run_shared = (lambda: box.update(out=self._shared_side(hidden_states))) if overlap else None
+        out = self.routed_experts(x, probs, routing_map, overlap=run_shared)
+        if overlap:
+            shared = self._shared_joined(box.get("out"))
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         out = out.reshape(hidden_states.shape)
@@ -265,31 +258,75 @@ class MoELayer(nn.Module):
             out = out + shared
         return out
 
+    def routed_experts(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                       overlap: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """layout -> experts -> combine on routed tokens: the one place this sequence is written
+        (the forward, expert parallel or not, and the Hugging Face blocks run it).
+
+        The layout is made in the pass the next step needs: with the rows (permute's full mode:
+        each token read once, written to all of its rows) where the rows are used as such, the
+        layout alone where the experts read each row from ``x`` by index. The combine's owner:
+        the experts on one device (they sum each token's rows themselves, so their backward frees
+        the rows' gradient early), the dispatcher under expert parallelism (the rows come back
+        from other ranks first).
+
+        Args:
+            x: ``[T, H]`` the tokens (activation dtype; the latent size with moe_latent_size).
+            probs: ``[T, E]`` router probs (router dtype), zero off the map.
+            routing_map: ``[T, E]`` bool, the router's choice.
+            overlap: expert parallel only: run while the rows are in flight (the shared expert).
+
+        Returns:
+            ``[T, H]`` in ``x``'s dtype: each token's experts' outputs, weighted and summed.
+        """
+        if self.dispatcher is None:
+            by_index = reads_rows_by_index(self.config) and self._rows_by_index(x)
+            rows, layout = self._layout(x, probs, routing_map, with_rows=not by_index)
+            return self.experts(x, layout, rows)
+        recv, recv_probs, recv_offsets, handle = self.dispatch(x, probs, routing_map, overlap)
+        y = self.experts.forward_rows(recv, recv_offsets, recv_probs)
+        return self.dispatcher.combine(y, handle)
+
+    def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                 overlap: Optional[Callable[[], None]] = None):
+        """Expert parallel: the tokens' layout, made as the dispatcher asks, and the dispatch of
+        their rows to the local experts of every rank (:meth:`routed_experts`' first half).
+
+        Args: as :meth:`routed_experts`.
+
+        Returns:
+            ``(rows [R_local, H], probs [R_local], expert_offsets [E_local + 1] int64, handle)``:
+            the rows this rank's experts run, grouped by local expert, and the handle
+            ``self.dispatcher.combine(y, handle)`` takes to bring their outputs back.
+        """
+        cfg = self.config
+        if cfg.moe_pad_expert_input_to_capacity or cfg.moe_token_dispatcher_type == "allgather" \
+                or cfg.moe_alltoall_exchange == "symm_mem":
+            self._check_equal_tokens(x.shape[0])
+        plan = self.dispatcher.plan(routing_map)
+        rows, layout = self._layout(x, probs, routing_map, *self.dispatcher.layout_request())
+        return self.dispatcher.dispatch(x, layout, rows, plan, overlap)
+
+    def _layout(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                with_rows: bool, drop_and_pad: bool = False):
+        """``(rows or None, layout)``: the tokens' layout within the layer's row bound, with the
+        rows made in the same pass (permute's full mode) when ``with_rows``, else alone."""
+        bound = self.num_out_tokens(x.shape[0])
+        if with_rows:
+            return ops.permute_tokens(x, routing_map, probs, bound, drop_and_pad)
+        return None, ops.routing_layout(routing_map, probs, bound, drop_and_pad)
+
     def _rows_by_index(self, x: torch.Tensor) -> bool:
         """config.moe_expert_rows_by_index, None resolved by x's device (see MoEConfig)."""
         choice = self.config.moe_expert_rows_by_index
         return x.device.type == "cpu" if choice is None else choice
 
-    def _expert_parallel(self, x, probs, routing_map, hidden_states, overlap):
-        """dispatch -> local experts -> combine; with overlap, the shared expert runs while the
-        rows are in flight (on a side stream on CUDA, beside the asynchronous collective on the
-        CPU)."""
-        cfg = self.config
-        pad = cfg.moe_pad_expert_input_to_capacity
-        if pad or cfg.moe_token_dispatcher_type == "allgather" or \
-                cfg.moe_alltoall_exchange == "symm_mem":
-            self._check_equal_tokens(x.shape[0])
-        box = {}
-        run_shared = (lambda: box.update(out=self._shared_side(hidden_states))) if overlap else None
-        rows, row_probs, offsets, handle = self.dispatcher.dispatch(
-            x, probs, routing_map, self.num_permuted_rows(x.shape[0]), pad, overlap=run_shared)
-        y = self.experts(rows, offsets, row_probs)
-        out = self.dispatcher.combine(y, handle)
-        shared = box.get("out")
+    def _shared_joined(self, shared: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The overlapped shared expert's output, made safe to read on the compute stream."""
         if shared is not None and shared.is_cuda:
             torch.cuda.current_stream(shared.device).wait_stream(self._shared_stream)
             shared.record_stream(torch.cuda.current_stream(shared.device))
-        return out, shared
+        return shared
 
     @property
     def last_dropped_rows(self) -> Optional[torch.Tensor]:

@@ -12,7 +12,7 @@ Steps (``W`` ranks, ``nle`` local experts, ``R = T·topk`` permuted rows, all on
     counts [E] = routing_map.sum(0)  all-gathered -> [W(source), E]       (static shape)
     acceptance: receiver r fills its budget B in its chunk order (local expert e, then source s):
         accepted[r, e, s] = min(count[s, r·nle + e], max(B - rows before (e, s), 0))
-    rows = permute(x)                 [R, H], (destination rank, local expert) chunks
+    rows = permute_tokens(x)          [R, H], (destination rank, local expert) chunks (the layer)
     send = the accepted prefix of each chunk, compacted; probs bit-cast into pad columns
     recv = all_to_all_vdev(send)      [B, C], (source, local expert) chunks, tail zeroed
     recv = sort_chunks_by_idxs(recv)  (local expert, source), as the NCCL path
@@ -333,8 +333,8 @@ class SymmMemAlltoAllDispatcher(AlltoAllDispatcher):
     last forward (None before one)."""
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int, topk: int,
-                 recv_factor: float, emulate: Optional[bool] = None):
-        super().__init__(group, num_experts)
+                 recv_factor: float, emulate: Optional[bool] = None, drop_and_pad: bool = False):
+        super().__init__(group, num_experts, drop_and_pad)
         self.topk = topk
         self.recv_factor = recv_factor
         self.emulate = emulation_requested() if emulate is None else emulate
@@ -352,9 +352,14 @@ class SymmMemAlltoAllDispatcher(AlltoAllDispatcher):
             self._chunk_order[key] = torch.cat([order, order.new_tensor([order.shape[0]])])
         return self._chunk_order[key]
 
-    def dispatch(self, x, probs, routing_map, num_rows, drop_and_pad, overlap=None):
-        if not self.exchange or drop_and_pad:
-            return super().dispatch(x, probs, routing_map, num_rows, drop_and_pad, overlap)
+    def plan(self, routing_map: torch.Tensor):
+        """Nothing to start early: the budgeted exchange reads no split size on the host."""
+        return None
+
+    def dispatch(self, x, layout, rows, plan=None, overlap=None):
+        if not self.exchange or layout.drop_and_pad:
+            return super().dispatch(x, layout, rows, plan, overlap)
+        routing_map, row_probs = layout.routing_map, layout.row_probs
         W, nle, E, me = self.ep_size, self.nle, self.num_experts, self.ep_rank
         dev = x.device
         B = self.budget(x.shape[0])
@@ -364,8 +369,6 @@ class SymmMemAlltoAllDispatcher(AlltoAllDispatcher):
         send_acc = acc[:, :, me].reshape(E)              # kept rows of my (dest, expert) chunks
         recv_acc = acc[me]                               # [nle, W] rows I receive, (e, s)
         self.last_dropped_rows = counts.sum() - send_acc.sum()
-        rows, row_probs, sorted_indices, _, _ = ops.permute(
-            x, routing_map, probs, num_out_tokens=num_rows)
         R = rows.shape[0]
         compact, expand = _prefix_maps(counts, send_acc, R)
         send_splits = send_acc.view(W, nle).sum(1)                                 # [W]
@@ -385,8 +388,8 @@ class SymmMemAlltoAllDispatcher(AlltoAllDispatcher):
                 recv, by_source, self._chunk_order_with_tail("sort", dev), recv_probs)
         per_expert = recv_acc.sum(1)                                               # [nle]
         offsets = torch.cat([per_expert.new_zeros(1), per_expert.cumsum(0)])
-        handle = dict(sorted_indices=sorted_indices, num_tokens=x.shape[0], symm=True,
-                      by_expert=by_expert, routes=(backward_route, forward_route))
+        handle = dict(layout=layout, symm=True, by_expert=by_expert,
+                      routes=(backward_route, forward_route))
         return recv, recv_probs, offsets, handle
 
     def combine(self, y, handle, overlap=None):
@@ -399,5 +402,4 @@ class SymmMemAlltoAllDispatcher(AlltoAllDispatcher):
         back = _Exchange.apply(y, None, self.exchanger, forward_route, backward_route)
         if overlap is not None:
             overlap()
-        shape = (handle["num_tokens"], y.shape[1])
-        return ops.unpermute(back, handle["sorted_indices"], restore_shape=shape)
+        return ops.combine(back, handle["layout"])

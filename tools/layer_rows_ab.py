@@ -18,7 +18,7 @@ clocks differ by more than the copies save. Here the switch is flipped between s
   queued profile and the events below do not.)
 * ``--ops``: the queued step's GPU time op by op, from CUDA events recorded around each of
   ``expert_mlp``'s kernel calls (its module's op handles wrapped for the run) and around
-  ``permute`` and the router; no profiler (on the CPU, the wall clock at the same points). What
+  the layout and the router; no profiler (on the CPU, the wall clock at the same points). What
   lies between two wrapped calls is listed as ``a..b`` (unwrapped ops, or the GPU waiting), so
   the rows add up to the step.
 
@@ -71,6 +71,10 @@ def kernel_times(step, dev, steps: int) -> Dict[str, float]:
 # expert_mlp's op handles (module globals it calls through), timed by --ops
 _EXPERT_OPS = ("_FC1", "_FC2", "_DGRAD", "_WGRAD", "_GLU_BWD_", "_GLU_BWD", "_UNPERMUTE",
                "_UNPERMUTE_BWD", "_ACCUMULATE_", "gathered_rows_grad", "_rounded")
+# the layer's layout step, either mode (with the rows, or alone for the rows read by index),
+# timed as one op: "layout"
+_LAYOUT_OPS = ("permute_tokens", "routing_layout")
+_LABELS = {n: "layout" for n in _LAYOUT_OPS}
 
 
 class WallStamp:
@@ -86,7 +90,8 @@ class WallStamp:
 @contextlib.contextmanager
 def op_events(layer, marks: List[Tuple[str, object]], dev: torch.device):
     """Records an event (a CUDA event; a :class:`WallStamp` off CUDA) before (``<name``) and after
-    (``name``) each of expert_mlp's op calls, ``permute`` and the router's forward, into
+    (``name``) each of expert_mlp's op calls, the layout (``layout``: ``permute_tokens`` or
+    ``routing_layout``) and the router's forward, into
     ``marks``; yields the function that records one; restores every handle on exit."""
     mlp = sys.modules["moe_core.ops.expert_mlp"]  # the module (the package exports the function)
 
@@ -96,14 +101,16 @@ def op_events(layer, marks: List[Tuple[str, object]], dev: torch.device):
         marks.append((label, e))
 
     def wrapped(name, fn):
+        label = _LABELS.get(name, name)
+
         def call(*args, **kwargs):
-            mark("<" + name)
+            mark("<" + label)
             out = fn(*args, **kwargs)
-            mark(name)
+            mark(label)
             return out
         return call
 
-    patched = [(mlp, n) for n in _EXPERT_OPS] + [(moe_core.ops, "permute")]
+    patched = [(mlp, n) for n in _EXPERT_OPS] + [(moe_core.ops, n) for n in _LAYOUT_OPS]
     saved = [(mod, n, getattr(mod, n)) for mod, n in patched]
     hooks = [layer.router.register_forward_pre_hook(lambda *_: mark("<router")),
              layer.router.register_forward_hook(lambda *_: mark("router"))]

@@ -167,14 +167,16 @@ def moe_core_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
     x = hidden_states if hidden_states.dtype == w1.dtype else hidden_states.to(w1.dtype)
     x = x.contiguous()
     w1, w2 = w1.contiguous(), w2.contiguous()  # no-ops for HF's (and PEFT's W + BA) weights
-    rows, _, sorted_indices, offsets, _ = ops.permute(x, routing_map, None, num_out_tokens=T * k)
+    # the probs stay out of the layout: HF applies them after fc2, in the combine below
+    rows, layout = ops.permute_tokens(x, routing_map, None, T * k)
+    offsets = layout.expert_offsets
     spec = gate_spec(module)
     post_norm = getattr(module, "has_post_expert_norm", False)
 
     if spec is not None and b1 is None and not transposed and (concatenated or not has_gate):
         # fc1, activation, fc2 in one op; its backward gathers the rows again from x
         y = ops.expert_mlp(rows, w1, w2, offsets, None, *spec, tokens=x,
-                           sorted_indices=sorted_indices)
+                           sorted_indices=layout.sorted_indices)
     else:
         # transposed HF weights are [E, in, out]: grouped_gemm's trans_w=False layout
         a = ops.grouped_gemm(rows, w1, offsets, trans_w=not transposed)
@@ -193,8 +195,9 @@ def moe_core_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
             y = y + _row_bias(b2, offsets, y.shape[0])
     if post_norm:
         y = module.post_expert_norm(y)
-    # the probs after fc2, products rounded to promote(y, probs), summed in fp32: HF's order
-    out = ops.unpermute(y, sorted_indices, restore_shape=(T, H), probs=probs, pad_offsets=offsets)
+    # the backend owns the combine: the probs after fc2, products rounded to promote(y, probs),
+    # summed in fp32 (HF's order)
+    out = ops.combine(y, layout, probs)
     return out.to(hidden_states.dtype)
 
 

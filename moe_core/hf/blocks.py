@@ -45,7 +45,6 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from moe_core import ops
 from moe_core.config import MoEConfig
 from moe_core.hf.backend import gate_spec
 from moe_core.hf.experts import (HFGroupedMLP, HFLlama4GroupedMLP, HFTransposedGroupedMLP,
@@ -115,10 +114,7 @@ class MoECoreSparseMoeBlock(MoELayer):
         routed = self.router(x)
         li = self.router.logits_index
         logits, probs, routing_map = routed[li], routed[1 - li], routed[2]
-        rows, row_probs, sorted_indices, offsets, _ = ops.permute(
-            x, routing_map, probs, num_out_tokens=self.num_permuted_rows(x.shape[0]))
-        y = self.experts(rows, offsets, row_probs, x, sorted_indices)
-        out = ops.unpermute(y, sorted_indices, restore_shape=x.shape)
+        out = self.routed_experts(x, probs, routing_map)
         if self.shared_kind == "gated":  # Qwen2-MoE: sigmoid(x·g) * shared(x)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.shared_kind == "plain":  # DeepSeek, Ernie, Llama-4: added as they are

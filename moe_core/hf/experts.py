@@ -105,10 +105,9 @@ class HFTransposedGroupedMLP(HFGroupedMLP):
     def bias2(self) -> torch.Tensor:
         return self.down_proj_bias
 
-    def forward(self, x: torch.Tensor, expert_offsets: torch.Tensor, probs: torch.Tensor,
-                tokens: Optional[torch.Tensor] = None,
-                sorted_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """As :meth:`GroupedMLP.forward` (``tokens`` / ``sorted_indices`` unused)."""
+    def forward_rows(self, x: torch.Tensor, expert_offsets: torch.Tensor,
+                     probs: torch.Tensor) -> torch.Tensor:
+        """As :meth:`GroupedMLP.forward_rows`."""
         row_expert = self._row_expert(expert_offsets, x.shape[0])
         a = ops.grouped_gemm(x, self.gate_up_proj.contiguous(), expert_offsets, trans_w=False)
         a = a + self.gate_up_proj_bias[row_expert]
@@ -135,10 +134,9 @@ class HFLlama4GroupedMLP(HFGroupedMLP):
     LoRA gives both the same adapter shapes.
     """
 
-    def forward(self, x: torch.Tensor, expert_offsets: torch.Tensor, probs: torch.Tensor,
-                tokens: Optional[torch.Tensor] = None,
-                sorted_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """As :meth:`GroupedMLP.forward` (``tokens`` / ``sorted_indices`` unused)."""
+    def forward_rows(self, x: torch.Tensor, expert_offsets: torch.Tensor,
+                     probs: torch.Tensor) -> torch.Tensor:
+        """As :meth:`GroupedMLP.forward_rows`."""
         cfg = self.config
         if cfg.moe_apply_probs_on_input:
             x = (probs.unsqueeze(-1) * x).to(x.dtype)

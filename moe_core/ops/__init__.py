@@ -24,6 +24,12 @@ from moe_core.ops.permute_bwd_accumulate import (
     permute_bwd_accumulator,
 )
 from moe_core.ops.unpermute import unpermute
+from moe_core.ops.routing_layout import (
+    RoutingLayout,
+    combine,
+    permute_tokens,
+    routing_layout,
+)
 from moe_core.ops.sort_chunks_by_idxs import sort_chunks_by_idxs
 # load balancing
 from moe_core.ops.aux_loss_autoscaler import AuxLossScale, MoEAuxLossAutoScaler
@@ -75,6 +81,10 @@ __all__ = [
     "permute_bwd_accumulate_",
     "permute_bwd_accumulator",
     "unpermute",
+    "RoutingLayout",
+    "routing_layout",
+    "permute_tokens",
+    "combine",
     "sort_chunks_by_idxs",
     # load balancing
     "compute_routing_scores_for_aux_loss",

@@ -51,7 +51,7 @@ def concatenated_expert_grads(layer, X, G, masks) -> Dict[str, torch.Tensor]:
         if layer.fc1_latent_proj is not None:
             x = layer.fc1_latent_proj(x)
         probs, rmap = layer.router(X[r], padding_mask=masks[r].t())
-        bound = layer.num_permuted_rows(x.shape[0])
+        bound = layer.num_out_tokens(x.shape[0])
         rows, rp, idx, off, _ = ops.permute(x, rmap, probs, num_out_tokens=bound, drop_and_pad=pad)
         per_shard.append((rows, rp, idx, off.tolist(), bound))
     pieces, piece_probs, sizes = [], [], []
@@ -62,7 +62,7 @@ def concatenated_expert_grads(layer, X, G, masks) -> Dict[str, torch.Tensor]:
             sizes.append(off[e + 1] - off[e])
     counts = torch.tensor(sizes).view(E, world).sum(1)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
-    y = layer.experts(torch.cat(pieces), offsets, torch.cat(piece_probs))
+    y = layer.experts.forward_rows(torch.cat(pieces), offsets, torch.cat(piece_probs))
     parts = list(torch.split(y, sizes))
     loss = 0.0
     for r, (rows, _, idx, off, bound) in enumerate(per_shard):

@@ -385,16 +385,19 @@ def test_combine_needs_the_tokens(device):
         ops.expert_mlp(rows, w1, w2, off, row_probs, "silu", True, combine=True)
 
 
-@pytest.mark.parametrize("bias", [False, True], ids=["fused", "unfused"])
-def test_grouped_mlp_combine_needs_the_tokens(device, bias):
+def test_grouped_mlp_unfused_needs_the_rows(device):
+    """Experts that run on the rows (a bias: the unfused path) refuse a layout without them,
+    naming what to pass; the fused ones read the rows by index instead."""
     from moe_core.experts import GroupedMLP
 
     cfg = MoEConfig(hidden_size=8, num_moe_experts=4, moe_ffn_hidden_size=8, moe_router_topk=2,
-                    gated_linear_unit=True, add_bias_linear=bias, params_dtype=torch.float32)
+                    gated_linear_unit=True, add_bias_linear=True, params_dtype=torch.float32)
     mlp = GroupedMLP(cfg, device=device)
-    _tokens, rows, row_probs, _idx, off = routed(16, 8, 4, 2, torch.float32, device)
-    with pytest.raises(ValueError, match="combine=True needs tokens"):
-        mlp(rows, off, row_probs, combine=True)
+    routing_map = torch.rand(16, 4, device=device).argsort(1) < 2
+    layout = ops.routing_layout(routing_map, routing_map.float() / 2, 32)
+    with pytest.raises(ValueError, match=r"GroupedMLP: .* pass rows=, made with the layout by "
+                                         r"ops.permute_tokens"):
+        mlp(torch.randn(16, 8, device=device), layout)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

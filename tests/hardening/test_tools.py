@@ -54,7 +54,7 @@ def test_ops_timing_same_gradients_own_ops_handles_restored(ab, by_index):
 
     per = ab.op_times(layer, x, g, clear, torch.device("cpu"), 2)
     assert len(grads) == 3 and all(torch.equal(t, expected) for t in grads)
-    for op in ("router", "permute", "_FC1", "_FC2", "_DGRAD", "_WGRAD", "_GLU_BWD_"):
+    for op in ("router", "layout", "_FC1", "_FC2", "_DGRAD", "_WGRAD", "_GLU_BWD_"):
         assert per[op] > 0, op
     # by index the tokens' gradient is made inside expert_mlp; with the rows made, the rows'
     # gradient is gathered there and permute's backward makes the tokens'

@@ -317,8 +317,7 @@ def _metadata_for(rank: int, world: int, nle: int, seed: int) -> dict:
         probs, routed, META_K, PAD_CF, drop_policy="probs", pad_to_capacity=True)
     x = torch.randn(world, PAD_TOKENS, 8, generator=g)[rank]
     with torch.no_grad():
-        rows, _, offsets, _ = layer.dispatcher.dispatch(
-            x, probs, padded, layer.num_permuted_rows(PAD_TOKENS), True)
+        rows, _, offsets, _ = layer.dispatch(x, probs, padded)
     out["drop_and_pad"] = dict(
         ours_offsets=offsets, ours_rows=torch.tensor(rows.shape[0]),
         meg_tokens_per_expert=meg_pad.preprocess(padded),

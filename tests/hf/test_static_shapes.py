@@ -78,7 +78,7 @@ def test_pad_to_capacity_without_drops_equals_dropless(family):
     x = torch.randn(2, 5, model.config.hidden_size)
     a, b = _first_block(model), _first_block(padded)
     cfg = b.config
-    assert b.num_permuted_rows(10) == cfg.num_moe_experts * 10
+    assert b.num_out_tokens(10) == cfg.num_moe_experts * 10
     with torch.no_grad():
         _, _, routing_map = b.router(x.reshape(10, -1))
     assert routing_map.all()  # the capacity mask: every token in every expert's rows
