@@ -28,16 +28,20 @@ def has_cuda() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("moe_core::router_topk", "CUDA")
 
 
-# The ops a training step of MoELayer calls (forward and backward).
-LAYER_OPS = ("router_gating_linear", "router_topk_dense", "router_topk_fused", "router_lse_bwd",
-             "aux_loss_scores_bwd", "permute", "unpermute", "grouped_gemm", "grouped_gemm_dgrad",
-             "grouped_gemm_wgrad", "glu_probs", "glu_probs_bwd", "glu_probs_bwd_",
-             "grouped_gemm_glu_probs", "switch_aux_loss", "z_loss", "tokens_per_expert",
-             "token_dropping")
+# The C++ ops a training step of MoELayer can call, forward and backward, over its paths (the
+# fused and unfused experts, rows made or read by index, every router and balancing option);
+# tests/layer/test_features.py records a step of each path and holds the list to it.
+LAYER_OPS = ("router_gating_linear", "router_gating_linear_bwd", "router_topk_fused",
+             "router_topk_dense_bwd", "router_lse_bwd", "aux_loss_scores_bwd",
+             "switch_aux_loss", "switch_aux_loss_bwd", "tokens_per_expert", "token_dropping",
+             "token_dropping_bwd", "permute", "permute_bwd", "permute_layout",
+             "permute_layout_bwd", "unpermute", "unpermute_bwd", "permute_bwd_accumulate_",
+             "grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad", "glu_probs",
+             "glu_probs_bwd", "glu_probs_bwd_", "grouped_gemm_glu_probs")
 
 
 def layer_runs_on_cuda() -> bool:
     """True when a GPU is present and every op of MoELayer's training step has a CUDA kernel in
-    this build (the CPU kernels cover everything; the CUDA ones are being filled in)."""
+    this build (a CPU-only build registers none)."""
     return torch.cuda.is_available() and all(
         torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_core::{op}", "CUDA") for op in LAYER_OPS)

@@ -287,6 +287,45 @@ def test_layer_ops_list_names_registered_ops():
         assert moe_core.layer_runs_on_cuda() is False
 
 
+def _cxx_ops_of_step(layer, x):
+    """The C++ ops (kernels registered per device) a forward + backward of ``layer`` calls,
+    nested ones included (the profiler sees ops called inside Python-defined ops too)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        layer(x).sum().backward()
+    names = {e.name[len("moe_core::"):] for e in prof.events() if e.name.startswith("moe_core::")}
+    return {n for n in names
+            if torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_core::{n}", "CPU")}
+
+
+def test_layer_ops_list_is_what_a_step_calls():
+    """LAYER_OPS (what layer_runs_on_cuda() checks) is exactly the C++ ops a training step calls
+    over the layer's paths: the fused experts with the rows read by index (the tokens' gradient
+    whole and in row chunks) and with the rows made, the unfused experts (biases), softmax with
+    aux and z losses, sigmoid with groups and an expert bias, capacity dropping, padding to
+    capacity. A stale entry or a missing op fails."""
+    import moe_core
+
+    x = torch.randn(24, H, requires_grad=True)
+    paths = [config(moe_z_loss_coeff=1e-3, moe_expert_rows_by_index=True),
+             config(moe_expert_rows_by_index=False),
+             config(add_bias_linear=True),
+             config(moe_router_score_function="sigmoid", moe_router_num_groups=4,
+                    moe_router_group_topk=2, moe_router_enable_expert_bias=True,
+                    moe_aux_loss_coeff=0.0),
+             config(moe_expert_capacity_factor=1.0),
+             config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)]
+    called = set()
+    for cfg in paths:
+        called |= _cxx_ops_of_step(MoELayer(cfg), x)
+    # by index at top-4 in bf16, with more rows than the weights hold: the tokens' gradient made
+    # in row chunks (permute_bwd_accumulate_)
+    chunked = config(moe_router_topk=4, params_dtype=torch.bfloat16, moe_expert_rows_by_index=True)
+    xb = torch.randn(512, H, dtype=torch.bfloat16, requires_grad=True)
+    called |= _cxx_ops_of_step(MoELayer(chunked), xb)
+    assert called == set(moe_core.LAYER_OPS), (sorted(called - set(moe_core.LAYER_OPS)),
+                                                sorted(set(moe_core.LAYER_OPS) - called))
+
+
 # ---- bad input: one test per case -------------------------------------------------------------
 
 def test_hidden_states_wrong_width():
