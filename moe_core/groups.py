@@ -7,7 +7,11 @@ replicated. Besides the EP group, a layer reduces over two of Megatron's groups 
 * ``tp_cp_group``: the aux losses' token counts (and the z-loss scale). Size 1 without tensor or
   context parallelism, hence ``None`` by default.
 * ``tp_dp_cp_group``: the global aux loss's counts and the expert-bias counts. Every rank that
-  shares the router: under pure EP + DP that is the whole world (the default of an EP layer).
+  shares the router: under pure EP + DP, and under plain data parallelism (DDP, FSDP2), that is
+  the whole data-parallel world. ``None`` means exactly that once ``torch.distributed`` is
+  initialised (:func:`default_data_parallel_group`, resolved at the first reduction, since models
+  are often built before ``init_process_group``); a group of one rank
+  (``torch.distributed.new_subgroups(1)[0]``) keeps every rank's counts its own.
 
 Wherever a group is taken, a ``torch.distributed.device_mesh.DeviceMesh`` of one dimension (or a
 ``(mesh, dim_name)`` pair) is accepted too. The model-wide utilities that use these groups
@@ -42,6 +46,31 @@ def as_group(group: GroupLike, name: str = "group") -> Optional[dist.ProcessGrou
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+def default_data_parallel_group(param: torch.Tensor) -> Optional[dist.ProcessGroup]:
+    """The data-parallel world of a replicated module whose ``tp_dp_cp_group`` was not given:
+    None (this rank alone) without ``torch.distributed`` initialised; the mesh ``param`` was
+    sharded over when it is a DTensor (``fully_shard`` keeps the sharded DTensor between steps),
+    the whole mesh's ranks being the default group's when it has several dimensions (HSDP); else
+    the default group. A mesh of several dimensions over part of the world names no single
+    group: ValueError, pass the group explicitly.
+
+    Args:
+        param: one of the module's parameters (a tensor or a DTensor).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None:
+        return dist.group.WORLD
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    raise ValueError(f"the parameters are sharded over a {mesh.ndim}-D mesh of {mesh.size()} of "
+                     f"the {dist.get_world_size()} ranks: pass tp_dp_cp_group (the ranks that "
+                     f"share the router) explicitly")
 
 
 @dataclasses.dataclass

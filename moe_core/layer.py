@@ -70,8 +70,13 @@ class MoELayer(nn.Module):
             tp_cp_group: the group the aux losses' token counts are summed over (Megatron's
                 TP x CP group); None: this rank alone, right without tensor / context parallelism.
             tp_dp_cp_group: the group the global aux loss's counts and the expert-bias counts are
-                summed over (Megatron's TP x DP x CP group); None: the default group for an
-                expert-parallel layer (pure EP + DP), this rank alone otherwise.
+                summed over (Megatron's TP x DP x CP group: every rank that shares the router).
+                None: the default group for an expert-parallel layer (pure EP + DP); otherwise the
+                data-parallel world once ``torch.distributed`` is initialised (DDP, FSDP2: the
+                default group, or the mesh ``fully_shard`` sharded the router over), resolved at
+                the first reduction, not here (``TopKRouter.data_parallel_group``), and this rank
+                alone without ``torch.distributed``. A group of one rank
+                (``torch.distributed.new_subgroups(1)[0]``) keeps each rank's counts its own.
             device: where the parameters and buffers are created and initialised (build on the
                 GPU directly: initialising a large layer on the CPU first takes minutes).
                 ``"meta"``: shapes only; then ``to_empty(device=...)`` and
@@ -381,7 +386,9 @@ def moe_layers(model: nn.Module):
 def update_expert_bias(model: nn.Module, group=None) -> None:
     """After each optimizer step (Megatron: finalize_model_grads): update the expert bias of every
     router in training mode that has one, from the token counts since the last call, all-reduced
-    over ``group`` (the data-parallel group) when given."""
+    over ``group`` when given, else over each router's ``data_parallel_group()`` (its
+    ``tp_dp_cp_group``, or the data-parallel world once ``torch.distributed`` is initialised).
+    Every rank of the group calls it, so every rank's bias stays the same."""
     for layer in moe_layers(model):
         if layer.router.training:
             layer.router.update_expert_bias(group)

@@ -34,7 +34,7 @@ from moe_core.config import MoEConfig
 from moe_core.ops.aux_loss_autoscaler import AuxLossScale, MoEAuxLossAutoScaler
 from moe_core.ops.global_aux_loss import apply_keeping_fp32_buffers
 from moe_core.ops.router_topk import router_topk_fused, z_loss_from_lse
-from moe_core.groups import group_size
+from moe_core.groups import default_data_parallel_group, group_size
 
 
 class TopKRouter(nn.Module):
@@ -54,14 +54,17 @@ class TopKRouter(nn.Module):
     def __init__(self, config: MoEConfig, tp_cp_group=None, tp_dp_cp_group=None, *,
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
         """tp_cp_group: the aux losses' token counts are summed over it (Megatron's TP x CP
-        group); tp_dp_cp_group: the global aux loss's and the expert bias's counts (TP x DP x CP).
-        None: this rank alone. dtype: the weight's and bias's dtype (default
+        group; None: this rank alone); tp_dp_cp_group: the global aux loss's and the expert
+        bias's counts (TP x DP x CP; None: the data-parallel world, :meth:`data_parallel_group`).
+        dtype: the weight's and bias's dtype (default
         ``config.params_dtype``; the buffers are fp32 whatever it is); device: where everything is
         created and initialised."""
         super().__init__()
         self.config = config
         self.tp_cp_group = tp_cp_group
         self.tp_dp_cp_group = tp_dp_cp_group
+        # the default group, once resolved (at the first reduction: see data_parallel_group)
+        self._default_dp_group = None
         E, H = config.num_moe_experts, config.hidden_size
         self.topk = config.moe_router_topk
         dtype = dtype or config.params_dtype
@@ -290,7 +293,7 @@ class TopKRouter(nn.Module):
                 c = coeffs["global_aux_loss"]
                 loss = ops.global_load_balancing_loss(scores, aux_map, k, E, c,
                                                       self.global_aux_buffer, padding_mask=mask,
-                                                      reduce_group=self.tp_dp_cp_group)
+                                                      reduce_group=self.data_parallel_group())
                 probs = self._attach(probs, loss, "global_load_balancing_loss", c, num_valid)
 
         if self.local_tokens_per_expert is not None and self.training:
@@ -314,17 +317,46 @@ class TopKRouter(nn.Module):
             counts = self._last_routing_map.sum(0, dtype=torch.float32)
             return counts / counts.sum().clamp_min(1.0)
 
+    def data_parallel_group(self):
+        """The group the global aux loss's counts and the expert-bias counts are summed over:
+        ``tp_dp_cp_group`` when given; else, once ``torch.distributed`` is initialised, the
+        data-parallel world (``moe_core.groups.default_data_parallel_group``: the default group,
+        or the mesh ``fully_shard`` sharded this router over), resolved at the first reduction
+        rather than at construction (a model is often built before ``init_process_group``);
+        None (this rank alone) without ``torch.distributed``.
+
+        FSDP2 swaps the sharded weight for a plain unsharded one during the forward, so a
+        forward's reduction sees the default group where a later one sees the mesh: the two must
+        have the same ranks (a mesh over the whole world), else ValueError on every rank, before
+        any collective."""
+        if self.tp_dp_cp_group is not None:
+            return self.tp_dp_cp_group
+        group = default_data_parallel_group(self.weight)
+        if group is None:
+            return None
+        if self._default_dp_group is None:
+            self._default_dp_group = group
+        elif group_size(group) != group_size(self._default_dp_group):
+            before = group_size(self._default_dp_group)
+            raise ValueError(
+                f"this router's default data-parallel group had {before} ranks and now has "
+                f"{group_size(group)} (FSDP2 over part of the world: the "
+                f"forward sees the default group, a reduction between steps the mesh): pass "
+                f"tp_dp_cp_group (the ranks that share the router) explicitly")
+        return self._default_dp_group
+
     # ---- between steps ----------------------------------------------------------------------
     @torch.no_grad()
     def update_expert_bias(self, group=None) -> None:
         """Aux-loss-free balancing step (after the optimizer step): bias += rate·sign(mean - count)
-        from the counts since the last call, all-reduced over ``group`` (default: the router's
-        ``tp_dp_cp_group``, if any), then zero them.
+        from the counts since the last call, all-reduced over ``group`` (default:
+        :meth:`data_parallel_group`, the data-parallel world when ``torch.distributed`` is
+        initialised), then zero them. Every rank of that group must call it.
         """
         if self.expert_bias is None:
             return
         if group is None:
-            group = self.tp_dp_cp_group
+            group = self.data_parallel_group()
         new_bias = ops.get_updated_expert_bias(self.local_tokens_per_expert, self.expert_bias,
                                                self.config.moe_router_bias_update_rate, group)
         self.expert_bias.copy_(new_bias)
