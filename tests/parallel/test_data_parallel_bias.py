@@ -9,6 +9,7 @@ rank's counts its own; without ``torch.distributed`` nothing is reduced.
 The ranks return their states; the references run here, in the pytest process, where
 ``torch.distributed`` is not initialised.
 """
+import contextlib
 from typing import Dict, List
 
 import pytest
@@ -38,10 +39,10 @@ def _layer(**kw):
     return MoELayer(_config(), **kw)
 
 
-def _batch(step: int):
-    """Step ``step``'s global batch: inputs and output-gradient weights ``[WORLD, S, B, H]``,
-    rank r's micro-batch being ``[r]``."""
-    g = torch.Generator().manual_seed(100 + step)
+def _batch(step: int, micro: int = 0):
+    """Micro-batch ``micro`` of step ``step``'s global batch: inputs and output-gradient weights
+    ``[WORLD, S, B, H]``, rank r's share being ``[r]``."""
+    g = torch.Generator().manual_seed(100 + 10 * step + micro)
     return torch.randn(WORLD, S, B, H, generator=g), torch.randn(WORLD, S, B, H, generator=g)
 
 
@@ -57,9 +58,10 @@ def _weights(model) -> Dict[str, torch.Tensor]:
             .detach().clone() for n, p in model.named_parameters()}
 
 
-def train_worker(rank: int, world: int, wrap: str) -> List[dict]:
-    """``STEPS`` training steps of rank ``rank``'s micro-batches; after each: the global-aux
-    counts (before the reset) and the expert bias (after the update), and the group used."""
+def train_worker(rank: int, world: int, wrap: str, micro: int = 1) -> List[dict]:
+    """``STEPS`` training steps of ``micro`` micro-batches each (rank ``rank``'s shares; all but
+    the last under DDP's ``no_sync``); after each step: the global-aux counts (before the reset),
+    the expert bias (after the update) and the size of the group used."""
     from moe_core import finalize_step, moe_layers
 
     if wrap == "own_counts":
@@ -67,7 +69,7 @@ def train_worker(rank: int, world: int, wrap: str) -> List[dict]:
     else:
         layer = _layer()
     model = layer
-    if wrap == "ddp":
+    if wrap.startswith("ddp"):
         model = torch.nn.parallel.DistributedDataParallel(layer)  # broadcast_buffers=True
     elif wrap == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -77,8 +79,11 @@ def train_worker(rank: int, world: int, wrap: str) -> List[dict]:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
     for step in range(STEPS):
-        X, G = _batch(step)
-        (model(X[rank]) * G[rank]).sum().backward()
+        for m in range(micro):
+            X, G = _batch(step, m)
+            last = m == micro - 1
+            with contextlib.nullcontext() if last or wrap == "own_counts" else model.no_sync():
+                (model(X[rank]) * G[rank]).sum().backward()
         opt.step()
         opt.zero_grad()
         state = _state(layer)
@@ -105,9 +110,10 @@ def _tensors(per_rank: List[List[dict]]) -> List[List[dict]]:
     return [[{k: back(v) for k, v in state.items()} for state in steps] for steps in per_rank]
 
 
-def reference(shards: List[int], average: bool) -> List[dict]:
-    """One process: each step runs the concatenation of ``shards``' micro-batches (along B) with
-    the loss that gives the ranks' averaged gradient (``average``: the mean of their losses)."""
+def reference(shards: List[int], average: bool, micro: int = 1) -> List[dict]:
+    """One process: each of a step's ``micro`` micro-batches is the concatenation of ``shards``'
+    shares (along B), with the loss that gives the ranks' averaged gradient (``average``: the
+    mean of their losses)."""
     from moe_core import finalize_step
     from moe_core.ops import AuxLossScale
 
@@ -118,9 +124,10 @@ def reference(shards: List[int], average: bool) -> List[dict]:
     opt = torch.optim.SGD(layer.parameters(), lr=LR)
     out = []
     for step in range(STEPS):
-        X, G = _batch(step)
-        x, g = torch.cat(list(X[shards]), dim=1), torch.cat(list(G[shards]), dim=1)
-        (layer(x) * g / n).sum().backward()
+        for m in range(micro):
+            X, G = _batch(step, m)
+            x, g = torch.cat(list(X[shards]), dim=1), torch.cat(list(G[shards]), dim=1)
+            (layer(x) * g / n).sum().backward()
         opt.step()
         opt.zero_grad()
         state = _state(layer)
@@ -131,17 +138,16 @@ def reference(shards: List[int], average: bool) -> List[dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def whole_batch():
-    return reference(list(range(WORLD)), average=True)
-
-
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
-def test_data_parallel_equals_one_process(whole_batch, wrap):
+@pytest.mark.parametrize("wrap, micro", [("ddp", 1), ("fsdp2", 1), ("ddp", 2)],
+                         ids=["ddp", "fsdp2", "ddp_no_sync_accumulation"])
+def test_data_parallel_equals_one_process(wrap, micro):
     """Bias and global-aux counts: integer counts summed in fp32, so equal bit for bit on every
     rank and to the reference; the weights, whose gradients are summed in another order, within
-    fp32 rounding."""
-    per_rank = _tensors(run_ranks(train_worker, WORLD, wrap, timeout=300))
+    fp32 rounding. With two micro-batches a step, DDP's ``no_sync`` on the first also skips the
+    second forward's buffer broadcast, which would replace rank 1's counts of the first with
+    rank 0's."""
+    whole_batch = reference(list(range(WORLD)), average=True, micro=micro)
+    per_rank = _tensors(run_ranks(train_worker, WORLD, wrap, micro, timeout=300))
     for rank, steps in enumerate(per_rank):
         for step, (got, want) in enumerate(zip(steps, whole_batch)):
             where = f"{wrap} rank {rank} step {step}"
@@ -187,3 +193,29 @@ def test_without_torch_distributed_nothing_is_reduced():
     want = torch.sign(counts.mean() - counts) * 1e-2
     assert torch.equal(layer.router.expert_bias, want)
     assert torch.equal(layer.router.local_tokens_per_expert, torch.zeros_like(counts))
+
+
+def sub_mesh_worker(rank: int, world: int) -> str:
+    """FSDP2 over a mesh of this rank alone, global aux loss and expert bias, no group given:
+    the forward sums the global-aux counts over the default group (the weight is unsharded and
+    plain then), the bias update would sum over the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from moe_core import finalize_step
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "shard"))["shard"]
+    layer = fully_shard(_layer(), mesh=mesh)
+    X, G = _batch(0)
+    (layer(X[rank]) * G[rank]).sum().backward()
+    try:
+        finalize_step(layer)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fsdp2_over_part_of_the_world_asks_for_the_group():
+    for rank, error in enumerate(run_ranks(sub_mesh_worker, WORLD, timeout=300)):
+        assert ("default data-parallel group had 2 ranks and now has 1" in error
+                and "pass tp_dp_cp_group" in error), f"rank {rank}: {error!r}"
