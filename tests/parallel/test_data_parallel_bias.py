@@ -69,7 +69,7 @@ def train_worker(rank: int, world: int, wrap: str, micro: int = 1) -> List[dict]
     else:
         layer = _layer()
     model = layer
-    if wrap.startswith("ddp"):
+    if wrap == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(layer)  # broadcast_buffers=True
     elif wrap == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -81,8 +81,7 @@ def train_worker(rank: int, world: int, wrap: str, micro: int = 1) -> List[dict]
     for step in range(STEPS):
         for m in range(micro):
             X, G = _batch(step, m)
-            last = m == micro - 1
-            with contextlib.nullcontext() if last or wrap == "own_counts" else model.no_sync():
+            with contextlib.nullcontext() if m == micro - 1 else model.no_sync():
                 (model(X[rank]) * G[rank]).sum().backward()
         opt.step()
         opt.zero_grad()
