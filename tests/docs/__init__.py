@@ -1,0 +1,1 @@
+"""README.md's recipes, executed as written (test_readme.py states the convention)."""
