@@ -60,6 +60,99 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn
 
 @dataclasses.dataclass
 class MoEConfig:
+    """The MoE fields of Megatron-Core's ``TransformerConfig`` (same names, same defaults) and the
+    few fields of moe-core's own; ``MoELayer(config)`` builds the layer. ``__post_init__`` checks
+    every value (``ValueError`` naming the field); ``from_megatron`` copies a Megatron config.
+
+    Each field in a line: Megatron's meaning (``megatron/core/transformer/transformer_config.py``
+    documents each at length), or moe-core's for its own fields (the module docstring has more).
+    "Not implemented" fields are accepted at their defaults only, so nothing is silently ignored.
+
+    Attributes:
+        hidden_size: the model width H of the layer's input and output ``[S, B, H]`` / ``[T, H]``.
+        num_layers: transformer layers in the model; only scales the output projections' init
+            (std / sqrt(2 num_layers)).
+        ffn_hidden_size: the dense MLP's width; the experts' width when ``moe_ffn_hidden_size``
+            is None (default 4 x hidden_size).
+        num_moe_experts: number of routed experts E (required).
+        add_bias_linear: biases on the experts' fc1 / fc2 (and on other linears in Megatron).
+        gated_linear_unit: a GLU MLP: fc1 makes gate and up halves, ``act(gate) * up`` (SwiGLU
+            with ``F.silu``).
+        activation_func: the MLP's activation (default ``F.gelu``).
+        glu_linear_offset: added to the up half before the GLU product (GPT-OSS's ``+ 1``).
+        activation_func_clamp_value: clamps fc1's output inside the activation (Megatron: with
+            quick_gelu, GPT-OSS's clamped SwiGLU); None: no clamp.
+        params_dtype: dtype of the layer's parameters.
+        init_method_std: std of the normal init of the weights.
+        calculate_per_token_loss: the model's loss is over the non-padded tokens of the global
+            batch (the aux losses are scaled to match).
+        tensor_model_parallel_size: tensor parallelism; not implemented (1 only).
+        expert_model_parallel_size: EP size: ranks the experts are split over (E divisible).
+        expert_tensor_parallel_size: tensor parallelism inside experts; not implemented (None / 1).
+        sequence_parallel: Megatron's sequence parallelism inside tensor parallelism (TP is 1
+            here).
+        moe_ffn_hidden_size: each expert's width F (default ``ffn_hidden_size``).
+        moe_shared_expert_intermediate_size: the shared expert's total width; None: no shared
+            expert.
+        moe_shared_expert_gate: a sigmoid gate on the shared expert's output.
+        moe_shared_expert_overlap: runs the shared expert under the all-to-all exchanges.
+        moe_layer_freq: which transformer layers are MoE (every n-th, or a 0 / 1 pattern); read by
+            model builders, not by the layer.
+        moe_router_load_balancing_type: "aux_loss", "seq_aux_loss", "global_aux_loss",
+            "sinkhorn" or "none", or a list of them (each with its coefficient).
+        moe_router_topk: experts per token k.
+        moe_router_topk_limited_devices: deprecated form of group-limited routing (groups =
+            EP ranks); use ``moe_router_group_topk``.
+        moe_router_num_groups: expert groups for group-limited routing (DeepSeek-V3's node
+            groups).
+        moe_router_group_topk: groups each token may pick its experts from.
+        moe_router_pre_softmax: softmax over all experts before the top-k (else over the k
+            picked logits).
+        moe_router_topk_scaling_factor: multiplies the routing probs; None: 1.
+        moe_router_score_function: "softmax", "sigmoid" or "sqrtsoftplus".
+        moe_router_dtype: the router's logits and scores in "fp32" or "fp64"; None: the input's
+            dtype.
+        moe_router_enable_expert_bias: aux-loss-free balancing: a per-expert bias added to the
+            scores for the choice only, updated from the expert loads (``finalize_step``).
+        moe_router_bias_update_rate: the step of that bias update.
+        moe_router_force_load_balancing: Megatron's benchmarking mode (random routing); not
+            implemented.
+        moe_router_padding_for_quantization: pads the routing map for fp8 / fp4; not
+            implemented.
+        moe_grouped_gemm: Megatron's grouped-GEMM experts; moe-core's experts are always grouped.
+        moe_aux_loss_coeff: the load-balancing loss's coefficient (a list: one per balancing
+            type).
+        moe_z_loss_coeff: the router z-loss's coefficient; None: no z-loss.
+        moe_input_jitter_eps: multiplicative input noise ``Uniform(1 - eps, 1 + eps)``; None: none
+            (see ``moe_input_jitter_mode``).
+        moe_token_dropping: Megatron's legacy token dropping; not supported (use
+            ``moe_expert_capacity_factor``).
+        moe_token_dispatcher_type: "allgather", "alltoall" (the two EP exchanges) or "flex" (one
+            device only).
+        moe_per_layer_logging: per-layer aux-loss logging.
+        moe_expert_capacity_factor: each expert's capacity in units of its balanced share
+            (T·k / E); tokens over it are dropped; None: dropless.
+        moe_pad_expert_input_to_capacity: pads every expert's rows to its capacity (drop-and-pad).
+        moe_token_drop_policy: which tokens an over-capacity expert keeps: "probs" (the highest)
+            or "position" (the first).
+        moe_permute_fusion: Megatron's fused permute (TE); moe-core's permute is always fused.
+        moe_router_fusion: Megatron's fused router (TE); moe-core's router is always fused.
+        moe_apply_probs_on_input: multiplies the probs into the expert input, not its output
+            (topk 1 only).
+        moe_latent_size: latent MoE: the experts run at this width, between a projection down
+            from H and one back up; None: no latent projections.
+        moe_router_norm_topk_prob: HF families' renormalisation of the top-k probs (True /
+            False); None: Megatron's rule (module docstring).
+        moe_router_group_score_topk: a group's score is the sum of its top this-many scores;
+            None: Megatron's ``topk // group_topk`` (module docstring).
+        moe_input_jitter_mode: "router" (Megatron's: jitter the router's input) or "layer"
+            (Mixtral's: jitter the layer's input, in training only).
+        moe_alltoall_exchange: the all-to-all dispatcher's dropless exchange: "nccl" (split sizes
+            read on the host) or "symm_mem" (NVSHMEM, no host read).
+        moe_alltoall_recv_factor: "symm_mem"'s receive budget per rank, in units of T·k rows.
+        moe_expert_rows_by_index: the experts' GEMMs read each permuted row from the tokens by
+            index (less activation memory, the same bits); None: True on the CPU, False on CUDA.
+    """
     # ---- the model around the layer (TransformerConfig fields the MoE layer reads) ----
     hidden_size: int = 0
     num_layers: int = 1  # only for the init of output projections: std / sqrt(2 num_layers)
