@@ -258,7 +258,12 @@ class MoELayer(nn.Module):
             shared = self._shared_joined(box.get("out"))
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
-        out = out.reshape(hidden_states.shape)
+        if out.shape != hidden_states.shape:
+            # [T, H] -> [S, B, H] without a view: FSDP2 warns about a view output (an in-place op
+            # on it would skip FSDP's pre-backward hook). The [T, H] tensor is the layer's own and
+            # nothing saves it for the backward, so the unflattened tensor may share its storage
+            # without being tracked as its view (what aten's matmul does with its own result).
+            out = torch.ops.aten._unsafe_view(out, hidden_states.shape)
         if shared is not None:
             out = out + shared
         return out

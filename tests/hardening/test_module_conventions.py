@@ -1,13 +1,17 @@
 """PyTorch module conventions of MoELayer and its submodules: ``device=`` / ``dtype=`` factory
 kwargs, ``reset_parameters`` re-drawing exactly what construction drew, building on the meta
 device then ``to_empty`` + ``reset_parameters``, fp32 router buffers under a dtype cast, and
-``extra_repr`` naming the sizes."""
+``extra_repr`` naming the sizes, an output that is no view (FSDP2's warning)."""
+import warnings
+
 import pytest
 import torch
 
 from moe_core import MoEConfig, MoELayer
 from moe_core.experts import GroupedMLP, SharedExpertMLP
 from moe_core.router import TopKRouter
+
+from helpers.world_group import world_group  # noqa: F401  (a fixture)
 
 PLAIN = dict(hidden_size=32, num_moe_experts=8, moe_ffn_hidden_size=16, moe_router_topk=2,
              add_bias_linear=False)
@@ -130,3 +134,40 @@ def test_extra_repr_names_the_sizes():
     assert layer.shared_experts.extra_repr() == "gate=True"
     assert "GroupedMLP(num_local_experts=8" in repr(layer)
     assert "bias=True" in repr(MoELayer(_config(BIASED)).experts)
+
+
+# ---- the output is no view: FSDP2 warns about a module returning one ------------------------
+
+@pytest.mark.parametrize("shape", [(10, 32), (5, 2, 32)], ids=["T,H", "S,B,H"])
+@pytest.mark.parametrize("kw", [PLAIN, dict(PLAIN, moe_latent_size=24)], ids=["plain", "latent"])
+def test_output_is_no_view_and_equals_the_flat_layer(kw, shape):
+    """[T, H] and [S, B, H] inputs: the output owns its storage as far as autograd knows
+    (``_base is None``), and the [S, B, H] output and its input gradient equal the flat [T, H]
+    layer's, unflattened (the unflattening is no copy: it is the same numbers)."""
+    torch.manual_seed(0)
+    layer = MoELayer(_config(kw))
+    x = torch.randn(*shape, requires_grad=True)
+    out = layer(x)
+    assert out.shape == x.shape and out._base is None
+    g = torch.randn(shape)
+    (gx,) = torch.autograd.grad(out, x, g)
+    flat_x = x.detach().reshape(-1, 32).requires_grad_()
+    flat = layer(flat_x)
+    (flat_gx,) = torch.autograd.grad(flat, flat_x, g.reshape(-1, 32))
+    assert torch.equal(out, flat.reshape(shape))
+    assert torch.equal(gx, flat_gx.reshape(shape))
+
+
+def test_fsdp2_wrapped_layer_gives_no_view_warning(world_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    layer = MoELayer(_config(PLAIN))
+    fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
+    x = torch.randn(5, 2, 32, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*returned a view tensor")
+        out = layer(x)
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
