@@ -40,6 +40,7 @@ routers through moe-core's autoscaler, and their values are put on the model's o
 build these blocks directly.
 """
 import functools
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -218,7 +219,7 @@ def _capacity_fields(capacity_factor: Optional[float], pad_to_capacity: bool,
 def replace_moe_blocks(model: nn.Module, aux_loss_coeff: float = 0.0,
                        z_loss_coeff: Optional[float] = None,
                        capacity_factor: Optional[float] = None, pad_to_capacity: bool = False,
-                       drop_policy: str = "probs") -> int:
+                       drop_policy: str = "probs", strict: bool = False) -> int:
     """Swap every sparse-MoE block of a supported family for a :class:`MoECoreSparseMoeBlock`.
 
     Args:
@@ -233,19 +234,26 @@ def replace_moe_blocks(model: nn.Module, aux_loss_coeff: float = 0.0,
         pad_to_capacity: ``moe_pad_expert_input_to_capacity``: every expert's rows padded to the
             capacity, so the expert GEMMs' shapes depend on T only (needs ``capacity_factor``).
         drop_policy: ``moe_token_drop_policy``, ``"probs"`` or ``"position"``.
+        strict: a model without a sparse-MoE block (nor one swapped before) raises instead of
+            warning.
 
     Returns:
-        The number of blocks replaced (0 when the model has no sparse-MoE block).
+        The number of blocks replaced (0 when the model has no sparse-MoE block, with a
+        ``UserWarning`` naming its class and model type: a dense model, or a MoE model whose
+        blocks HF names otherwise, is then left as it was).
 
     Raises:
         UnsupportedMoEBlockError: a block of a family (or a configuration) moe-core cannot swap
             exactly; nothing is replaced then.
+        ValueError: ``strict`` and the model has no sparse-MoE block.
     """
     found: List[Tuple[nn.Module, str, nn.Module, str, dict, Tuple[str, ...]]] = []
+    swapped_before = False
     for parent_name, parent in model.named_modules():
         for name, child in parent.named_children():
             cls = type(child).__name__
             if isinstance(child, MoECoreSparseMoeBlock):
+                swapped_before = True
                 continue
             if cls in _FAMILIES:
                 family, rule, shared_names = _FAMILIES[cls]
@@ -256,6 +264,13 @@ def replace_moe_blocks(model: nn.Module, aux_loss_coeff: float = 0.0,
                                    "moe-core has no routing rule registered for this block")
     # every check passes before anything is replaced
     capacity = _capacity_fields(capacity_factor, pad_to_capacity, drop_policy)
+    if not found and not swapped_before:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        what = f"{type(model).__name__} (model_type {model_type!r})"
+        if strict:
+            raise ValueError(f"replace_moe_blocks: {what} has no sparse-MoE block to replace")
+        warnings.warn(f"replace_moe_blocks: {what} has no sparse-MoE block; nothing replaced "
+                      f"(strict=True raises instead)", UserWarning, stacklevel=2)
     built = [(parent, name, _build_block(child, family, rules, shared_names, aux_loss_coeff,
                                          z_loss_coeff, capacity))
              for parent, name, child, family, rules, shared_names in found]

@@ -16,6 +16,7 @@ when the chosen probs sum below moe_norm_min, and Llama-4's choice between two l
 same fp32 sigmoid.
 """
 import copy
+import warnings
 
 import pytest
 import torch
@@ -590,6 +591,39 @@ def test_model_without_moe_blocks_is_left_alone():
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=1, num_attention_heads=4)
     assert replace_moe_blocks(transformers.LlamaForCausalLM(cfg)) == 0
+
+
+def _dense_model():
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=4)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_model_without_moe_blocks_warns_naming_its_type():
+    model = _dense_model()
+    before = [type(m) for m in model.modules()]
+    with pytest.warns(UserWarning, match=r"LlamaForCausalLM \(model_type 'llama'\) has no "
+                                         r"sparse-MoE block"):
+        assert replace_moe_blocks(model) == 0
+    assert [type(m) for m in model.modules()] == before
+
+
+def test_model_without_moe_blocks_raises_when_strict():
+    model = _dense_model()
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM \(model_type 'llama'\) has no "
+                                         r"sparse-MoE block"):
+        replace_moe_blocks(model, strict=True)
+    assert [type(m) for m in model.modules()] == before
+
+
+def test_swapping_a_swapped_model_again_is_silent():
+    model = tiny_model("mixtral")
+    assert replace_moe_blocks(model) == model.config.num_hidden_layers
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert replace_moe_blocks(model, strict=True) == 0
 
 
 @pytest.mark.parametrize("family,norm", [("qwen2_moe", None), ("qwen2_moe_norm", True)])
