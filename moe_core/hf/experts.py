@@ -156,7 +156,8 @@ def _experts_class(mlp_cls: type, hf_experts_cls: type) -> type:
     class, so that HF's ``_init_weights`` initialises its parameters (same names) when
     ``from_config`` / ``from_pretrained`` build the swapped block directly."""
     name = _EXPERTS_PREFIX + mlp_cls.__name__ + "__MOD__" + encode_class(hf_experts_cls)
-    return made_class(name, (mlp_cls, _StopInit, hf_experts_cls), __name__)
+    return made_class(name, (mlp_cls, _StopInit, hf_experts_cls), __name__,
+                      f"{mlp_cls.__name__}[{hf_experts_cls.__name__}]")
 
 
 def __getattr__(name: str):

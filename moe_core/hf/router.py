@@ -87,7 +87,8 @@ def _router_class(hf_router_cls: type) -> type:
     uses). Its name encodes the HF class's module and name, so pickle finds it again
     (see ``__getattr__``)."""
     return made_class(_ROUTER_PREFIX + encode_class(hf_router_cls),
-                      (MoECoreRouter, _StopInit, hf_router_cls), __name__)
+                      (MoECoreRouter, _StopInit, hf_router_cls), __name__,
+                      f"MoECoreRouter[{hf_router_cls.__name__}]")
 
 
 def encode_class(cls: type) -> str:
@@ -104,10 +105,15 @@ def decode_class(encoded: str) -> type:
     return getattr(importlib.import_module(module.replace("__DOT__", ".")), name)
 
 
-def made_class(name: str, bases: tuple, module: str) -> type:
+def made_class(name: str, bases: tuple, module: str, display: str) -> type:
     """A class made at run time, named ``name`` in ``module`` (whose ``__getattr__`` makes it
-    again when pickle looks it up)."""
-    cls = type(name, bases, {"__module__": module})
+    again when pickle looks it up). ``repr`` of a module tree shows it as ``display`` (e.g.
+    ``MoECoreRouter[MixtralTopKRouter]``): the encoded name is for pickle, not for readers."""
+
+    def _get_name(self) -> str:
+        return display
+
+    cls = type(name, bases, {"__module__": module, "_get_name": _get_name})
     cls.__qualname__ = name
     return cls
 

@@ -626,6 +626,18 @@ def test_swapping_a_swapped_model_again_is_silent():
         assert replace_moe_blocks(model, strict=True) == 0
 
 
+def test_swapped_classes_have_readable_names_in_repr():
+    model = tiny_model("mixtral")
+    replace_moe_blocks(model)
+    block = next(m for m in model.modules() if isinstance(m, MoECoreSparseMoeBlock))
+    text = repr(model)
+    assert "__CLS__" not in text and "__DOT__" not in text
+    assert "(gate): MoECoreRouter[MixtralTopKRouter](" in text, text
+    assert repr(block.gate).startswith("MoECoreRouter[MixtralTopKRouter](")
+    # the pickle name stays the encoded one
+    assert type(block.gate).__name__.startswith("MoECoreRouter__")
+
+
 @pytest.mark.parametrize("family,norm", [("qwen2_moe", None), ("qwen2_moe_norm", True)])
 def test_qwen2_moe_both_norm_topk_prob_rules(family, norm):
     # both of the family's settings swap to their own rule (each is also run against HF eager by
