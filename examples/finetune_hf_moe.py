@@ -96,7 +96,7 @@ def train(route: str, base, batches: List[torch.Tensor], lr: float, device: torc
         opt.zero_grad(set_to_none=True)
         sync()
         times.append(time.perf_counter() - t0)
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
     # the median step of all but the first (one-time costs): robust to a busy shared machine
     timed = sorted(times[1:]) or times
     step_s = timed[len(timed) // 2]

@@ -40,6 +40,15 @@ def test_finetune_example_runs_its_four_routes_to_the_same_losses():
     assert "replaced 2 sparse-MoE blocks" in out
 
 
+def test_finetune_example_raises_no_user_warning():
+    # every UserWarning an error: a user's first run should print only the example's own output
+    out = _run("-W", "error::UserWarning", "examples/finetune_hf_moe.py", "--routes",
+               "moe_core,moe_core_block", "--steps", "2", "--batch", "2", "--seq", "32",
+               "--hidden", "64", "--ffn", "32", "--experts", "8", "--topk", "2",
+               "--corpus-bytes", "100000")
+    assert {r[0] for r in _table(out)} == {"moe_core", "moe_core_block"}, out
+
+
 def test_bench_hf_smoke_prints_layer_and_block_parts():
     out = _run("-m", "benchmarks.bench_hf", "--smoke")
     rows = _table(out)
