@@ -8,12 +8,14 @@ variables and the values the core holds when the block ends. The README's "Tunin
 table says what each switch trades; every setting computes the same op.
 
 The values come straight through the C ABI (ctypes on the loaded extension): the switches hold no
-tensors, so they are not torch ops.
+tensors, so they are not torch ops. Each value is a member of its switch's :class:`Setting` (an
+``IntEnum``: it prints its name, e.g. ``auto``, and still equals the number ``tuning.h`` defines).
 """
 import contextlib
 import ctypes
+import enum
 import os
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, Optional, Type
 
 from moe_core import _C
 
@@ -30,18 +32,81 @@ SWITCHES: Dict[str, str] = {
     "expert_copy_rows": "MOE_CORE_EXPERT_COPY_ROWS",
 }
 
-# The values of an unset environment (tuning.h: MOE_TUNING_GEMM_AUTO is 0, MOE_TUNING_SPLIT_AUTO and
-# MOE_TUNING_COPY_AUTO 1).
-DEFAULTS: Dict[str, int] = {
-    "cpu_gemm_kernel": 0,
-    "pdl": 1,
-    "router_lanes": 1,
-    "unpermute_slots": 1,
-    "gg_split_tail": 1,
-    "gg_expert_maps": 1,
-    "gg_tile": 0,
-    "gg_wgrad_bk": 0,
-    "expert_copy_rows": 1,
+
+
+class Setting(enum.IntEnum):
+    """A switch's value: equal to the int the core holds (``tuning.h``'s constants), printed by
+    its name (``str(CopyRows.AUTO) == "auto"``)."""
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class GemmKernel(Setting):
+    """cpu_gemm_kernel: MOE_TUNING_GEMM_*."""
+    AUTO = 0
+    GENERIC = 1
+    AVX512 = 2
+
+
+class OnOff(Setting):
+    """pdl, router_lanes, unpermute_slots, gg_expert_maps."""
+    OFF = 0
+    ON = 1
+
+
+class SplitTail(Setting):
+    """gg_split_tail: MOE_TUNING_SPLIT_*."""
+    NEVER = 0
+    AUTO = 1
+    ALWAYS = 2
+
+
+class Tile(Setting):
+    """gg_tile: the sm90 output tile width, chosen per GEMM (AUTO) or forced."""
+    AUTO = 0
+    WIDTH_128 = 128
+    WIDTH_256 = 256
+
+
+class WgradRows(Setting):
+    """gg_wgrad_bk: the sm90 wgrad's expert rows per stage, chosen per GEMM (AUTO) or forced."""
+    AUTO = 0
+    ROWS_32 = 32
+    ROWS_64 = 64
+
+
+class CopyRows(Setting):
+    """expert_copy_rows: MOE_TUNING_COPY_*."""
+    NEVER = 0
+    AUTO = 1
+    ALWAYS = 2
+
+
+# Each field's values.
+SETTINGS: Dict[str, Type[Setting]] = {
+    "cpu_gemm_kernel": GemmKernel,
+    "pdl": OnOff,
+    "router_lanes": OnOff,
+    "unpermute_slots": OnOff,
+    "gg_split_tail": SplitTail,
+    "gg_expert_maps": OnOff,
+    "gg_tile": Tile,
+    "gg_wgrad_bk": WgradRows,
+    "expert_copy_rows": CopyRows,
+}
+
+# The values of an unset environment.
+DEFAULTS: Dict[str, Setting] = {
+    "cpu_gemm_kernel": GemmKernel.AUTO,
+    "pdl": OnOff.ON,
+    "router_lanes": OnOff.ON,
+    "unpermute_slots": OnOff.ON,
+    "gg_split_tail": SplitTail.AUTO,
+    "gg_expert_maps": OnOff.ON,
+    "gg_tile": Tile.AUTO,
+    "gg_wgrad_bk": WgradRows.AUTO,
+    "expert_copy_rows": CopyRows.AUTO,
 }
 
 
@@ -58,17 +123,26 @@ _lib.moe_tuning_reload.argtypes = []
 _lib.moe_tuning_reload.restype = None
 
 
-def _as_dict(t: _Tuning) -> Dict[str, int]:
-    return {field: getattr(t, field) for field in SWITCHES}
+def _as_dict(t: _Tuning) -> Dict[str, Setting]:
+    return {field: _named(field, getattr(t, field)) for field in SWITCHES}
 
 
-def current() -> Dict[str, int]:
+def _named(field: str, value: int) -> Setting:
+    try:
+        return SETTINGS[field](value)
+    except ValueError:  # a value tuning.h has and SETTINGS lacks: still the number
+        return value
+
+
+def current() -> Dict[str, Setting]:
     """The values the core runs with, by field of moe_tuning_t (``csrc/tuning.h`` documents each
-    value), e.g. ``{"gg_tile": 0, ...}``."""
+    value), each a member of its :data:`SETTINGS` class, e.g. ``{"gg_tile": Tile.AUTO, ...,
+    "expert_copy_rows": CopyRows.AUTO}``: ``str`` gives its name (``auto``), ``==`` compares it
+    with the number the core holds (``CopyRows.AUTO == 1``)."""
     return _as_dict(_lib.moe_tuning_get())
 
 
-def reload() -> Dict[str, int]:
+def reload() -> Dict[str, Setting]:
     """Has the core read its environment variables again; returns the new values (as
     :func:`current`). An op running on another thread meanwhile may see the old or the new."""
     _lib.moe_tuning_reload()
@@ -76,7 +150,7 @@ def reload() -> Dict[str, int]:
 
 
 @contextlib.contextmanager
-def environment(**variables: Optional[str]) -> Iterator[Dict[str, int]]:
+def environment(**variables: Optional[str]) -> Iterator[Dict[str, Setting]]:
     """Sets the given switches for the block, e.g. ``environment(MOE_GG_SM90_TILE="128")``
     (``None`` unsets one), and has the core read them; yields the values it then holds. On exit
     the variables are as before and the core reads them again.

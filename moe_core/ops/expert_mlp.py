@@ -231,8 +231,6 @@ def _gather_rows(tokens: torch.Tensor, sorted_indices: torch.Tensor) -> torch.Te
 # wide GEMMs and breaks even around a width of 1-2 thousand (tools/gg_gather_ab.py,
 # docs/perf-history.md).
 _COPY_MIN_WIDTH = 2048
-# tuning.h's MOE_TUNING_COPY_NEVER / _ALWAYS
-_COPY_NEVER, _COPY_ALWAYS = 0, 2
 
 
 def _fits(num_rows, hidden, f1, room) -> bool:
@@ -250,7 +248,7 @@ def _copies(device: torch.device, num_rows, hidden, f1, width, room) -> bool:
     step holds at its peak anyway: the weight gradients it makes). So no copy raises the step's
     peak. Decided at the traced sizes under dynamic shapes (no guard: the same bits either way)."""
     mode = tuning.current()["expert_copy_rows"]
-    if mode == _COPY_NEVER or (mode != _COPY_ALWAYS and (
+    if mode == tuning.CopyRows.NEVER or (mode != tuning.CopyRows.ALWAYS and (
             device.type != "cuda" or _size_hint(width) < _COPY_MIN_WIDTH)):
         return False
     return _fits(num_rows, hidden, f1, room)

@@ -42,6 +42,39 @@ def test_every_field_has_a_variable_and_a_default():
     assert set(tuning.current()) == set(tuning.SWITCHES)
 
 
+# (field, the field's value, its name) for every value the core holds
+NAMES = [("cpu_gemm_kernel", 0, "auto"), ("cpu_gemm_kernel", 1, "generic"),
+         ("cpu_gemm_kernel", 2, "avx512"), ("pdl", 0, "off"), ("pdl", 1, "on"),
+         ("router_lanes", 0, "off"), ("router_lanes", 1, "on"), ("unpermute_slots", 0, "off"),
+         ("unpermute_slots", 1, "on"), ("gg_expert_maps", 0, "off"),
+         ("gg_split_tail", 0, "never"), ("gg_split_tail", 1, "auto"), ("gg_split_tail", 2, "always"),
+         ("gg_expert_maps", 1, "on"), ("gg_tile", 0, "auto"), ("gg_tile", 128, "width_128"),
+         ("gg_tile", 256, "width_256"), ("gg_wgrad_bk", 0, "auto"), ("gg_wgrad_bk", 32, "rows_32"),
+         ("gg_wgrad_bk", 64, "rows_64"), ("expert_copy_rows", 0, "never"),
+         ("expert_copy_rows", 1, "auto"), ("expert_copy_rows", 2, "always")]
+
+
+def test_values_are_named_and_equal_their_numbers():
+    assert set(tuning.SETTINGS) == set(tuning.SWITCHES)
+    for field, number, name in NAMES:
+        value = tuning.SETTINGS[field](number)
+        assert str(value) == name and value == number and isinstance(value, int), field
+    held = tuning.current()
+    assert all(isinstance(v, tuning.SETTINGS[f]) for f, v in held.items()), held
+    # a numeric field reads as its name, in the dict's repr too
+    assert "CopyRows." in repr(held) and str(held["expert_copy_rows"]) in ("never", "auto",
+                                                                          "always")
+
+
+@pytest.mark.parametrize("name,value,field,expected", READS)
+def test_each_variable_is_read_into_a_named_value(name, value, field, expected):
+    unset = {n: None for n in tuning.SWITCHES.values()}
+    with tuning.environment(**dict(unset, **{name: value})) as values:
+        held = values[field]
+        assert held is tuning.SETTINGS[field](expected), f"{name}={value}: {held!r}"
+        assert (field, expected, str(held)) in NAMES
+
+
 def test_unset_means_the_defaults():
     with tuning.environment(**{name: None for name in tuning.SWITCHES.values()}) as values:
         assert values == tuning.DEFAULTS
