@@ -42,46 +42,20 @@ class Setting(enum.IntEnum):
         return self.name.lower()
 
 
-class GemmKernel(Setting):
-    """cpu_gemm_kernel: MOE_TUNING_GEMM_*."""
-    AUTO = 0
-    GENERIC = 1
-    AVX512 = 2
+def _setting(name: str, **members: int) -> type:
+    """A :class:`Setting` named ``name`` of ``members`` (NAME=number)."""
+    return Setting(name, list(members.items()), module=__name__, qualname=name)
 
 
-class OnOff(Setting):
-    """pdl, router_lanes, unpermute_slots, gg_expert_maps."""
-    OFF = 0
-    ON = 1
-
-
-class SplitTail(Setting):
-    """gg_split_tail: MOE_TUNING_SPLIT_*."""
-    NEVER = 0
-    AUTO = 1
-    ALWAYS = 2
-
-
-class Tile(Setting):
-    """gg_tile: the sm90 output tile width, chosen per GEMM (AUTO) or forced."""
-    AUTO = 0
-    WIDTH_128 = 128
-    WIDTH_256 = 256
-
-
-class WgradRows(Setting):
-    """gg_wgrad_bk: the sm90 wgrad's expert rows per stage, chosen per GEMM (AUTO) or forced."""
-    AUTO = 0
-    ROWS_32 = 32
-    ROWS_64 = 64
-
-
-class CopyRows(Setting):
-    """expert_copy_rows: MOE_TUNING_COPY_*."""
-    NEVER = 0
-    AUTO = 1
-    ALWAYS = 2
-
+# tuning.h's constants, by field: MOE_TUNING_GEMM_*, the on/off switches (pdl, router_lanes,
+# unpermute_slots, gg_expert_maps), MOE_TUNING_SPLIT_*, the sm90 tile width and wgrad rows per
+# stage (0: chosen per GEMM), MOE_TUNING_COPY_*.
+GemmKernel = _setting("GemmKernel", AUTO=0, GENERIC=1, AVX512=2)
+OnOff = _setting("OnOff", OFF=0, ON=1)
+SplitTail = _setting("SplitTail", NEVER=0, AUTO=1, ALWAYS=2)
+Tile = _setting("Tile", AUTO=0, WIDTH_128=128, WIDTH_256=256)
+WgradRows = _setting("WgradRows", AUTO=0, ROWS_32=32, ROWS_64=64)
+CopyRows = _setting("CopyRows", NEVER=0, AUTO=1, ALWAYS=2)
 
 # Each field's values.
 SETTINGS: Dict[str, Type[Setting]] = {
