@@ -20,6 +20,11 @@ caller says where it came from) and works in place.
 
 Weights are stored per expert in Megatron's ``nn.Linear`` layout (``[E, out, in]``), so a stack of
 Megatron's per-expert ``linear_fc1.weight`` / ``linear_fc2.weight`` loads as is.
+
+Under ``torch.autocast`` the experts run as ``nn.Linear`` does there: the rows and the weights
+(biases too) cast to the autocast dtype before the GEMMs, the gradient carried back through the
+cast to the parameters in their own dtype. Autocast casts only the inputs of the torch ops it
+lists, never a custom op's, so the module casts (:func:`autocast_dtype`, :func:`autocast_to`).
 """
 import math
 from typing import Optional
@@ -59,6 +64,25 @@ def activation_times_probs(config: MoEConfig, a: torch.Tensor,
     gated = config.gated_linear_unit
     return ops.glu_probs(a, probs, name, gated, config.glu_linear_offset if gated else 0.0,
                          config.activation_func_clamp_value if gated else None)
+
+
+def autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype ``nn.Linear`` runs in on ``t``'s device inside a ``torch.autocast`` region
+    (``torch.get_autocast_dtype``), or None outside one."""
+    device_type = t.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def autocast_to(t: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+    """``t`` cast to ``dtype`` as autocast casts ``nn.Linear``'s input and weight: fp32 / fp16 /
+    bf16 tensors only (fp64 stays fp64); ``t`` itself when ``dtype`` is None (no autocast) or
+    ``t`` already has it. Differentiable: the gradient reaches ``t`` in ``t``'s dtype."""
+    if dtype is None or t is None or t.dtype == dtype or \
+            t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return t
+    return t.to(dtype)
 
 
 def uninitialized_linear(in_features: int, out_features: int, bias: bool,
@@ -167,8 +191,10 @@ class GroupedMLP(nn.Module):
                 :attr:`reads_rows_by_index`: the GEMMs then read each row from ``x`` by index.
 
         Returns:
-            ``[T, H]`` in x's dtype.
+            ``[T, H]`` in x's dtype (under autocast: the autocast dtype, as ``nn.Linear``).
         """
+        dtype = autocast_dtype(x)
+        x, rows = autocast_to(x, dtype), autocast_to(rows, dtype)
         if self.reads_rows_by_index:
             # fc1, the activation, the probs, fc2 and the combine as one op that keeps only fc1's
             # output for the backward (ops/expert_mlp.py); the same bits as the ops below
@@ -193,34 +219,38 @@ class GroupedMLP(nn.Module):
             probs: ``[R]`` router probs of each row (router dtype).
 
         Returns:
-            ``[R, H]`` in rows' dtype.
+            ``[R, H]`` in rows' dtype (under autocast: the autocast dtype, as ``nn.Linear``).
         """
+        dtype = autocast_dtype(rows)
+        rows = autocast_to(rows, dtype)
         if self.reads_rows_by_index:
             return self._expert_mlp(rows, expert_offsets, probs)
         cfg = self.config
         name = ops.activation_name(cfg.activation_func)
+        w1, w2 = autocast_to(self.weight1, dtype), autocast_to(self.weight2, dtype)
+        b1, b2 = autocast_to(self.bias1, dtype), autocast_to(self.bias2, dtype)
         x = rows
         if cfg.moe_apply_probs_on_input:
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
         row_expert = None
-        if self.bias1 is None and name is not None:
+        if b1 is None and name is not None:
             # fc1, the activation and the probs multiply as one op (the bias would have to be
             # added between the two, so with a bias the unfused path below runs)
             gated = cfg.gated_linear_unit
             h, _ = ops.grouped_gemm_glu_probs(
-                x, self.weight1, expert_offsets, probs, name, gated,
+                x, w1, expert_offsets, probs, name, gated,
                 cfg.glu_linear_offset if gated else 0.0,
                 cfg.activation_func_clamp_value if gated else None, trans_w=True)
         else:
-            a = ops.grouped_gemm(x, self.weight1, expert_offsets, trans_w=True)
-            if self.bias1 is not None:
+            a = ops.grouped_gemm(x, w1, expert_offsets, trans_w=True)
+            if b1 is not None:
                 row_expert = self._row_expert(expert_offsets, x.shape[0])
-                a = a + self.bias1[row_expert]
+                a = a + b1[row_expert]
             h = activation_times_probs(cfg, a, probs)
-        y = ops.grouped_gemm(h, self.weight2, expert_offsets, trans_w=True)
-        if self.bias2 is not None:
-            y = y + (self.bias2[row_expert] * probs.unsqueeze(-1)).to(y.dtype)
+        y = ops.grouped_gemm(h, w2, expert_offsets, trans_w=True)
+        if b2 is not None:
+            y = y + (b2[row_expert] * probs.unsqueeze(-1)).to(y.dtype)
         return y
 
     def _expert_mlp(self, rows: Optional[torch.Tensor], expert_offsets: torch.Tensor,
@@ -230,8 +260,10 @@ class GroupedMLP(nn.Module):
         ``sorted_indices`` it also combines (``[T, H]``), else it returns the rows' outputs."""
         cfg = self.config
         gated = cfg.gated_linear_unit
+        dtype = autocast_dtype(rows if rows is not None else tokens)
         return ops.expert_mlp(
-            rows, self.weight1, self.weight2, expert_offsets, probs,
+            rows, autocast_to(self.weight1, dtype), autocast_to(self.weight2, dtype),
+            expert_offsets, probs,
             ops.activation_name(cfg.activation_func), gated,
             cfg.glu_linear_offset if gated else 0.0,
             cfg.activation_func_clamp_value if gated else None, tokens, sorted_indices,

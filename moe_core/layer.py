@@ -25,6 +25,12 @@ layout's rows to their experts' ranks and back (``dispatch``, the experts' ``for
 all-to-all reads its split sizes on the host (one wait per forward), unless
 ``moe_alltoall_exchange="symm_mem"`` (dropless, NVSHMEM, a static receive budget:
 ``moe_core.symm_exchange``).
+
+Mixed precision (``torch.autocast``): the layer behaves as ``nn.Linear`` does there. The experts'
+GEMMs (and the latent projections and the shared expert, which are ``nn.Linear``) run in the
+autocast dtype on fp32 master weights; the router computes in ``moe_router_dtype`` (None: its
+input's dtype), as outside autocast, and the aux losses in fp32 (or fp64). Outside autocast the
+input must have the parameters' dtype.
 """
 from typing import Callable, Optional, Union
 
@@ -35,8 +41,8 @@ from torch import nn
 from moe_core import ops
 from moe_core.config import MoEConfig
 from moe_core.dispatcher import DISPATCHERS
-from moe_core.experts import (GroupedMLP, SharedExpertMLP, reads_rows_by_index,
-                              uninitialized_linear)
+from moe_core.experts import (GroupedMLP, SharedExpertMLP, autocast_dtype, autocast_to,
+                              reads_rows_by_index, uninitialized_linear)
 from moe_core.groups import GroupLike, as_group
 from moe_core.router import TopKRouter
 
@@ -228,18 +234,35 @@ class MoELayer(nn.Module):
                 padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The layer.
 
+        Mixed precision: inside ``torch.autocast(device_type, dtype=...)`` the layer runs as
+        ``nn.Linear`` does there: the tokens and the expert weights (fp32 masters) are cast to
+        the autocast dtype before the experts' grouped GEMMs, and their gradients flow back
+        through the cast to the parameters in the parameters' dtype; the latent projections and
+        the shared expert are ``nn.Linear`` and autocast casts them itself. The router is left
+        alone: it computes in ``moe_router_dtype`` (None: the dtype of ``hidden_states``), so an
+        fp32 input routes as it would outside autocast, and the aux / z losses stay fp32 (fp64
+        with an fp64 router). ``hidden_states`` may then be fp32 or the autocast dtype.
+
         Args:
-            hidden_states: ``[S, B, H]`` (Megatron's layout) or ``[T, H]``, the activation dtype.
+            hidden_states: ``[S, B, H]`` (Megatron's layout) or ``[T, H]``: the parameters'
+                dtype, or under ``torch.autocast`` any of fp32 / fp16 / bf16.
             padding_mask: bool, True = padding: ``[B, S]`` for a ``[S, B, H]`` input (Megatron's
                 GPTModel convention) or ``[T]`` for ``[T, H]``; padded tokens are still computed
                 but leave the aux/z losses and the expert-bias counts alone.
 
         Returns:
-            The output, of ``hidden_states``' shape and dtype.
+            The output, of ``hidden_states``' shape and dtype (under autocast: the autocast
+            dtype, as ``nn.Linear``'s output there).
+
+        Raises:
+            TypeError: outside autocast, ``hidden_states`` of a dtype other than the
+                parameters' (checked before the router runs).
         """
         if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != self.config.hidden_size:
             raise ValueError(f"hidden_states must be [S, B, {self.config.hidden_size}] or "
                              f"[T, {self.config.hidden_size}], got {tuple(hidden_states.shape)}")
+        if autocast_dtype(hidden_states) is None:
+            self._check_input_dtype(hidden_states)
         if padding_mask is not None:
             padding_mask = self._padding_mask(padding_mask, hidden_states)
         hidden_states = self.router.apply_layer_jitter(hidden_states)
@@ -289,6 +312,8 @@ class MoELayer(nn.Module):
         Returns:
             ``[T, H]`` in ``x``'s dtype: each token's experts' outputs, weighted and summed.
         """
+        # under autocast, the rows are made (and, expert parallel, sent) in its dtype
+        x = autocast_to(x, autocast_dtype(x))
         if self.dispatcher is None:
             by_index = reads_rows_by_index(self.config) and self._rows_by_index(x)
             rows, layout = self._layout(x, probs, routing_map, with_rows=not by_index)
@@ -325,6 +350,18 @@ class MoELayer(nn.Module):
         if with_rows:
             return ops.permute_tokens(x, routing_map, probs, bound, drop_and_pad)
         return None, ops.routing_layout(routing_map, probs, bound, drop_and_pad)
+
+    def _check_input_dtype(self, hidden_states: torch.Tensor) -> None:
+        """Outside autocast the custom ops take no mixed dtypes: an input of another dtype than
+        the experts' parameters fails here, before the router has run, with the two fixes."""
+        params_dtype = next(self.experts.parameters()).dtype
+        if hidden_states.dtype != params_dtype:
+            raise TypeError(
+                f"hidden_states is {hidden_states.dtype} but the layer's parameters are "
+                f"{params_dtype}: build the layer in the activation dtype "
+                f"(MoEConfig(params_dtype=...) or MoELayer(..., dtype=...)), or run it under "
+                f"torch.autocast(device_type, dtype=...) to compute in a lower precision than "
+                f"fp32 parameters")
 
     def _rows_by_index(self, x: torch.Tensor) -> bool:
         """config.moe_expert_rows_by_index, None resolved by x's device (see MoEConfig)."""
