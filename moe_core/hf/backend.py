@@ -27,6 +27,11 @@ de-interleaved, never the weights), ``has_post_expert_norm``, and ``_is_expert_p
 index outside ``[0, num_experts)`` (HF's sentinel ``>= num_experts``, or a negative one) is an
 expert of another rank; such a slot contributes nothing and gets no gradient.
 
+Under ``torch.autocast`` the GEMMs run in the autocast dtype, as HF eager's ``linear`` /
+``matmul`` do there: the tokens and the weights are cast before the ops (autocast never casts a
+custom op's inputs), the biases are added as they are, and the output keeps ``hidden_states``'
+dtype (HF eager sums into a tensor of that dtype).
+
 Activations: HF's SiLU, GELU (erf), GELU-tanh, ReLU, quick-GELU and squared ReLU map onto
 ``ops.glu_probs``; GPT-OSS's clamped SwiGLU (``gate.clamp(max=l) * sigmoid(alpha * gate)`` times
 ``up.clamp(-l, l) + 1``) is ``glu_probs``' ``quick_gelu`` with clamp ``l`` and offset 1 when
@@ -39,6 +44,7 @@ import torch
 from torch import nn
 
 from moe_core import ops
+from moe_core.experts import autocast_dtype, autocast_to
 
 BACKEND_NAME = "moe_core"
 
@@ -163,8 +169,16 @@ def moe_core_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
     k = top_k_index.shape[-1]
     routing_map, probs = routing_tensors(top_k_index.reshape(T, k).long(),
                                          top_k_weights.reshape(T, k), E)
-    # the GEMMs run in the weights' dtype (an autocast region may hand fp32 activations over)
-    x = hidden_states if hidden_states.dtype == w1.dtype else hidden_states.to(w1.dtype)
+    dtype = autocast_dtype(hidden_states)
+    if dtype is not None:
+        # under torch.autocast the GEMMs run in its dtype, as HF eager's linear / matmul do: the
+        # weights and the GEMMs' inputs cast, the gradient back to the parameters' dtype; the
+        # biases are added as they are (GPT-OSS's eager adds its fp32 biases after the matmul)
+        w1, w2 = autocast_to(w1, dtype), autocast_to(w2, dtype)
+        x = autocast_to(hidden_states, dtype)
+    else:
+        # else in the weights' dtype
+        x = hidden_states if hidden_states.dtype == w1.dtype else hidden_states.to(w1.dtype)
     x = x.contiguous()
     w1, w2 = w1.contiguous(), w2.contiguous()  # no-ops for HF's (and PEFT's W + BA) weights
     # the probs stay out of the layout: HF applies them after fc2, in the combine below

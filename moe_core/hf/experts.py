@@ -20,7 +20,7 @@ from torch import nn
 
 from moe_core import ops
 from moe_core.config import MoEConfig
-from moe_core.experts import GroupedMLP
+from moe_core.experts import GroupedMLP, autocast_dtype, autocast_to
 from moe_core.hf.backend import _deinterleave
 from moe_core.hf.router import _StopInit, decode_class, encode_class, made_class
 
@@ -68,7 +68,9 @@ class HFTransposedGroupedMLP(HFGroupedMLP):
     output, not the weights, is de-interleaved (activation-sized). Then GroupedMLP's order:
     ``h = act(gate) * (up + 1)`` (gate clamped to ``max=limit``, up to ``[-limit, limit]``,
     ``act(g) = g * sigmoid(alpha g)``) times the probs: ``ops.glu_probs``' clamped quick-GELU
-    when ``alpha`` is 1.702, else torch ops; then ``y = h @ W2 + b2 * p``.
+    when ``alpha`` is 1.702, else torch ops; then ``y = h @ W2 + b2 * p``. Under autocast the
+    biases are cast with the weights, as GroupedMLP's (``nn.Linear``'s rule; HF eager adds them
+    in fp32 after its bf16 matmuls, which the experts backend route follows).
     """
 
     # HF's flag on its experts module: PEFT's parameter LoRA reads it for the [E, in, out] layout
@@ -108,9 +110,13 @@ class HFTransposedGroupedMLP(HFGroupedMLP):
     def forward_rows(self, x: torch.Tensor, expert_offsets: torch.Tensor,
                      probs: torch.Tensor) -> torch.Tensor:
         """As :meth:`GroupedMLP.forward_rows`."""
+        dtype = autocast_dtype(x)
+        x = autocast_to(x, dtype)
+        w1, w2 = autocast_to(self.gate_up_proj, dtype), autocast_to(self.down_proj, dtype)
+        b1, b2 = autocast_to(self.gate_up_proj_bias, dtype), autocast_to(self.down_proj_bias, dtype)
         row_expert = self._row_expert(expert_offsets, x.shape[0])
-        a = ops.grouped_gemm(x, self.gate_up_proj.contiguous(), expert_offsets, trans_w=False)
-        a = a + self.gate_up_proj_bias[row_expert]
+        a = ops.grouped_gemm(x, w1.contiguous(), expert_offsets, trans_w=False)
+        a = a + b1[row_expert]
         if self._spec is not None:
             h = ops.glu_probs(_deinterleave(a), probs, *self._spec)
         else:  # another alpha: the same formula in torch ops
@@ -118,8 +124,8 @@ class HFTransposedGroupedMLP(HFGroupedMLP):
             up = a[:, 1::2].clamp(min=-self.limit, max=self.limit)
             h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
             h = (h * probs.unsqueeze(-1)).to(h.dtype)
-        y = ops.grouped_gemm(h, self.down_proj.contiguous(), expert_offsets, trans_w=False)
-        return y + (self.down_proj_bias[row_expert] * probs.unsqueeze(-1)).to(y.dtype)
+        y = ops.grouped_gemm(h, w2.contiguous(), expert_offsets, trans_w=False)
+        return y + (b2[row_expert] * probs.unsqueeze(-1)).to(y.dtype)
 
 
 class HFLlama4GroupedMLP(HFGroupedMLP):
@@ -138,13 +144,16 @@ class HFLlama4GroupedMLP(HFGroupedMLP):
                      probs: torch.Tensor) -> torch.Tensor:
         """As :meth:`GroupedMLP.forward_rows`."""
         cfg = self.config
+        dtype = autocast_dtype(x)
+        x = autocast_to(x, dtype)
         if cfg.moe_apply_probs_on_input:
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
         h, _ = ops.grouped_gemm_glu_probs(
-            x, self.gate_up_proj.contiguous(), expert_offsets, probs,
+            x, autocast_to(self.gate_up_proj, dtype).contiguous(), expert_offsets, probs,
             ops.activation_name(cfg.activation_func), True, 0.0, None, trans_w=False)
-        return ops.grouped_gemm(h, self.down_proj.contiguous(), expert_offsets, trans_w=False)
+        return ops.grouped_gemm(h, autocast_to(self.down_proj, dtype).contiguous(),
+                                expert_offsets, trans_w=False)
 
 
 _EXPERTS_PREFIX = "MoECoreExperts__"

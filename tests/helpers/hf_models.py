@@ -6,7 +6,7 @@ ties), so the builders redraw the router weights at a scale that spreads the log
 biases (DeepSeek-V3's and Ernie-4.5's expert bias, GPT-OSS's biases) so that they matter; the
 routers' choices are then tie-free for the fixed inputs used here (``assert_tie_free`` checks it).
 """
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import transformers  # pinned in requirements-dev.txt: a missing install fails, not skips
@@ -126,10 +126,13 @@ def inputs(batch: int = 2, seq: int = 7, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, seq), generator=g)
 
 
-def run_step(model, ids: torch.Tensor, **kwargs) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], object]:
-    """Forward with labels and backward: ``(logits, {name: grad}, output)``."""
+def run_step(model, ids: torch.Tensor, autocast: Optional[torch.dtype] = None,
+             **kwargs) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], object]:
+    """Forward with labels and backward: ``(logits, {name: grad}, output)``; with ``autocast``
+    the forward runs in ``torch.autocast("cpu", dtype=autocast)`` (the backward outside it)."""
     model.zero_grad(set_to_none=True)
-    out = model(ids, labels=ids, **kwargs)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        out = model(ids, labels=ids, **kwargs)
     loss = out.loss
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
@@ -163,6 +166,17 @@ def assert_fp32_grads_close(got: Dict[str, torch.Tensor], want: Dict[str, torch.
         if rel_err(got[n], want[n]) > limit:
             bad[n] = (rel_err(got[n], want[n]), limit)
     assert not bad, f"gradients off (error, limit): {bad}"
+
+
+def assert_mixed_grads_close(got: Dict[str, torch.Tensor], hf: Dict[str, torch.Tensor],
+                             want: Dict[str, torch.Tensor]) -> None:
+    """fp32 parameters trained under bf16 autocast: every gradient fp32, and no further from
+    the fp32 model's (``want``) than twice HF eager's own distance under the same autocast
+    (``hf``) plus 1e-2 (bf16's tolerance of the bf16 tests)."""
+    assert sorted(got) == sorted(want)
+    for name, ref in want.items():
+        assert got[name].dtype == torch.float32, name
+        assert rel_err(got[name], ref) <= 2 * rel_err(hf[name], ref) + 1e-2, name
 
 
 def assert_tie_free(router_logits, top_k: int, margin: float = 0.0) -> None:

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from helpers.hf_models import (FAMILIES, assert_close_grads, assert_fp32_grads_close,
-                               assert_tie_free, inputs, rel_err, run_step, tiny_model)
+                               assert_mixed_grads_close, assert_tie_free, inputs, rel_err,
+                               run_step, tiny_model)
 
 import moe_core.hf as mh
 from moe_core.hf.backend import moe_core_experts_forward, routing_tensors
@@ -76,6 +77,52 @@ def test_bf16_within_documented_tolerance(family):
     for name, want in ref_grads.items():
         hf_err = rel_err(hf_grads[name].float(), want)
         assert rel_err(grads[name].float(), want) <= 2 * hf_err + 1e-2, name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_autocast_bf16_within_documented_tolerance(family):
+    """An fp32 model under CPU autocast (the "bf16-mixed" recipe): HF eager runs its experts'
+    linears in bf16, so must the backend. bf16's tolerances against HF eager under the same
+    autocast; and the logits nearer to those than HF's own fp32 logits are (the experts' GEMMs
+    really are in bf16: in fp32 they would sit at the fp32 model's distance)."""
+    ids = inputs()
+    model = tiny_model(family)
+    fp32_logits, ref_grads, _ = run_step(model, ids)
+    hf_logits, hf_grads, out = run_step(model, ids, autocast=torch.bfloat16,
+                                        output_router_logits=True)
+    assert_tie_free(out.router_logits, _top_k(model))
+    model.set_experts_implementation("moe_core")
+    logits, grads, _ = run_step(model, ids, autocast=torch.bfloat16)
+    assert rel_err(logits, hf_logits) <= 1e-2
+    assert rel_err(logits, hf_logits) < rel_err(fp32_logits, hf_logits)
+    assert_mixed_grads_close(grads, hf_grads, ref_grads)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_autocast_experts_module_equals_eager(family):
+    """One experts module under CPU autocast against HF eager's forward under it: the GEMMs in
+    bf16 on both sides, so ours is well inside bf16's 1e-2 and nearer HF's than HF's own fp32
+    forward is (GPT-OSS: the same bits, its fp32 biases added after the bf16 matmuls as HF
+    does); the gradients reach the fp32 weights in fp32."""
+    module = _experts_module(family)
+    g = torch.Generator().manual_seed(0)
+    T, k = 16, 2
+    transposed = getattr(module, "is_transposed", False)  # down_proj [E, F, H], else [E, H, F]
+    x = torch.randn(T, module.down_proj.shape[-1 if transposed else 1], generator=g)
+    idx = torch.stack([torch.randperm(module.num_experts, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    fp32 = module(x, idx, w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = module(x, idx, w)
+        got = moe_core_experts_forward(module, x, idx, w)
+    assert got.dtype == want.dtype == torch.float32
+    err = rel_err(got, want)
+    assert err <= 1e-2 and err < rel_err(fp32, want) / 2
+    if family == "gpt_oss":
+        assert torch.equal(got, want)
+    got.square().sum().backward()
+    grads = [p.grad for p in module.parameters()]
+    assert all(gr is not None and gr.dtype == torch.float32 for gr in grads)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

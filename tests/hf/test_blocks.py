@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers.hf_models import (SWAP_FAMILIES, assert_close_grads, assert_fp32_grads_close,
-                               assert_tie_free, inputs, rel_err, run_step, tiny_model)
+                               assert_mixed_grads_close, assert_tie_free, inputs, rel_err,
+                               run_step, tiny_model)
 from helpers.hf_router_rules import hf_deepseek_v2, hf_deepseek_v3, hf_ernie45
 
 import moe_core
@@ -97,6 +98,28 @@ def test_bf16_within_documented_tolerance(family):
     for name, want in ref_grads.items():
         hf_err = rel_err(hf_grads[name].float(), want)
         assert rel_err(grads[name].float(), want) <= 2 * hf_err + 1e-2, name
+
+
+@pytest.mark.parametrize("family", SWAP_FAMILIES)
+def test_autocast_bf16_within_documented_tolerance(family):
+    """An fp32 model under CPU autocast, swapped, against HF eager under the same autocast:
+    bf16's tolerances; the swapped experts run their GEMMs in bf16 (as nn.Linear under
+    autocast, and HF eager's linears), so their output is bf16."""
+    ids = inputs()
+    model = tiny_model(family)
+    _, ref_grads, _ = run_step(model, ids)
+    hf_logits, hf_grads, out = run_step(model, ids, autocast=torch.bfloat16,
+                                        output_router_logits=True)
+    assert_tie_free(out.router_logits, model.config.num_experts_per_tok)
+    swapped = _swapped(model)
+    seen = []
+    for block in swapped.modules():
+        if isinstance(block, MoECoreSparseMoeBlock):
+            block.experts.register_forward_hook(lambda m, args, y: seen.append(y.dtype))
+    logits, grads, _ = run_step(swapped, ids, autocast=torch.bfloat16)
+    assert seen and set(seen) == {torch.bfloat16}
+    assert rel_err(logits, hf_logits) <= 1e-2
+    assert_mixed_grads_close(grads, hf_grads, ref_grads)
 
 
 @pytest.mark.parametrize("family", SWAP_FAMILIES)
