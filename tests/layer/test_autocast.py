@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.world_group import world_group  # noqa: F401  (fixture)
 from moe_core import MoEConfig, MoELayer
 
 H = 32
@@ -152,6 +153,29 @@ def test_input_dtype_mismatch_raises_before_routing(device, layer_dtype, input_d
                  "torch.autocast"):
         assert part in msg, (part, msg)
     assert not calls  # the router never ran
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("case", ["fused", "bias"])
+def test_expert_parallel_path_under_autocast(world_group, dispatcher, case):  # noqa: F811
+    """The expert-parallel path (a group of one: dispatch, the experts' forward_rows, the
+    dispatcher's combine) under autocast: the same bits as the plain layer under autocast, as
+    outside it; the rows travel in bf16."""
+    plain = _layer("cpu", moe_token_dispatcher_type=dispatcher, **CASES[case])
+    ep = MoELayer(plain.config, ep_group=world_group)
+    ep.load_state_dict(plain.state_dict())
+    x = torch.randn(6, 2, H)
+    outs, grads = [], []
+    for layer in (plain, ep):
+        with torch.autocast("cpu", dtype=BF16):
+            out = layer(x)
+        out.float().square().sum().backward()
+        outs.append(out.detach())
+        grads.append({n: p.grad for n, p in layer.named_parameters()})
+    assert outs[0].dtype == outs[1].dtype == BF16 and torch.equal(outs[1], outs[0])
+    assert sorted(grads[1]) == sorted(grads[0])
+    for name, g in grads[1].items():
+        assert g.dtype == torch.float32 and torch.equal(g, grads[0][name]), name
 
 
 def test_compile_fullgraph_under_autocast():
