@@ -12,7 +12,6 @@ Convention (README.md states it too, in a comment above its first recipe):
 
 A block that raises fails its test, which names the block's first line in the README.
 """
-import os
 import re
 from pathlib import Path
 from typing import List, Tuple
