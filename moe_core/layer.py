@@ -281,12 +281,7 @@ class MoELayer(nn.Module):
             shared = self._shared_joined(box.get("out"))
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
-        if out.shape != hidden_states.shape:
-            # [T, H] -> [S, B, H] without a view: FSDP2 warns about a view output (an in-place op
-            # on it would skip FSDP's pre-backward hook). The [T, H] tensor is the layer's own and
-            # nothing saves it for the backward, so the unflattened tensor may share its storage
-            # without being tracked as its view (what aten's matmul does with its own result).
-            out = torch.ops.aten._unsafe_view(out, hidden_states.shape)
+        out = unflattened(out, hidden_states.shape)
         if shared is not None:
             out = out + shared
         return out
@@ -417,6 +412,17 @@ class MoELayer(nn.Module):
             raise ValueError(f"padding_mask must be [T] = [{hidden.shape[0]}] for hidden_states "
                              f"[T, H], got {tuple(padding_mask.shape)}")
         return padding_mask
+
+
+def unflattened(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``out`` (``[T, H]``, made by the layer) as ``shape`` (``[S, B, H]``) without a view:
+    FSDP2 warns about a module whose output is a view (an in-place op on it would skip FSDP's
+    pre-backward hook). ``out`` is the layer's own and nothing saves it for the backward, so the
+    unflattened tensor may share its storage without being tracked as its view (what aten's
+    matmul does with its own result)."""
+    if out.shape == shape:
+        return out
+    return torch.ops.aten._unsafe_view(out, shape)
 
 
 def moe_layers(model: nn.Module):

@@ -54,7 +54,7 @@ from moe_core.hf.families import (_FAMILIES, _GATE_NAMES, _LOGITS_INDEX, _UNDISP
                                   UnsupportedMoEBlockError, _activation, _sigmoid_gate,
                                   _unsupported)
 from moe_core.hf.router import MoECoreRouter, _router_class
-from moe_core.layer import MoELayer
+from moe_core.layer import MoELayer, unflattened
 
 
 def __getattr__(name: str):
@@ -122,10 +122,10 @@ class MoECoreSparseMoeBlock(MoELayer):
             out = out + self._modules[self._plain_shared](x)
         if self.family == "gpt_oss":  # HF's MLP also returns the scores, in its top-k order
             order = logits.topk(self.config.moe_router_topk, dim=-1).indices
-            return out.reshape(shape), probs.gather(1, order)
+            return unflattened(out, shape), probs.gather(1, order)
         if self.family == "llama4":  # HF's block returns the flat tokens and the logits
             return out, logits
-        return out.reshape(shape)
+        return unflattened(out, shape)
 
     def extra_repr(self) -> str:
         return f"family={self.family}, " + super().extra_repr()
