@@ -34,17 +34,20 @@ class HFGroupedMLP(GroupedMLP):
     """
 
     def __init__(self, config: MoEConfig, gate_up_proj: nn.Parameter, down_proj: nn.Parameter):
-        # GroupedMLP.__init__ would allocate and initialise a second copy of the weights
+        self._hold(config, gate_up_proj=gate_up_proj, down_proj=down_proj)
+        self.register_parameter("bias1", None)
+        self.register_parameter("bias2", None)
+
+    def _hold(self, config: MoEConfig, **params: nn.Parameter) -> None:
+        """The module's state around HF's own Parameters, registered under HF's names
+        (GroupedMLP.__init__ would allocate and initialise a second copy of the weights)."""
         nn.Module.__init__(self)
         self.config = config
         self.ep_size, self.ep_rank = 1, 0
         self.num_local_experts = config.num_moe_experts
         self.input_size, self.ffn_size = config.hidden_size, config.moe_ffn_hidden_size
-        self.gate_up_proj = gate_up_proj
-        self.down_proj = down_proj
-        self.register_parameter("bias1", None)
-        self.register_parameter("bias2", None)
-        for p in (gate_up_proj, down_proj):
+        for name, p in params.items():
+            setattr(self, name, p)
             p.expert_parallel_size = 1  # read by moe_core.parallel.all_reduce_gradients
 
     @property
@@ -77,27 +80,11 @@ class HFTransposedGroupedMLP(HFGroupedMLP):
     is_transposed = True
 
     def __init__(self, config: MoEConfig, module: nn.Module, spec: Optional[tuple]):
-        nn.Module.__init__(self)
-        self.config = config
-        self.ep_size, self.ep_rank = 1, 0
-        self.num_local_experts = config.num_moe_experts
-        self.input_size, self.ffn_size = config.hidden_size, config.moe_ffn_hidden_size
-        self.gate_up_proj = module.gate_up_proj
-        self.gate_up_proj_bias = module.gate_up_proj_bias
-        self.down_proj = module.down_proj
-        self.down_proj_bias = module.down_proj_bias
+        self._hold(config, gate_up_proj=module.gate_up_proj,
+                   gate_up_proj_bias=module.gate_up_proj_bias, down_proj=module.down_proj,
+                   down_proj_bias=module.down_proj_bias)
         self._spec = spec
         self.alpha, self.limit = float(module.alpha), float(module.limit)
-        for p in (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias):
-            p.expert_parallel_size = 1
-
-    @property
-    def weight1(self) -> torch.Tensor:
-        return self.gate_up_proj
-
-    @property
-    def weight2(self) -> torch.Tensor:
-        return self.down_proj
 
     @property
     def bias1(self) -> torch.Tensor:
