@@ -19,9 +19,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 build() {  # build DIR: the extension in place, with CUDA
   (cd "$1" && env MAX_JOBS=8 MOE_CORE_CUDA=1 python3 setup.py -q build_ext --inplace)
 }
-run_step build_base 300 build "$BASE_DIR" &
+export -f build  # run_step runs its command under timeout, which needs a program: bash -c
+run_step build_base 300 bash -c 'build "$1"' _ "$BASE_DIR" &
 BASE_PID=$!
-run_step build_head 300 build .
+run_step build_head 300 bash -c 'build "$1"' _ .
 wait "$BASE_PID" || SUMMARY+=("build_base: FAILED")
 
 if [ -z "${SKIP_TESTS:-}" ]; then
@@ -38,11 +39,12 @@ fi
 bench() {  # bench DIR LOG
   local cmd=(python3 -m benchmarks.bench_layer)
   [ -f "$1/benchmarks/__init__.py" ] || cmd=(python3 benchmarks/bench_layer.py)
-  (cd "$1" && "${cmd[@]}" ${LAYER_ARGS:---rounds 8 --rows-by-index both --skip megatron,compiled,plain})
+  (cd "$1" && PYTHONPATH=$PWD "${cmd[@]}" ${LAYER_ARGS:---rounds 8 --rows-by-index both --skip megatron,compiled,plain})
 }
+export -f bench
 for i in $(seq 1 "${AB_ROUNDS:-2}"); do
-  run_step "bench_base_$i" 150 bench "$BASE_DIR"
-  run_step "bench_head_$i" 150 bench .
+  run_step "bench_base_$i" 150 bash -c 'bench "$1"' _ "$BASE_DIR"
+  run_step "bench_head_$i" 150 bash -c 'bench "$1"' _ .
 done
 
 echo
