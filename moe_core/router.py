@@ -40,15 +40,14 @@ from moe_core.groups import default_data_parallel_group, group_size
 class TopKRouter(nn.Module):
     """Parameters (Megatron's names, ``config.params_dtype``): weight ``[E, H]``, bias ``[E]``
     when ``add_bias_linear``. Buffers, all persistent and kept fp32 when the model is cast:
-    expert_bias ``[E]`` and local_tokens_per_expert ``[E]`` (the counts since the last bias
-    update) with ``moe_router_enable_expert_bias``; global_aux_buffer.tokens_per_expert ``[E]``
-    and global_aux_buffer.steps ``[]`` with the global aux loss. State-dict key
-    ``aux_loss_scale`` (0-d fp32): the bound holder's value, present only while one is bound.
+    expert_bias ``[E]`` with ``moe_router_enable_expert_bias``;
+    global_aux_buffer.tokens_per_expert ``[E]`` and global_aux_buffer.steps ``[]`` with the
+    global aux loss. Running state that is not a buffer (each rank's own, so out of DDP's buffer
+    broadcast), fp32, saved in the state dict: local_tokens_per_expert ``[E]``, this rank's
+    counts since the last bias update, with the expert bias. State-dict key ``aux_loss_scale``
+    (0-d fp32): the bound holder's value, present only while one is bound.
     """
 
-    # buffers Megatron does not save (its local_tokens_per_expert is not persistent): a state
-    # dict without them keeps the current values instead of failing a strict load
-    _OPTIONAL_STATE = ("local_tokens_per_expert",)
     _SCALE_KEY = "aux_loss_scale"
 
     def __init__(self, config: MoEConfig, tp_cp_group=None, tp_dp_cp_group=None, *,
@@ -76,10 +75,12 @@ class TopKRouter(nn.Module):
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias",
                                  torch.zeros(E, device=device, dtype=torch.float32))
-            # persistent, unlike Megatron's: a checkpoint taken between two bias updates
-            # resumes with the counts gathered so far
-            self.register_buffer("local_tokens_per_expert",
-                                 torch.zeros(E, device=device, dtype=torch.float32))
+            # this rank's own counts, so deliberately not a buffer: DDP (broadcast_buffers, its
+            # default) copies rank 0's buffers over every rank's before each forward, which would
+            # replace the counts of a step's earlier micro-batches with rank 0's. Saved in the
+            # state dict all the same (unlike Megatron's): a checkpoint taken between two bias
+            # updates resumes with the counts gathered so far. Moved and kept fp32 by _apply.
+            self.local_tokens_per_expert = torch.zeros(E, device=device, dtype=torch.float32)
         else:
             self.expert_bias = None
             self.local_tokens_per_expert = None
@@ -130,11 +131,22 @@ class TopKRouter(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         # a model cast to a half dtype keeps the expert bias and its counts fp32 (Megatron
         # re-casts its bias to fp32 for the same reason)
-        return apply_keeping_fp32_buffers(self, super()._apply, fn, recurse)
+        apply_keeping_fp32_buffers(self, super()._apply, fn, recurse)
+        counts = self.local_tokens_per_expert
+        if counts is not None:
+            moved = fn(counts)
+            self.local_tokens_per_expert = (moved if moved.dtype == torch.float32
+                                            else counts.to(device=moved.device))
+        return self
 
-    # ---- state dict: the bound aux-loss scale --------------------------------------------------
+    # ---- state dict: the expert-bias counts and the bound aux-loss scale --------------------------
+    _COUNTS_KEY = "local_tokens_per_expert"
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        counts = self.local_tokens_per_expert
+        if counts is not None:
+            destination[prefix + self._COUNTS_KEY] = counts if keep_vars else counts.detach()
         if self.aux_loss_scale is not None:
             value = self.aux_loss_scale.value
             destination[prefix + self._SCALE_KEY] = value if keep_vars else value.detach()
@@ -143,9 +155,7 @@ class TopKRouter(nn.Module):
                               unexpected_keys, error_msgs):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        for name in self._OPTIONAL_STATE:
-            if prefix + name in missing_keys:
-                missing_keys.remove(prefix + name)
+        self._load_counts(state_dict, prefix + self._COUNTS_KEY, unexpected_keys, error_msgs)
         key = prefix + self._SCALE_KEY
         if key not in state_dict:
             return  # saved without a bound holder: the current binding stays
@@ -161,6 +171,23 @@ class TopKRouter(nn.Module):
         else:  # in place, so a holder shared by several routers stays shared
             holder = self.aux_loss_scale
             holder.set(value.detach().to(device=holder.value.device))
+
+    def _load_counts(self, state_dict, key, unexpected_keys, error_msgs) -> None:
+        """The expert-bias counts, copied in place; optional (Megatron does not save them: a
+        state dict without them keeps the current counts instead of failing a strict load)."""
+        counts = self.local_tokens_per_expert
+        if key not in state_dict or counts is None:
+            return  # without the expert bias, the key is as unexpected as any other (strict)
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        value = state_dict[key]
+        if not isinstance(value, torch.Tensor) or value.shape != counts.shape:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else repr(value)
+            error_msgs.append(f"{key}: expected a tensor of shape {tuple(counts.shape)}, "
+                              f"got {got}")
+            return
+        with torch.no_grad():
+            counts.copy_(value)
 
     # ---- pieces -----------------------------------------------------------------------------
     def router_dtype(self, inp: torch.Tensor) -> torch.dtype:

@@ -176,3 +176,22 @@ def test_scale_of_more_than_one_element_is_refused():
     with pytest.raises(RuntimeError, match=r"router\.aux_loss_scale: expected a one-element "
                                            r"tensor, got \(2,\)"):
         layer.load_state_dict(sd)
+
+
+def test_counts_of_another_shape_are_refused():
+    layer, _ = build(seed=0)
+    sd = dict(layer.state_dict(), **{"router.local_tokens_per_expert": torch.ones(E + 1)})
+    with pytest.raises(RuntimeError, match=rf"router\.local_tokens_per_expert: expected a tensor "
+                                           rf"of shape \({E},\), got \({E + 1},\)"):
+        layer.load_state_dict(sd)
+
+
+def test_counts_are_saved_but_are_no_buffer():
+    """Each rank's own counts: out of named_buffers (what DDP broadcasts from rank 0), in the
+    state dict, and they follow the model's device moves."""
+    layer, _ = build(seed=0)
+    assert "router.local_tokens_per_expert" not in dict(layer.named_buffers())
+    assert "router.local_tokens_per_expert" in layer.state_dict()
+    layer.to("meta")
+    assert layer.router.local_tokens_per_expert.device.type == "meta"
+    assert layer.router.local_tokens_per_expert.dtype == torch.float32

@@ -58,9 +58,10 @@ def _weights(model) -> Dict[str, torch.Tensor]:
             .detach().clone() for n, p in model.named_parameters()}
 
 
-def train_worker(rank: int, world: int, wrap: str, micro: int = 1) -> List[dict]:
+def train_worker(rank: int, world: int, wrap: str, micro: int = 1,
+                 no_sync: bool = True) -> List[dict]:
     """``STEPS`` training steps of ``micro`` micro-batches each (rank ``rank``'s shares; all but
-    the last under DDP's ``no_sync``); after each step: the global-aux counts (before the reset),
+    the last under DDP's ``no_sync`` if ``no_sync``); after each step: the global-aux counts (before the reset),
     the expert bias (after the update) and the size of the group used."""
     from moe_core import finalize_step, moe_layers
 
@@ -81,7 +82,8 @@ def train_worker(rank: int, world: int, wrap: str, micro: int = 1) -> List[dict]
     for step in range(STEPS):
         for m in range(micro):
             X, G = _batch(step, m)
-            with contextlib.nullcontext() if m == micro - 1 else model.no_sync():
+            last = m == micro - 1
+            with contextlib.nullcontext() if last or not no_sync else model.no_sync():
                 (model(X[rank]) * G[rank]).sum().backward()
         opt.step()
         opt.zero_grad()
@@ -139,16 +141,18 @@ def reference(shards: List[int], average: bool, micro: int = 1) -> List[dict]:
     return out
 
 
-@pytest.mark.parametrize("wrap, micro", [("ddp", 1), ("fsdp2", 1), ("ddp", 2)],
-                         ids=["ddp", "fsdp2", "ddp_no_sync_accumulation"])
-def test_data_parallel_equals_one_process(wrap, micro):
+@pytest.mark.parametrize("wrap, micro, no_sync",
+                         [("ddp", 1, True), ("fsdp2", 1, True), ("ddp", 2, True),
+                          ("ddp", 2, False)],
+                         ids=["ddp", "fsdp2", "ddp_no_sync_accumulation", "ddp_accumulation"])
+def test_data_parallel_equals_one_process(wrap, micro, no_sync):
     """Bias and global-aux counts: integer counts summed in fp32, so equal bit for bit on every
     rank and to the reference; the weights, whose gradients are summed in another order, within
-    fp32 rounding. With two micro-batches a step, DDP's ``no_sync`` on the first also skips the
-    second forward's buffer broadcast, which would replace rank 1's counts of the first with
-    rank 0's."""
+    fp32 rounding. With two micro-batches a step, with or without DDP's ``no_sync`` on the
+    first: DDP broadcasts rank 0's buffers before the second forward, so the router's own
+    counts of the first (which are not a buffer) must not be replaced by rank 0's."""
     whole_batch = reference(list(range(WORLD)), average=True, micro=micro)
-    per_rank = _tensors(run_ranks(train_worker, WORLD, wrap, micro, timeout=300))
+    per_rank = _tensors(run_ranks(train_worker, WORLD, wrap, micro, no_sync, timeout=300))
     for rank, steps in enumerate(per_rank):
         for step, (got, want) in enumerate(zip(steps, whole_batch)):
             where = f"{wrap} rank {rank} step {step}"
