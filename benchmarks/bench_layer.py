@@ -31,12 +31,27 @@ Measured per variant:
   after ``--warmup`` rounds; median of ``--rounds``. Two random input / gradient sets, rotated.
   Parameter gradients are freed after every call (outside the timed region), so every backward
   allocates them fresh. On the CPU the wall clock stands in for the events.
-* ``queued ms``: the same step queued back to back (``timing.time_queued``: events around each
-  call, one wait at the end, median of ``--rounds`` after one warm-up call), so the host runs ahead
-  of the GPU as it does in a training loop, where the layers before this one keep the GPU busy
-  while the host prepares it. ``fwd+bwd ms`` exposes the host's start-up work (the GPU idles until
-  the first kernels are queued) and this hides it; the difference is how much of a step the GPU
-  waits for the host. On the CPU: n/a.
+* ``queued ms``: the same step queued back to back (``timing.time_sustained``: events around each
+  call, one wait at the end, median over at least ``--rounds`` calls and ``--sustain-s`` seconds
+  after one warm-up call), so the host runs ahead of the GPU as it does in a training loop, where
+  the layers before this one keep the GPU busy while the host prepares it, and the card settles at
+  the clock its power limit allows under sustained load (``SM MHz`` and ``W``, sampled with
+  nvidia-smi meanwhile). ``fwd+bwd ms`` exposes the host's start-up work (the GPU idles until the
+  first kernels are queued) and this hides it; the difference is how much of a step the GPU waits
+  for the host. On the CPU: n/a. The time goals (``GOAL_MS``) are on this time.
+* ``graph ms``: the step captured in a CUDA graph and replayed back to back (variants with no host
+  sync; a capture that fails is said in the notes): the step with no host work at all.
+* ``host ms``: the host's own time to issue one step (Python, autograd, the binding, the launches),
+  each call made while a sleep kernel keeps the GPU busy (``timing.host_issue_ms``); "waits for
+  the GPU" where a host sync inside made it longer than the sleep.
+* ``GEMM kernels ms``, ``other kernels ms``, ``GPU idle ms``: the profiler over queued steps
+  (``step_kernels.profile_steps``), per step: matrix-multiply kernels (ours and the libraries'),
+  every other kernel, copy and fill, and the time inside the steps' span when nothing ran.
+  ``overhead`` = queued ms / GEMM kernels ms (1.0: a layer that is nothing but its GEMMs; the
+  goals are ``OVERHEAD_GOAL``).
+* ``expert TFLOP/s`` (SonicMoE's configurations, ``--shapes sonic``): the routed experts' GEMM
+  FLOPs 18·T·k·H·F over the queued step, beside SonicMoE's published fwd + bwd TFLOP/s on an H100
+  (``SONIC_PUBLISHED_TFLOPS``; goal ``SONIC_GOAL`` times it).
 * ``TFLOP/s``: the useful FLOPs of one forward + backward over the median time, the same count for
   every variant (T tokens, H hidden, E experts, k top-k, F expert ffn, Fs shared ffn or 0):
 
@@ -48,7 +63,9 @@ Measured per variant:
   not counted.
 * ``% dense``: TFLOP/s over the dense bf16 ceiling measured in the same process (``torch.mm`` of two
   random 8192 x 8192 bf16 matrices, median of CUDA-event timings, measured before and after the
-  shapes; the higher of the two is used).
+  shapes; the higher of the two is used): a burst. ``% sustained dense``: the queued step's
+  TFLOP/s over the same GEMM queued for twice ``--sustain-s`` (``timing.sustained_ceiling``, with
+  its clock and power), the ceiling a step in a training loop can get.
 * ``peak GiB`` (activation memory): the peak of ``torch.cuda.max_memory_allocated`` during one
   forward + backward above what was allocated right before it (``timing.peak_bytes``, the same
   method for every variant). Backward allocates the parameter gradients inside that window, the
@@ -76,17 +93,20 @@ Layers are built on the device (``with torch.device(...)``, bench_ep's builders)
 
     python -m benchmarks.bench_layer [--shapes mixtral,qwen3_30b_a3b,dsv3_like] [--tokens T]
         [--experts E] [--rounds R] [--warmup W] [--skip megatron,compiled,plain]
-        [--device cuda|cpu] [--seed S]
+        [--device cuda|cpu] [--seed S] [--sustain-s S]
+    python -m benchmarks.bench_layer --shapes sonic --skip megatron   (SonicMoE's configurations)
     python -m benchmarks.bench_layer --shapes tiny --device cpu --rounds 2 --warmup 1   (smoke)
 
 On the device machine, megatron-core from the carried wheel: ``source benchmarks/device_env.sh``
 first. On the CPU (``--shapes tiny`` or ``tiny_dsv3``) Megatron runs with bench_ep's CPU patches,
 and memory and syncs read n/a. Each shape prints its lines and table rows when done; a shape that
 fails is reported (traceback), the next one runs, and the exit status is 1. The last lines are a
-markdown table, one row per shape x variant, then the goals table: per shape the time goal
-(``GOAL_MS``) and the share of the run's dense ceiling it asks of the whole layer, our fastest
-variant against it and against both peers, and our leanest variant's ``peak - grads`` against
-``MEMORY_GOAL`` times the lower of the peers' (n/a where a peer did not run).
+markdown table, one row per shape x variant; on CUDA the "where the step goes" table and the
+SonicMoE table; then the goals table: per shape the time goal (``GOAL_MS``, on the queued step)
+and the share of the run's dense ceiling it asks of the whole layer, our fastest variant against
+it, its overhead against ``OVERHEAD_GOAL``, against both peers, and our leanest variant's
+``peak - grads`` against ``MEMORY_GOAL`` times the lower of the peers' (n/a where a peer did not
+run).
 """
 import os
 
@@ -112,10 +132,13 @@ from benchmarks.bench_ep import (add_run_args, build_megatron, build_ours,  # no
                                  free_grads, host_syncs, init_distributed, moe_kwargs,
                                  patch_megatron_for_cpu, rel_diff, resolve_run_args,
                                  set_rows_by_index)  # the layers' builders, syncs
-from benchmarks.shapes import (GOAL_MS, LAYER_SHAPES, MEMORY_GOAL, REFERENCE, Shape,  # noqa: E402
-                               select)
-from benchmarks.timing import (dense_ceiling, held_after_forward, peak_bytes, sync,  # noqa: E402
-                               time_interleaved, time_queued)
+from benchmarks.shapes import (GOAL_MS, LAYER_SHAPES, MEMORY_GOAL, OVERHEAD_GOAL,  # noqa: E402
+                               REFERENCE, SHAPE_GROUPS, SONIC_GOAL, SONIC_PUBLISHED_TFLOPS,
+                               Shape, select)
+from benchmarks.step_kernels import profile_steps  # noqa: E402
+from benchmarks.timing import (dense_ceiling, held_after_forward, host_issue_ms,  # noqa: E402
+                               peak_bytes, sustained_ceiling, sustained_tflops, sync,
+                               time_graph_replay, time_interleaved, time_sustained)
 from moe_core import MoELayer  # noqa: E402
 
 SHAPES: Dict[str, Shape] = select(LAYER_SHAPES)
@@ -126,6 +149,12 @@ def layer_flops(shape: Shape) -> float:
     """Useful FLOPs of one forward + backward (module docstring): 6·T·H·(E + 3·k·F + 3·Fs)."""
     fs = dict(shape.router).get("moe_shared_expert_intermediate_size") or 0
     return 6.0 * shape.tokens * shape.hidden * (shape.experts + 3 * shape.topk * shape.ffn + 3 * fs)
+
+
+def expert_flops(shape: Shape) -> float:
+    """The routed experts' GEMM FLOPs of one forward + backward, 18·T·k·H·F (fc1 [H -> 2F] and
+    fc2 [F -> H] per row, forward once, backward twice): what SonicMoE's TFLOP/s count."""
+    return 18.0 * shape.tokens * shape.topk * shape.hidden * shape.ffn
 
 
 # ---- the plain-PyTorch layer ------------------------------------------------------------------
@@ -303,6 +332,29 @@ class Row:
     first_s: float = float("nan")
     err: str = ""     # vs Megatron (or ours eager): "out / dx (tokens routed differently)"
     note: str = ""
+    # where the step goes (CUDA): replayed from a CUDA graph; the host's own time to issue it
+    # (host_waited: a host sync made it wait for the GPU); from the profiler over queued steps,
+    # the GEMM kernels, the other kernels and the GPU's idle time in the step; the SM clock and
+    # board power while the queued steps ran
+    graph_ms: float = float("nan")
+    host_ms: float = float("nan")
+    host_waited: bool = False
+    gemm_ms: float = float("nan")
+    other_ms: float = float("nan")
+    idle_ms: float = float("nan")
+    mhz: float = float("nan")
+    power_w: float = float("nan")
+    expert_tflops: float = float("nan")  # expert_flops over the queued step (SonicMoE's count)
+
+    @property
+    def overhead(self) -> float:
+        """Queued step over its GEMM kernels' time (nan where either is unknown)."""
+        return self.queued_ms / self.gemm_ms if self.gemm_ms > 0 else float("nan")
+
+    @property
+    def step_ms(self) -> float:
+        """The step a training loop sees: queued where measured (CUDA), else timed alone."""
+        return self.ms if math.isnan(self.queued_ms) else self.queued_ms
 
 
 def allocator_calls(step: Callable[[], None]) -> str:
@@ -491,9 +543,6 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
     for variant in modules:
         row = Row(name, variant, t[variant], first_s=first_s[variant],
                   note=notes.get(variant, ""))
-        if dev.type == "cuda":
-            row.queued_ms = time_queued(lambda v=variant: (fwd_bwd(v)(0), cleanup_of(v)()),
-                                        warmup=1, reps=args.rounds)
         row.tflops = flops / (t[variant] / 1e3) / 1e12
         row.pct_dense = 100.0 * row.tflops / ceiling
         row.peak_gib = peak_bytes(lambda v=variant: fwd_bwd(v)(1), cleanup_of(variant), dev) / 2**30
@@ -504,6 +553,8 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
         cleanup_of(variant)()
         if dev.type == "cuda":
             row.allocs = allocator_calls(lambda v=variant: (fwd_bwd(v)(1), cleanup_of(v)()))
+            step_parts(args, row, fwd_bwd(variant), cleanup_of(variant))
+            row.expert_tflops = expert_flops(shape) / (row.queued_ms / 1e3) / 1e12
         if "megatron" in t and variant != "megatron":
             row.vs_megatron = f"{t['megatron'] / t[variant]:.2f}x"
         if "plain compiled" in t and variant.startswith("ours"):
@@ -536,6 +587,66 @@ def run_shape(args, name: str, shape: Shape, dev: torch.device, ceiling: float,
     return rows
 
 
+def step_parts(args, row: Row, run: Callable[[int], None], cleanup: Callable[[], None]) -> None:
+    """Fills ``row``'s queued time, clock and power (steps back to back for ``--sustain-s``), its
+    CUDA-graph replay (variants with no host sync), the host's own issue time and the profiler's
+    split of the queued steps into GEMMs, other kernels and idle time."""
+    step = lambda: run(0)  # noqa: E731
+    res = time_sustained(lambda: (step(), cleanup()), args.sustain_s, min_reps=args.rounds)
+    row.queued_ms, row.mhz, row.power_w = res.ms, res.mhz, res.power_w
+    if row.syncs == "0/0":
+        try:
+            row.graph_ms = time_graph_replay(step, cleanup, warmup=2, reps=args.rounds)
+        except Exception as exc:  # a capture the variant does not survive: said, not fatal
+            first = (str(exc).strip().splitlines() or [""])[0][:120]
+            row.note = "; ".join(s for s in (row.note, f"graph: {type(exc).__name__}: {first}")
+                                 if s)
+            torch.cuda.synchronize()
+    row.host_ms, row.host_waited = host_issue_ms(step, cleanup, reps=max(3, args.rounds // 2))
+    parts = profile_steps(step, cleanup, reps=max(3, args.rounds // 2))
+    row.gemm_ms, row.other_ms, row.idle_ms = parts.gemm_ms, parts.other_ms, parts.idle_ms
+
+
+def _ms(v: float) -> str:
+    return "n/a" if math.isnan(v) else f"{v:.2f}"
+
+
+def print_parts(rows: List[Row], sustained: float) -> None:
+    """Where each step goes: queued, replayed from a CUDA graph, the host's issue time, the
+    profiler's split, the overhead ratio, % of the sustained dense ceiling, clock and power."""
+    print("| shape | variant | queued ms | graph ms | host ms | GEMM kernels ms | other kernels ms "
+          "| GPU idle ms | overhead (queued / GEMM) | % sustained dense | SM MHz | W |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        host = _ms(r.host_ms) + (" (waits for the GPU)" if r.host_waited else "")
+        over = "n/a" if math.isnan(r.overhead) else f"{r.overhead:.2f}"
+        pct = ("n/a" if math.isnan(r.queued_ms) or not sustained else
+               f"{100.0 * r.tflops * r.ms / r.queued_ms / sustained:.1f}%")
+        mhz = "n/a" if math.isnan(r.mhz) else f"{r.mhz:.0f}"
+        watts = "n/a" if math.isnan(r.power_w) else f"{r.power_w:.0f}"
+        print(f"| {r.shape} | {r.variant} | {_ms(r.queued_ms)} | {_ms(r.graph_ms)} | {host} | "
+              f"{_ms(r.gemm_ms)} | {_ms(r.other_ms)} | {_ms(r.idle_ms)} | {over} | {pct} | {mhz} "
+              f"| {watts} |")
+
+
+def print_sonic(rows: List[Row]) -> None:
+    """Ours at SonicMoE's configurations against its published fwd + bwd TFLOP/s (H100)."""
+    mine = [r for r in rows if r.shape in SONIC_PUBLISHED_TFLOPS and r.variant.startswith("ours")]
+    if not mine:
+        return
+    print(f"\nSonicMoE's configurations: expert GEMM TFLOP/s (18·T·k·H·F over the queued step) "
+          f"against its published fwd + bwd TFLOP/s (H100 bf16); goal {SONIC_GOAL:.2f}x\n")
+    print("| shape | variant | queued ms | expert TFLOP/s | published, H100 | ratio | met |")
+    print("|---|---|---|---|---|---|---|")
+    for r in mine:
+        pub = SONIC_PUBLISHED_TFLOPS[r.shape]
+        ratio = r.expert_tflops / pub
+        met = "n/a" if math.isnan(ratio) else ("yes" if ratio >= SONIC_GOAL else "no")
+        tf = "n/a" if math.isnan(r.expert_tflops) else f"{r.expert_tflops:.0f}"
+        rt = "n/a" if math.isnan(ratio) else f"{ratio:.2f}x"
+        print(f"| {r.shape} | {r.variant} | {_ms(r.queued_ms)} | {tf} | {pub:.0f} | {rt} | {met} |")
+
+
 def print_table(rows: List[Row], header: bool = True) -> None:
     if header:
         ref = "Megatron" if any(r.variant == "megatron" for r in rows) else "ours eager"
@@ -558,8 +669,10 @@ class Goal:
     shape: str
     goal_ms: float          # nan: the shape has no time goal
     needs_pct: float        # the % of the run's dense ceiling the time goal asks of the layer
-    best: Row               # ours, fastest variant
+    best: Row               # ours, fastest variant (by Row.step_ms: queued where measured)
     time_met: bool
+    overhead_goal: float    # nan: no overhead goal at this shape
+    overhead_met: str       # "yes" / "no" / "n/a" (no goal, or no profile: the CPU): best's
     faster_than_peers: str  # "yes" / "no" / "n/a" (a peer not run)
     mem_goal_gib: float     # MEMORY_GOAL x the lower peer's peak - grads; nan: no peer ran
     leanest: Row            # ours, lowest peak - grads
@@ -567,9 +680,10 @@ class Goal:
 
 
 def goal_rows(rows: List[Row]) -> List[Goal]:
-    """Each shape's goals (GOAL_MS, MEMORY_GOAL) checked against the run's ``rows``: ours is its
-    fastest variant for time and its leanest for memory; the needed % dense is the fastest
-    row's % dense scaled to the goal's time (the same FLOPs, the same ceiling as the table)."""
+    """Each shape's goals (GOAL_MS, OVERHEAD_GOAL, MEMORY_GOAL) checked against the run's
+    ``rows``: ours is its fastest variant (queued step where measured) for time and overhead and
+    its leanest for memory; the needed % dense is the fastest row's % dense scaled to the goal's
+    time (the same FLOPs, the same ceiling as the table); peers are compared by the same time."""
     goals = []
     for shape in dict.fromkeys(r.shape for r in rows):
         mine = [r for r in rows if r.shape == shape]
@@ -577,34 +691,40 @@ def goal_rows(rows: List[Row]) -> List[Goal]:
         if not ours:
             continue
         peers = {r.variant: r for r in mine if r.variant in ("megatron", "plain compiled")}
-        best = min(ours, key=lambda r: r.ms)
+        best = min(ours, key=lambda r: r.step_ms)
         goal_ms = GOAL_MS.get(shape, float("nan"))
         needs = best.pct_dense * best.ms / goal_ms
         faster = ("n/a" if len(peers) < 2 else
-                  "yes" if all(best.ms < p.ms for p in peers.values()) else "no")
+                  "yes" if all(best.step_ms < p.step_ms for p in peers.values()) else "no")
+        over_goal = OVERHEAD_GOAL.get(shape, float("nan"))
+        over_met = ("n/a" if math.isnan(over_goal) or math.isnan(best.overhead) else
+                    "yes" if best.overhead <= over_goal else "no")
         acts = [p.peak_gib - p.grads_gib for p in peers.values() if not math.isnan(p.peak_gib)]
         mem_goal = MEMORY_GOAL * min(acts) if len(acts) == 2 else float("nan")
         leanest = min(ours, key=lambda r: (math.isnan(r.peak_gib), r.peak_gib - r.grads_gib))
         act = leanest.peak_gib - leanest.grads_gib
         mem_met = "n/a" if math.isnan(mem_goal) or math.isnan(act) else (
             "yes" if act <= mem_goal else "no")
-        goals.append(Goal(shape, goal_ms, needs, best, best.ms <= goal_ms, faster, mem_goal,
-                          leanest, mem_met))
+        goals.append(Goal(shape, goal_ms, needs, best, best.step_ms <= goal_ms, over_goal,
+                          over_met, faster, mem_goal, leanest, mem_met))
     return goals
 
 
 def print_goals(goals: List[Goal]) -> None:
     print("| shape | goal ms | the goal in % dense | ours fastest ms (variant) | met "
-          "| faster than Megatron and plain | memory goal GiB | ours leanest GiB (variant) "
-          "| met |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| overhead goal | ours | met | faster than Megatron and plain | memory goal GiB "
+          "| ours leanest GiB (variant) | met |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for g in goals:
         act = g.leanest.peak_gib - g.leanest.grads_gib
         if math.isnan(g.goal_ms):
-            time_cells = "none | | " + f"{g.best.ms:.2f} ({g.best.variant}) | n/a"
+            time_cells = "none | | " + f"{g.best.step_ms:.2f} ({g.best.variant}) | n/a"
         else:
-            time_cells = (f"{g.goal_ms:.1f} | {g.needs_pct:.1f}% | {g.best.ms:.2f} "
+            time_cells = (f"{g.goal_ms:.1f} | {g.needs_pct:.1f}% | {g.best.step_ms:.2f} "
                           f"({g.best.variant}) | {'yes' if g.time_met else 'no'}")
+        over = "n/a" if math.isnan(g.best.overhead) else f"{g.best.overhead:.2f}"
+        time_cells += (" | " + ("none" if math.isnan(g.overhead_goal) else
+                                f"{g.overhead_goal:.2f}") + f" | {over} | {g.overhead_met}")
         mem_goal = "n/a" if math.isnan(g.mem_goal_gib) else f"{g.mem_goal_gib:.2f}"
         lean = "n/a" if math.isnan(act) else f"{act:.2f} ({g.leanest.variant})"
         print(f"| {g.shape} | {time_cells} | {g.faster_than_peers} | {mem_goal} | {lean} "
@@ -615,17 +735,22 @@ def print_goals(goals: List[Goal]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(REFERENCE),
-                    help=f"comma-separated, of {sorted(SHAPES)}")
+                    help=f"comma-separated, of {sorted(SHAPES)} or the groups "
+                         f"{sorted(SHAPE_GROUPS)}")
     ap.add_argument("--tokens", type=int, help="tokens (default: each shape's)")
     ap.add_argument("--experts", type=int, help="number of experts (default: each shape's)")
     ap.add_argument("--skip", default="", help=f"comma-separated, of {','.join(SKIPPABLE)}")
     ap.add_argument("--rows-by-index", choices=("auto", "on", "off", "both"), default="auto",
                     help="ours: MoEConfig.moe_expert_rows_by_index (auto: the default, by device; "
                          "both: rows made as 'ours', rows by index as 'ours by index', same run)")
+    ap.add_argument("--sustain-s", type=float, default=1.0,
+                    help="CUDA: each variant's queued steps run back to back for about this long "
+                         "(the clock settles at what the power limit allows), and the sustained "
+                         "dense ceiling twice as long")
     add_run_args(ap)
     args = ap.parse_args()
     cpu = resolve_run_args(args)
-    names = [s for s in args.shapes.split(",") if s]
+    names = [n for s in args.shapes.split(",") if s for n in SHAPE_GROUPS.get(s, (s,))]
     for s in names:
         if s not in SHAPES:
             ap.error(f"--shapes: {s!r} is not one of {sorted(SHAPES)}")
@@ -654,6 +779,13 @@ def main() -> None:
     reps = max(args.rounds, 10)
     ceiling = dense_ceiling(dev, reps)
     print(f"dense bf16 ceiling (torch.mm, square): {ceiling:.1f} TFLOP/s", flush=True)
+    sustained = []  # (TFLOP/s, MHz, W) of the dense GEMM queued for 2 x --sustain-s
+    if dev.type == "cuda":
+        res = sustained_ceiling(2 * args.sustain_s)
+        sustained.append((sustained_tflops(res), res.mhz, res.power_w))
+        print(f"dense bf16 ceiling, sustained ({res.calls} calls queued): "
+              f"{sustained[-1][0]:.1f} TFLOP/s at {res.mhz:.0f} MHz, {res.power_w:.0f} W",
+              flush=True)
 
     rows: List[Row] = []
     failed = []
@@ -676,17 +808,31 @@ def main() -> None:
         print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
 
     ceiling_after = dense_ceiling(dev, reps)
+    if dev.type == "cuda":
+        res = sustained_ceiling(2 * args.sustain_s)
+        sustained.append((sustained_tflops(res), res.mhz, res.power_w))
     best = max(ceiling, ceiling_after)
     if ceiling_after > ceiling:
         for r in rows:
             r.pct_dense = 100.0 * r.tflops / best
     print(f"\ndense bf16 ceiling before / after the shapes: {ceiling:.1f} / {ceiling_after:.1f} "
           f"TFLOP/s; % dense below is of {best:.1f}")
+    sustained_best = max((s[0] for s in sustained), default=0.0)
+    for when, (tf, mhz, watts) in zip(("before", "after"), sustained):
+        print(f"sustained dense ceiling {when} the shapes: {tf:.1f} TFLOP/s at {mhz:.0f} MHz, "
+              f"{watts:.0f} W")
     print(f"\nMoE layer, fwd+bwd, one device ({where}; median of {args.rounds} interleaved rounds; "
           f"peak: above the allocation before the step, parameter gradients included)\n")
     print_table(rows)
-    print(f"\nGoals (GOAL_MS, MEMORY_GOAL: activation memory as peak - grads; % dense of "
-          f"{best:.1f} TFLOP/s)\n")
+    if dev.type == "cuda":
+        print(f"\nWhere the step goes (queued: steps back to back for {args.sustain_s:g} s, with "
+              f"the clock and power meanwhile; graph: replayed from a CUDA graph; host: the "
+              f"host's own time to issue one step; kernels and idle: the profiler over queued "
+              f"steps; % of the sustained dense ceiling {sustained_best:.1f} TFLOP/s)\n")
+        print_parts(rows, sustained_best)
+        print_sonic(rows)
+    print(f"\nGoals (GOAL_MS on the queued step, OVERHEAD_GOAL, MEMORY_GOAL: activation memory "
+          f"as peak - grads; % dense of {best:.1f} TFLOP/s)\n")
     print_goals(goal_rows(rows))
     print(f"\nbench_layer: {time.perf_counter() - t_start:.0f} s in all", flush=True)
     torch.distributed.destroy_process_group()

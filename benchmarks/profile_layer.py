@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_ep import build_ours, moe_kwargs, set_rows_by_index
 from benchmarks.shapes import SHAPES
+from benchmarks.step_kernels import busy_us, cuda_kernels, is_gemm
 from benchmarks.timing import held_after_forward, peak_bytes, sync
 
 GiB = float(1 << 30)
@@ -86,27 +87,18 @@ def kernel_table(layer, x: torch.Tensor, g: torch.Tensor, top: int, gaps: int,
     free_grads(layer, x)
     if trace:
         prof.export_chrome_trace(trace)
+    kernels = cuda_kernels(prof)
     per: Dict[str, List[float]] = defaultdict(list)
-    spans, kernels = [], []
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name].append(ev.device_time)
-            spans.append((ev.time_range.start, ev.time_range.end))
-            kernels.append((ev.time_range.start, ev.time_range.end, ev.name))
+    for a, b, name in kernels:
+        per[name].append(b - a)
     total = sum(sum(v) for v in per.values())
+    gemm = sum(sum(v) for name, v in per.items() if is_gemm(name))
     # the step's span on the GPU and the time in it when no kernel ran (launch gaps, host waits)
-    spans.sort()
-    busy, end = 0.0, None
-    for a, b in spans:
-        if end is None or a > end:
-            busy += b - a
-            end = b
-        elif b > end:
-            busy += b - end
-            end = b
-    wall = (max(b for _, b in spans) - spans[0][0]) if spans else 0.0
-    lines = [f"  GPU time of the step: {total / 1e3:.2f} ms (kernels, summed); span "
-             f"{wall / 1e3:.2f} ms, idle {(wall - busy) / 1e3:.2f} ms"]
+    wall = (max(b for _, b, _ in kernels) - kernels[0][0]) if kernels else 0.0
+    busy = busy_us(kernels)
+    lines = [f"  GPU time of the step: {total / 1e3:.2f} ms (kernels, summed: GEMMs "
+             f"{gemm / 1e3:.2f}, the rest {(total - gemm) / 1e3:.2f}); span {wall / 1e3:.2f} ms, "
+             f"idle {(wall - busy) / 1e3:.2f} ms"]
     for name, ts in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"  {sum(ts) / 1e3:7.3f} ms {100 * sum(ts) / total:5.1f}%  x{len(ts):<3d} "
                      f"{name[:110]}")

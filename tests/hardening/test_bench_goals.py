@@ -65,6 +65,48 @@ def test_goals_met_and_missed_per_shape(bench):
     assert bench.goal_rows(rows)[0].faster_than_peers == "no"
 
 
+def test_goals_take_the_queued_step_and_the_overhead(bench):
+    """Where a step was also measured queued (CUDA), the time goal, the fastest of ours and the
+    peers' comparison use the queued time; the overhead goal reads the fastest row's queued time
+    over its GEMM kernels' time."""
+    goal = bench.GOAL_MS["qwen3_30b_a3b"]
+    over_goal = bench.OVERHEAD_GOAL["qwen3_30b_a3b"]
+    eager = _row(bench, "qwen3_30b_a3b", "ours eager", goal + 1.0, 1.0)
+    eager.queued_ms, eager.gemm_ms = goal - 0.5, (goal - 0.5) / (over_goal + 0.1)
+    by_index = _row(bench, "qwen3_30b_a3b", "ours by index", goal - 0.1, 1.0)  # alone: faster
+    by_index.queued_ms, by_index.gemm_ms = goal - 0.05, (goal - 0.05) / (over_goal - 0.1)
+    megatron = _row(bench, "qwen3_30b_a3b", "megatron", goal, 2.0)
+    megatron.queued_ms = goal - 0.2  # queued: faster than ours by index, slower than eager
+    plain = _row(bench, "qwen3_30b_a3b", "plain compiled", goal + 3.0, 1.0)
+    (g,) = bench.goal_rows([eager, by_index, megatron, plain])
+    assert g.best is eager and g.time_met
+    assert g.faster_than_peers == "yes"
+    assert g.overhead_goal == over_goal and g.overhead_met == "no"
+    assert eager.overhead == pytest.approx(over_goal + 0.1)
+    eager.gemm_ms = (goal - 0.5) / (over_goal - 0.01)
+    assert bench.goal_rows([eager, by_index, megatron, plain])[0].overhead_met == "yes"
+    # no profile (the CPU): n/a
+    eager.gemm_ms = float("nan")
+    assert bench.goal_rows([eager])[0].overhead_met == "n/a"
+
+
+def test_sonic_table_against_the_published_numbers(bench, capsys):
+    from benchmarks.shapes import SHAPES
+
+    shape = SHAPES["sonic_30b"]
+    row = bench.Row("sonic_30b", "ours eager", ms=10.0, queued_ms=10.0)
+    flops = 18.0 * shape.tokens * shape.topk * shape.hidden * shape.ffn
+    assert bench.expert_flops(shape) == flops
+    published = bench.SONIC_PUBLISHED_TFLOPS["sonic_30b"]
+    row.expert_tflops = published * bench.SONIC_GOAL * 1.01
+    bench.print_sonic([row, bench.Row("sonic_30b", "megatron", ms=1.0)])
+    lines = [s for s in capsys.readouterr().out.splitlines() if s.startswith("| sonic_30b")]
+    assert len(lines) == 1  # ours only
+    cells = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert cells[3] == f"{row.expert_tflops:.0f}" and cells[4] == f"{published:.0f}"
+    assert cells[5] == f"{bench.SONIC_GOAL * 1.01:.2f}x" and cells[6] == "yes"
+
+
 def test_cpu_smoke_prints_the_goals_table():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # -m from the repository root: the root (this checkout's benchmarks and moe_core) on sys.path
@@ -76,10 +118,12 @@ def test_cpu_smoke_prints_the_goals_table():
     lines = res.stdout.splitlines()
     head = next(i for i, s in enumerate(lines) if s.startswith("| shape | goal ms"))
     cells = [c.strip() for c in lines[head + 2].strip("|").split("|")]
-    # tiny has no time goal; ours eager is the one variant of ours; the CPU measures no memory
+    # tiny has no time or overhead goal; ours eager is the one variant of ours; the CPU
+    # profiles no kernels and measures no memory
     assert cells[0] == "tiny" and cells[1] == "none"
     assert cells[3].endswith("(ours eager)") and float(cells[3].split()[0]) > 0
-    assert cells[5] in ("yes", "no") and cells[6] == "n/a"
+    assert cells[5:8] == ["none", "n/a", "n/a"]
+    assert cells[8] in ("yes", "no") and cells[9] == "n/a"
 
 
 def test_grouped_gemm_layer_sums_take_the_fastest_per_product():
@@ -100,3 +144,19 @@ def test_grouped_gemm_layer_sums_take_the_fastest_per_product():
     assert s["loop"] == pytest.approx(sum(r["loop_ms"] for r in rows[:6]))
     assert math.isnan(s["gmm"])
     assert s["fastest"] == pytest.approx((1 + 2 + 3) + (1.5 + 3) + (1.5 + 4) + (1.5 + 5))
+
+
+def test_step_kernels_split_and_busy_time():
+    from benchmarks.step_kernels import busy_us, is_gemm
+
+    # overlaps and nesting count once, gaps not at all: [0, 5) + [6, 9) = 8
+    assert busy_us([(0, 3, "a"), (1, 5, "b"), (2, 4, "c"), (6, 9, "d")]) == 8
+    assert busy_us([]) == 0
+    assert is_gemm("void gg_sm90_kernel<256, false, true, false, 64>(CUtensorMap, ...)")
+    assert is_gemm("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_NNT")
+    assert is_gemm("void cutlass::device_kernel<...GemmUniversal...>")
+    assert is_gemm("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64")
+    for helper in ("gg_sm90_expert_maps_kernel", "moe_gg_tile_prefix_kernel",
+                   "void moe_gg_gather_rows_kernel<uint4>(...)", "gg_sm90_zero_tail_kernel",
+                   "void glu_probs_kernel<__nv_bfloat16>(...)"):
+        assert not is_gemm(helper), helper
