@@ -463,7 +463,23 @@ def load_megatron_state_dict(layer: MoELayer, state_dict: dict, strict: bool = T
     save the routers' running counts (expert-bias and global aux-loss token counts): the layer
     keeps its own, and they are not reported missing. Returns torch's (missing, unexpected) keys
     result."""
-    E = layer.experts.num_local_experts
+    return layer.load_state_dict(
+        megatron_state_dict_to_moe_core(state_dict, layer.experts.num_local_experts),
+        strict=strict)
+
+
+def megatron_state_dict_to_moe_core(state_dict: dict, num_local_experts: int) -> dict:
+    """A Megatron MoELayer's state dict (keys relative to the layer) in moe-core's names: the
+    per-expert ``linear_fc{1,2}`` weights and biases (SequentialMLP's
+    ``experts.local_experts.{i}.linear_fc1.weight`` or TE's ``experts.linear_fc1.weight{i}``)
+    stacked into ``experts.weight{1,2}`` / ``experts.bias{1,2}`` (``[E_local, ...]``), the
+    ``_extra_state`` entries (None for Megatron's local linears) left out, every other key
+    (router, shared expert, latent projections, moe-core's own names) kept as it is.
+
+    Raises:
+        ValueError: the per-expert keys of one stack do not number ``0 .. num_local_experts - 1``.
+    """
+    E = num_local_experts
     out, stacks = {}, {}
     for key, value in state_dict.items():
         if key.endswith("_extra_state") or value is None:
@@ -487,4 +503,4 @@ def load_megatron_state_dict(layer: MoELayer, state_dict: dict, strict: bool = T
             raise ValueError(f"{name}: expected local experts 0..{E - 1} in the state dict, got "
                              f"{sorted(parts)}")
         out[name] = torch.stack([parts[i] for i in range(E)])
-    return layer.load_state_dict(out, strict=strict)
+    return out
