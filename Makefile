@@ -12,7 +12,8 @@
 #   make build   (re)build the extension into the virtual environment
 #   make bench   the benchmarks (on a GPU machine: benchmarks/gpu_session.sh does it all)
 #
-# Variables: PYTHON (the interpreter that makes the venv), VENV, TORCH_VERSION, MOE_CORE_CUDA.
+# Variables: PYTHON (the interpreter that makes the venv), VENV, TORCH_VERSION, MEGATRON_VERSION,
+# TORCHTITAN_VERSION, MOE_CORE_CUDA.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,6 +22,7 @@ PY := $(VENV)/bin/python
 # The code itself needs only torch >= 2.6.
 TORCH_VERSION ?= 2.14.1
 MEGATRON_VERSION ?= 0.19.2
+TORCHTITAN_VERSION ?= 0.3.0
 CC ?= cc
 CFLAGS_CORE := -std=c11 -O2 -Wall -Wextra -Werror -fopenmp -Icsrc
 BUILD := build
@@ -65,6 +67,10 @@ $(VENV)/.stamp: requirements-dev.txt
 	# megatron-core's wheel metadata asks for Python >= 3.12, but it publishes cp311 wheels that
 	# import and run here (its own code has no 3.12-only syntax in the parts we use).
 	$(PY) -m pip install --ignore-requires-python "megatron-core==$(MEGATRON_VERSION)"
+	# torchtitan (moe_core.torchtitan's tests): its metadata also asks for its trainer's
+	# dependencies (datasets, torchdata, wandb, tensorboard, ...), which the model code does not
+	# import and which could move torch; the modules it imports are pinned in requirements-dev.txt.
+	$(PY) -m pip install --no-deps "torchtitan==$(TORCHTITAN_VERSION)"
 	touch $@
 
 venv: $(VENV)/.stamp
