@@ -76,8 +76,12 @@ def assert_losses_match(ours: torch.Tensor, ref: torch.Tensor, what: str) -> Non
 
 
 def compare_runs(meg_run, our_run, what: str) -> None:
-    (meg_losses, meg_tracked), (our_losses, our_tracked) = meg_run, our_run
+    (meg_losses, meg_tracked, meg_bias), (our_losses, our_tracked, our_bias) = meg_run, our_run
     assert_losses_match(our_losses, meg_losses, f"{what} losses")
+    # Megatron's finalize_model_grads updated both models' expert bias (steps of +-rate)
+    assert len(our_bias) == len(meg_bias)
+    for ours, ref in zip(our_bias, meg_bias):
+        assert ref.abs().max() > 0 and torch.equal(ours, ref), f"{what}: {ours} vs {ref}"
     for step, (m, o) in enumerate(zip(meg_tracked, our_tracked)):
         assert sorted(o) == sorted(m), f"{what} step {step}: tracked {sorted(o)} vs {sorted(m)}"
         assert m, f"{what}: Megatron tracked no aux loss"

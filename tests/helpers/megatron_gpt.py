@@ -22,6 +22,8 @@ from . import megatron_layer  # noqa: F401  (its CPU patches of Megatron's route
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.distributed.finalize_model_grads import (_update_router_expert_bias,
+                                                                reset_model_temporary_tensors)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import random as mrandom
@@ -71,7 +73,9 @@ def batches(steps: int, seed: int):
 
 def train(model: torch.nn.Module, data, lr: float = 0.5):
     """Plain SGD on the mean token loss; per step the loss and Megatron's tracked aux losses
-    (its tracker cleared after each step)."""
+    (its tracker cleared after each step). After each backward, what Megatron's
+    ``finalize_model_grads`` does to the MoE layers besides reducing gradients: the expert-bias
+    update (``moe_router_enable_expert_bias``) and the reset of the running counts."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     pos = torch.arange(SEQ).expand(BATCH, SEQ)
     causal = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
@@ -83,9 +87,15 @@ def train(model: torch.nn.Module, data, lr: float = 0.5):
         opt.zero_grad()
         loss = model(tokens[:, :-1], pos, causal, labels=tokens[:, 1:]).mean()
         loss.backward()
+        cfg = model.config
+        if cfg.moe_router_enable_expert_bias:
+            _update_router_expert_bias([model], cfg)
+        reset_model_temporary_tensors(cfg, [model])
         opt.step()
         losses.append(loss.detach())
         tracked.append({name: entry.values.clone() for name, entry in tracker.metrics.items()})
         tracker.clear()
-    return torch.stack(losses), tracked
+    biases = [m.expert_bias.clone() for m in model.modules()
+              if getattr(m, "expert_bias", None) is not None]
+    return torch.stack(losses), tracked, biases
 
