@@ -38,7 +38,10 @@ shards its own MoE (the routed experts' parameters are reached as
 ``moe.routed_experts.inner_experts``); expert parallelism: ``replace_moe(model, ep_mesh=...)``
 with torchtitan's EP mesh dimension (``parallel_dims.get_mesh("ep")``) keeps each rank's experts
 (contiguous blocks, torchtitan's order) and runs moe-core's all-to-all dispatcher over it; swap
-before torchtitan's ``parallelize`` (which then leaves the swapped modules' experts alone).
+before torchtitan's ``parallelize`` (which then leaves the swapped modules' experts alone), with
+its ``spmd_backend="partial_dtensor"``: its full-DTensor backends ("spmd_types", the default, and
+"full_dtensor") want every parameter a DTensor on the whole mesh, which moe-core's ops do not
+take.
 
 Refused (``UnsupportedTorchtitanMoEError``, naming the option): MoE subclasses (GPT-OSS's
 ``GptOssMoE``: clamped SwiGLU with biases), other experts (fused / low-precision overrides) or

@@ -336,3 +336,51 @@ def test_example_trains_and_matches_torchtitans_own_moe(tmp_path):
         (ours, theirs)
     assert sorted(ours_sd) == sorted(theirs_sd)
     assert all(ours_sd[k].shape == theirs_sd[k].shape for k in theirs_sd)
+
+
+def _parallelize_rank(rank: int, world: int):
+    """torchtitan's own ``parallelize_qwen3`` on a tiny swapped Qwen3 model, FSDP over the two
+    ranks (``ep=1``) and FSDP + EP 2 (the swap on its EP mesh): the logits of this rank's tokens
+    against the same swapped model unparallelised. ``ParallelDims`` builds its mesh on
+    ``torchtitan.tools.utils.device_type``, CUDA even without a GPU: set to the CPU here."""
+    import torchtitan.distributed.parallel_dims as titan_parallel_dims
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+    from helpers.torchtitan_moe import qwen3
+
+    titan_parallel_dims.device_type = "cpu"
+    out = {}
+    for ep in (1, 2):
+        dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep,
+                            world_size=world, spmd_backend="partial_dtensor")
+        dims.build_mesh()
+        model = qwen3()
+        single = copy.deepcopy(model)
+        replace_moe(single)
+        replace_moe(model, ep_mesh=dims.get_mesh("ep") if ep > 1 else None)
+        parallelize_qwen3(model, parallel_dims=dims,
+                          training=TrainingConfig(mixed_precision_param="float32"),
+                          parallelism=ParallelismConfig(spmd_backend="partial_dtensor",
+                                                        data_parallel_shard_degree=world,
+                                                        expert_parallel_degree=ep),
+                          compile_config=CompileConfig(), ac_config=None, dump_folder="")
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+        pos = torch.arange(16).expand(2, 16)
+        with torch.no_grad():
+            got = model(tokens, pos, model.get_attention_masks(pos))
+            ref = single(tokens, pos, single.get_attention_masks(pos))
+        sharded = type(model.layers["0"].moe.experts.weight1).__name__
+        out[ep] = (torch.equal(got, ref), sharded, model.layers["0"].moe.experts.num_local_experts)
+    return out
+
+
+def test_torchtitans_parallelize_function_runs_the_swapped_model():
+    """parallelize_qwen3 (torchtitan's, partial-DTensor backend) over two gloo ranks: FSDP2
+    shards the swapped experts (DTensors), EP 2 leaves each rank its 4 of 8 experts, and the
+    logits equal the unparallelised swapped model's bit for bit (forward only: torchtitan's CPU
+    attention has no backward)."""
+    for rank, res in enumerate(run_ranks(_parallelize_rank, 2)):
+        assert res[1] == (True, "DTensor", 8), (rank, res)
+        assert res[2] == (True, "DTensor", 4), (rank, res)
