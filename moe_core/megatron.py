@@ -28,8 +28,11 @@ What it shares with Megatron's training loop:
 
 Not supported (ValueError naming it): TP / ETP > 1, multi-token-prediction layers, fp8 / fp4,
 the latent projections (Megatron builds them from TransformerEngine), Megatron's
-``intermediate_tensors`` (partial CUDA-graph capture of the layer).
+``intermediate_tensors`` (partial CUDA-graph capture of the layer), its selective recompute of the
+MoE layer, and the MoE fields of ``_UNSUPPORTED_FIELDS`` (interleaved GLU weights, routing
+replay, forced biased routing, per-rank capacity, fp8 padding, paged stash, ...).
 """
+import functools
 from typing import Optional
 
 import torch
@@ -40,6 +43,7 @@ from moe_core.layer import MoELayer, megatron_state_dict_to_moe_core
 from moe_core.ops.aux_loss_autoscaler import AuxLossScale
 
 
+@functools.lru_cache(maxsize=None)
 def _megatron():
     """Megatron-Core's modules this integration uses (imported on first use, quietly: it warns
     about TransformerEngine and apex)."""
@@ -74,6 +78,14 @@ class _MegatronLossScale(AuxLossScale):
         scale = self._scaler.main_loss_backward_scale
         return self._value if scale is None else scale.detach().reshape(()).float()
 
+
+# Megatron's MoE fields that change what its layer computes or stores and that moe-core's layer
+# does not implement: refused unless unset / False (performance knobs of its kernels are not here).
+_UNSUPPORTED_FIELDS = ("moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size",
+                       "moe_enable_routing_replay", "moe_router_force_biased",
+                       "moe_expert_rank_capacity_factor", "moe_router_padding_for_fp8",
+                       "moe_layer_recompute", "moe_grad_scale_func", "moe_single_grouped_weight",
+                       "moe_single_grouped_bias", "moe_paged_stash")
 
 # Megatron's tracker arguments per loss (router.py: attach_and_log_load_balancing_loss and
 # apply_z_loss): the group the value is summed over, averaged over, and whether it is then
@@ -121,6 +133,15 @@ class MoECoreMegatronLayer(MoELayer):
             if getattr(config, field, None):
                 raise ValueError(f"{field}={getattr(config, field)!r}: moe-core's Megatron layer "
                                  f"does not run fp8 / fp4")
+        for field in _UNSUPPORTED_FIELDS:
+            if getattr(config, field, None):
+                raise ValueError(f"{field}={getattr(config, field)!r}: not supported by "
+                                 f"moe-core's Megatron layer (leave it unset)")
+        if getattr(config, "recompute_granularity", None) == "selective" and \
+                "moe" in (getattr(config, "recompute_modules", None) or ()):
+            raise ValueError("recompute_modules contains 'moe': Megatron's selective recompute "
+                             "of its own MoE layer does not apply to moe-core's (remove 'moe', "
+                             "or recompute the whole layer)")
         if getattr(config, "moe_latent_size", None):
             raise ValueError(f"moe_latent_size={config.moe_latent_size}: Megatron builds the "
                              f"latent projections from TransformerEngine; moe-core's Megatron "

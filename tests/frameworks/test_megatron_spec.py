@@ -271,6 +271,10 @@ def test_refusals_name_what_is_unsupported():
         MoECoreMegatronLayer(_tiny(), is_mtp_layer=True)
     with pytest.raises(ValueError, match="moe_latent_size"):
         MoECoreMegatronLayer(_tiny(moe_latent_size=8))
+    with pytest.raises(ValueError, match="moe_mlp_glu_interleave_size=32"):
+        MoECoreMegatronLayer(_tiny(gated_linear_unit=True, moe_mlp_glu_interleave_size=32))
+    with pytest.raises(ValueError, match="recompute_modules contains 'moe'"):
+        MoECoreMegatronLayer(_tiny(recompute_granularity="selective", recompute_modules=["moe"]))
     layer = MoECoreMegatronLayer(_tiny())
     with pytest.raises(ValueError, match="intermediate_tensors"):
         layer(torch.randn(4, 1, 16), intermediate_tensors=(None, None))
