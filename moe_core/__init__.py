@@ -17,9 +17,11 @@ from moe_core.layer import (  # noqa: E402
     reset_global_aux_loss,
     update_expert_bias,
 )
+from moe_core.replay import RouterReplay, RouterReplayAction  # noqa: E402
 
 __all__ = ["ops", "has_cuda", "layer_runs_on_cuda", "MoEConfig", "MoELayer", "load_megatron_state_dict",
-           "update_expert_bias", "reset_global_aux_loss", "finalize_step", "moe_layers", "tuning"]
+           "update_expert_bias", "reset_global_aux_loss", "finalize_step", "moe_layers", "tuning",
+           "RouterReplay", "RouterReplayAction"]
 __version__ = "0.1.0"
 
 

@@ -101,6 +101,9 @@ class MoEConfig:
         moe_router_load_balancing_type: "aux_loss", "seq_aux_loss", "global_aux_loss",
             "sinkhorn" or "none", or a list of them (each with its coefficient).
         moe_router_topk: experts per token k.
+        moe_enable_routing_replay: each router gets a ``RouterReplay`` (``router.router_replay``,
+            ``moe_core.replay``) that records its top-k choice or routes by given indices
+            (RL rollout replay, recompute); not with Sinkhorn routing.
         moe_router_topk_limited_devices: deprecated form of group-limited routing (groups =
             EP ranks); use ``moe_router_group_topk``.
         moe_router_num_groups: expert groups for group-limited routing (DeepSeek-V3's node
@@ -179,6 +182,7 @@ class MoEConfig:
     moe_layer_freq: Union[int, List[int]] = 1
     moe_router_load_balancing_type: Union[str, List[str]] = "aux_loss"
     moe_router_topk: int = 2
+    moe_enable_routing_replay: bool = False
     moe_router_topk_limited_devices: Optional[int] = None
     moe_router_num_groups: Optional[int] = None
     moe_router_group_topk: Optional[int] = None
@@ -315,6 +319,9 @@ class MoEConfig:
             bad("moe_pad_expert_input_to_capacity", "needs moe_expert_capacity_factor")
         if self.moe_token_drop_policy not in ("probs", "position"):
             bad("moe_token_drop_policy", "must be 'probs' or 'position'")
+        if self.moe_enable_routing_replay and "sinkhorn" in types:
+            bad("moe_enable_routing_replay", "Sinkhorn routing has no top-k choice to record or "
+                "replay (Megatron's replay wraps the top-k)")
         if self.moe_token_dropping:
             bad("moe_token_dropping", "is not supported (as in Megatron); use moe_expert_capacity_factor")
         if self.moe_apply_probs_on_input and k != 1:
@@ -392,7 +399,7 @@ class MoEConfig:
               "moe_router_pre_softmax", "moe_router_enable_expert_bias",
               "moe_router_force_load_balancing", "moe_grouped_gemm", "moe_token_dropping",
               "moe_per_layer_logging", "moe_pad_expert_input_to_capacity", "moe_permute_fusion",
-              "moe_router_fusion", "moe_apply_probs_on_input")
+              "moe_router_fusion", "moe_apply_probs_on_input", "moe_enable_routing_replay")
 
     def _check_types(self, bad) -> None:
         def is_int(v) -> bool:

@@ -118,6 +118,8 @@ class MoELayer(nn.Module):
         # repeats, so a layer built and a layer reset draw the same numbers
         self.router = TopKRouter(config, tp_cp_group=self.tp_cp_group,
                                  tp_dp_cp_group=self.tp_dp_cp_group, **kw)
+        if self.router.router_replay is not None:
+            self.router.router_replay.layer_number = layer_number
         if L:
             lin = dict(bias=config.add_bias_linear, device=device,
                        dtype=dtype or config.params_dtype)

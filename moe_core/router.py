@@ -1,7 +1,8 @@
 """TopKRouter: Megatron's router as a module that holds parameters and composes moe_core.ops.
 
 forward(hidden [S, B, H] or [T, H], padding_mask) -> (probs [T, E], routing_map [T, E] bool):
-input jitter -> gating linear (router dtype) -> top-k routing (or Sinkhorn) -> capacity dropping
+input jitter -> gating linear (router dtype) -> top-k routing (or Sinkhorn, or the replayed
+choice of ``router_replay``: moe_core.replay) -> capacity dropping
 -> z-loss and aux losses attached to the probs -> expert-bias counting. The same formulas and
 switches as Megatron's TopKRouter (docs/design.md), at a world size of 1 (tensor, context
 and data parallel groups of one), plus the routing rules of moe_core.config's fields Megatron
@@ -35,6 +36,7 @@ from moe_core.ops.aux_loss_autoscaler import AuxLossScale, MoEAuxLossAutoScaler
 from moe_core.ops.global_aux_loss import apply_keeping_fp32_buffers
 from moe_core.ops.router_topk import router_topk_fused, z_loss_from_lse
 from moe_core.groups import default_data_parallel_group, group_size
+from moe_core.replay import RouterReplay, RouterReplayAction, routing_at_indices
 
 
 class TopKRouter(nn.Module):
@@ -84,6 +86,8 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = None
             self.local_tokens_per_expert = None
+        # routing replay (moe_core.replay): a plain attribute, no state of the model's
+        self.router_replay = RouterReplay() if config.moe_enable_routing_replay else None
         self.global_aux_buffer = None
         if "global_aux_loss" in config.load_balancing_types:
             self.global_aux_buffer = ops.GlobalAuxLossBuffer(E, device=device)
@@ -264,18 +268,30 @@ class TopKRouter(nn.Module):
         want_aux = train and bool(aux_types)
         sinkhorn = "sinkhorn" in cfg.load_balancing_types
         scores = aux_map = None
+        replay = self.router_replay
+        replayed = None if replay is None else replay.replay_indices(logits.shape[0], k,
+                                                                      logits.device)
 
-        if sinkhorn:
+        if sinkhorn or replayed is not None:
+            # the z-loss on the logits, the aux-loss scores in a separate pass (below)
             if want_z:
                 z = ops.z_loss_func(logits, z_coeff, padding_mask=mask)
                 logits = self._attach(logits, z, "z_loss", z_coeff, num_valid)
-            probs, routing_map = ops.sinkhorn_load_balancing(logits, k, training=self.training)
+            if sinkhorn:
+                probs, routing_map = ops.sinkhorn_load_balancing(logits, k,
+                                                                 training=self.training)
+            else:
+                probs, routing_map = routing_at_indices(
+                    logits, replayed, use_pre_softmax=cfg.moe_router_pre_softmax,
+                    scaling_factor=cfg.moe_router_topk_scaling_factor,
+                    score_function=cfg.moe_router_score_function,
+                    normalize=cfg.moe_router_norm_topk_prob)
         else:
             # One pass over the logits: the routing, and (training) the aux-loss scores and map
             # and the logsumexp the z-loss squares. The z-loss rides on the probs instead of the
             # logits; its gradient reaches the logits through the router's backward, the same
             # value in the same summation order as the separate z_loss_func.
-            probs, routing_map, _, scores, aux_map, lse = router_topk_fused(
+            probs, routing_map, indices, scores, aux_map, lse = router_topk_fused(
                 logits, k,
                 use_pre_softmax=cfg.moe_router_pre_softmax,
                 num_groups=cfg.moe_router_num_groups,
@@ -289,6 +305,8 @@ class TopKRouter(nn.Module):
                 normalize=cfg.moe_router_norm_topk_prob,
                 group_score_topk=cfg.moe_router_group_score_topk,
             )
+            if replay is not None and replay.router_replay_action is RouterReplayAction.RECORD:
+                replay.record_indices(indices)
             if want_z:
                 z_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
                 z = z_loss_from_lse(lse, z_coeff, mask, z_dtype)
@@ -302,7 +320,7 @@ class TopKRouter(nn.Module):
             )
 
         if want_aux:
-            if scores is None:  # Sinkhorn routing: a separate pass
+            if scores is None:  # Sinkhorn or replayed routing: a separate pass
                 aux_map, scores = ops.compute_routing_scores_for_aux_loss(
                     logits, k, cfg.moe_router_score_function, padding_mask=mask)
             if "aux_loss" in aux_types:
