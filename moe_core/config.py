@@ -138,6 +138,9 @@ class MoEConfig:
         moe_pad_expert_input_to_capacity: pads every expert's rows to its capacity (drop-and-pad).
         moe_token_drop_policy: which tokens an over-capacity expert keeps: "probs" (the highest)
             or "position" (the first).
+        moe_layer_recompute: the whole layer under an activation checkpoint (Megatron's
+            ``recompute_modules`` "moe"): in training, the forward keeps only its input and the
+            backward recomputes it; losses and counts are made once, gradients bitwise the same.
         moe_permute_fusion: Megatron's fused permute (TE); moe-core's permute is always fused.
         moe_router_fusion: Megatron's fused router (TE); moe-core's router is always fused.
         moe_apply_probs_on_input: multiplies the probs into the expert input, not its output
@@ -204,6 +207,7 @@ class MoEConfig:
     moe_expert_capacity_factor: Optional[float] = None
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_drop_policy: str = "probs"
+    moe_layer_recompute: bool = False
     moe_permute_fusion: bool = False
     moe_router_fusion: bool = False
     moe_apply_probs_on_input: bool = False
@@ -399,7 +403,8 @@ class MoEConfig:
               "moe_router_pre_softmax", "moe_router_enable_expert_bias",
               "moe_router_force_load_balancing", "moe_grouped_gemm", "moe_token_dropping",
               "moe_per_layer_logging", "moe_pad_expert_input_to_capacity", "moe_permute_fusion",
-              "moe_router_fusion", "moe_apply_probs_on_input", "moe_enable_routing_replay")
+              "moe_router_fusion", "moe_apply_probs_on_input", "moe_enable_routing_replay",
+              "moe_layer_recompute")
 
     def _check_types(self, bad) -> None:
         def is_int(v) -> bool:
@@ -490,6 +495,10 @@ class MoEConfig:
         """The MoEConfig equal to a Megatron ``TransformerConfig`` (fields it has, by name)."""
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {n: getattr(transformer_config, n) for n in names if hasattr(transformer_config, n)}
+        if getattr(transformer_config, "recompute_granularity", None) == "selective" and \
+                "moe" in (getattr(transformer_config, "recompute_modules", None) or []):
+            # Megatron's current spelling of moe_layer_recompute
+            kwargs["moe_layer_recompute"] = True
         if kwargs.get("moe_router_topk_limited_devices"):
             # Megatron's __post_init__ already translated it into group settings
             kwargs["moe_router_topk_limited_devices"] = None

@@ -37,6 +37,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moe_core import ops
 from moe_core.config import MoEConfig
@@ -44,6 +45,7 @@ from moe_core.dispatcher import DISPATCHERS
 from moe_core.experts import (GroupedMLP, SharedExpertMLP, autocast_dtype, autocast_to,
                               reads_rows_by_index, uninitialized_linear)
 from moe_core.groups import GroupLike, as_group
+from moe_core.ops.aux_loss_autoscaler import current_aux_loss_scale
 from moe_core.router import TopKRouter
 
 # Fields every rank of an expert-parallel group must agree on (checked once, at construction).
@@ -267,6 +269,35 @@ class MoELayer(nn.Module):
             self._check_input_dtype(hidden_states)
         if padding_mask is not None:
             padding_mask = self._padding_mask(padding_mask, hidden_states)
+        if self.config.moe_layer_recompute and self.training and torch.is_grad_enabled():
+            return self._recomputed(hidden_states, padding_mask)
+        return self._forward(hidden_states, padding_mask)
+
+    def _recomputed(self, hidden_states: torch.Tensor,
+                    padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """``moe_layer_recompute``: the layer under a reentrant activation checkpoint, as
+        Megatron's: the forward runs without grad and keeps only its inputs; the backward runs it
+        again (same RNG draws, same autocast) and backpropagates through that run. So the aux and
+        z losses, the global aux loss's counts, ``last_losses`` and the expert-bias counts are made
+        once, by the recompute (grad disabled, the first run skips them), and the gradients are
+        bitwise those without recompute. Backward with ``.backward()``, not ``torch.autograd.grad``
+        (reentrant checkpoints need the parameters' ``.grad``)."""
+        # the aux losses bind the holder current now, not the one current when the backward runs
+        scale = self.router.aux_loss_scale or current_aux_loss_scale()
+
+        def run(hidden: torch.Tensor, mask: Optional[torch.Tensor], _anchor: torch.Tensor):
+            with scale:
+                return self._forward(hidden, mask)
+
+        # a reentrant checkpoint's output needs an input that requires grad, else the parameters
+        # get none when the tokens do not: an empty one that always does
+        anchor = hidden_states.new_empty(0, requires_grad=True)
+        return checkpoint(run, hidden_states, padding_mask, anchor, use_reentrant=True,
+                          preserve_rng_state=True)
+
+    def _forward(self, hidden_states: torch.Tensor,
+                 padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """:meth:`forward` after its checks (``padding_mask`` in ``[S, B]`` / ``[T]`` order)."""
         hidden_states = self.router.apply_layer_jitter(hidden_states)
         overlap = self.dispatcher is not None and self.config.moe_shared_expert_overlap
         shared = None

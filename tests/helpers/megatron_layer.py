@@ -4,7 +4,8 @@ What it takes (docs/design.md, "Running Megatron-Core as the oracle"): a gloo pr
 one and ``initialize_model_parallel(1, 1)``; ``Router.gating`` patched so it does not move the
 weights to CUDA; buffers that Megatron creates with ``device=torch.cuda.current_device()``
 (expert bias, global aux loss) created on the CPU instead; the torch.compile'd
-``_apply_expert_bias`` run eagerly. Nothing else of Megatron is changed: routing, dispatch (allgather), experts
+``_apply_expert_bias`` run eagerly; without a GPU, the activation checkpoint's RNG save and
+restore (``moe_layer_recompute``) keeps the CPU generator's state and the tracker's only. Nothing else of Megatron is changed: routing, dispatch (allgather), experts
 (SequentialMLP, the local spec) and combine are its own code.
 """
 import contextlib
@@ -20,6 +21,7 @@ with warnings.catch_warnings():
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
     from megatron.core.transformer.moe import moe_utils
+    from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import router as mrouter
     from megatron.core.transformer.moe.moe_layer import MoELayer as MegatronMoELayer
     from megatron.core.transformer.spec_utils import get_submodules
@@ -53,6 +55,20 @@ def _gating_on_cpu(self, inp):
 mrouter.Router.gating = _gating_on_cpu
 _compiled = mrouter.TopKRouter._apply_expert_bias
 mrouter.TopKRouter._apply_expert_bias = getattr(_compiled, "_torchdynamo_orig_callable", _compiled)
+
+
+def _cpu_rng_states():
+    return torch.get_rng_state(), None, mrandom.get_cuda_rng_tracker().get_states()
+
+
+def _set_cpu_rng_states(cpu_rng_state, _cuda_rng_state, tracker_states):
+    torch.set_rng_state(cpu_rng_state)
+    mrandom.get_cuda_rng_tracker().set_states(tracker_states)
+
+
+if not torch.cuda.is_available():
+    mrandom._get_all_rng_states = _cpu_rng_states
+    mrandom._set_all_rng_states = _set_cpu_rng_states
 
 
 @contextlib.contextmanager
