@@ -22,8 +22,9 @@ moe_status_t moe_glu_probs_fwd(void *h, const void *a, const void *probs, int64_
     for (int64_t r = 0; r < num_rows; ++r) {
         const double p = c.has_probs ? moe_load(probs, probs_dtype, r) : 1.0;
         for (int64_t f = 0; f < ffn; ++f) {
-            const double g = moe_load(a, dtype, r * width + f);
-            const double l = c.gated ? moe_load(a, dtype, r * width + ffn + f) : 0.0;
+            const double g = moe_load(a, dtype, r * width + moe_gp_gate_col(&c, f));
+            const double l = c.gated ? moe_load(a, dtype, r * width + moe_gp_lin_col(&c, ffn, f))
+                                     : 0.0;
             moe_store(h, dtype, r * ffn + f, moe_gp_elem_fwd(&c, g, l, p));
         }
     }
@@ -50,14 +51,15 @@ moe_status_t moe_glu_probs_bwd(void *grad_a, void *grad_probs, void *h, const vo
         double lane[MOE_GP_LANES];
         for (int i = 0; i < MOE_GP_LANES; ++i) lane[i] = 0.0;
         for (int64_t f = 0; f < ffn; ++f) {
+            const int64_t gc = moe_gp_gate_col(&c, f), lc = moe_gp_lin_col(&c, ffn, f);
             const double dy = moe_load(grad_h, dtype, r * ffn + f);
-            const double g = moe_load(a, dtype, r * width + f);
-            const double l = c.gated ? moe_load(a, dtype, r * width + ffn + f) : 0.0;
+            const double g = moe_load(a, dtype, r * width + gc);
+            const double l = c.gated ? moe_load(a, dtype, r * width + lc) : 0.0;
             double gg, gl, term, hv;
             /* in place (grad_a = a, h = grad_h): this element was read above */
             moe_gp_elem_bwd(&c, dy, g, l, p, &gg, &gl, &term, h ? &hv : NULL);
-            moe_store(grad_a, dtype, r * width + f, gg);
-            if (c.gated) moe_store(grad_a, dtype, r * width + ffn + f, gl);
+            moe_store(grad_a, dtype, r * width + gc, gg);
+            if (c.gated) moe_store(grad_a, dtype, r * width + lc, gl);
             if (h) moe_store(h, dtype, r * ffn + f, hv);
             lane[(f / chunk) % MOE_GP_LANES] += term;
         }

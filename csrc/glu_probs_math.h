@@ -4,7 +4,9 @@
  *
  * What it computes is Megatron's unfused expert activation, as PyTorch's eager CPU kernels do it:
  *
- *     g, l = a[:, :F], a[:, F:]                      (GLU; without GLU g = a and there is no l)
+ *     g, l = a[:, :F], a[:, F:]                      (GLU; without GLU g = a and there is no l;
+                                                   interleaved: alternating blocks of s gate
+                                                   and s linear columns, moe_gp_gate_col)
  *     g = g.clamp(max=v); l = l.clamp(-v, v)         (only with activation_func_clamp_value v)
  *     s = act(g)                                     rounded to dtype
  *     h0 = s * (l + offset)                          (l + offset) rounded, the product rounded
@@ -78,6 +80,7 @@
 typedef struct moe_gp_ctx {
     int act;            /* moe_activation_t */
     int gated, has_clamp, has_probs;
+    int64_t interleave;       /* 0: [gate | linear] halves; s: blocks of s alternate */
     moe_dtype_t dtype;        /* a, h, grad_a, grad_h */
     moe_dtype_t probs_dtype;  /* probs, grad_probs */
     moe_dtype_t prod_dtype;   /* promote(dtype, probs_dtype): where h0 * p is rounded */
@@ -114,6 +117,7 @@ MOE_HD static inline moe_gp_ctx_t moe_gp_ctx_make(const moe_glu_probs_params_t *
     c.gated = p->gated_linear_unit != 0;
     c.has_clamp = p->has_clamp != 0;
     c.has_probs = has_probs;
+    c.interleave = p->gated_linear_unit ? p->interleave : 0;
     c.dtype = dtype;
     c.probs_dtype = has_probs ? probs_dtype : dtype;
     c.prod_dtype = moe_gp_promote(dtype, c.probs_dtype);
@@ -123,6 +127,17 @@ MOE_HD static inline moe_gp_ctx_t moe_gp_ctx_make(const moe_glu_probs_params_t *
     c.clamp_d = p->clamp_value;
     c.offset_d = p->linear_offset;
     return c;
+}
+
+/* The column of a's row that holds the gate of h's column f, and the one that holds its linear
+ * value (GLU): the halves' f and ffn + f, or with blocks of s interleaved, f's block b = f / s
+ * starts at 2bs (f + bs) and its linear block s columns later. */
+MOE_HD static inline int64_t moe_gp_gate_col(const moe_gp_ctx_t *c, int64_t f) {
+    return c->interleave ? f + (f / c->interleave) * c->interleave : f;
+}
+
+MOE_HD static inline int64_t moe_gp_lin_col(const moe_gp_ctx_t *c, int64_t ffn, int64_t f) {
+    return c->interleave ? moe_gp_gate_col(c, f) + c->interleave : ffn + f;
 }
 
 /* ---- activations, float kernels (bf16, fp16, fp32): x is a dtype value, the result rounded --- */
@@ -556,6 +571,13 @@ static inline moe_status_t moe_gp_check_args(const void *out, const void *a, int
     MOE_CHECK(!p->has_clamp || p->clamp_value >= 0.0,
               "clamp_value must be >= 0 (the linear half is clamped to [-v, v]), got %g",
               p->clamp_value);
+    MOE_CHECK(p->interleave >= 0, "interleave must be >= 0, got %lld", (long long)p->interleave);
+    MOE_CHECK(p->interleave == 0 || p->gated_linear_unit,
+              "interleave=%lld needs gated_linear_unit (it orders the gate and linear columns)",
+              (long long)p->interleave);
+    MOE_CHECK(p->interleave == 0 || ffn % p->interleave == 0,
+              "interleave=%lld must divide ffn=%lld (whole blocks of gate and linear columns)",
+              (long long)p->interleave, (long long)ffn);
     MOE_CHECK(num_rows == 0 || (out && a), "the output and a must not be NULL");
     /* a is [num_rows, 2 ffn] with GLU: that element count must fit in int64 */
     int64_t width;

@@ -211,6 +211,10 @@ typedef struct moe_glu_probs_params {
     double linear_offset;        /**< glu_linear_offset (GLU only) */
     int has_clamp;               /**< 1: activation_func_clamp_value is set (GLU only) */
     double clamp_value;          /**< v: gate clamped to max=v, linear to [-v, v]; v >= 0 */
+    int64_t interleave;          /**< GLU only: 0: a's row is [gate F | linear F]; s > 0 (a
+                                      divisor of F): blocks of s gate and s linear columns
+                                      alternate (Megatron's glu interleave size), h's column f
+                                      pairing a's (f / s)·2s + f % s with the s after it */
 } moe_glu_probs_params_t;
 
 /**
@@ -274,7 +278,8 @@ moe_status_t moe_cuda_glu_probs_bwd(void *grad_a, void *grad_probs, void *h, con
  * a = grouped_gemm_fwd(x, weight) in dtype, then h = glu_probs(a, probs), as one op that returns
  * both (a is what the backward needs: glu_probs_bwd, then grouped_gemm_dgrad / _wgrad of grad_a).
  * With GLU, a's columns [0, F) are the gate half and [F, 2F) the linear half (Megatron's fc1
- * weight [E, 2F, H] with trans_w = 1), column j pairing with j + F. h and a equal that
+ * weight [E, 2F, H] with trans_w = 1), column j pairing with j + F; or, with glu->interleave s,
+ * alternating blocks of s gate and s linear columns (fc1's rows stored that way). h and a equal that
  * composition's bits on every path: on the CPU it is the composition; on CUDA the Hopper kernel
  * rounds a exactly as the GEMM does and computes h from those values with glu_probs' element
  * functions, and other GPUs / shapes run the two kernels back to back. Rows past

@@ -13,6 +13,7 @@ from moe_core.layer import (  # noqa: E402
     MoELayer,
     finalize_step,
     load_megatron_state_dict,
+    megatron_state_dict,
     moe_layers,
     reset_global_aux_loss,
     update_expert_bias,
@@ -20,6 +21,7 @@ from moe_core.layer import (  # noqa: E402
 from moe_core.replay import RouterReplay, RouterReplayAction  # noqa: E402
 
 __all__ = ["ops", "has_cuda", "layer_runs_on_cuda", "MoEConfig", "MoELayer", "load_megatron_state_dict",
+           "megatron_state_dict",
            "update_expert_bias", "reset_global_aux_loss", "finalize_step", "moe_layers", "tuning",
            "RouterReplay", "RouterReplayAction"]
 __version__ = "0.1.0"

@@ -96,6 +96,8 @@ class MoEConfig:
             expert.
         moe_shared_expert_gate: a sigmoid gate on the shared expert's output.
         moe_shared_expert_overlap: runs the shared expert under the all-to-all exchanges.
+        moe_shared_expert_glu_interleave_size: the shared expert's fc1 rows (GLU) in blocks of
+            this many gate rows and as many linear rows, alternating; None: gate half, linear half.
         moe_layer_freq: which transformer layers are MoE (every n-th, or a 0 / 1 pattern); read by
             model builders, not by the layer.
         moe_router_load_balancing_type: "aux_loss", "seq_aux_loss", "global_aux_loss",
@@ -123,6 +125,11 @@ class MoEConfig:
         moe_router_padding_for_quantization: pads the routing map for fp8 / fp4; not
             implemented.
         moe_grouped_gemm: Megatron's grouped-GEMM experts; moe-core's experts are always grouped.
+        moe_single_grouped_weight: the experts' weights in Megatron's single grouped parameter
+            layout (``experts.linear_fc{1,2}.weight`` ``[E, out, in]``) in
+            ``megatron_state_dict``; needs moe_grouped_gemm. Loading reads every layout.
+        moe_single_grouped_bias: the same for the biases (``experts.linear_fc{1,2}.bias``
+            ``[E, out]``); needs moe_grouped_gemm and add_bias_linear.
         moe_aux_loss_coeff: the load-balancing loss's coefficient (a list: one per balancing
             type).
         moe_z_loss_coeff: the router z-loss's coefficient; None: no z-loss.
@@ -147,6 +154,9 @@ class MoEConfig:
             (topk 1 only).
         moe_latent_size: latent MoE: the experts run at this width, between a projection down
             from H and one back up; None: no latent projections.
+        moe_mlp_glu_interleave_size: the experts' fc1 rows (GLU) in blocks of this many gate rows
+            and as many linear rows, alternating (Megatron's grouped experts; GPT-OSS stores 1);
+            None: gate half, linear half.
         moe_router_norm_topk_prob: HF families' renormalisation of the top-k probs (True /
             False); None: Megatron's rule (module docstring).
         moe_router_group_score_topk: a group's score is the sum of its top this-many scores;
@@ -182,6 +192,7 @@ class MoEConfig:
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
     moe_shared_expert_overlap: bool = False
+    moe_shared_expert_glu_interleave_size: Optional[int] = None
     moe_layer_freq: Union[int, List[int]] = 1
     moe_router_load_balancing_type: Union[str, List[str]] = "aux_loss"
     moe_router_topk: int = 2
@@ -198,6 +209,8 @@ class MoEConfig:
     moe_router_force_load_balancing: bool = False
     moe_router_padding_for_quantization: Optional[bool] = False
     moe_grouped_gemm: bool = False
+    moe_single_grouped_weight: bool = False
+    moe_single_grouped_bias: bool = False
     moe_aux_loss_coeff: Union[float, List[float]] = 0.0
     moe_z_loss_coeff: Optional[float] = None
     moe_input_jitter_eps: Optional[float] = None
@@ -212,6 +225,7 @@ class MoEConfig:
     moe_router_fusion: bool = False
     moe_apply_probs_on_input: bool = False
     moe_latent_size: Optional[int] = None
+    moe_mlp_glu_interleave_size: Optional[int] = None
 
     # ---- moe-core's routing rules beyond Megatron's (see the module docstring) ----
     moe_router_norm_topk_prob: Optional[bool] = None
@@ -345,6 +359,27 @@ class MoEConfig:
                     "(moe_shared_expert_intermediate_size is None)")
         if self.moe_latent_size is not None and self.moe_latent_size <= 0:
             bad("moe_latent_size", "must be > 0")
+        for f, width, width_name in (
+                ("moe_mlp_glu_interleave_size", self.moe_ffn_hidden_size, "moe_ffn_hidden_size"),
+                ("moe_shared_expert_glu_interleave_size", self.moe_shared_expert_intermediate_size,
+                 "moe_shared_expert_intermediate_size")):
+            s = getattr(self, f)
+            if s is None:
+                continue
+            if s < 1:
+                bad(f, "must be >= 1 or None")
+            if not self.gated_linear_unit:
+                bad(f, "interleaves the GLU's gate and linear rows: needs gated_linear_unit=True")
+            if width is None:
+                bad(f, "is for the shared expert: needs moe_shared_expert_intermediate_size")
+            if width % s != 0:
+                bad(f, f"must divide {width_name}={width} (whole blocks of gate and linear rows)")
+        for f in ("moe_single_grouped_weight", "moe_single_grouped_bias"):
+            if getattr(self, f) and not self.moe_grouped_gemm:
+                bad(f, "is a layout of Megatron's grouped-GEMM experts: needs "
+                    "moe_grouped_gemm=True (as in Megatron)")
+        if self.moe_single_grouped_bias and not self.add_bias_linear:
+            bad("moe_single_grouped_bias", "needs add_bias_linear=True (biases to group)")
         if self.moe_router_padding_for_quantization:
             bad("moe_router_padding_for_quantization", "needs fp8/fp4 training, not supported yet")
         if self.moe_router_force_load_balancing:
@@ -394,7 +429,8 @@ class MoEConfig:
     _OPTIONAL_INTS = ("ffn_hidden_size", "moe_ffn_hidden_size", "expert_tensor_parallel_size",
                       "moe_shared_expert_intermediate_size", "moe_router_topk_limited_devices",
                       "moe_router_num_groups", "moe_router_group_topk", "moe_latent_size",
-                      "moe_router_group_score_topk")
+                      "moe_router_group_score_topk", "moe_mlp_glu_interleave_size",
+                      "moe_shared_expert_glu_interleave_size")
     _FLOATS = ("glu_linear_offset", "init_method_std", "moe_router_bias_update_rate")
     _OPTIONAL_FLOATS = ("activation_func_clamp_value", "moe_router_topk_scaling_factor",
                         "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_expert_capacity_factor")
@@ -404,7 +440,7 @@ class MoEConfig:
               "moe_router_force_load_balancing", "moe_grouped_gemm", "moe_token_dropping",
               "moe_per_layer_logging", "moe_pad_expert_input_to_capacity", "moe_permute_fusion",
               "moe_router_fusion", "moe_apply_probs_on_input", "moe_enable_routing_replay",
-              "moe_layer_recompute")
+              "moe_layer_recompute", "moe_single_grouped_weight", "moe_single_grouped_bias")
 
     def _check_types(self, bad) -> None:
         def is_int(v) -> bool:
@@ -499,6 +535,11 @@ class MoEConfig:
                 "moe" in (getattr(transformer_config, "recompute_modules", None) or []):
             # Megatron's current spelling of moe_layer_recompute
             kwargs["moe_layer_recompute"] = True
+        if not getattr(transformer_config, "use_grouped_gemm_for_shared_expert", False):
+            # Megatron reads the shared expert's interleave only on that path
+            kwargs["moe_shared_expert_glu_interleave_size"] = None
+        if not kwargs.get("gated_linear_unit"):
+            kwargs.pop("moe_mlp_glu_interleave_size", None)  # Megatron ignores it without GLU
         if kwargs.get("moe_router_topk_limited_devices"):
             # Megatron's __post_init__ already translated it into group settings
             kwargs["moe_router_topk_limited_devices"] = None

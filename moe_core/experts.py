@@ -37,10 +37,15 @@ from moe_core import ops
 from moe_core.config import MoEConfig
 
 
-def apply_activation(config: MoEConfig, a: torch.Tensor) -> torch.Tensor:
-    """Megatron's MLP activation (unfused path), GLU-aware. a: ``[rows, F or 2F]``."""
+def apply_activation(config: MoEConfig, a: torch.Tensor,
+                     glu_interleave_size: Optional[int] = None) -> torch.Tensor:
+    """Megatron's MLP activation (unfused path), GLU-aware. a: ``[rows, F or 2F]``; with
+    ``glu_interleave_size`` s, a GLU's columns come in alternating blocks of s gate and s linear
+    ones, gathered into the two halves first (a copy, as Megatron's unfused path makes)."""
     if not config.gated_linear_unit:
         return config.activation_func(a)
+    if glu_interleave_size:
+        a = deinterleave_glu(a, glu_interleave_size)
     a_glu, a_linear = torch.chunk(a, 2, dim=-1)
     v = config.activation_func_clamp_value
     if v is not None:
@@ -49,21 +54,31 @@ def apply_activation(config: MoEConfig, a: torch.Tensor) -> torch.Tensor:
     return config.activation_func(a_glu) * (a_linear + config.glu_linear_offset)
 
 
+def deinterleave_glu(a: torch.Tensor, size: int) -> torch.Tensor:
+    """``a`` ``[..., 2F]`` with blocks of ``size`` gate and ``size`` linear columns alternating
+    (Megatron's interleaved GLU layout) as ``[gate F | linear F]``: a copy."""
+    shape = a.shape
+    return a.reshape(-1, shape[-1] // (2 * size), 2, size).transpose(1, 2).reshape(shape)
+
+
 def activation_times_probs(config: MoEConfig, a: torch.Tensor,
                            probs: Optional[torch.Tensor]) -> torch.Tensor:
     """``(apply_activation(config, a) * probs[:, None]).to(a.dtype)`` (no multiply when probs is
-    None). a: ``[rows, F or 2F]``, probs: ``[rows]``; returns ``[rows, F]`` in a's dtype.
+    None) for the routed experts (``moe_mlp_glu_interleave_size``'s layout). a: ``[rows, F or
+    2F]``, probs: ``[rows]``; returns ``[rows, F]`` in a's dtype.
 
     When the activation is one ``ops.glu_probs`` knows (``ops.activation_name``), the fused op does
-    it in one pass with the same rounding; otherwise (a user's callable) the unfused torch ops run.
+    it in one pass with the same rounding (reading interleaved columns where they are); otherwise
+    (a user's callable) the unfused torch ops run.
     """
     name = ops.activation_name(config.activation_func)
+    interleave = config.moe_mlp_glu_interleave_size
     if name is None:
-        h = apply_activation(config, a)
+        h = apply_activation(config, a, interleave)
         return h if probs is None else (h * probs.unsqueeze(-1)).to(h.dtype)
     gated = config.gated_linear_unit
     return ops.glu_probs(a, probs, name, gated, config.glu_linear_offset if gated else 0.0,
-                         config.activation_func_clamp_value if gated else None)
+                         config.activation_func_clamp_value if gated else None, interleave)
 
 
 def autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
@@ -113,7 +128,9 @@ class GroupedMLP(nn.Module):
     ``F1`` = 2F with GLU else F), in ``config.params_dtype``, each marked with its
     ``expert_parallel_size``:
         weight1 ``[E, F1, H]``, weight2 ``[E, H, F]``; bias1 ``[E, F1]``, bias2 ``[E, H]`` when
-        ``add_bias_linear``.
+        ``add_bias_linear``. With GLU, weight1's (and bias1's) F1 = 2F rows are the gate rows
+        then the linear rows, or with ``moe_mlp_glu_interleave_size`` s alternating blocks of s
+        gate and s linear rows (the kernels read that layout as it is).
     """
 
     def __init__(self, config: MoEConfig, input_size: Optional[int] = None, ep_size: int = 1,
@@ -241,7 +258,8 @@ class GroupedMLP(nn.Module):
             h, _ = ops.grouped_gemm_glu_probs(
                 x, w1, expert_offsets, probs, name, gated,
                 cfg.glu_linear_offset if gated else 0.0,
-                cfg.activation_func_clamp_value if gated else None, trans_w=True)
+                cfg.activation_func_clamp_value if gated else None, trans_w=True,
+                glu_interleave_size=cfg.moe_mlp_glu_interleave_size)
         else:
             a = ops.grouped_gemm(x, w1, expert_offsets, trans_w=True)
             if b1 is not None:
@@ -267,7 +285,7 @@ class GroupedMLP(nn.Module):
             ops.activation_name(cfg.activation_func), gated,
             cfg.glu_linear_offset if gated else 0.0,
             cfg.activation_func_clamp_value if gated else None, tokens, sorted_indices,
-            combine=tokens is not None)
+            combine=tokens is not None, glu_interleave_size=cfg.moe_mlp_glu_interleave_size)
 
     @staticmethod
     def _row_expert(expert_offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -280,7 +298,8 @@ class GroupedMLP(nn.Module):
 class SharedExpertMLP(nn.Module):
     """Megatron's shared expert: a dense MLP on every token, with an optional sigmoid gate.
 
-    Parameters (Megatron's names): linear_fc1.weight ``[F1, H]``, linear_fc2.weight ``[H, F]``
+    Parameters (Megatron's names): linear_fc1.weight ``[F1, H]`` (with GLU: gate rows then linear
+    rows, or blocks of ``moe_shared_expert_glu_interleave_size``), linear_fc2.weight ``[H, F]``
     with ``F`` = moe_shared_expert_intermediate_size (no biases, as Megatron requires);
     gate_weight ``[1, H]`` when ``moe_shared_expert_gate``.
     """
@@ -315,7 +334,8 @@ class SharedExpertMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[..., H]`` → ``[..., H]`` in hidden's dtype."""
-        out = self.linear_fc2(apply_activation(self.config, self.linear_fc1(hidden)))
+        out = self.linear_fc2(apply_activation(self.config, self.linear_fc1(hidden),
+                                               self.config.moe_shared_expert_glu_interleave_size))
         if self.gate_weight is not None:
             out = out * torch.sigmoid(F.linear(hidden, self.gate_weight))
         return out

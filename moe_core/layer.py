@@ -488,14 +488,23 @@ def finalize_step(model: nn.Module, group=None) -> None:
 
 
 def load_megatron_state_dict(layer: MoELayer, state_dict: dict, strict: bool = True):
-    """Load a Megatron MoELayer's weights (local SequentialMLP naming
-    ``experts.local_experts.{i}.linear_fc{1,2}.{weight,bias}`` or TE grouped naming
-    ``experts.linear_fc{1,2}.{weight,bias}{i}``) into ``layer``. Router, shared-expert and latent
-    keys share Megatron's names. An expert-parallel layer loads its rank's shard of a Megatron
+    """Load a Megatron MoELayer's weights into ``layer``, the experts' in any of Megatron's
+    layouts: local SequentialMLP naming ``experts.local_experts.{i}.linear_fc{1,2}.{weight,bias}``,
+    TE grouped naming ``experts.linear_fc{1,2}.{weight,bias}{i}``, or TE's single grouped
+    parameters (``moe_single_grouped_weight`` / ``_bias``) ``experts.linear_fc{1,2}.weight``
+    ``[E, out, in]`` (or ``[E·out, in]``) and ``.bias`` ``[E, out]`` (or ``[E·out]``). Router,
+    shared-expert and latent keys share Megatron's names. The GLU rows are taken as stored (a
+    checkpoint of interleaved experts loads into a layer with the same
+    ``moe_mlp_glu_interleave_size``). An expert-parallel layer loads its rank's shard of a Megatron
     state dict at the same EP size (local expert numbering ``0 .. E/N - 1``). Megatron does not
     save the routers' running counts (expert-bias and global aux-loss token counts): the layer
     keeps its own, and they are not reported missing. Returns torch's (missing, unexpected) keys
-    result."""
+    result.
+
+    Raises:
+        ValueError: the experts of a layout are not exactly the local experts, a grouped tensor
+            does not split into them, or one parameter comes in two layouts.
+    """
     return layer.load_state_dict(
         megatron_state_dict_to_moe_core(state_dict, layer.experts.num_local_experts),
         strict=strict)
@@ -503,14 +512,17 @@ def load_megatron_state_dict(layer: MoELayer, state_dict: dict, strict: bool = T
 
 def megatron_state_dict_to_moe_core(state_dict: dict, num_local_experts: int) -> dict:
     """A Megatron MoELayer's state dict (keys relative to the layer) in moe-core's names: the
-    per-expert ``linear_fc{1,2}`` weights and biases (SequentialMLP's
-    ``experts.local_experts.{i}.linear_fc1.weight`` or TE's ``experts.linear_fc1.weight{i}``)
-    stacked into ``experts.weight{1,2}`` / ``experts.bias{1,2}`` (``[E_local, ...]``), the
-    ``_extra_state`` entries (None for Megatron's local linears) left out, every other key
-    (router, shared expert, latent projections, moe-core's own names) kept as it is.
+    experts' ``linear_fc{1,2}`` weights and biases in any of the layouts
+    :func:`load_megatron_state_dict` takes (per expert, SequentialMLP's
+    ``experts.local_experts.{i}.linear_fc1.weight`` or TE's ``experts.linear_fc1.weight{i}``,
+    stacked; or TE's single grouped tensor, split) as ``experts.weight{1,2}`` /
+    ``experts.bias{1,2}`` (``[E_local, ...]``), the ``_extra_state`` entries (None for Megatron's
+    local linears) left out, every other key (router, shared expert, latent projections,
+    moe-core's own names) kept as it is.
 
     Raises:
-        ValueError: the per-expert keys of one stack do not number ``0 .. num_local_experts - 1``.
+        ValueError: the experts of a layout are not exactly ``0 .. num_local_experts - 1``, a
+            grouped tensor does not split into them, or one parameter comes in two layouts.
     """
     E = num_local_experts
     out, stacks = {}, {}
@@ -518,7 +530,7 @@ def megatron_state_dict_to_moe_core(state_dict: dict, num_local_experts: int) ->
         if key.endswith("_extra_state") or value is None:
             continue
         name = key
-        for fc, ours in (("linear_fc1", "1"), ("linear_fc2", "2")):
+        for fc, ours in _EXPERT_LINEARS:
             for kind in ("weight", "bias"):
                 local = "experts.local_experts."
                 if key.startswith(local) and key.endswith(f".{fc}.{kind}"):
@@ -529,11 +541,67 @@ def megatron_state_dict_to_moe_core(state_dict: dict, num_local_experts: int) ->
                 if key.startswith(te) and key[len(te):].isdigit():
                     stacks.setdefault(f"experts.{kind}{ours}", {})[int(key[len(te):])] = value
                     name = None
+                if key == te:  # one grouped parameter of every local expert
+                    out[f"experts.{kind}{ours}"] = _split_grouped(value, E, key)
+                    name = None
         if name is not None:
             out[name] = value
     for name, parts in stacks.items():
+        if name in out:
+            raise ValueError(f"{name}: the state dict holds it both grouped and per expert")
         if sorted(parts) != list(range(E)):
             raise ValueError(f"{name}: expected local experts 0..{E - 1} in the state dict, got "
                              f"{sorted(parts)}")
         out[name] = torch.stack([parts[i] for i in range(E)])
+    return out
+
+
+# Megatron's expert linears and the suffix of ours (weight1 / bias1, weight2 / bias2)
+_EXPERT_LINEARS = (("linear_fc1", "1"), ("linear_fc2", "2"))
+
+# the routers' running state moe-core saves and Megatron does not (megatron_state_dict drops it)
+_OWN_ROUTER_STATE = ("router.local_tokens_per_expert", "router.aux_loss_scale",
+                     "router.global_aux_buffer.")
+
+
+def _split_grouped(value: torch.Tensor, num_experts: int, key: str) -> torch.Tensor:
+    """A single grouped tensor as ``[E, ...]``: stacked (``[E, ...]``) or concatenated along its
+    first dim (``[E·n, ...]``), the two forms Megatron's checkpoint loader splits."""
+    if value.dim() >= 1 and value.shape[0] == num_experts:
+        return value
+    if value.dim() >= 1 and value.shape[0] % num_experts == 0:
+        return value.reshape(num_experts, value.shape[0] // num_experts, *value.shape[1:])
+    raise ValueError(f"{key}: a grouped tensor of shape {tuple(value.shape)} does not split into "
+                     f"{num_experts} local experts")
+
+
+def megatron_state_dict(layer: MoELayer) -> dict:
+    """``layer``'s weights in the layout of the Megatron MoELayer its config describes: with
+    ``moe_grouped_gemm``, TE's grouped experts (``experts.linear_fc{1,2}.weight{i}`` /
+    ``.bias{i}``, or one ``[E, out, in]`` ``.weight`` / ``[E, out]`` ``.bias`` each with
+    ``moe_single_grouped_weight`` / ``moe_single_grouped_bias``), else the local experts
+    (``experts.local_experts.{i}.linear_fc{1,2}.weight`` / ``.bias``); every other key under its
+    own name, which is Megatron's. The routers' running counts and bound aux-loss scale, which
+    Megatron does not save, are left out. :func:`load_megatron_state_dict` reads it back.
+
+    Returns:
+        A dict of detached tensors sharing ``layer``'s storage (per-expert entries are views).
+    """
+    cfg = layer.config
+    out = {}
+    for key, value in layer.state_dict().items():
+        if key.startswith(_OWN_ROUTER_STATE):
+            continue
+        if not key.startswith("experts."):
+            out[key] = value
+            continue
+        kind, ours = key[len("experts."):-1], key[-1]
+        fc = dict((o, f) for f, o in _EXPERT_LINEARS)[ours]
+        single = cfg.moe_single_grouped_weight if kind == "weight" else cfg.moe_single_grouped_bias
+        if cfg.moe_grouped_gemm and single:
+            out[f"experts.{fc}.{kind}"] = value
+        else:
+            for i, part in enumerate(value.unbind(0)):
+                out[f"experts.{fc}.{kind}{i}" if cfg.moe_grouped_gemm
+                    else f"experts.local_experts.{i}.{fc}.{kind}"] = part
     return out

@@ -1,7 +1,8 @@
 /*
  * glu_probs.cu: the expert activation (GLU-aware) and the router-probs multiply in one pass, CUDA.
  *
- * Streaming kernels: the forward reads a's gate and linear halves and writes h with 16-byte
+ * Streaming kernels: the forward reads a's gate and linear halves (or interleaved blocks, whole
+ * vectors of them when the block size is a multiple of the vector) and writes h with 16-byte
  * vector accesses (one thread per vector of h), the row's prob read once per vector; the
  * backward gives each row to one warp, writes both halves of grad_a with vector stores and sums
  * grad_probs in registers. Both run their element math on floats whenever the dtypes allow (all
@@ -64,8 +65,8 @@ __device__ __forceinline__ void moe_gp_fwd_row_vec(const moe_gp_ctx_t c, char *h
         for (int u = 0; u < MOE_GP_UNROLL; ++u) {
             const int64_t j = j0 + 32 * u;
             if (j < per_row) {
-                g[u] = *(const uint4 *)(arow + j * 16);
-                l[u] = c.gated ? *(const uint4 *)(arow + ffn * esz + j * 16)
+                g[u] = *(const uint4 *)(arow + moe_gp_gate_col(&c, j * n) * esz);
+                l[u] = c.gated ? *(const uint4 *)(arow + moe_gp_lin_col(&c, ffn, j * n) * esz)
                                : make_uint4(0, 0, 0, 0);
             }
         }
@@ -110,8 +111,9 @@ __global__ void __launch_bounds__(256) moe_glu_probs_fwd_kernel(void *__restrict
                 moe_gp_fwd_row_vec<DT, FLT>(c, hrow, arow, ffn, p, lane);
         } else {
             for (int64_t j = lane; j < per_row; j += 32) {
-                const double g = moe_load(arow, c.dtype, j);
-                const double l = c.gated ? moe_load(arow, c.dtype, ffn + j) : 0.0;
+                const double g = moe_load(arow, c.dtype, moe_gp_gate_col(&c, j));
+                const double l = c.gated ? moe_load(arow, c.dtype, moe_gp_lin_col(&c, ffn, j))
+                                         : 0.0;
                 const double v = FLT ? (double)moe_gp_elem_fwd_f(&c, (float)g, (float)l, (float)p)
                                      : moe_gp_elem_fwd(&c, g, l, p);
                 moe_store(hrow, c.dtype, j, v);
@@ -143,16 +145,17 @@ __device__ __forceinline__ double moe_gp_bwd_row_vec(const moe_gp_ctx_t c, void 
     dy.u = g.u = l.u = zero;
     if (lane < nchunks) {
         dy.u = *(const uint4 *)(dy_row + lane * 16);
-        g.u = *(const uint4 *)(a_row + lane * 16);
-        if (c.gated) l.u = *(const uint4 *)(a_row + ffn * esz + lane * 16);
+        g.u = *(const uint4 *)(a_row + moe_gp_gate_col(&c, lane * n) * esz);
+        if (c.gated) l.u = *(const uint4 *)(a_row + moe_gp_lin_col(&c, ffn, lane * n) * esz);
     }
     for (int64_t j = lane; j < nchunks; j += 32) {
         moe_gp_vec ndy, ng, nl, gg, gl, hv;
         ndy.u = ng.u = nl.u = zero;
         if (j + 32 < nchunks) {
             ndy.u = *(const uint4 *)(dy_row + (j + 32) * 16);
-            ng.u = *(const uint4 *)(a_row + (j + 32) * 16);
-            if (c.gated) nl.u = *(const uint4 *)(a_row + ffn * esz + (j + 32) * 16);
+            ng.u = *(const uint4 *)(a_row + moe_gp_gate_col(&c, (j + 32) * n) * esz);
+            if (c.gated)
+                nl.u = *(const uint4 *)(a_row + moe_gp_lin_col(&c, ffn, (j + 32) * n) * esz);
         }
 #pragma unroll
         for (int e = 0; e < n; ++e) {
@@ -175,8 +178,8 @@ __device__ __forceinline__ double moe_gp_bwd_row_vec(const moe_gp_ctx_t c, void 
                 acc = __dadd_rn(acc, term);
             }
         }
-        *(uint4 *)(ga_row + j * 16) = gg.u;
-        if (c.gated) *(uint4 *)(ga_row + ffn * esz + j * 16) = gl.u;
+        *(uint4 *)(ga_row + moe_gp_gate_col(&c, j * n) * esz) = gg.u;
+        if (c.gated) *(uint4 *)(ga_row + moe_gp_lin_col(&c, ffn, j * n) * esz) = gl.u;
         if (h_row) *(uint4 *)(h_row + j * 16) = hv.u;
         dy = ndy, g = ng, l = nl;
     }
@@ -214,13 +217,15 @@ __global__ void __launch_bounds__(128, 5) moe_glu_probs_bwd_kernel(void *grad_a,
             for (int64_t j = lane; j < nchunks; j += 32) {
                 const int64_t f = j * chunk;
                 for (int64_t e = 0; e < chunk; ++e) {
+                    const int64_t gc = r * width + moe_gp_gate_col(&c, f + e);
+                    const int64_t lc = r * width + moe_gp_lin_col(&c, ffn, f + e);
                     double vg, vl, term, vh;
                     moe_gp_elem_bwd(&c, moe_load(grad_h, c.dtype, r * ffn + f + e),
-                                    moe_load(a, c.dtype, r * width + f + e),
-                                    c.gated ? moe_load(a, c.dtype, r * width + ffn + f + e) : 0.0,
+                                    moe_load(a, c.dtype, gc),
+                                    c.gated ? moe_load(a, c.dtype, lc) : 0.0,
                                     p, &vg, &vl, &term, &vh);
-                    moe_store(grad_a, c.dtype, r * width + f + e, vg);
-                    if (c.gated) moe_store(grad_a, c.dtype, r * width + ffn + f + e, vl);
+                    moe_store(grad_a, c.dtype, gc, vg);
+                    if (c.gated) moe_store(grad_a, c.dtype, lc, vl);
                     if (h) moe_store(h, c.dtype, r * ffn + f + e, vh);
                     acc = __dadd_rn(acc, term);
                 }
@@ -264,7 +269,9 @@ extern "C" moe_status_t moe_cuda_glu_probs_fwd(void *h, const void *a, const voi
     if (num_rows == 0) return MOE_OK;
     const moe_gp_ctx_t c = moe_gp_ctx_make(params, dtype, probs != NULL, probs_dtype);
     const int64_t n = 16 / (int64_t)moe_dtype_size(dtype);
-    const int vec = ffn % n == 0 && moe_gp_aligned(a) && moe_gp_aligned(h);
+    /* vectors of h's columns stay inside one interleaved block: n divides the block size */
+    const int vec = ffn % n == 0 && c.interleave % n == 0 && moe_gp_aligned(a) &&
+                    moe_gp_aligned(h);
     const int flt = moe_gp_float_math(&c);
     const unsigned grid = moe_gp_grid(num_rows, 8); /* 8 warps, a row at a time each */
     cudaStream_t s = (cudaStream_t)stream;
@@ -298,7 +305,8 @@ extern "C" moe_status_t moe_cuda_glu_probs_bwd(void *grad_a, void *grad_probs, v
     if (num_rows == 0) return MOE_OK;
     const moe_gp_ctx_t c = moe_gp_ctx_make(params, dtype, probs != NULL, probs_dtype);
     const int64_t chunk = moe_gp_chunk(dtype, ffn);
-    const int vec = chunk > 1 && moe_gp_aligned(a) && moe_gp_aligned(grad_a) &&
+    const int vec = chunk > 1 && c.interleave % chunk == 0 && moe_gp_aligned(a) &&
+                    moe_gp_aligned(grad_a) &&
                     moe_gp_aligned(grad_h) && (!h || moe_gp_aligned(h));
     const int flt = moe_gp_float_math(&c);
     cudaStream_t s = (cudaStream_t)stream;

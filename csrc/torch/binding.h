@@ -285,17 +285,19 @@ Tensor grouped_gemm_wgrad(const Device &d, const Tensor &x, const Tensor &grad_y
                           const optional<Tensor> &grad_y_index);
 Tensor glu_probs(const Device &d, const Tensor &a, const optional<Tensor> &probs,
                  string_view activation, bool gated_linear_unit, double linear_offset,
-                 optional<double> clamp_value);
+                 optional<double> clamp_value, int64_t glu_interleave_size);
 Tensor2 glu_probs_bwd(const Device &d, const Tensor &grad_h, const Tensor &a,
                       const optional<Tensor> &probs, string_view activation, bool gated_linear_unit,
-                      double linear_offset, optional<double> clamp_value);
+                      double linear_offset, optional<double> clamp_value,
+                      int64_t glu_interleave_size);
 Tensor glu_probs_bwd_(const Device &d, Tensor grad_h, const Tensor &a, Tensor grad_a,
                       const optional<Tensor> &probs, string_view activation,
-                      bool gated_linear_unit, double linear_offset, optional<double> clamp_value);
+                      bool gated_linear_unit, double linear_offset, optional<double> clamp_value,
+                      int64_t glu_interleave_size);
 Tensor2 grouped_gemm_glu_probs(const Device &d, const Tensor &x, const Tensor &weight,
                                const Tensor &expert_offsets, const optional<Tensor> &probs,
                                string_view activation, bool gated_linear_unit, double linear_offset,
                                optional<double> clamp_value, bool trans_w,
-                               const optional<Tensor> &x_index);
+                               const optional<Tensor> &x_index, int64_t glu_interleave_size);
 
 }  // namespace moe_torch

@@ -154,8 +154,10 @@ Tensor grouped_gemm_wgrad(const Device &d, const Tensor &x, const Tensor &grad_y
 
 // The activation options of glu_probs and of fc1 + glu_probs (the core checks their values).
 static moe_glu_probs_params_t glu_options(string_view activation, bool gated_linear_unit,
-                                          double linear_offset, optional<double> clamp_value) {
+                                          double linear_offset, optional<double> clamp_value,
+                                          int64_t glu_interleave_size) {
   moe_glu_probs_params_t p;
+  p.interleave = glu_interleave_size;
   p.activation = to_activation(activation);
   p.gated_linear_unit = gated_linear_unit ? 1 : 0;
   p.linear_offset = linear_offset;
@@ -190,11 +192,11 @@ static void check_row_probs(const optional<Tensor> &probs, int64_t rows, const T
 static moe_glu_probs_params_t glu_probs_params(const Tensor &a, const optional<Tensor> &probs,
                                                string_view activation, bool gated_linear_unit,
                                                double linear_offset, optional<double> clamp_value,
-                                               int64_t *ffn) {
+                                               int64_t glu_interleave_size, int64_t *ffn) {
   check_dim(a, 2, "a");
   check_float(a, "a");
-  const moe_glu_probs_params_t p =
-      glu_options(activation, gated_linear_unit, linear_offset, clamp_value);
+  const moe_glu_probs_params_t p = glu_options(activation, gated_linear_unit, linear_offset,
+                                               clamp_value, glu_interleave_size);
   *ffn = glu_ffn(a, "a", 1, gated_linear_unit);
   check_row_probs(probs, a.size(0), a, "a", "a.shape[0] (num_rows)");
   return p;
@@ -202,10 +204,10 @@ static moe_glu_probs_params_t glu_probs_params(const Tensor &a, const optional<T
 
 Tensor glu_probs(const Device &d, const Tensor &a_, const optional<Tensor> &probs_,
                  string_view activation, bool gated_linear_unit, double linear_offset,
-                 optional<double> clamp_value) {
+                 optional<double> clamp_value, int64_t glu_interleave_size) {
   int64_t F = 0;
   moe_glu_probs_params_t p = glu_probs_params(a_, probs_, activation, gated_linear_unit,
-                                              linear_offset, clamp_value, &F);
+                                              linear_offset, clamp_value, glu_interleave_size, &F);
   const int64_t R = a_.size(0);
   Tensor a = a_.contiguous(), probs;
   if (probs_.has_value()) probs = probs_->contiguous();
@@ -223,9 +225,10 @@ static moe_glu_probs_params_t glu_probs_bwd_params(const Tensor &grad_h, const T
                                                    const optional<Tensor> &probs,
                                                    string_view activation, bool gated_linear_unit,
                                                    double linear_offset,
-                                                   optional<double> clamp_value, int64_t *ffn) {
+                                                   optional<double> clamp_value,
+                                                   int64_t glu_interleave_size, int64_t *ffn) {
   moe_glu_probs_params_t p = glu_probs_params(a, probs, activation, gated_linear_unit,
-                                              linear_offset, clamp_value, ffn);
+                                              linear_offset, clamp_value, glu_interleave_size, ffn);
   check_dim(grad_h, 2, "grad_h");
   check_dtype(grad_h, a.scalar_type(), "grad_h");
   check_size(grad_h, 0, a.size(0), "grad_h", "a.shape[0] (num_rows)");
@@ -253,10 +256,12 @@ static Tensor glu_probs_bwd_call(const Device &d, Tensor &grad_a, Tensor &h, con
 // grad_probs is [num_rows] in probs' dtype, or an empty [0] tensor when probs is None.
 Tensor2 glu_probs_bwd(const Device &d, const Tensor &grad_h_, const Tensor &a_,
                       const optional<Tensor> &probs_, string_view activation,
-                      bool gated_linear_unit, double linear_offset, optional<double> clamp_value) {
+                      bool gated_linear_unit, double linear_offset, optional<double> clamp_value,
+                      int64_t glu_interleave_size) {
   int64_t F = 0;
-  const moe_glu_probs_params_t p = glu_probs_bwd_params(
-      grad_h_, a_, probs_, activation, gated_linear_unit, linear_offset, clamp_value, &F);
+  const moe_glu_probs_params_t p =
+      glu_probs_bwd_params(grad_h_, a_, probs_, activation, gated_linear_unit, linear_offset,
+                           clamp_value, glu_interleave_size, &F);
   Tensor a = a_.contiguous(), g = grad_h_.contiguous(), probs, none;
   if (probs_.has_value()) probs = probs_->contiguous();
   Tensor grad_a = at::empty_like(a);
@@ -271,10 +276,12 @@ Tensor2 glu_probs_bwd(const Device &d, const Tensor &grad_h_, const Tensor &a_,
 // mutation would make the compiler copy first).
 Tensor glu_probs_bwd_(const Device &d, Tensor grad_h, const Tensor &a, Tensor grad_a,
                       const optional<Tensor> &probs_, string_view activation,
-                      bool gated_linear_unit, double linear_offset, optional<double> clamp_value) {
+                      bool gated_linear_unit, double linear_offset, optional<double> clamp_value,
+                      int64_t glu_interleave_size) {
   int64_t F = 0;
-  const moe_glu_probs_params_t p = glu_probs_bwd_params(
-      grad_h, a, probs_, activation, gated_linear_unit, linear_offset, clamp_value, &F);
+  const moe_glu_probs_params_t p =
+      glu_probs_bwd_params(grad_h, a, probs_, activation, gated_linear_unit, linear_offset,
+                           clamp_value, glu_interleave_size, &F);
   check_dtype(grad_a, a.scalar_type(), "grad_a");
   check_same_shape(grad_a, "grad_a", a, "a");
   check_same_device(grad_a, a, "grad_a", "a");
@@ -302,14 +309,14 @@ Tensor2 grouped_gemm_glu_probs(const Device &d, const Tensor &x_, const Tensor &
                                const Tensor &expert_offsets_, const optional<Tensor> &probs_,
                                string_view activation, bool gated_linear_unit, double linear_offset,
                                optional<double> clamp_value, bool trans_w,
-                               const optional<Tensor> &x_index) {
+                               const optional<Tensor> &x_index, int64_t glu_interleave_size) {
   auto p = weight_product(x_, "x", "x.shape[1] (in_features)", weight_, expert_offsets_, trans_w,
                           false, x_.scalar_type());
   set_gather(p, x_index, "x_index", x_, "x", MOE_GG_GATHER_X);
   const int64_t R = p.num_rows, N = p.out_features;
   const int64_t F = glu_ffn(weight_, "weight", trans_w ? 1 : 2, gated_linear_unit);
-  const moe_glu_probs_params_t g =
-      glu_options(activation, gated_linear_unit, linear_offset, clamp_value);
+  const moe_glu_probs_params_t g = glu_options(activation, gated_linear_unit, linear_offset,
+                                               clamp_value, glu_interleave_size);
   check_row_probs(probs_, R, x_, "x",
                   x_index.has_value() ? "x_index.shape[0] (num_rows)" : "x.shape[0] (num_rows)");
   Tensor x = gemm_operand(x_), w = gemm_operand(weight_), off = expert_offsets_.contiguous(), probs;

@@ -105,17 +105,18 @@ namespace {
                         "ScalarType? out_dtype=None, Tensor? x_index=None, "                       \
                         "Tensor? grad_y_index=None) -> Tensor")                                    \
   X(glu_probs, "(Tensor a, Tensor? probs, str activation, bool gated_linear_unit, "                \
-               "float linear_offset=0.0, float? clamp_value=None) -> Tensor")                      \
+               "float linear_offset=0.0, float? clamp_value=None, int glu_interleave_size=0)"      \
+               " -> Tensor")                                                                       \
   X(glu_probs_bwd, "(Tensor grad_h, Tensor a, Tensor? probs, str activation, "                     \
-                   "bool gated_linear_unit, float linear_offset=0.0, float? clamp_value=None)"     \
-                   " -> (Tensor, Tensor)")                                                         \
+                   "bool gated_linear_unit, float linear_offset=0.0, float? clamp_value=None, "    \
+                   "int glu_interleave_size=0) -> (Tensor, Tensor)")                               \
   X(glu_probs_bwd_, "(Tensor(a!) grad_h, Tensor a, Tensor(b!) grad_a, Tensor? probs, "            \
                     "str activation, bool gated_linear_unit, float linear_offset=0.0, "            \
-                    "float? clamp_value=None) -> Tensor")                                          \
+                    "float? clamp_value=None, int glu_interleave_size=0) -> Tensor")               \
   X(grouped_gemm_glu_probs, "(Tensor x, Tensor weight, Tensor expert_offsets, Tensor? probs, "     \
                             "str activation, bool gated_linear_unit, float linear_offset=0.0, "    \
-                            "float? clamp_value=None, bool trans_w=True, Tensor? x_index=None)"    \
-                            " -> (Tensor, Tensor)")
+                            "float? clamp_value=None, bool trans_w=True, Tensor? x_index=None, "   \
+                            "int glu_interleave_size=0) -> (Tensor, Tensor)")
 
 // The C entry points of each device. A CPU-only build links moe_cuda_* stubs (cuda_stubs.c), so
 // both tables always build; the compiler checks that each pair of entry points has one type.

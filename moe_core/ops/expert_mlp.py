@@ -84,6 +84,7 @@ import torch
 
 from moe_core import tuning
 from moe_core.ops._guards import double_backward_error, register_autograd, register_fake
+from moe_core.ops.glu_probs import interleave_size
 from moe_core.ops.grouped_gemm import gathered_rows_grad
 from moe_core.ops.permute_bwd_accumulate import permute_bwd_accumulator
 
@@ -111,6 +112,7 @@ def expert_mlp(
     tokens: Optional[torch.Tensor] = None,
     sorted_indices: Optional[torch.Tensor] = None,
     combine: bool = False,
+    glu_interleave_size: int = 0,
 ) -> torch.Tensor:
     """The experts' MLPs over expert-sorted rows, with a minimal-memory backward.
 
@@ -133,6 +135,8 @@ def expert_mlp(
             ``tokens`` and ``sorted_indices``. The backward then makes the rows' ``[R, H]``
             gradient itself and frees it after fc2, before it gathers the rows again; given from
             outside, autograd would hold it until the whole backward returns.
+        glu_interleave_size: as for ``glu_probs``: 0 for weight1's gate rows then linear rows,
+            ``s`` for blocks of s gate and s linear rows alternating.
 
     Returns:
         ``[R, H]`` (``[T, H]`` with ``combine``) in rows' dtype. Differentiable in ``rows``,
@@ -171,7 +175,7 @@ def expert_mlp(
                         activation,
                         bool(gated_linear_unit), float(linear_offset),
                         None if clamp_value is None else float(clamp_value), bool(combine),
-                        int(weight_grads))
+                        int(weight_grads), interleave_size(glu_interleave_size))
     return y
 
 
@@ -180,8 +184,8 @@ def _expert_mlp(rows: Optional[torch.Tensor], weight1: torch.Tensor, weight2: to
                 expert_offsets: torch.Tensor, probs: Optional[torch.Tensor],
                 tokens: Optional[torch.Tensor], sorted_indices: Optional[torch.Tensor],
                 activation: str, gated_linear_unit: bool, linear_offset: float,
-                clamp_value: Optional[float], combine: bool = False, weight_grads: int = 0
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+                clamp_value: Optional[float], combine: bool = False, weight_grads: int = 0,
+                glu_interleave_size: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(y, a)``: ``a`` (fc1's output) is an output only so that the backward may keep
     it; :func:`expert_mlp` drops it. ``y``: the rows' outputs, or with ``combine`` their sums
     per token. ``weight_grads``: the elements of the weight gradients the backward will make
@@ -190,14 +194,15 @@ def _expert_mlp(rows: Optional[torch.Tensor], weight1: torch.Tensor, weight2: to
                                 weight1.shape[1], weight1.shape[1], weight_grads):
         x = _gather_rows(tokens, sorted_indices)  # fc1 on a transient copy of its rows
         h, a = _FC1(x, weight1, expert_offsets, probs, activation, gated_linear_unit,
-                    linear_offset, clamp_value, True)
+                    linear_offset, clamp_value, True, glu_interleave_size=glu_interleave_size)
         del x
     elif rows is None:  # fc1 reads tokens[sorted_indices] by index
         h, a = _FC1(tokens, weight1, expert_offsets, probs, activation, gated_linear_unit,
-                    linear_offset, clamp_value, True, sorted_indices)
+                    linear_offset, clamp_value, True, sorted_indices,
+                    glu_interleave_size=glu_interleave_size)
     else:
         h, a = _FC1(rows, weight1, expert_offsets, probs, activation, gated_linear_unit,
-                    linear_offset, clamp_value, True)
+                    linear_offset, clamp_value, True, glu_interleave_size=glu_interleave_size)
     y = _FC2(h, weight2, expert_offsets, True, None)
     if combine:
         del h
@@ -207,7 +212,8 @@ def _expert_mlp(rows: Optional[torch.Tensor], weight1: torch.Tensor, weight2: to
 
 @register_fake("moe_core::expert_mlp")
 def _(rows, weight1, weight2, expert_offsets, probs, tokens, sorted_indices, activation,
-      gated_linear_unit, linear_offset, clamp_value, combine=False, weight_grads=0):
+      gated_linear_unit, linear_offset, clamp_value, combine=False, weight_grads=0,
+      glu_interleave_size=0):
     num_rows = sorted_indices.shape[0] if rows is None else rows.shape[0]
     out_rows = tokens.shape[0] if combine else num_rows
     return weight2.new_empty((out_rows, weight2.shape[1])), \
@@ -322,7 +328,7 @@ def _setup_context(ctx, inputs, output):
                           sorted_indices if need_w1 or ctx.combine or ctx.gathered else None,
                           weight1 if need_rows else None, weight2, offsets, probs, a)
     ctx.need_rows = need_rows
-    ctx.glu_opts = (activation, gated, offset, clamp)
+    ctx.glu_opts = (activation, gated, offset, clamp, rest[2] if len(rest) > 2 else 0)
     ctx.consumed = False
 
 
@@ -399,7 +405,7 @@ def _backward(ctx, grad_y, grad_a_out):
         del grad_a, a
         dw2 = _WGRAD(h, g, offsets, True, dtype, None, g_index) if need_w2 else None
         return (None, dw1, dw2, None, grad_probs, d_tokens, None, None, None, None, None, None,
-                None)
+                None, None)
     # rows given or gathered again: dW2 first frees h and the rows' gradient before the
     # [R, H] buffers of dW1's rows and of d_rows (which autograd holds to the end) are made
     dw2 = _WGRAD(h, g, offsets, True, dtype, None, g_index) if need_w2 else None
@@ -413,7 +419,7 @@ def _backward(ctx, grad_y, grad_a_out):
             dw1 = _WGRAD(x, grad_a, offsets, True, dtype)
             del x
     d_rows = _DGRAD(grad_a, weight1, offsets, True, dtype) if need_rows else None
-    return d_rows, dw1, dw2, None, grad_probs, None, None, None, None, None, None, None, None
+    return d_rows, dw1, dw2, None, grad_probs, None, None, None, None, None, None, None, None, None
 
 
 # Tensors sharing the saved a's storage inside the backward: autograd's saved copy, the one

@@ -4,7 +4,8 @@ Precision contract
 ------------------
 The result is Megatron's unfused sequence, evaluated as PyTorch's eager ops do it::
 
-    g, l = a.chunk(2, -1)                                   (gated_linear_unit; else g = a)
+    g, l = a.chunk(2, -1)                                   (gated_linear_unit; else g = a;
+                                                             interleaved: blocks of s, below)
     g, l = g.clamp(max=v), l.clamp(-v, v)                   (clamp_value v, GLU only)
     h0 = act(g) * (l + linear_offset)                       (GLU; else h0 = act(g))
     h = (h0 * probs.unsqueeze(-1)).to(a.dtype)              (probs given)
@@ -85,6 +86,7 @@ def glu_probs(
     gated_linear_unit: bool,
     linear_offset: float = 0.0,
     clamp_value: Optional[float] = None,
+    glu_interleave_size: int = 0,
 ) -> torch.Tensor:
     """Activation of fc1's output times the router probs, in one pass.
 
@@ -98,30 +100,61 @@ def glu_probs(
         linear_offset: ``glu_linear_offset`` (GLU only).
         clamp_value: ``activation_func_clamp_value`` (GLU only): gate ``clamp(max=v)``, linear
             half ``clamp(-v, v)``; None for no clamp.
+        glu_interleave_size: GLU only: 0 (or None) for ``a = [gate | linear]``; ``s`` (dividing
+            F) for Megatron's interleaved layout ``moe_mlp_glu_interleave_size``: blocks of s
+            gate and s linear columns alternate, ``a.view(rows, F // s, 2, s)[:, :, 0]`` the
+            gates; the same values, read where they are (no copy).
 
     Returns:
         ``h`` ``[rows, F]`` in ``a.dtype``. Differentiable in ``a`` and ``probs``.
     """
     return _OP(a, probs, activation, bool(gated_linear_unit), float(linear_offset),
-               None if clamp_value is None else float(clamp_value))
+               None if clamp_value is None else float(clamp_value),
+               interleave_size(glu_interleave_size))
+
+
+def interleave_size(size: Optional[int]) -> int:
+    """A GLU interleave size as the ops take it: None as 0 (the halves), else the int itself
+    (the core checks that it divides F and needs gated_linear_unit).
+
+    Raises:
+        ValueError: not None or an int >= 0.
+    """
+    if size is None:
+        return 0
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"glu_interleave_size must be None or an int >= 0, got {size!r}")
+    return size
 
 
 @register_fake("moe_core::glu_probs")
-def _(a, probs, activation, gated_linear_unit, linear_offset=0.0, clamp_value=None):
+def _(a, probs, activation, gated_linear_unit, linear_offset=0.0, clamp_value=None,
+      glu_interleave_size=0):
     f = a.shape[1] // 2 if gated_linear_unit else a.shape[1]
     return a.new_empty((a.shape[0], f))
 
 
 @register_fake("moe_core::glu_probs_bwd")
-def _(grad_h, a, probs, activation, gated_linear_unit, linear_offset=0.0, clamp_value=None):
+def _(grad_h, a, probs, activation, gated_linear_unit, linear_offset=0.0, clamp_value=None,
+      glu_interleave_size=0):
     grad_probs = probs.new_empty(probs.shape) if probs is not None else a.new_empty((0,))
     return torch.empty_like(a), grad_probs
 
 
+def glu_options(inputs: tuple, at: int) -> tuple:
+    """``(activation, gated_linear_unit, linear_offset, clamp_value, glu_interleave_size)`` of an
+    op's inputs from position ``at`` (the dispatcher leaves out trailing arguments equal to their
+    schema defaults): the glu_probs kernels' options, in their schemas' order."""
+    defaults = (0.0, None, 0)  # linear_offset, clamp_value, glu_interleave_size
+    given = tuple(inputs[at:at + 5])
+    return given + defaults[len(given) - 2:]
+
+
 def _setup_context(ctx, inputs, output):
-    a, probs, activation, gated, offset, clamp = inputs
+    a, probs = inputs[:2]
     ctx.save_for_backward(a, probs)
-    ctx.opts = (activation, gated, offset, clamp)
+    ctx.opts = glu_options(inputs, 2)
+    ctx.num_inputs = len(inputs)
 
 
 def _backward(ctx, grad_h) -> Tuple[Optional[torch.Tensor], ...]:
@@ -129,7 +162,7 @@ def _backward(ctx, grad_h) -> Tuple[Optional[torch.Tensor], ...]:
     grad_a, grad_probs = _BWD(grad_h.contiguous(), a, probs, *ctx.opts)
     if probs is None or not ctx.needs_input_grad[1]:
         grad_probs = None
-    return grad_a, grad_probs, None, None, None, None
+    return (grad_a, grad_probs) + (None,) * (ctx.num_inputs - 2)
 
 
 register_autograd("moe_core::glu_probs", _backward, setup_context=_setup_context)
@@ -137,5 +170,5 @@ register_autograd("moe_core::glu_probs", _backward, setup_context=_setup_context
 
 @register_fake("moe_core::glu_probs_bwd_")
 def _(grad_h, a, grad_a, probs, activation, gated_linear_unit, linear_offset=0.0,
-      clamp_value=None):
+      clamp_value=None, glu_interleave_size=0):
     return probs.new_empty(probs.shape) if probs is not None else a.new_empty((0,))

@@ -40,6 +40,7 @@ from typing import Optional, Tuple
 import torch
 
 from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops.glu_probs import glu_options, interleave_size
 from moe_core.ops.grouped_gemm import gathered_rows_grad
 
 _OP = torch.ops.moe_core.grouped_gemm_glu_probs
@@ -59,6 +60,7 @@ def grouped_gemm_glu_probs(
     clamp_value: Optional[float] = None,
     trans_w: bool = True,
     x_index: Optional[torch.Tensor] = None,
+    glu_interleave_size: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """fc1 of every expert, then its activation times the router probs, in one op.
 
@@ -80,6 +82,9 @@ def grouped_gemm_glu_probs(
         trans_w: weight layout, as for :func:`grouped_gemm`.
         x_index: ``[rows]`` int64 on x's device, or None: fc1's row ``r`` is ``x[x_index[r]]``
             (-1: a zero row); ``x`` is then the source ``[S, H]``.
+        glu_interleave_size: as for ``glu_probs``: 0 for fc1's rows as gate rows then linear
+            rows, ``s`` for blocks of s gate and s linear rows alternating (``a``'s columns
+            likewise).
 
     Returns:
         ``(h, a)``: ``h`` ``[rows, F]`` and fc1's output ``a`` ``[rows, F1]``, both in x's dtype.
@@ -87,12 +92,12 @@ def grouped_gemm_glu_probs(
     """
     return _OP(x, weight, expert_offsets, probs, activation, bool(gated_linear_unit),
                float(linear_offset), None if clamp_value is None else float(clamp_value),
-               bool(trans_w), x_index)
+               bool(trans_w), x_index, interleave_size(glu_interleave_size))
 
 
 @register_fake("moe_core::grouped_gemm_glu_probs")
 def _(x, weight, expert_offsets, probs, activation, gated_linear_unit, linear_offset=0.0,
-      clamp_value=None, trans_w=True, x_index=None):
+      clamp_value=None, trans_w=True, x_index=None, glu_interleave_size=0):
     n = weight.shape[1] if trans_w else weight.shape[2]
     f = n // 2 if gated_linear_unit else n
     rows = x.shape[0] if x_index is None else x_index.shape[0]
@@ -100,14 +105,17 @@ def _(x, weight, expert_offsets, probs, activation, gated_linear_unit, linear_of
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, expert_offsets, probs, activation, gated, offset, clamp, trans_w, x_index = inputs
+    x, weight, expert_offsets, probs = inputs[:4]
+    trans_w = inputs[8] if len(inputs) > 8 else True
+    x_index = inputs[9] if len(inputs) > 9 else None
     _h, a = output
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     ctx.save_for_backward(x if need_w else None, weight if need_x else None, expert_offsets,
                           probs, a, x_index)
     ctx.num_src = x.shape[0]
-    ctx.glu_opts = (activation, gated, offset, clamp)
+    ctx.glu_opts = glu_options(inputs[:8] + inputs[10:11], 4)
     ctx.trans_w = trans_w
+    ctx.num_inputs = len(inputs)
 
 
 def _backward(ctx, grad_h, grad_a_out):
@@ -130,7 +138,7 @@ def _backward(ctx, grad_h, grad_a_out):
             dx = gathered_rows_grad(dx, x_index, expert_offsets, ctx.num_src)
     if ctx.needs_input_grad[1]:
         dw = _WGRAD(x, grad_a, expert_offsets, ctx.trans_w, x.dtype, x_index)
-    return dx, dw, None, grad_probs, None, None, None, None, None, None
+    return (dx, dw, None, grad_probs) + (None,) * (ctx.num_inputs - 4)
 
 
 register_autograd("moe_core::grouped_gemm_glu_probs", _backward, setup_context=_setup_context)
