@@ -55,7 +55,7 @@ _SAME_ON_EVERY_RANK = ("hidden_size", "num_moe_experts", "moe_ffn_hidden_size", 
                        "moe_token_drop_policy", "gated_linear_unit", "add_bias_linear",
                        "moe_latent_size", "moe_shared_expert_intermediate_size",
                        "moe_shared_expert_overlap", "params_dtype", "moe_alltoall_exchange",
-                       "moe_alltoall_recv_factor")
+                       "moe_alltoall_recv_factor", "moe_layer_recompute")
 
 
 class MoELayer(nn.Module):

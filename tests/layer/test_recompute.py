@@ -211,3 +211,46 @@ def test_from_megatron_reads_recompute_modules():
     with pytest.raises(ValueError, match="moe_layer_recompute=1: must be a bool"):
         config(moe_layer_recompute=1)
     assert copy.deepcopy(config(moe_layer_recompute=True)).moe_layer_recompute
+
+
+def _expert_parallel_worker(rank: int, world: int) -> dict:
+    """Each dispatcher at EP = world: the recomputed layer (its exchanges run again in the
+    backward, on every rank alike) against the plain one, and a mismatch refused on every rank."""
+    from helpers.ep_layer import config_kwargs, global_batch, global_layer, run_layer, shard_state
+
+    res = {}
+    for dispatcher in ("alltoall", "allgather"):
+        kw = config_kwargs("sigmoid_groups_bias_top8_shared", "dropless", dispatcher)
+        ref = global_layer(kw)
+        X, G, masks = global_batch(world, torch.bfloat16)
+        outs = []
+        for recompute in (False, True):
+            layer = MoELayer(MoEConfig(**kw, expert_model_parallel_size=world,
+                                       moe_layer_recompute=recompute))
+            layer.load_state_dict(shard_state(ref, rank, world))
+            out, dx, losses = run_layer(layer, X[rank], G[rank], masks[rank])
+            grads = {n: p.grad for n, p in layer.named_parameters()}
+            outs.append((out, dx, losses, grads, layer.router.local_tokens_per_expert))
+        (a, b) = outs
+        res[dispatcher] = (torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                           and a[2].keys() == b[2].keys()
+                           and all(torch.equal(a[2][k], b[2][k]) for k in a[2])
+                           and all(torch.equal(a[3][n], b[3][n]) for n in a[3])
+                           and torch.equal(a[4], b[4]))
+    kw = config_kwargs("softmax_top2", "dropless", "alltoall")
+    try:
+        MoELayer(MoEConfig(**kw, expert_model_parallel_size=world,
+                           moe_layer_recompute=rank == 0))
+        res["mismatch"] = "no error"
+    except ValueError as e:
+        res["mismatch"] = str(e)
+    return res
+
+
+def test_expert_parallel_recompute_equals_plain_bitwise():
+    from helpers.dist import run_ranks
+
+    for rank, res in enumerate(run_ranks(_expert_parallel_worker, 2, timeout=300)):
+        assert res["alltoall"] and res["allgather"], f"rank {rank}: {res}"
+        assert "moe_layer_recompute differs across the expert-parallel ranks: rank 0: True, " \
+               "rank 1: False" in res["mismatch"], f"rank {rank}: {res['mismatch']!r}"
