@@ -22,8 +22,8 @@ activation and fc2 are one op (``ops.expert_mlp``) whose backward keeps only fc1
 
 Module flags honoured (set by ``use_experts_implementation``): ``has_gate`` (``gate_up_proj`` or
 ``up_proj``), ``has_bias`` (``*_proj_bias``), ``is_transposed`` (``[E, in, out]`` weights),
-``is_concatenated`` (gate / up halves, or interleaved gate0, up0, gate1, ...: the fc1 *output* is
-de-interleaved, never the weights), ``has_post_expert_norm``, and ``_is_expert_parallel``: an
+``is_concatenated`` (gate / up halves, or interleaved gate0, up0, gate1, ...: glu_probs reads the
+fc1 output's columns where they are, ``glu_interleave_size=1``), ``has_post_expert_norm``, and ``_is_expert_parallel``: an
 index outside ``[0, num_experts)`` (HF's sentinel ``>= num_experts``, or a negative one) is an
 expert of another rank; such a slot contributes nothing and gets no gradient.
 
@@ -133,12 +133,6 @@ def _row_bias(bias: torch.Tensor, expert_offsets: torch.Tensor, rows: int) -> to
     return bias[ids]
 
 
-def _deinterleave(a: torch.Tensor) -> torch.Tensor:
-    """``[R, 2F]`` gate0, up0, gate1, up1, ... -> ``[R, 2F]`` gate half then up half."""
-    R, F2 = a.shape
-    return a.view(R, F2 // 2, 2).transpose(1, 2).reshape(R, F2)
-
-
 def moe_core_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
                              top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """An HF experts module's forward on moe-core's ops (registered as ``"moe_core"``).
@@ -197,9 +191,9 @@ def moe_core_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
         if b1 is not None:
             a = a + _row_bias(b1, offsets, a.shape[0])
         if spec is not None:
-            if has_gate and not concatenated:
-                a = _deinterleave(a)
-            h = ops.glu_probs(a, None, *spec)
+            # interleaved gate / up columns (gate0, up0, gate1, ...) are read where they are
+            h = ops.glu_probs(a, None, *spec,
+                              glu_interleave_size=1 if has_gate and not concatenated else 0)
         elif has_gate:
             h = module._apply_gate(a)
         else:

@@ -21,7 +21,6 @@ from torch import nn
 from moe_core import ops
 from moe_core.config import MoEConfig
 from moe_core.experts import GroupedMLP, autocast_dtype, autocast_to
-from moe_core.hf.backend import _deinterleave
 from moe_core.hf.router import _StopInit, decode_class, encode_class, made_class
 
 
@@ -67,8 +66,9 @@ class HFTransposedGroupedMLP(HFGroupedMLP):
 
     Parameters: ``gate_up_proj`` ``[E, H, 2F]`` (gate and up columns interleaved),
     ``gate_up_proj_bias`` ``[E, 2F]``, ``down_proj`` ``[E, F, H]``, ``down_proj_bias`` ``[E, H]``.
-    The grouped GEMMs read the ``[E, in, out]`` weights as they are (``trans_w=False``); the fc1
-    output, not the weights, is de-interleaved (activation-sized). Then GroupedMLP's order:
+    The grouped GEMMs read the ``[E, in, out]`` weights as they are (``trans_w=False``), and
+    ``ops.glu_probs`` the fc1 output's interleaved columns where they are
+    (``glu_interleave_size=1``). Then GroupedMLP's order:
     ``h = act(gate) * (up + 1)`` (gate clamped to ``max=limit``, up to ``[-limit, limit]``,
     ``act(g) = g * sigmoid(alpha g)``) times the probs: ``ops.glu_probs``' clamped quick-GELU
     when ``alpha`` is 1.702, else torch ops; then ``y = h @ W2 + b2 * p``. Under autocast the
@@ -105,7 +105,8 @@ class HFTransposedGroupedMLP(HFGroupedMLP):
         a = ops.grouped_gemm(x, w1.contiguous(), expert_offsets, trans_w=False)
         a = a + b1[row_expert]
         if self._spec is not None:
-            h = ops.glu_probs(_deinterleave(a), probs, *self._spec)
+            # GPT-OSS's gate, up, gate, up, ... columns: interleave size 1, read in place
+            h = ops.glu_probs(a, probs, *self._spec, glu_interleave_size=1)
         else:  # another alpha: the same formula in torch ops
             gate = a[:, 0::2].clamp(max=self.limit)
             up = a[:, 1::2].clamp(min=-self.limit, max=self.limit)
