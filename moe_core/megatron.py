@@ -28,9 +28,12 @@ What it shares with Megatron's training loop:
 
 Not supported (ValueError naming it): TP / ETP > 1, multi-token-prediction layers, fp8 / fp4,
 the latent projections (Megatron builds them from TransformerEngine), Megatron's
-``intermediate_tensors`` (partial CUDA-graph capture of the layer), its selective recompute of the
-MoE layer, and the MoE fields of ``_UNSUPPORTED_FIELDS`` (interleaved GLU weights, routing
-replay, forced biased routing, per-rank capacity, fp8 padding, paged stash, ...).
+``intermediate_tensors`` (partial CUDA-graph capture of the layer), and the MoE fields of
+``_UNSUPPORTED_FIELDS`` (forced biased routing, per-rank capacity, fp8 padding, paged stash, and
+TransformerEngine's interleaved GLU and single grouped layouts, which Megatron's local spec
+ignores). Routing replay (``moe_enable_routing_replay``, ``moe_core.replay``) and the layer's
+recompute (``moe_layer_recompute``, or "moe" in the selective ``recompute_modules``) carry over
+through ``MoEConfig.from_megatron``.
 """
 import functools
 from typing import Optional
@@ -79,13 +82,15 @@ class _MegatronLossScale(AuxLossScale):
         return self._value if scale is None else scale.detach().reshape(()).float()
 
 
-# Megatron's MoE fields that change what its layer computes or stores and that moe-core's layer
-# does not implement: refused unless unset / False (performance knobs of its kernels are not here).
+# Megatron's MoE fields that change what its layer computes or stores and that this layer does
+# not implement: refused unless unset / False (performance knobs of its kernels are not here). The
+# GLU interleaves and the single grouped layouts are options of Megatron's TransformerEngine
+# experts, which its local spec (the layout this layer follows, sharded_state_dict included)
+# ignores; moe_core.MoELayer takes them directly.
 _UNSUPPORTED_FIELDS = ("moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size",
-                       "moe_enable_routing_replay", "moe_router_force_biased",
-                       "moe_expert_rank_capacity_factor", "moe_router_padding_for_fp8",
-                       "moe_layer_recompute", "moe_grad_scale_func", "moe_single_grouped_weight",
-                       "moe_single_grouped_bias", "moe_paged_stash")
+                       "moe_router_force_biased", "moe_expert_rank_capacity_factor",
+                       "moe_router_padding_for_fp8", "moe_grad_scale_func",
+                       "moe_single_grouped_weight", "moe_single_grouped_bias", "moe_paged_stash")
 
 # Megatron's tracker arguments per loss (router.py: attach_and_log_load_balancing_loss and
 # apply_z_loss): the group the value is summed over, averaged over, and whether it is then
@@ -137,11 +142,6 @@ class MoECoreMegatronLayer(MoELayer):
             if getattr(config, field, None):
                 raise ValueError(f"{field}={getattr(config, field)!r}: not supported by "
                                  f"moe-core's Megatron layer (leave it unset)")
-        if getattr(config, "recompute_granularity", None) == "selective" and \
-                "moe" in (getattr(config, "recompute_modules", None) or ()):
-            raise ValueError("recompute_modules contains 'moe': Megatron's selective recompute "
-                             "of its own MoE layer does not apply to moe-core's (remove 'moe', "
-                             "or recompute the whole layer)")
         if getattr(config, "moe_latent_size", None):
             raise ValueError(f"moe_latent_size={config.moe_latent_size}: Megatron builds the "
                              f"latent projections from TransformerEngine; moe-core's Megatron "

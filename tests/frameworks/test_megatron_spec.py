@@ -273,11 +273,33 @@ def test_refusals_name_what_is_unsupported():
         MoECoreMegatronLayer(_tiny(moe_latent_size=8))
     with pytest.raises(ValueError, match="moe_mlp_glu_interleave_size=32"):
         MoECoreMegatronLayer(_tiny(gated_linear_unit=True, moe_mlp_glu_interleave_size=32))
-    with pytest.raises(ValueError, match="recompute_modules contains 'moe'"):
-        MoECoreMegatronLayer(_tiny(recompute_granularity="selective", recompute_modules=["moe"]))
+    with pytest.raises(ValueError, match="moe_router_force_biased"):
+        MoECoreMegatronLayer(_tiny(moe_router_force_biased=1.0))
+    layer = MoECoreMegatronLayer(_tiny(moe_enable_routing_replay=True))
+    assert layer.config.moe_enable_routing_replay
     layer = MoECoreMegatronLayer(_tiny())
     with pytest.raises(ValueError, match="intermediate_tensors"):
         layer(torch.randn(4, 1, 16), intermediate_tensors=(None, None))
+
+
+def test_selective_moe_recompute_recomputes_the_layer():
+    """Megatron's "moe" in the selective recompute_modules recomputes its MoE layer inside the
+    layer (MoELayer.moe_layer_recompute): this one does the same, with the same gradients."""
+    torch.manual_seed(0)
+    plain = MoECoreMegatronLayer(_tiny())
+    torch.manual_seed(0)
+    recomputed = MoECoreMegatronLayer(_tiny(recompute_granularity="selective",
+                                            recompute_modules=["moe"]))
+    assert recomputed.config.moe_layer_recompute and not plain.config.moe_layer_recompute
+    x = torch.randn(4, 1, 16)
+    grads = []
+    for layer in (plain, recomputed):
+        xx = x.clone().requires_grad_()
+        out, bias = layer(xx)
+        assert bias is None
+        out.square().sum().backward()
+        grads.append([xx.grad] + [p.grad for p in layer.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_tensor_parallel_is_refused():
