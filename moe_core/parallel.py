@@ -83,18 +83,30 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, ep_group: GroupLike = Non
     expert parameter's squared norm is summed over the EP group (``None``: the model's MoE
     layers' group), so every rank computes the global 2-norm and the same scale, and replicated
     parameters stay equal across ranks (clipping by each rank's own norm would not). Call it
-    after :func:`all_reduce_gradients`. Returns the total norm (fp32, on the gradients' device)."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
-        return torch.zeros(())
+    after :func:`all_reduce_gradients`. Returns the total norm (fp32, on the gradients' device).
+
+    A collective over the EP group whenever the model has expert parameters, entered by every
+    rank whatever gradients it holds: the reduced vector has one entry per expert parameter of
+    the model (zero where a rank has no gradient), so a rank without gradients (a skipped
+    backward) still joins with a vector of the others' length instead of leaving them waiting."""
     group = as_group(ep_group, "ep_group") or _ep_group_of(model)
-    sq = torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]).square()
-    expert = torch.tensor([is_expert_parameter(p) for p in params], device=sq.device)
-    if group is not None and expert.any():
-        expert_sq = torch.where(expert, sq, 0.0)
+    all_params = list(model.parameters())
+    params = [p for p in all_params if p.grad is not None]
+    experts = [p for p in all_params if is_expert_parameter(p)]
+    device = params[0].grad.device if params else (all_params[0].device if all_params
+                                                   else torch.device("cpu"))
+    norms = {id(p): torch.linalg.vector_norm(p.grad.float()).square() for p in params}
+    if group is not None and experts:
+        zero = torch.zeros((), device=device)
+        expert_sq = torch.stack([norms.get(id(p), zero) for p in experts])
         dist.all_reduce(expert_sq, group=group)
-        sq = torch.where(expert, expert_sq, sq)
-    total = sq.sum().sqrt()
+        norms.update((id(p), sq) for p, sq in zip(experts, expert_sq.unbind()))
+    if not params:
+        total = torch.zeros((), device=device)
+        if group is not None and experts:  # the other ranks' experts still count
+            total = torch.stack([norms[id(p)] for p in experts]).sum().sqrt()
+        return total
+    total = torch.stack([norms[id(p)] for p in params]).sum().sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 

@@ -29,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, results, args, backend, env):
+def _entry(fn, rank, world, port, results, args, backend, env, collective_timeout):
     try:
         warnings.simplefilter("ignore")
         os.environ.update(env)
@@ -39,7 +39,7 @@ def _entry(fn, rank, world, port, results, args, backend, env):
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT)
+        timeout = datetime.timedelta(seconds=collective_timeout)
         if backend == "nccl":
             torch.cuda.set_device(rank)
             dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout,
@@ -58,10 +58,13 @@ def _entry(fn, rank, world, port, results, args, backend, env):
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 300.0, backend: str = "gloo",
-              env: Optional[Dict[str, str]] = None):
+              env: Optional[Dict[str, str]] = None,
+              collective_timeout: float = COLLECTIVE_TIMEOUT):
     """Results of ``fn(rank, world, *args)`` on ``world`` ranks, in rank order: gloo ranks on
     the CPU, or with ``backend="nccl"`` one GPU per rank (rank r on GPU r). ``env``: variables
-    set in every rank before its process group starts.
+    set in every rank before its process group starts. ``collective_timeout``: seconds a
+    collective of the default group waits for the others before it raises (tests of failures
+    shorten it, so a rank left in a collective shows within seconds).
 
     Raises AssertionError with the failing rank's traceback if any rank raised, and names the
     ranks that were still running (left in a collective) when the first failure arrived."""
@@ -71,7 +74,8 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0, backend: str = "glo
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, args, backend,
-                                              dict(env or {})), daemon=True)
+                                              dict(env or {}), collective_timeout),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
