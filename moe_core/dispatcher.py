@@ -126,11 +126,18 @@ class _Dispatcher:
         of the capacity are exchanged; a group of one runs the single-device layout)."""
         return True, self.drop_and_pad and self.exchange
 
-    def plan(self, routing_map: torch.Tensor):
+    def plan(self, routing_map: torch.Tensor, agreement=None):
         """The exchange's own planning from the routing map, started before the layout is made
         (so a host copy it waits for later runs meanwhile); handed back to :meth:`dispatch`.
-        None where there is none."""
+        None where there is none. ``agreement``: ``(row, check)``, the layer's agreement row to
+        fold into the exchange's own all-gather and the function that checks the gathered table
+        (only where :meth:`folds_agreement`)."""
         return None
+
+    def folds_agreement(self) -> bool:
+        """True where :meth:`plan` all-gathers the token counts and reads them on the host (the
+        dropless / dropping all-to-all), so the layer's agreement rides on that all-gather."""
+        return False
 
 
 class AlltoAllDispatcher(_Dispatcher):
@@ -157,24 +164,35 @@ class AlltoAllDispatcher(_Dispatcher):
         return fc.all_to_all_single_autograd(x, output_splits, input_splits, self.group)
 
     # ---- exchange steps, named as in Megatron ---------------------------------------------
-    def preprocess(self, routing_map: torch.Tensor) -> Tuple[torch.Tensor, _HostSplits]:
+    def preprocess(self, routing_map: torch.Tensor, agreement_row: Optional[torch.Tensor] = None
+                   ) -> Tuple[torch.Tensor, _HostSplits]:
         """Token counts of the group: ``[N, nle]`` rows routed from each source rank to each local
         expert (on the device), and this rank's input / output split sizes on their way to the
-        host (``[input_splits (N), output_splits (N)]``)."""
+        host (``[input_splits (N), output_splits (N)]``). ``agreement_row`` (int64 ``[k]``): the
+        layer's agreement, all-gathered with the counts (one collective) and appended to the
+        host values as the group's table (``[N·k]``)."""
         N, nle, E = self.ep_size, self.nle, self.num_experts
         counts = routing_map.sum(dim=0, dtype=torch.long)                           # [E]
-        gathered = _wait(_all_gather(counts, 0, self.group)).view(N, E)             # [N, E]
+        sent = counts if agreement_row is None else torch.cat([counts, agreement_row])
+        gathered = _wait(_all_gather(sent, 0, self.group)).view(N, -1)              # [N, E (+k)]
         lo = self.ep_rank * nle
         per_local = gathered[:, lo:lo + nle]                                        # [N, nle]
-        splits = torch.cat([counts.view(N, nle).sum(1), per_local.sum(1)])          # [2N]
-        return per_local, _HostSplits(splits)
+        splits = [counts.view(N, nle).sum(1), per_local.sum(1)]                     # [2N]
+        if agreement_row is not None:
+            splits.append(gathered[:, E:].reshape(-1))                              # [N·k]
+        return per_local, _HostSplits(torch.cat(splits))
 
-    def plan(self, routing_map: torch.Tensor):
+    def plan(self, routing_map: torch.Tensor, agreement=None):
         """Dropless / dropping across ranks: :meth:`preprocess`, whose split sizes travel to the
-        host while the layer makes the layout (Megatron's sync-point schedule)."""
-        if self.exchange and not self.drop_and_pad:
-            return self.preprocess(routing_map)
+        host while the layer makes the layout (Megatron's sync-point schedule), with the layer's
+        agreement row folded in."""
+        if self.folds_agreement():
+            row, check = agreement if agreement is not None else (None, None)
+            return self.preprocess(routing_map, row) + (check,)
         return None
+
+    def folds_agreement(self) -> bool:
+        return self.exchange and not self.drop_and_pad
 
     def dispatch(self, x: torch.Tensor, layout: ops.RoutingLayout, rows: torch.Tensor,
                  plan=None, overlap: Optional[Callable[[], None]] = None):
@@ -202,9 +220,12 @@ class AlltoAllDispatcher(_Dispatcher):
             offsets = torch.arange(nle + 1, device=x.device, dtype=torch.long) * (N * cap)
             return recv, recv_probs, offsets, dict(layout=layout, cap=cap)
 
-        per_local, host = plan if plan is not None else self.preprocess(layout.routing_map)
+        per_local, host, check = (plan if plan is not None
+                                  else self.preprocess(layout.routing_map) + (None,))
         splits = host.get()                                    # the one host wait
-        input_splits, output_splits = splits[:N], splits[N:]
+        if check is not None:  # the layer's agreement, read with the splits
+            check(splits[2 * N:])
+        input_splits, output_splits = splits[:N], splits[N:2 * N]
         used = sum(input_splits)
         if used != rows.shape[0]:  # dropping without padding: the bound's tail is unused
             rows, row_probs = rows[:used], row_probs[:used]

@@ -26,13 +26,34 @@ all-to-all reads its split sizes on the host (one wait per forward), unless
 ``moe_alltoall_exchange="symm_mem"`` (dropless, NVSHMEM, a static receive budget:
 ``moe_core.symm_exchange``).
 
+Agreement (expert parallel): a rank that raised on its own input while the others entered a
+collective would leave them waiting (or, on gloo, abort them), so before its first collective
+every expert-parallel forward gathers one small int64 row per rank: an input problem code (shape,
+dtype, padding mask), the token count, the tokens' and the router's dtypes, training / grad mode
+and a fingerprint of the fields in ``_SAME_ON_EVERY_RANK``. Every rank then raises the same
+error when a row names a bad input or the rows differ where the exchanges cannot take it (the
+token count only for the equal-block exchanges: allgather, drop-and-pad, symm_mem). Where it
+runs:
+
+* dropless / dropping all-to-all: the row rides on the dispatcher's token-count all-gather and
+  is read with the split sizes (the host read that exchange makes anyway): no extra collective,
+  no extra sync. A rank with a bad input joins that all-gather with no tokens and raises there.
+  Where a collective runs before it (the global aux loss's counts, a tp_cp group of several
+  ranks, FSDP2-sharded submodules), the row is a collective of its own, as below.
+* the equal-block exchanges: an all-gather of its own, read on the host only when this rank's
+  row changed since its last agreed forward (first forward, new token count, dtype or mode);
+  otherwise, and always inside torch.compile or a CUDA graph, a device-side assert checks the
+  gathered rows (no host read: the exchanges stay capturable). On the CPU the assert raises at
+  once and the rows are read for the clear error; on CUDA it stops the device on every rank.
+
 Mixed precision (``torch.autocast``): the layer behaves as ``nn.Linear`` does there. The experts'
 GEMMs (and the latent projections and the shared expert, which are ``nn.Linear``) run in the
 autocast dtype on fp32 master weights; the router computes in ``moe_router_dtype`` (None: its
 input's dtype), as outside autocast, and the aux losses in fp32 (or fp64). Outside autocast the
 input must have the parameters' dtype.
 """
-from typing import Callable, Optional, Union
+import zlib
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -41,21 +62,61 @@ from torch.utils.checkpoint import checkpoint
 
 from moe_core import ops
 from moe_core.config import MoEConfig
-from moe_core.dispatcher import DISPATCHERS
+from moe_core.dispatcher import DISPATCHERS, _all_gather, _wait
 from moe_core.experts import (GroupedMLP, SharedExpertMLP, autocast_dtype, autocast_to,
                               reads_rows_by_index, uninitialized_linear)
 from moe_core.groups import GroupLike, as_group
 from moe_core.ops.aux_loss_autoscaler import current_aux_loss_scale
 from moe_core.router import TopKRouter
 
-# Fields every rank of an expert-parallel group must agree on (checked once, at construction).
+# Fields every rank of an expert-parallel group must agree on: those that change what the ranks
+# exchange (shapes, dtypes, which collectives run, in which order) or the replicated router's
+# values. Checked at construction (one all-gather, each differing field named) and, as a
+# fingerprint, in every forward's agreement (a field changed after construction on one rank).
 _SAME_ON_EVERY_RANK = ("hidden_size", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk",
                        "expert_model_parallel_size", "moe_token_dispatcher_type",
                        "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
                        "moe_token_drop_policy", "gated_linear_unit", "add_bias_linear",
                        "moe_latent_size", "moe_shared_expert_intermediate_size",
                        "moe_shared_expert_overlap", "params_dtype", "moe_alltoall_exchange",
-                       "moe_alltoall_recv_factor", "moe_layer_recompute")
+                       "moe_alltoall_recv_factor", "moe_router_dtype",
+                       "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                       "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+                       "moe_apply_probs_on_input", "moe_router_padding_for_quantization",
+                       "tensor_model_parallel_size", "expert_tensor_parallel_size",
+                       "sequence_parallel", "calculate_per_token_loss", "moe_layer_recompute")
+# Fields a rank may set on its own: they change only this rank's local arithmetic (routing rules
+# of the replicated router, activations, initialisation, logging), never an exchange's shape,
+# dtype or order. tests/ep/test_rank_failures.py checks every MoEConfig field is in one list.
+_MAY_DIFFER = ("num_layers", "ffn_hidden_size", "activation_func", "glu_linear_offset",
+               "activation_func_clamp_value", "init_method_std", "moe_shared_expert_gate",
+               "moe_layer_freq", "moe_router_topk_limited_devices", "moe_router_num_groups",
+               "moe_router_group_topk", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+               "moe_router_score_function", "moe_router_force_load_balancing",
+               "moe_grouped_gemm", "moe_input_jitter_eps", "moe_token_dropping",
+               "moe_per_layer_logging", "moe_permute_fusion", "moe_router_fusion",
+               "moe_router_norm_topk_prob", "moe_router_group_score_topk",
+               "moe_input_jitter_mode", "moe_expert_rows_by_index", "moe_enable_routing_replay",
+               "moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size",
+               "moe_single_grouped_weight", "moe_single_grouped_bias")
+
+# dtype <-> small integer, for the agreement vector (the same table in every process)
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+_DTYPE_CODE = {d: i + 1 for i, d in enumerate(_DTYPES)}
+
+# the agreement vector: one int64 row per rank (see MoELayer._agreement_row)
+_STATUS, _TOKENS, _ROWS_DTYPE, _PROBS_DTYPE, _MODE, _CONFIG, _DETAIL_A, _DETAIL_B = range(8)
+_OK, _BAD_SHAPE, _BAD_DTYPE, _BAD_MASK = range(4)
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code - 1]) if 0 < code <= len(_DTYPES) else f"dtype #{code}"
+
+
+def config_fingerprint(config: MoEConfig) -> int:
+    """A CRC-32 of the fields every rank must share (stable across processes, unlike hash())."""
+    text = repr(tuple(repr(getattr(config, f)) for f in _SAME_ON_EVERY_RANK))
+    return zlib.crc32(text.encode())
 
 
 class MoELayer(nn.Module):
@@ -113,6 +174,8 @@ class MoELayer(nn.Module):
                     self.ep_group, config.num_moe_experts,
                     drop_and_pad=config.moe_pad_expert_input_to_capacity)
             self._check_same_config_on_every_rank()
+        self._config_fingerprint = config_fingerprint(config)
+        self._agreed_row = None  # this rank's agreement row of its last agreed forward
         self.tp_cp_group = as_group(tp_cp_group, "tp_cp_group")
         self.tp_dp_cp_group = as_group(tp_dp_cp_group, "tp_dp_cp_group")
         kw = dict(device=device, dtype=dtype)
@@ -136,7 +199,6 @@ class MoELayer(nn.Module):
                                   **kw)
         self.shared_experts = (SharedExpertMLP(config, **kw)
                                if config.moe_shared_expert_intermediate_size is not None else None)
-        self._validated_tokens = None
         self._shared_stream = None
 
     def reset_parameters(self) -> None:
@@ -199,25 +261,190 @@ class MoELayer(nn.Module):
                 raise ValueError(f"{field} differs across the expert-parallel ranks: "
                                  + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
 
-    def _check_equal_tokens(self, num_tokens: int) -> None:
-        """The allgather dispatcher and drop-and-pad exchange equal blocks: every rank must have
-        the same token count. Checked (one small all-gather) whenever the count changes, in
-        eager mode; traced and captured runs repeat a checked shape."""
-        if (num_tokens == self._validated_tokens or self.dispatcher.ep_size == 1
-                or torch.compiler.is_compiling()):
-            return
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return
-        seen = [None] * self.dispatcher.ep_size
-        dist.all_gather_object(seen, num_tokens, group=self.ep_group)
-        if len(set(seen)) > 1:
+    # ---- expert parallelism: the ranks agree before every forward's first collective -------
+    def _exchanges(self) -> bool:
+        """True when the forward exchanges with other ranks (an EP group of more than one rank,
+        or the collectives forced at one)."""
+        return self.dispatcher is not None and self.dispatcher.exchange
+
+    def _needs_equal_tokens(self) -> bool:
+        """The allgather dispatcher, drop-and-pad and the symmetric buffers exchange blocks sized
+        by the token count: every rank must have the same count."""
+        cfg = self.config
+        return (cfg.moe_token_dispatcher_type == "allgather" or cfg.moe_alltoall_exchange ==
+                "symm_mem" or cfg.moe_pad_expert_input_to_capacity)
+
+    def _agreement_folded(self) -> bool:
+        """True where the agreement rides on the dispatcher's token-count all-gather and its
+        host read (the dropless / dropping all-to-all): nothing collective may run before it, so
+        not with a router that reduces its aux-loss counts over other ranks, nor with submodules
+        sharded by FSDP2 (their parameters are all-gathered when they run)."""
+        cfg = self.config
+        if not self.dispatcher.folds_agreement():
+            return False
+        coeffs = dict(zip(cfg.load_balancing_types, cfg.aux_loss_coeffs))
+        if coeffs.get("global_aux_loss", 0) or (
+                self.tp_cp_group is not None and dist.get_world_size(self.tp_cp_group) > 1):
+            return False
+        return not any(hasattr(p, "device_mesh") for p in self.parameters())
+
+    def _input_problem(self, hidden_states: torch.Tensor,
+                       padding_mask: Optional[torch.Tensor]) -> Optional[Exception]:
+        """The error this rank's input alone would raise (shape, dtype, padding mask), or None;
+        returned, not raised, so an expert-parallel rank can tell the others first."""
+        H = self.config.hidden_size
+        if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != H:
+            return ValueError(f"hidden_states must be [S, B, {H}] or [T, {H}], got "
+                              f"{tuple(hidden_states.shape)}")
+        if autocast_dtype(hidden_states) is None:
+            params_dtype = next(self.experts.parameters()).dtype
+            if hidden_states.dtype != params_dtype:
+                return TypeError(
+                    f"hidden_states is {hidden_states.dtype} but the layer's parameters are "
+                    f"{params_dtype}: build the layer in the activation dtype "
+                    f"(MoEConfig(params_dtype=...) or MoELayer(..., dtype=...)), or run it under "
+                    f"torch.autocast(device_type, dtype=...) to compute in a lower precision "
+                    f"than fp32 parameters")
+        if padding_mask is not None:
+            try:
+                self._padding_mask(padding_mask, hidden_states)
+            except (TypeError, ValueError) as e:
+                return e
+        return None
+
+    def _agreement_row(self, hidden_states: torch.Tensor,
+                       problem: Optional[Exception]) -> List[int]:
+        """This rank's row of the agreement: what the exchanges' shapes, dtypes and order depend
+        on (columns ``_STATUS .. _DETAIL_B``)."""
+        cfg = self.config
+        status, a, b = _OK, 0, 0
+        if problem is not None:
+            if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != cfg.hidden_size:
+                status, a, b = _BAD_SHAPE, hidden_states.dim(), hidden_states.shape[-1] \
+                    if hidden_states.dim() else 0
+            elif isinstance(problem, TypeError) and "hidden_states is" in str(problem):
+                status = _BAD_DTYPE
+                a = _DTYPE_CODE.get(hidden_states.dtype, 0)
+                b = _DTYPE_CODE.get(next(self.experts.parameters()).dtype, 0)
+            else:
+                status = _BAD_MASK
+        tokens = hidden_states.numel() // max(hidden_states.shape[-1], 1) \
+            if hidden_states.dim() else 0
+        ac = autocast_dtype(hidden_states)
+        low = (torch.float32, torch.float16, torch.bfloat16)
+        rows = ac if ac is not None and hidden_states.dtype in low else hidden_states.dtype
+        probs = cfg.router_dtype or hidden_states.dtype
+        mode = 2 * int(self.training) + int(torch.is_grad_enabled())
+        # a traced forward takes the fingerprint of construction (dynamo guards on the fields)
+        fingerprint = (self._config_fingerprint if torch.compiler.is_compiling()
+                       else config_fingerprint(cfg))
+        return [status, tokens, _DTYPE_CODE.get(rows, 0), _DTYPE_CODE.get(probs, 0), mode,
+                fingerprint, a, b]
+
+    def _agree(self, hidden_states: torch.Tensor, problem: Optional[Exception]):
+        """The ranks' agreement on this forward, before its first collective (module docstring,
+        "Agreement"): every rank raises the same error when one rank's input is bad or the ranks
+        differ in what they would exchange, so none is left in a collective.
+
+        Returns the row to fold into the dispatcher's token-count all-gather (the dropless /
+        dropping all-to-all: no collective of its own), or None when the agreement is done."""
+        row = self._agreement_row(hidden_states, problem)
+        if self._agreement_folded():
+            if problem is None:
+                return row
+            # this rank stops here: it joins the token-count all-gather the others are about to
+            # enter (no tokens of its own), reads the table and raises with them
+            device = next(self.experts.parameters()).device
+            _, host = self.dispatcher.preprocess(
+                torch.zeros(1, self.config.num_moe_experts, dtype=torch.bool, device=device),
+                torch.tensor(row, dtype=torch.long, device=device))
+            self.check_agreement(host.get()[2 * self.dispatcher.ep_size:], problem)
+            raise problem  # not reached: the table holds this rank's problem
+        device = next(self.experts.parameters()).device
+        mine = torch.tensor(row, dtype=torch.long, device=device)
+        table = _wait(_all_gather(mine, 0, self.ep_group))                       # [N·8]
+        graph = torch.compiler.is_compiling() or (
+            mine.is_cuda and torch.cuda.is_current_stream_capturing())
+        if not graph and row != self._agreed_row:
+            # this rank's row changed since its last agreed forward (the first forward, a new
+            # token count, dtype or mode, or a bad input): read the table, a clear error
+            self.check_agreement(table.tolist(), problem)
+            self._agreed_row = row
+            return None
+        # the steady state reads nothing on the host: a device-side assert on the table (every
+        # rank sees the same table, so every rank fails together). On the CPU it raises at once
+        # and the table is read for the clear error; on CUDA it stops the device (a rank whose
+        # own row changed has read the table and raised the clear error).
+        t = table.view(-1, len(row))
+        same = (t[:, _STATUS] == _OK).all() & (t[:, _ROWS_DTYPE:_CONFIG + 1] ==
+                                                t[0, _ROWS_DTYPE:_CONFIG + 1]).all()
+        if self._needs_equal_tokens():
+            same = same & (t[:, _TOKENS] == t[0, _TOKENS]).all()
+        try:
+            torch._assert_async(same, "the expert-parallel ranks disagree on this forward (a "
+                                      "bad input on one rank, or token counts, dtypes, "
+                                      "training mode or config that differ): run it eagerly "
+                                      "for the details")
+        except RuntimeError:
+            if not graph:
+                self.check_agreement(table.tolist(), problem)
+            raise
+        return None
+
+    def check_agreement(self, table: List[int], problem: Optional[Exception] = None) -> None:
+        """Raise, on every rank alike, when the gathered agreement ``table`` (the ranks' rows,
+        flattened) shows a bad input on some rank or a difference the exchanges cannot take.
+        ``problem``: this rank's own error, chained as the cause."""
+        width = _DETAIL_B + 1
+        rows = [table[i:i + width] for i in range(0, len(table), width)]
+        H = self.config.hidden_size
+        bad = [(r, row) for r, row in enumerate(rows) if row[_STATUS] != _OK]
+        if bad:
+            def what(row):
+                if row[_STATUS] == _BAD_SHAPE:
+                    return (f"hidden_states has {row[_DETAIL_A]} dimensions and last size "
+                            f"{row[_DETAIL_B]}, the layer takes [S, B, {H}] or [T, {H}]")
+                if row[_STATUS] == _BAD_DTYPE:
+                    return (f"hidden_states is {_dtype_name(row[_DETAIL_A])} but the layer's "
+                            f"parameters are {_dtype_name(row[_DETAIL_B])} (outside autocast "
+                            f"the input must have the parameters' dtype)")
+                return "padding_mask does not fit hidden_states"
+            kind = TypeError if bad[0][1][_STATUS] == _BAD_DTYPE else ValueError
+            raise kind("expert-parallel forward stopped on every rank: "
+                       + "; ".join(f"rank {r}: {what(row)}" for r, row in bad)) from problem
+
+        def differs(col):
+            return len({row[col] for row in rows}) > 1
+
+        def listing(col, fmt=str):
+            return ", ".join(f"rank {r}: {fmt(row[col])}" for r, row in enumerate(rows))
+        if differs(_CONFIG):
+            raise ValueError(f"the configuration differs across the expert-parallel ranks (a "
+                             f"field of {_SAME_ON_EVERY_RANK} was changed after the layer was "
+                             f"built on some rank); its fingerprints: {listing(_CONFIG)}")
+        if differs(_MODE):
+            def mode(m):
+                return (("training" if m & 2 else "eval") + ", "
+                        + ("grad enabled" if m & 1 else "no grad"))
+            raise ValueError(f"the training mode or grad mode differs across the expert-parallel "
+                             f"ranks ({listing(_MODE, mode)}): their forward and backward "
+                             f"exchanges would not match")
+        if differs(_ROWS_DTYPE):
+            raise TypeError(f"the tokens' dtype (hidden_states', or the autocast dtype) differs "
+                            f"across the expert-parallel ranks: {listing(_ROWS_DTYPE, _dtype_name)}")
+        if differs(_PROBS_DTYPE):
+            raise TypeError(f"the router's dtype (moe_router_dtype, else hidden_states') differs "
+                            f"across the expert-parallel ranks: "
+                            f"{listing(_PROBS_DTYPE, _dtype_name)}")
+        if self._needs_equal_tokens() and differs(_TOKENS):
             cfg = self.config
             why = ("the allgather dispatcher" if cfg.moe_token_dispatcher_type == "allgather"
                    else "moe_pad_expert_input_to_capacity" if cfg.moe_pad_expert_input_to_capacity
                    else "moe_alltoall_exchange='symm_mem' (symmetric buffers)")
-            raise ValueError(f"hidden_states has {num_tokens} tokens on this rank; {why} needs "
+            seen = [row[_TOKENS] for row in rows]
+            me = self.dispatcher.ep_rank
+            raise ValueError(f"hidden_states has {seen[me]} tokens on this rank; {why} needs "
                              f"the same number on every expert-parallel rank, got {seen}")
-        self._validated_tokens = num_tokens
 
     def num_out_tokens(self, num_tokens: Union[int, torch.SymInt]) -> Union[int, torch.SymInt]:
         """The row bound of the layout for ``num_tokens`` tokens (permute's ``num_out_tokens``;
@@ -262,11 +489,14 @@ class MoELayer(nn.Module):
             TypeError: outside autocast, ``hidden_states`` of a dtype other than the
                 parameters' (checked before the router runs).
         """
-        if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != self.config.hidden_size:
-            raise ValueError(f"hidden_states must be [S, B, {self.config.hidden_size}] or "
-                             f"[T, {self.config.hidden_size}], got {tuple(hidden_states.shape)}")
-        if autocast_dtype(hidden_states) is None:
-            self._check_input_dtype(hidden_states)
+        problem = self._input_problem(hidden_states, padding_mask)
+        agreement = None
+        if self._exchanges():
+            agreement = self._agree(hidden_states, problem)
+            if problem is not None:  # inside a graph: the assert above fails on every rank
+                return hidden_states
+        elif problem is not None:
+            raise problem
         if padding_mask is not None:
             padding_mask = self._padding_mask(padding_mask, hidden_states)
         if self.config.moe_layer_recompute and self.training and torch.is_grad_enabled():
@@ -309,7 +539,7 @@ class MoELayer(nn.Module):
             x = self.fc1_latent_proj(x)
         box = {}
         run_shared = (lambda: box.update(out=self._shared_side(hidden_states))) if overlap else None
-        out = self.routed_experts(x, probs, routing_map, overlap=run_shared)
+        out = self.routed_experts(x, probs, routing_map, overlap=run_shared, agreement=agreement)
         if overlap:
             shared = self._shared_joined(box.get("out"))
         if self.fc2_latent_proj is not None:
@@ -320,7 +550,8 @@ class MoELayer(nn.Module):
         return out
 
     def routed_experts(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                       overlap: Optional[Callable[[], None]] = None) -> torch.Tensor:
+                       overlap: Optional[Callable[[], None]] = None,
+                       agreement: Optional[List[int]] = None) -> torch.Tensor:
         """layout -> experts -> combine on routed tokens: the one place this sequence is written
         (the forward, expert parallel or not, and the Hugging Face blocks run it).
 
@@ -336,6 +567,8 @@ class MoELayer(nn.Module):
             probs: ``[T, E]`` router probs (router dtype), zero off the map.
             routing_map: ``[T, E]`` bool, the router's choice.
             overlap: expert parallel only: run while the rows are in flight (the shared expert).
+            agreement: expert parallel only: the forward's agreement row still to be checked
+                (folded into the dispatcher's all-gather); None: :meth:`dispatch` agrees itself.
 
         Returns:
             ``[T, H]`` in ``x``'s dtype: each token's experts' outputs, weighted and summed.
@@ -346,27 +579,32 @@ class MoELayer(nn.Module):
             by_index = reads_rows_by_index(self.config) and self._rows_by_index(x)
             rows, layout = self._layout(x, probs, routing_map, with_rows=not by_index)
             return self.experts(x, layout, rows)
-        recv, recv_probs, recv_offsets, handle = self.dispatch(x, probs, routing_map, overlap)
+        recv, recv_probs, recv_offsets, handle = self.dispatch(x, probs, routing_map, overlap,
+                                                               agreement)
         y = self.experts.forward_rows(recv, recv_offsets, recv_probs)
         return self.dispatcher.combine(y, handle)
 
     def dispatch(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                 overlap: Optional[Callable[[], None]] = None):
+                 overlap: Optional[Callable[[], None]] = None,
+                 agreement: Optional[List[int]] = None):
         """Expert parallel: the tokens' layout, made as the dispatcher asks, and the dispatch of
         their rows to the local experts of every rank (:meth:`routed_experts`' first half).
 
-        Args: as :meth:`routed_experts`.
+        Args: as :meth:`routed_experts`. Expert parallel, without ``agreement``: the ranks
+            agree on ``x`` first (:meth:`_agree`).
 
         Returns:
             ``(rows [R_local, H], probs [R_local], expert_offsets [E_local + 1] int64, handle)``:
             the rows this rank's experts run, grouped by local expert, and the handle
             ``self.dispatcher.combine(y, handle)`` takes to bring their outputs back.
         """
-        cfg = self.config
-        if cfg.moe_pad_expert_input_to_capacity or cfg.moe_token_dispatcher_type == "allgather" \
-                or cfg.moe_alltoall_exchange == "symm_mem":
-            self._check_equal_tokens(x.shape[0])
-        plan = self.dispatcher.plan(routing_map)
+        if agreement is None and self._exchanges():  # called on its own, not by forward
+            agreement = self._agree(x, None)
+        meta = None
+        if agreement is not None:
+            meta = (torch.tensor(agreement, dtype=torch.long, device=x.device),
+                    self.check_agreement)
+        plan = self.dispatcher.plan(routing_map, meta)
         rows, layout = self._layout(x, probs, routing_map, *self.dispatcher.layout_request())
         return self.dispatcher.dispatch(x, layout, rows, plan, overlap)
 
@@ -378,18 +616,6 @@ class MoELayer(nn.Module):
         if with_rows:
             return ops.permute_tokens(x, routing_map, probs, bound, drop_and_pad)
         return None, ops.routing_layout(routing_map, probs, bound, drop_and_pad)
-
-    def _check_input_dtype(self, hidden_states: torch.Tensor) -> None:
-        """Outside autocast the custom ops take no mixed dtypes: an input of another dtype than
-        the experts' parameters fails here, before the router has run, with the two fixes."""
-        params_dtype = next(self.experts.parameters()).dtype
-        if hidden_states.dtype != params_dtype:
-            raise TypeError(
-                f"hidden_states is {hidden_states.dtype} but the layer's parameters are "
-                f"{params_dtype}: build the layer in the activation dtype "
-                f"(MoEConfig(params_dtype=...) or MoELayer(..., dtype=...)), or run it under "
-                f"torch.autocast(device_type, dtype=...) to compute in a lower precision than "
-                f"fp32 parameters")
 
     def _rows_by_index(self, x: torch.Tensor) -> bool:
         """config.moe_expert_rows_by_index, None resolved by x's device (see MoEConfig)."""

@@ -352,9 +352,12 @@ class SymmMemAlltoAllDispatcher(AlltoAllDispatcher):
             self._chunk_order[key] = torch.cat([order, order.new_tensor([order.shape[0]])])
         return self._chunk_order[key]
 
-    def plan(self, routing_map: torch.Tensor):
+    def plan(self, routing_map: torch.Tensor, agreement=None):
         """Nothing to start early: the budgeted exchange reads no split size on the host."""
         return None
+
+    def folds_agreement(self) -> bool:
+        return False
 
     def dispatch(self, x, layout, rows, plan=None, overlap=None):
         if not self.exchange or layout.drop_and_pad:

@@ -34,6 +34,7 @@ def probe(tag: int) -> bool:
 
 
 def run_case(fn: Callable[[int, int], None], rank: int, world: int, tag: int) -> Outcome:
+    """``fn`` on this rank, then the probe; a probe that fails names the case before it."""
     start = time.monotonic()
     try:
         value = fn(rank, world)
@@ -41,7 +42,12 @@ def run_case(fn: Callable[[int, int], None], rank: int, world: int, tag: int) ->
     except Exception as e:  # noqa: BLE001 (the case's error is the result)
         error, message, value = type(e).__name__, str(e), None
     seconds = time.monotonic() - start
-    return Outcome(error, message, value, seconds, probe(tag))
+    try:
+        lockstep = probe(tag)
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"the probe after {fn.__name__} failed on rank {rank} (the case "
+                           f"raised {error}: {message[:300]!r})") from e
+    return Outcome(error, message, value, seconds, lockstep)
 
 
 def run_cases(rank: int, world: int, cases: Dict[str, Callable[[int, int], None]],
