@@ -112,8 +112,9 @@ def routing_tensors(top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
         num_experts: the module's (local) expert count E.
 
     Returns:
-        ``(routing_map [T, E] bool, probs [T, E] top_k_weights.dtype)``; the probs are
-        differentiable in ``top_k_weights`` (a sentinel slot's weight gets a zero gradient).
+        ``(routing_map [T, E] bool, probs [T, E] top_k_weights.dtype)``; an expert named in
+        several of a token's slots gets the sum of their weights. The probs are differentiable
+        in ``top_k_weights`` (a sentinel slot's weight gets a zero gradient).
     """
     T = top_k_index.shape[0]
     valid = (top_k_index >= 0) & (top_k_index < num_experts)
@@ -121,7 +122,9 @@ def routing_tensors(top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     idx = torch.where(valid, top_k_index, torch.full_like(top_k_index, num_experts))
     routing_map = torch.zeros(T, num_experts + 1, dtype=torch.bool, device=idx.device)
     routing_map.scatter_(1, idx, True)
-    probs = top_k_weights.new_zeros(T, num_experts + 1).scatter(1, idx, top_k_weights)
+    # a token whose top-k names an expert twice gets the sum of both weights on it (HF's eager
+    # loop runs that expert once per slot and adds both weighted outputs), not the last one
+    probs = top_k_weights.new_zeros(T, num_experts + 1).scatter_add(1, idx, top_k_weights)
     return routing_map[:, :num_experts].contiguous(), probs[:, :num_experts].contiguous()
 
 

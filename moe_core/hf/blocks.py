@@ -132,6 +132,27 @@ class MoECoreSparseMoeBlock(MoELayer):
 
 
 # ---- the swap ---------------------------------------------------------------------------------
+# config fields that count a model's routed experts, across HF's families
+_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts")
+
+
+def _declared_experts(config, depth: int = 2) -> Optional[Tuple[str, int]]:
+    """``(field, count)`` of the first expert-count field above 1 in an HF config or one of its
+    sub-configs (DBRX keeps it in ``ffn_config``), or None (a dense model)."""
+    if config is None or depth < 0:
+        return None
+    for field in _EXPERT_COUNT_FIELDS:
+        n = getattr(config, field, None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            return field, n
+    for name, sub in vars(config).items():
+        if hasattr(sub, "to_dict") and not isinstance(sub, type):
+            found = _declared_experts(sub, depth - 1)
+            if found is not None:
+                return f"{name}.{found[0]}", found[1]
+    return None
+
+
 def _is_sparse_moe_block(module: nn.Module) -> bool:
     """A block holding an HF experts module (one that HF's experts interface dispatches)."""
     experts = module._modules.get("experts")
@@ -267,6 +288,16 @@ def replace_moe_blocks(model: nn.Module, aux_loss_coeff: float = 0.0,
     if not found and not swapped_before:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         what = f"{type(model).__name__} (model_type {model_type!r})"
+        declared = _declared_experts(getattr(model, "config", None))
+        if declared is not None:  # a MoE model whose blocks HF builds its own way
+            field, n = declared
+            experts = sorted({type(m).__name__ for m in model.modules()
+                              if "expert" in type(m).__name__.lower()})
+            raise UnsupportedMoEBlockError(
+                f"replace_moe_blocks: {what} declares {n} experts ({field}) but holds none of "
+                f"the sparse-MoE blocks moe-core swaps (its expert modules: {experts}): moe-core "
+                f"has no rule for this family, and HF does not run its experts through the "
+                f"experts interface, so the experts backend does not apply either")
         if strict:
             raise ValueError(f"replace_moe_blocks: {what} has no sparse-MoE block to replace")
         warnings.warn(f"replace_moe_blocks: {what} has no sparse-MoE block; nothing replaced "

@@ -40,7 +40,23 @@ def accumulate_tokens_per_expert(local_tokens_per_expert: torch.Tensor,
 
     Returns:
         ``local_tokens_per_expert``.
+
+    Raises:
+        ValueError: the map on another device than the buffer (a meta map: shapes only, nothing
+            to count), or shapes that do not match.
     """
+    for name, t in (("local_tokens_per_expert", local_tokens_per_expert),
+                    ("routing_map", routing_map)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if routing_map.device != local_tokens_per_expert.device:
+        # an in-place add of a meta tensor into a real one is a silent no-op in torch
+        raise ValueError(f"routing_map is on {routing_map.device} but local_tokens_per_expert "
+                         f"on {local_tokens_per_expert.device}: the counts would not be added")
+    if routing_map.dim() != 2 or local_tokens_per_expert.shape != routing_map.shape[1:]:
+        raise ValueError(f"local_tokens_per_expert must be [num_experts] for routing_map "
+                         f"[num_tokens, num_experts], got {tuple(local_tokens_per_expert.shape)} "
+                         f"and {tuple(routing_map.shape)}")
     if torch.is_grad_enabled():
         with torch.no_grad():
             local_tokens_per_expert += _tokens_per_expert(routing_map, padding_mask)
