@@ -55,6 +55,9 @@ import torch.nn.functional as F
 
 from moe_core.ops.names import SCORE_FUNCTIONS
 
+# the parameter dtypes the layer builds and computes in
+_PARAMS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 
 
@@ -82,7 +85,7 @@ class MoEConfig:
         glu_linear_offset: added to the up half before the GLU product (GPT-OSS's ``+ 1``).
         activation_func_clamp_value: clamps fc1's output inside the activation (Megatron: with
             quick_gelu, GPT-OSS's clamped SwiGLU); None: no clamp.
-        params_dtype: dtype of the layer's parameters.
+        params_dtype: dtype of the layer's parameters: fp32, bf16, fp16 or fp64.
         init_method_std: std of the normal init of the weights.
         calculate_per_token_loss: the model's loss is over the non-padded tokens of the global
             batch (the aux losses are scaled to match).
@@ -505,8 +508,10 @@ class MoEConfig:
             bad("moe_router_padding_for_quantization", "must be a bool or None")
         if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
             bad("moe_z_loss_coeff", "must be >= 0")
-        if not (isinstance(self.params_dtype, torch.dtype) and self.params_dtype.is_floating_point):
-            bad("params_dtype", "must be a floating-point torch.dtype")
+        if self.params_dtype not in _PARAMS_DTYPES:
+            # float8 and other storage-only dtypes have no init kernels nor GEMMs here
+            bad("params_dtype", "must be a floating-point torch.dtype the layer computes in: "
+                                "torch.float32, torch.bfloat16, torch.float16 or torch.float64")
         if not callable(self.activation_func):
             bad("activation_func", "must be a callable (e.g. torch.nn.functional.silu)")
 

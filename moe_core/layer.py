@@ -176,6 +176,7 @@ class MoELayer(nn.Module):
             self._check_same_config_on_every_rank()
         self._config_fingerprint = config_fingerprint(config)
         self._agreed_row = None  # this rank's agreement row of its last agreed forward
+        self._row_on_device = None  # (row, its int64 device tensor), reused while unchanged
         self.tp_cp_group = as_group(tp_cp_group, "tp_cp_group")
         self.tp_dp_cp_group = as_group(tp_dp_cp_group, "tp_dp_cp_group")
         kw = dict(device=device, dtype=dtype)
@@ -296,7 +297,9 @@ class MoELayer(nn.Module):
         if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != H:
             return ValueError(f"hidden_states must be [S, B, {H}] or [T, {H}], got "
                               f"{tuple(hidden_states.shape)}")
-        if autocast_dtype(hidden_states) is None:
+        # autocast casts fp32 / fp16 / bf16 only: another dtype must be the parameters' there too
+        low = (torch.float32, torch.float16, torch.bfloat16)
+        if autocast_dtype(hidden_states) is None or hidden_states.dtype not in low:
             params_dtype = next(self.experts.parameters()).dtype
             if hidden_states.dtype != params_dtype:
                 return TypeError(
@@ -357,11 +360,10 @@ class MoELayer(nn.Module):
             device = next(self.experts.parameters()).device
             _, host = self.dispatcher.preprocess(
                 torch.zeros(1, self.config.num_moe_experts, dtype=torch.bool, device=device),
-                torch.tensor(row, dtype=torch.long, device=device))
+                self._row_tensor(row, device))
             self.check_agreement(host.get()[2 * self.dispatcher.ep_size:], problem)
             raise problem  # not reached: the table holds this rank's problem
-        device = next(self.experts.parameters()).device
-        mine = torch.tensor(row, dtype=torch.long, device=device)
+        mine = self._row_tensor(row, next(self.experts.parameters()).device)
         table = _wait(_all_gather(mine, 0, self.ep_group))                       # [N·8]
         graph = torch.compiler.is_compiling() or (
             mine.is_cuda and torch.cuda.is_current_stream_capturing())
@@ -390,6 +392,20 @@ class MoELayer(nn.Module):
                 self.check_agreement(table.tolist(), problem)
             raise
         return None
+
+    def _row_tensor(self, row: List[int], device: torch.device) -> torch.Tensor:
+        """The agreement row on the device. A host-to-device copy from pageable memory waits for
+        the stream, so the row of the last agreed forward is kept on the device and reused while
+        it does not change (the steady state copies nothing); a traced forward builds it in the
+        graph."""
+        if torch.compiler.is_compiling():
+            return torch.tensor(row, dtype=torch.long, device=device)
+        cached = self._row_on_device
+        if cached is not None and cached[0] == row and cached[1].device == device:
+            return cached[1]
+        t = torch.tensor(row, dtype=torch.long, device=device)
+        self._row_on_device = (row, t)
+        return t
 
     def check_agreement(self, table: List[int], problem: Optional[Exception] = None) -> None:
         """Raise, on every rank alike, when the gathered agreement ``table`` (the ranks' rows,
@@ -431,7 +447,8 @@ class MoELayer(nn.Module):
                              f"exchanges would not match")
         if differs(_ROWS_DTYPE):
             raise TypeError(f"the tokens' dtype (hidden_states', or the autocast dtype) differs "
-                            f"across the expert-parallel ranks: {listing(_ROWS_DTYPE, _dtype_name)}")
+                            f"across the expert-parallel ranks: "
+                            f"{listing(_ROWS_DTYPE, _dtype_name)}")
         if differs(_PROBS_DTYPE):
             raise TypeError(f"the router's dtype (moe_router_dtype, else hidden_states') differs "
                             f"across the expert-parallel ranks: "
@@ -602,8 +619,7 @@ class MoELayer(nn.Module):
             agreement = self._agree(x, None)
         meta = None
         if agreement is not None:
-            meta = (torch.tensor(agreement, dtype=torch.long, device=x.device),
-                    self.check_agreement)
+            meta = (self._row_tensor(agreement, x.device), self.check_agreement)
         plan = self.dispatcher.plan(routing_map, meta)
         rows, layout = self._layout(x, probs, routing_map, *self.dispatcher.layout_request())
         return self.dispatcher.dispatch(x, layout, rows, plan, overlap)
@@ -732,11 +748,13 @@ def load_megatron_state_dict(layer: MoELayer, state_dict: dict, strict: bool = T
             does not split into them, or one parameter comes in two layouts.
     """
     return layer.load_state_dict(
-        megatron_state_dict_to_moe_core(state_dict, layer.experts.num_local_experts),
+        megatron_state_dict_to_moe_core(state_dict, layer.experts.num_local_experts,
+                                        layer.experts),
         strict=strict)
 
 
-def megatron_state_dict_to_moe_core(state_dict: dict, num_local_experts: int) -> dict:
+def megatron_state_dict_to_moe_core(state_dict: dict, num_local_experts: int,
+                                    experts: Optional[nn.Module] = None) -> dict:
     """A Megatron MoELayer's state dict (keys relative to the layer) in moe-core's names: the
     experts' ``linear_fc{1,2}`` weights and biases in any of the layouts
     :func:`load_megatron_state_dict` takes (per expert, SequentialMLP's
@@ -744,32 +762,45 @@ def megatron_state_dict_to_moe_core(state_dict: dict, num_local_experts: int) ->
     stacked; or TE's single grouped tensor, split) as ``experts.weight{1,2}`` /
     ``experts.bias{1,2}`` (``[E_local, ...]``), the ``_extra_state`` entries (None for Megatron's
     local linears) left out, every other key (router, shared expert, latent projections,
-    moe-core's own names) kept as it is.
+    moe-core's own names) kept as it is. With ``experts`` (the layer's experts module), each
+    per-expert tensor's shape is checked against it.
 
     Raises:
         ValueError: the experts of a layout are not exactly ``0 .. num_local_experts - 1``, a
-            grouped tensor does not split into them, or one parameter comes in two layouts.
+            local expert number is not an integer, a per-expert tensor has another shape than
+            ``experts`` holds (naming its key), a grouped tensor does not split into them, or one
+            parameter comes in two layouts.
+        TypeError: an expert entry is not a tensor.
     """
     E = num_local_experts
-    out, stacks = {}, {}
+    out, stacks, keys = {}, {}, {}
     for key, value in state_dict.items():
         if key.endswith("_extra_state") or value is None:
             continue
         name = key
         for fc, ours in _EXPERT_LINEARS:
             for kind in ("weight", "bias"):
+                i = None
                 local = "experts.local_experts."
                 if key.startswith(local) and key.endswith(f".{fc}.{kind}"):
-                    i = int(key[len(local):].split(".")[0])
-                    stacks.setdefault(f"experts.{kind}{ours}", {})[i] = value
-                    name = None
+                    i = key[len(local):].split(".")[0]
                 te = f"experts.{fc}.{kind}"
                 if key.startswith(te) and key[len(te):].isdigit():
-                    stacks.setdefault(f"experts.{kind}{ours}", {})[int(key[len(te):])] = value
-                    name = None
+                    i = key[len(te):]
                 if key == te:  # one grouped parameter of every local expert
+                    if not isinstance(value, torch.Tensor):
+                        raise TypeError(f"{key}: expected a tensor, got {type(value).__name__}")
                     out[f"experts.{kind}{ours}"] = _split_grouped(value, E, key)
                     name = None
+                if i is None:
+                    continue
+                if not i.isdigit():
+                    raise ValueError(f"{key}: the local expert number {i!r} is not an integer")
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"{key}: expected a tensor, got {type(value).__name__}")
+                stacks.setdefault(f"experts.{kind}{ours}", {})[int(i)] = value
+                keys.setdefault(f"experts.{kind}{ours}", {})[int(i)] = key
+                name = None
         if name is not None:
             out[name] = value
     for name, parts in stacks.items():
@@ -778,6 +809,12 @@ def megatron_state_dict_to_moe_core(state_dict: dict, num_local_experts: int) ->
         if sorted(parts) != list(range(E)):
             raise ValueError(f"{name}: expected local experts 0..{E - 1} in the state dict, got "
                              f"{sorted(parts)}")
+        ours = None if experts is None else getattr(experts, name[len("experts."):], None)
+        want = None if ours is None else tuple(ours.shape[1:])  # None: reported unexpected
+        for i in range(E):
+            if want is not None and tuple(parts[i].shape) != want:
+                raise ValueError(f"{keys[name][i]}: shape {tuple(parts[i].shape)}, but the "
+                                 f"layer's {name} holds one expert as {want}")
         out[name] = torch.stack([parts[i] for i in range(E)])
     return out
 

@@ -99,6 +99,44 @@ def check_one_device(op: str, names: Sequence[str], args: Sequence[Any],
                                  "all tensors must be on one device")
 
 
+_INT64_MIN, _INT64_MAX = -2 ** 63, 2 ** 63 - 1
+
+
+def _outside_int64(value: Any) -> bool:
+    if type(value) is int:
+        return not _INT64_MIN <= value <= _INT64_MAX
+    if isinstance(value, (list, tuple)):
+        return any(type(v) is int and not _INT64_MIN <= v <= _INT64_MAX for v in value)
+    return False
+
+
+def int64_checked(packet: Any) -> Callable:
+    """``torch.ops.moe_core.<op>`` with its Python int arguments checked against int64 first:
+    the schema's cast of an int of 2**63 or more fails with a message that names neither the
+    argument nor the range; this raises ``ValueError("<op>: <arg>=<value> is outside int64")``.
+    Symbolic sizes (``torch.compile``) pass through unchecked. An op without int arguments is
+    returned as it is."""
+    qualname = packet._qualified_op_name
+    types = [str(a.type) for a in packet.default._schema.arguments]
+    if not any("int" in t.lower() for t in types):
+        return packet
+
+    def call(*args, **kwargs):
+        for i, a in enumerate(args):
+            if _outside_int64(a):
+                raise ValueError(f"{op_label(qualname)}: {_argument_names(qualname)[i]}={a} is "
+                                 f"outside int64 [-2**63, 2**63 - 1]")
+        for name, a in kwargs.items():
+            if _outside_int64(a):
+                raise ValueError(f"{op_label(qualname)}: {name}={a} is outside int64 "
+                                 f"[-2**63, 2**63 - 1]")
+        return packet(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = op_label(qualname)
+    call.__doc__ = f"torch.ops.{qualname.replace('::', '.')}, int arguments checked"
+    return call
+
+
 def register_fake(qualname: str) -> Callable[[Callable], Callable]:
     """``torch.library.register_fake(qualname)`` for a kernel that first runs
     :func:`check_one_device`. Used as a decorator; returns the kernel unchanged, so one kernel can

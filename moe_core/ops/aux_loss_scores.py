@@ -17,12 +17,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops._guards import int64_checked, register_autograd, register_fake
 from moe_core.ops._padding_mask import flat_padding_mask
 from moe_core.ops.names import SCORE_FUNCTIONS
 
-_OP = torch.ops.moe_core.aux_loss_scores
-_BWD = torch.ops.moe_core.aux_loss_scores_bwd
+_OP = int64_checked(torch.ops.moe_core.aux_loss_scores)
+_BWD = int64_checked(torch.ops.moe_core.aux_loss_scores_bwd)
 
 
 def compute_routing_scores_for_aux_loss(

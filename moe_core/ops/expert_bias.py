@@ -18,10 +18,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import int64_checked, register_fake
 from moe_core.ops.tokens_per_expert import tokens_per_expert as _tokens_per_expert
 
-_OP = torch.ops.moe_core.expert_bias_update
+_OP = int64_checked(torch.ops.moe_core.expert_bias_update)
 
 
 def accumulate_tokens_per_expert(local_tokens_per_expert: torch.Tensor,

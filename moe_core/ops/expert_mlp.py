@@ -83,20 +83,21 @@ from typing import Optional, Tuple
 import torch
 
 from moe_core import tuning
-from moe_core.ops._guards import double_backward_error, register_autograd, register_fake
+from moe_core.ops._guards import (double_backward_error, int64_checked, register_autograd,
+                                  register_fake)
 from moe_core.ops.glu_probs import interleave_size
 from moe_core.ops.grouped_gemm import gathered_rows_grad
 from moe_core.ops.permute_bwd_accumulate import permute_bwd_accumulator
 
-_FC1 = torch.ops.moe_core.grouped_gemm_glu_probs
-_FC2 = torch.ops.moe_core.grouped_gemm
-_DGRAD = torch.ops.moe_core.grouped_gemm_dgrad
-_WGRAD = torch.ops.moe_core.grouped_gemm_wgrad
-_GLU_BWD_ = torch.ops.moe_core.glu_probs_bwd_
-_GLU_BWD = torch.ops.moe_core.glu_probs_bwd
-_UNPERMUTE = torch.ops.moe_core.unpermute
-_UNPERMUTE_BWD = torch.ops.moe_core.unpermute_bwd
-_ACCUMULATE_ = torch.ops.moe_core.permute_bwd_accumulate_
+_FC1 = int64_checked(torch.ops.moe_core.grouped_gemm_glu_probs)
+_FC2 = int64_checked(torch.ops.moe_core.grouped_gemm)
+_DGRAD = int64_checked(torch.ops.moe_core.grouped_gemm_dgrad)
+_WGRAD = int64_checked(torch.ops.moe_core.grouped_gemm_wgrad)
+_GLU_BWD_ = int64_checked(torch.ops.moe_core.glu_probs_bwd_)
+_GLU_BWD = int64_checked(torch.ops.moe_core.glu_probs_bwd)
+_UNPERMUTE = int64_checked(torch.ops.moe_core.unpermute)
+_UNPERMUTE_BWD = int64_checked(torch.ops.moe_core.unpermute_bwd)
+_ACCUMULATE_ = int64_checked(torch.ops.moe_core.permute_bwd_accumulate_)
 
 
 def expert_mlp(

@@ -45,11 +45,11 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops._guards import int64_checked, register_autograd, register_fake
 from moe_core.ops.names import ACTIVATIONS  # noqa: F401  (moe_core.ops.glu_probs.ACTIVATIONS)
 
-_OP = torch.ops.moe_core.glu_probs
-_BWD = torch.ops.moe_core.glu_probs_bwd
+_OP = int64_checked(torch.ops.moe_core.glu_probs)
+_BWD = int64_checked(torch.ops.moe_core.glu_probs_bwd)
 
 
 def activation_name(fn: Callable) -> Optional[str]:

@@ -57,11 +57,11 @@ import torch
 from moe_core.ops.permute import _BWD as _PERMUTE_BWD
 from moe_core.ops.permute import _BWD_SYMINT as _PERMUTE_BWD_SYMINT
 from moe_core.ops.permute import _tracing
-from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops._guards import int64_checked, register_autograd, register_fake
 
-_FWD = torch.ops.moe_core.grouped_gemm
-_DGRAD = torch.ops.moe_core.grouped_gemm_dgrad
-_WGRAD = torch.ops.moe_core.grouped_gemm_wgrad
+_FWD = int64_checked(torch.ops.moe_core.grouped_gemm)
+_DGRAD = int64_checked(torch.ops.moe_core.grouped_gemm_dgrad)
+_WGRAD = int64_checked(torch.ops.moe_core.grouped_gemm_wgrad)
 
 
 def gathered_rows_grad(grad_rows: torch.Tensor, index: torch.Tensor,

@@ -39,14 +39,14 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops._guards import int64_checked, register_autograd, register_fake
 from moe_core.ops.glu_probs import glu_options, interleave_size
 from moe_core.ops.grouped_gemm import gathered_rows_grad
 
-_OP = torch.ops.moe_core.grouped_gemm_glu_probs
-_GLU_BWD = torch.ops.moe_core.glu_probs_bwd
-_DGRAD = torch.ops.moe_core.grouped_gemm_dgrad
-_WGRAD = torch.ops.moe_core.grouped_gemm_wgrad
+_OP = int64_checked(torch.ops.moe_core.grouped_gemm_glu_probs)
+_GLU_BWD = int64_checked(torch.ops.moe_core.glu_probs_bwd)
+_DGRAD = int64_checked(torch.ops.moe_core.grouped_gemm_dgrad)
+_WGRAD = int64_checked(torch.ops.moe_core.grouped_gemm_wgrad)
 
 
 def grouped_gemm_glu_probs(

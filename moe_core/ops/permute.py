@@ -47,10 +47,10 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops._guards import int64_checked, register_autograd, register_fake
 
-_OP = torch.ops.moe_core.permute
-_BWD = torch.ops.moe_core.permute_bwd
+_OP = int64_checked(torch.ops.moe_core.permute)
+_BWD = int64_checked(torch.ops.moe_core.permute_bwd)
 
 
 def num_permuted_rows(num_experts: int, num_out_tokens: Union[int, torch.SymInt],
@@ -192,8 +192,8 @@ def _permute_bwd_fake(grad_permuted_tokens, grad_permuted_probs, sorted_indices,
     return grad_tokens, grad_permuted_probs.new_empty((num_tokens, expert_offsets.shape[0] - 1))
 
 
-_OP_SYMINT = torch.ops.moe_core.permute_symint
-_BWD_SYMINT = torch.ops.moe_core.permute_bwd_symint
+_OP_SYMINT = int64_checked(torch.ops.moe_core.permute_symint)
+_BWD_SYMINT = int64_checked(torch.ops.moe_core.permute_bwd_symint)
 
 
 def _register_fake(fake, *names: str) -> None:
@@ -235,8 +235,8 @@ for _name in ("moe_core::permute", "moe_core::permute_symint"):
 
 # ---- permute_layout: the layout alone ------------------------------------------------------------
 
-_LAYOUT = torch.ops.moe_core.permute_layout
-_LAYOUT_BWD = torch.ops.moe_core.permute_layout_bwd
+_LAYOUT = int64_checked(torch.ops.moe_core.permute_layout)
+_LAYOUT_BWD = int64_checked(torch.ops.moe_core.permute_layout_bwd)
 
 
 def permute_layout(
@@ -325,8 +325,8 @@ def _permute_layout_bwd_fake(grad_permuted_probs, sorted_indices, expert_offsets
     return grad_permuted_probs.new_empty((num_tokens, expert_offsets.shape[0] - 1))
 
 
-_LAYOUT_SYMINT = torch.ops.moe_core.permute_layout_symint
-_LAYOUT_BWD_SYMINT = torch.ops.moe_core.permute_layout_bwd_symint
+_LAYOUT_SYMINT = int64_checked(torch.ops.moe_core.permute_layout_symint)
+_LAYOUT_BWD_SYMINT = int64_checked(torch.ops.moe_core.permute_layout_bwd_symint)
 _register_fake(_permute_layout_fake, "moe_core::permute_layout", "moe_core::permute_layout_symint")
 _register_fake(_permute_layout_bwd_fake, "moe_core::permute_layout_bwd",
                "moe_core::permute_layout_bwd_symint")

@@ -33,9 +33,9 @@ from typing import Optional, Union
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import int64_checked, register_fake
 
-_OP = torch.ops.moe_core.permute_bwd_accumulate_
+_OP = int64_checked(torch.ops.moe_core.permute_bwd_accumulate_)
 
 
 def permute_bwd_accumulator(num_tokens: int, hidden: int,

@@ -15,10 +15,10 @@ from typing import Optional
 
 import torch
 
-from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops._guards import int64_checked, register_autograd, register_fake
 
-_OP = torch.ops.moe_core.router_gating_linear
-_BWD = torch.ops.moe_core.router_gating_linear_bwd
+_OP = int64_checked(torch.ops.moe_core.router_gating_linear)
+_BWD = int64_checked(torch.ops.moe_core.router_gating_linear_bwd)
 
 
 def router_gating_linear(
@@ -42,6 +42,9 @@ def router_gating_linear(
     if not isinstance(inp, torch.Tensor) or inp.dim() < 1:
         raise ValueError(f"inp must be a tensor of shape [..., hidden], got {type(inp).__name__}"
                          + (f" of shape {tuple(inp.shape)}" if isinstance(inp, torch.Tensor) else ""))
+    if inp.shape[-1] == 0:
+        raise ValueError(f"inp has hidden size 0 (shape {tuple(inp.shape)}): the router needs "
+                         f"hidden >= 1")
     lead = inp.shape[:-1]
     logits = _OP(inp.reshape(-1, inp.shape[-1]), weight, bias, router_dtype)
     return logits.reshape(*lead, weight.shape[0])

@@ -47,18 +47,18 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops._guards import int64_checked, register_autograd, register_fake
 from moe_core.ops._padding_mask import flat_padding_mask
 from moe_core.ops.names import SCORE_FUNCTIONS
 
 
-_OP = torch.ops.moe_core.router_topk
-_BWD = torch.ops.moe_core.router_topk_bwd
-_DENSE = torch.ops.moe_core.router_topk_dense
-_DENSE_BWD = torch.ops.moe_core.router_topk_dense_bwd
-_FUSED = torch.ops.moe_core.router_topk_fused
-_LSE_BWD = torch.ops.moe_core.router_lse_bwd
-_AUX_BWD = torch.ops.moe_core.aux_loss_scores_bwd
+_OP = int64_checked(torch.ops.moe_core.router_topk)
+_BWD = int64_checked(torch.ops.moe_core.router_topk_bwd)
+_DENSE = int64_checked(torch.ops.moe_core.router_topk_dense)
+_DENSE_BWD = int64_checked(torch.ops.moe_core.router_topk_dense_bwd)
+_FUSED = int64_checked(torch.ops.moe_core.router_topk_fused)
+_LSE_BWD = int64_checked(torch.ops.moe_core.router_lse_bwd)
+_AUX_BWD = int64_checked(torch.ops.moe_core.aux_loss_scores_bwd)
 
 
 def _rules(normalize: Optional[bool], group_score_topk: Optional[int]) -> dict:

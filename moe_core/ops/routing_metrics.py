@@ -19,11 +19,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import int64_checked, register_fake
 from moe_core.ops._padding_mask import flat_padding_mask
 
-_OP = torch.ops.moe_core.routing_metrics
-_OVERLAP = torch.ops.moe_core.topk_overlap
+_OP = int64_checked(torch.ops.moe_core.routing_metrics)
+_OVERLAP = int64_checked(torch.ops.moe_core.topk_overlap)
 
 
 class RoutingMetrics(NamedTuple):

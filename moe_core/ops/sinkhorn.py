@@ -17,11 +17,11 @@ from typing import Tuple
 
 import torch
 
-from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops._guards import int64_checked, register_autograd, register_fake
 
-_SINKHORN = torch.ops.moe_core.sinkhorn
-_OP = torch.ops.moe_core.sinkhorn_routing
-_BWD = torch.ops.moe_core.sinkhorn_routing_bwd
+_SINKHORN = int64_checked(torch.ops.moe_core.sinkhorn)
+_OP = int64_checked(torch.ops.moe_core.sinkhorn_routing)
+_BWD = int64_checked(torch.ops.moe_core.sinkhorn_routing_bwd)
 
 
 def sinkhorn(cost: torch.Tensor, tol: float = 0.0001, max_iters: int = 0) -> torch.Tensor:

@@ -11,15 +11,19 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops._guards import int64_checked, register_autograd, register_fake
 
-_OP = torch.ops.moe_core.sort_chunks_by_idxs
-_BWD = torch.ops.moe_core.sort_chunks_by_idxs_bwd
+_OP = int64_checked(torch.ops.moe_core.sort_chunks_by_idxs)
+_BWD = int64_checked(torch.ops.moe_core.sort_chunks_by_idxs_bwd)
 
 
 def _as_index(t, device, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         t = torch.as_tensor(t, dtype=torch.long)
+    if t.device != device and t.device.type == "meta":
+        # moving a meta tensor to a real device has no data to copy
+        raise ValueError(f"{name} is on meta but input is on {device}: a meta tensor holds no "
+                         f"values to sort by")
     if t.dtype != torch.long:
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")

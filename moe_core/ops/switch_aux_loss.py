@@ -18,12 +18,12 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops._guards import int64_checked, register_autograd, register_fake
 from moe_core.ops._padding_mask import flat_padding_mask
 from moe_core.ops.tokens_per_expert import tokens_per_expert as _tokens_per_expert
 
-_OP = torch.ops.moe_core.switch_aux_loss
-_BWD = torch.ops.moe_core.switch_aux_loss_bwd
+_OP = int64_checked(torch.ops.moe_core.switch_aux_loss)
+_BWD = int64_checked(torch.ops.moe_core.switch_aux_loss_bwd)
 
 Number = Union[int, float, torch.Tensor]
 

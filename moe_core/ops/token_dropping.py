@@ -29,10 +29,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops._guards import int64_checked, register_autograd, register_fake
+from moe_core.ops.permute import _tracing
 
-_OP = torch.ops.moe_core.token_dropping
-_BWD = torch.ops.moe_core.token_dropping_bwd
+_OP = int64_checked(torch.ops.moe_core.token_dropping)
+_BWD = int64_checked(torch.ops.moe_core.token_dropping_bwd)
 DROP_POLICIES = ("probs", "position")
 
 
@@ -45,7 +46,7 @@ def get_capacity(
     Args:
         num_tokens: tokens to place (the router passes ``T * topk``), ``>= 0``.
         num_experts: ``>= 1``.
-        capacity_factor: ``>= 0``.
+        capacity_factor: finite, ``>= 0``.
         min_capacity: optional lower bound.
 
     Returns:
@@ -55,8 +56,8 @@ def get_capacity(
         raise ValueError(f"num_experts must be >= 1, got {num_experts!r}")
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
-    if not capacity_factor >= 0:
-        raise ValueError(f"capacity_factor must be >= 0, got {capacity_factor!r}")
+    if not capacity_factor >= 0 or capacity_factor == math.inf:
+        raise ValueError(f"capacity_factor must be a finite number >= 0, got {capacity_factor!r}")
     capacity = math.ceil((num_tokens / num_experts) * capacity_factor)
     if min_capacity is not None and capacity < min_capacity:
         capacity = min_capacity
@@ -80,7 +81,7 @@ def apply_router_token_dropping(
         routing_probs: ``[num_tokens, num_experts]`` float (zero where not routed).
         routing_map: ``[num_tokens, num_experts]`` bool.
         router_topk: experts per token (only scales the capacity).
-        capacity_factor: ``>= 0``.
+        capacity_factor: finite, ``>= 0``.
         drop_policy: ``"probs"`` or ``"position"`` (see the module docstring).
         pad_to_capacity: the map becomes the capacity mask (every column has ``capacity`` tokens
             when ``capacity <= T``); probs of filler tokens are zero.
@@ -103,12 +104,40 @@ def apply_router_token_dropping(
     # int) may not fit the op's int64 argument, T always does. The builtin min: dynamo traces it
     # on ints and SymInts alike, where some torch versions refuse torch.sym_min on two ints.
     capacity = min(capacity, num_tokens)
-    return _OP(routing_probs, routing_map, capacity, drop_policy, bool(pad_to_capacity))
+    # a capacity that may be symbolic (a dynamic token count) goes through the SymInt schema: the
+    # C++ schema's int would pin the graph to the first token count
+    op = _OP_SYMINT if _tracing(capacity) else _OP
+    return op(routing_probs, routing_map, capacity, drop_policy, bool(pad_to_capacity))
 
 
-@register_fake("moe_core::token_dropping")
-def _(routing_probs, routing_map, capacity, drop_policy, pad_to_capacity):
+@torch.library.custom_op("moe_core::token_dropping_symint", mutates_args=())
+def token_dropping_symint(routing_probs: torch.Tensor, routing_map: torch.Tensor, capacity: int,
+                          drop_policy: str, pad_to_capacity: bool
+                          ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``moe_core::token_dropping`` with ``capacity`` a ``SymInt`` in the schema (the op that
+    dynamic-shape graphs record); at run time the capacity is a concrete int and the C++ op runs.
+
+    Args:
+        routing_probs: ``[num_tokens, num_experts]`` float.
+        routing_map: ``[num_tokens, num_experts]`` bool.
+        capacity: tokens kept per expert (an int, symbolic while tracing).
+        drop_policy, pad_to_capacity: as :func:`apply_router_token_dropping`.
+
+    Returns:
+        ``(final_probs [T, E], final_map [T, E] bool)``.
+    """
+    return _OP(routing_probs, routing_map, capacity, drop_policy, pad_to_capacity)
+
+
+_OP_SYMINT = int64_checked(torch.ops.moe_core.token_dropping_symint)
+
+
+def _token_dropping_fake(routing_probs, routing_map, capacity, drop_policy, pad_to_capacity):
     return torch.empty_like(routing_probs), torch.empty_like(routing_map)
+
+
+for _name in ("moe_core::token_dropping", "moe_core::token_dropping_symint"):
+    register_fake(_name)(_token_dropping_fake)
 
 
 @register_fake("moe_core::token_dropping_bwd")
@@ -125,4 +154,5 @@ def _backward(ctx, grad_final_probs, _grad_map):
     return _BWD(grad_final_probs.contiguous(), final_map), None, None, None, None
 
 
-register_autograd("moe_core::token_dropping", _backward, setup_context=_setup_context)
+for _name in ("moe_core::token_dropping", "moe_core::token_dropping_symint"):
+    register_autograd(_name, _backward, setup_context=_setup_context)

@@ -9,10 +9,10 @@ from typing import Optional
 
 import torch
 
-from moe_core.ops._guards import register_fake
+from moe_core.ops._guards import int64_checked, register_fake
 from moe_core.ops._padding_mask import flat_padding_mask
 
-_OP = torch.ops.moe_core.tokens_per_expert
+_OP = int64_checked(torch.ops.moe_core.tokens_per_expert)
 
 
 def tokens_per_expert(routing_map: torch.Tensor,

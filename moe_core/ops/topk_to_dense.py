@@ -5,14 +5,15 @@ Precision contract
 A pure data movement: probs are copied bit for bit into zeros of the same dtype; the backward is
 the matching gather. Deterministic (each output element has one writer).
 """
+import operator
 from typing import Tuple
 
 import torch
 
-from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops._guards import int64_checked, register_autograd, register_fake
 
-_OP = torch.ops.moe_core.topk_to_dense
-_BWD = torch.ops.moe_core.topk_to_dense_bwd
+_OP = int64_checked(torch.ops.moe_core.topk_to_dense)
+_BWD = int64_checked(torch.ops.moe_core.topk_to_dense_bwd)
 
 
 def topk_to_dense(
@@ -29,7 +30,21 @@ def topk_to_dense(
         ``(probs [num_tokens, num_experts] in topk_probs.dtype, routing_map [num_tokens,
         num_experts] bool)``.
     """
-    return _OP(topk_probs, topk_indices, int(num_experts))
+    if not isinstance(num_experts, torch.SymInt):  # a traced size is checked by the kernel
+        if isinstance(num_experts, bool):
+            raise TypeError("num_experts must be an int, got bool")
+        try:
+            num_experts = operator.index(num_experts)
+        except TypeError:
+            raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__}") \
+                from None
+        dims = topk_probs.shape if isinstance(topk_probs, torch.Tensor) else ()
+        T, k = (dims[0], dims[-1]) if len(dims) == 2 else (0, 0)
+        if num_experts < max(k, 1) or T * num_experts >= 2 ** 62:
+            raise ValueError(f"topk_to_dense: num_experts={num_experts}: must be >= 1 and >= "
+                             f"topk ({k}), with [num_tokens, num_experts] = [{T}, {num_experts}] "
+                             f"addressable")
+    return _OP(topk_probs, topk_indices, num_experts)
 
 
 @register_fake("moe_core::topk_to_dense")

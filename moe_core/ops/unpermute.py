@@ -30,10 +30,10 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops._guards import int64_checked, register_autograd, register_fake
 
-_OP = torch.ops.moe_core.unpermute
-_BWD = torch.ops.moe_core.unpermute_bwd
+_OP = int64_checked(torch.ops.moe_core.unpermute)
+_BWD = int64_checked(torch.ops.moe_core.unpermute_bwd)
 
 
 def _expert_offsets(routing_map: torch.Tensor, num_rows: int, drop_and_pad: bool) -> torch.Tensor:
@@ -121,7 +121,7 @@ def _unpermute_fake(permuted_tokens, sorted_indices, num_tokens: Union[int, torc
     return permuted_tokens.new_empty((num_tokens, permuted_tokens.shape[1]))
 
 
-_OP_SYMINT = torch.ops.moe_core.unpermute_symint
+_OP_SYMINT = int64_checked(torch.ops.moe_core.unpermute_symint)
 for _name in ("moe_core::unpermute", "moe_core::unpermute_symint"):
     register_fake(_name)(_unpermute_fake)
 

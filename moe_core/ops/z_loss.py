@@ -15,11 +15,11 @@ from typing import Optional
 
 import torch
 
-from moe_core.ops._guards import register_autograd, register_fake
+from moe_core.ops._guards import int64_checked, register_autograd, register_fake
 from moe_core.ops._padding_mask import flat_padding_mask
 
-_OP = torch.ops.moe_core.z_loss
-_BWD = torch.ops.moe_core.z_loss_bwd
+_OP = int64_checked(torch.ops.moe_core.z_loss)
+_BWD = int64_checked(torch.ops.moe_core.z_loss_bwd)
 
 
 def z_loss_func(logits: torch.Tensor, z_loss_coeff: float,

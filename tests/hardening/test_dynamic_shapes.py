@@ -39,6 +39,13 @@ ROUTERS: Dict[str, dict] = {
         moe_router_group_topk=2, moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=2.5, moe_router_load_balancing_type="global_aux_loss"),
 }
+# layers with a capacity: the capacity is computed from the token count, symbolic too (the token
+# dropping op's SymInt schema), so they compile once as the dropless ones do
+CAPACITY: Dict[str, dict] = {
+    "softmax_dropping": dict(moe_expert_capacity_factor=0.5),
+    "softmax_drop_and_pad": dict(moe_expert_capacity_factor=1.0,
+                                 moe_pad_expert_input_to_capacity=True),
+}
 
 
 def build_layer(router: str) -> MoELayer:
@@ -47,7 +54,7 @@ def build_layer(router: str) -> MoELayer:
     kw = dict(hidden_size=H, moe_ffn_hidden_size=24, num_moe_experts=8, moe_router_topk=2,
               add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
               moe_router_dtype="fp32", moe_aux_loss_coeff=1e-2)
-    kw.update(ROUTERS[router])
+    kw.update(ROUTERS[router] if router in ROUTERS else CAPACITY[router])
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(**kw))
     if layer.router.expert_bias is not None:
@@ -111,6 +118,26 @@ def within_fp32_ulps(ours: torch.Tensor, eager: torch.Tensor, what: str) -> None
 def test_dynamic_token_count_one_graph_aot_eager(router):
     frames = run_counts(router, "aot_eager", bitwise)
     assert frames == [1] * len(TOKEN_COUNTS), f"compiles after each call: {frames}"
+
+
+@pytest.mark.parametrize("layer", sorted(CAPACITY))
+def test_capacity_layer_one_graph_aot_eager(layer):
+    frames = run_counts(layer, "aot_eager", bitwise)
+    assert frames == [1] * len(TOKEN_COUNTS), f"compiles after each call: {frames}"
+
+
+def test_token_dropping_symint_op():
+    """The SymInt twin of token_dropping: opcheck passes, and it is the C++ op's kernel."""
+    gen = torch.Generator().manual_seed(6)
+    T, E, k = 12, 6, 3
+    _, routing_map, probs = _routing(T, E, k, gen)
+    probs.requires_grad_()
+    for cap, policy, pad in [(4, "probs", False), (6, "position", True), (T, "probs", True)]:
+        args = (probs, routing_map, cap, policy, pad)
+        torch.library.opcheck(torch.ops.moe_core.token_dropping_symint, args)
+        ours = torch.ops.moe_core.token_dropping_symint(*args)
+        cpp = torch.ops.moe_core.token_dropping(*args)
+        assert all(torch.equal(a, b) for a, b in zip(ours, cpp))
 
 
 def test_dynamic_token_count_one_graph_inductor():

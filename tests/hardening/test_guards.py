@@ -45,6 +45,7 @@ def extra_samples() -> Iterator[Sample]:
     yield OPS.permute_bwd_symint, (torch.randn(R, H), torch.randn(R), sidx, off, T)
     yield OPS.permute_layout_symint, (m, probs, T * k, False, 0)
     yield OPS.permute_layout_bwd_symint, (torch.randn(R), sidx, off, T)
+    yield OPS.token_dropping_symint, (probs, m, 5, "probs", False)
     y = torch.randn(R, H, requires_grad=True)
     yield OPS.unpermute_symint, (y, sidx, T, probs, off)
     rows = rows.requires_grad_()
