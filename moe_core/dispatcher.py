@@ -59,9 +59,23 @@ _reduce_scatter_autograd = (getattr(fc, "reduce_scatter_single_autograd", None)
                             or fc.reduce_scatter_tensor_autograd)
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    """The collective's result as a plain tensor (waits for it on the current stream)."""
-    return fc.wait_tensor(t) if isinstance(t, fc.AsyncCollectiveTensor) else t
+def _wait(t: torch.Tensor, step: str = "collective") -> torch.Tensor:
+    """The collective's result as a plain tensor (waits for it on the current stream).
+
+    A collective that fails (the process group's timeout, a peer gone) raises a RuntimeError
+    naming the layer's ``step``, so a rank left waiting by another rank's exception says which
+    exchange it was in (a traced graph waits without the wrapper: its errors are torch's)."""
+    if not isinstance(t, fc.AsyncCollectiveTensor):
+        return t
+    if torch.compiler.is_compiling():
+        return fc.wait_tensor(t)
+    try:
+        return fc.wait_tensor(t)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"moe_core expert parallelism: the {step} did not complete ({type(e).__name__}: "
+            f"{e}). Another rank of the group failed or is in another collective; a training loop "
+            f"must not go on after a step raised on one rank (README: expert parallelism)") from e
 
 
 class _HostSplits:
@@ -174,7 +188,8 @@ class AlltoAllDispatcher(_Dispatcher):
         N, nle, E = self.ep_size, self.nle, self.num_experts
         counts = routing_map.sum(dim=0, dtype=torch.long)                           # [E]
         sent = counts if agreement_row is None else torch.cat([counts, agreement_row])
-        gathered = _wait(_all_gather(sent, 0, self.group)).view(N, -1)              # [N, E (+k)]
+        gathered = _wait(_all_gather(sent, 0, self.group),
+                         "token-count all-gather").view(N, -1)                     # [N, E (+k)]
         lo = self.ep_rank * nle
         per_local = gathered[:, lo:lo + nle]                                        # [N, nle]
         splits = [counts.view(N, nle).sum(1), per_local.sum(1)]                     # [2N]
@@ -215,8 +230,10 @@ class AlltoAllDispatcher(_Dispatcher):
             cap = layout.num_rows // self.num_experts
             H = x.shape[1]
             # (source, local expert, slot) -> (local expert, source, slot): a view and a copy
-            recv = _wait(recv).view(N, nle, cap, H).transpose(0, 1).reshape(N * nle * cap, H)
-            recv_probs = _wait(recv_probs).view(N, nle, cap).transpose(0, 1).reshape(-1)
+            recv = _wait(recv, "dispatch all-to-all").view(N, nle, cap, H).transpose(0, 1) \
+                .reshape(N * nle * cap, H)
+            recv_probs = _wait(recv_probs, "dispatch all-to-all").view(N, nle, cap) \
+                .transpose(0, 1).reshape(-1)
             offsets = torch.arange(nle + 1, device=x.device, dtype=torch.long) * (N * cap)
             return recv, recv_probs, offsets, dict(layout=layout, cap=cap)
 
@@ -233,7 +250,8 @@ class AlltoAllDispatcher(_Dispatcher):
         recv_probs = self._all_to_all(row_probs, output_splits, input_splits)
         if overlap is not None:
             overlap()
-        recv, recv_probs = _wait(recv), _wait(recv_probs)
+        recv = _wait(recv, "dispatch all-to-all")
+        recv_probs = _wait(recv_probs, "dispatch all-to-all")
         if nle > 1:
             recv, recv_probs = ops.sort_chunks_by_idxs(
                 recv, per_local.reshape(-1), self.chunk_order("sort", x.device), recv_probs)
@@ -263,7 +281,7 @@ class AlltoAllDispatcher(_Dispatcher):
             back = self._all_to_all(y, handle["input_splits"], handle["output_splits"])
         if overlap is not None:
             overlap()
-        back = _wait(back)
+        back = _wait(back, "combine all-to-all")
         pad = layout.num_rows - back.shape[0]
         if pad > 0:  # dropping without padding: the rows past the used count were not sent
             back = torch.cat([back, back.new_zeros(pad, H)])
@@ -289,9 +307,10 @@ class AllGatherDispatcher(_Dispatcher):
             return rows, layout.row_probs, layout.expert_offsets, dict(layout=layout,
                                                                        identity=True)
         lo = self.ep_rank * nle
-        x_all = _wait(_all_gather_autograd(x, 0, self.group))                    # [N·T, H]
-        probs_all = _wait(_all_gather_autograd(layout.probs, 0, self.group))     # [N·T, E]
-        map_all = _wait(_all_gather(layout.routing_map.to(torch.uint8), 0, self.group))
+        step = "dispatch all-gather"
+        x_all = _wait(_all_gather_autograd(x, 0, self.group), step)              # [N·T, H]
+        probs_all = _wait(_all_gather_autograd(layout.probs, 0, self.group), step)  # [N·T, E]
+        map_all = _wait(_all_gather(layout.routing_map.to(torch.uint8), 0, self.group), step)
         if overlap is not None:
             overlap()
         local_map = map_all[:, lo:lo + nle].bool()
@@ -314,7 +333,7 @@ class AllGatherDispatcher(_Dispatcher):
         out = _reduce_scatter_autograd(partial, "sum", 0, self.group)
         if overlap is not None:
             overlap()
-        return _wait(out).to(y.dtype)
+        return _wait(out, "combine reduce-scatter").to(y.dtype)
 
 
 DISPATCHERS = {"alltoall": AlltoAllDispatcher, "allgather": AllGatherDispatcher}

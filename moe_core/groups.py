@@ -18,6 +18,7 @@ Wherever a group is taken, a ``torch.distributed.device_mesh.DeviceMesh`` of one
 (gradient reduction, clipping, the gathered state dict) are in ``moe_core.parallel``.
 """
 import dataclasses
+import datetime
 from typing import Optional, Tuple, Union
 
 import torch  # noqa: F401  (GroupLike names torch.distributed.device_mesh.DeviceMesh)
@@ -85,10 +86,16 @@ class ExpertParallelGroups:
         return dict(ep_group=self.ep_group, tp_dp_cp_group=self.dp_group)
 
 
-def expert_parallel_groups(ep_size: int) -> ExpertParallelGroups:
+def expert_parallel_groups(ep_size: int, timeout: Optional[datetime.timedelta] = None
+                           ) -> ExpertParallelGroups:
     """Build the groups of EP = ``ep_size`` over the default group, Megatron's order: EP groups
     are blocks of consecutive ranks (``[0..N-1], [N..2N-1], ...``), the expert-data-parallel
-    groups take one rank of each block (``[0, N, 2N, ...]``). Every rank must call it."""
+    groups take one rank of each block (``[0, N, 2N, ...]``). Every rank must call it.
+
+    ``timeout``: how long a collective of the EP and expert-DP groups waits for the other ranks
+    before it raises (None: the default group's, 30 minutes by default). A step that raised on
+    one rank leaves the others in the layer's next exchange; with a timeout of a few times a
+    step they raise an error naming that exchange instead of waiting half an hour."""
     if not dist.is_initialized():
         raise RuntimeError("expert_parallel_groups needs torch.distributed initialised")
     world = dist.get_world_size()
@@ -98,11 +105,11 @@ def expert_parallel_groups(ep_size: int) -> ExpertParallelGroups:
     rank = dist.get_rank()
     ep_group = edp_group = None
     for start in range(0, world, ep_size):  # every rank creates every group, in the same order
-        g = dist.new_group(list(range(start, start + ep_size)))
+        g = dist.new_group(list(range(start, start + ep_size)), timeout=timeout)
         if start <= rank < start + ep_size:
             ep_group = g
     for pos in range(ep_size):
-        g = dist.new_group(list(range(pos, world, ep_size)))
+        g = dist.new_group(list(range(pos, world, ep_size)), timeout=timeout)
         if rank % ep_size == pos:
             edp_group = g
     return ExpertParallelGroups(ep_group, edp_group, dist.group.WORLD)

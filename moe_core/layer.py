@@ -364,7 +364,7 @@ class MoELayer(nn.Module):
             self.check_agreement(host.get()[2 * self.dispatcher.ep_size:], problem)
             raise problem  # not reached: the table holds this rank's problem
         mine = self._row_tensor(row, next(self.experts.parameters()).device)
-        table = _wait(_all_gather(mine, 0, self.ep_group))                       # [N·8]
+        table = _wait(_all_gather(mine, 0, self.ep_group), "agreement all-gather")  # [N·8]
         graph = torch.compiler.is_compiling() or (
             mine.is_cuda and torch.cuda.is_current_stream_capturing())
         if not graph and row != self._agreed_row:

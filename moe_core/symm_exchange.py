@@ -367,7 +367,8 @@ class SymmMemAlltoAllDispatcher(AlltoAllDispatcher):
         dev = x.device
         B = self.budget(x.shape[0])
         counts = routing_map.sum(dim=0, dtype=torch.long)                          # [E]
-        gathered = _wait(_all_gather(counts, 0, self.group)).view(W, E)            # [W, E]
+        gathered = _wait(_all_gather(counts, 0, self.group),
+                         "token-count all-gather").view(W, E)                      # [W, E]
         acc = acceptance(gathered, W, nle, B)                                      # [r, e, s]
         send_acc = acc[:, :, me].reshape(E)              # kept rows of my (dest, expert) chunks
         recv_acc = acc[me]                               # [nle, W] rows I receive, (e, s)

@@ -141,12 +141,34 @@ def eval_on_one_rank(rank: int, world: int):
     _step(ep, rank, world)
 
 
+def rank_raises_mid_step(rank: int, world: int):
+    """Rank 1's experts raise (an error moe-core cannot see coming) and its training loop
+    catches it: rank 0, in the combine's all-to-all, raises within the EP group's timeout an
+    error naming that exchange (expert_parallel_groups(timeout=...))."""
+    import datetime
+
+    from moe_core import MoEConfig, MoELayer
+    from moe_core.parallel import expert_parallel_groups
+
+    groups = expert_parallel_groups(world, timeout=datetime.timedelta(seconds=3))
+    kw = config_kwargs("softmax_top2", "dropless", "alltoall")
+    ref = global_layer(kw)
+    ep = MoELayer(MoEConfig(**kw, expert_model_parallel_size=world), **groups.layer_kwargs())
+    ep.load_state_dict(shard_state(ref, rank, world))
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError("out of memory (simulated)")
+        ep.experts.forward_rows = broken
+    X, _, masks = global_batch(world, torch.bfloat16)
+    ep(X[rank], padding_mask=masks[rank])
+
+
 CASES = {f.__name__: f for f in (
     clip_without_gradients, allgather_tokens_change, drop_and_pad_tokens_change,
     compiled_allgather_tokens_change, dtype_on_one_rank_alltoall, dtype_on_one_rank_allgather,
     dtype_on_one_rank_global_aux, shape_on_one_rank, router_dtype_differs,
     global_aux_loss_on_one_rank, expert_bias_on_one_rank, config_changed_after_construction,
-    eval_on_one_rank)}
+    eval_on_one_rank, rank_raises_mid_step)}
 
 
 def worker(rank: int, world: int) -> dict:
@@ -256,3 +278,14 @@ def test_every_config_field_is_classified():
     assert not set(_SAME_ON_EVERY_RANK) & set(_MAY_DIFFER)
     assert fields == set(_SAME_ON_EVERY_RANK) | set(_MAY_DIFFER), \
         fields ^ (set(_SAME_ON_EVERY_RANK) | set(_MAY_DIFFER))
+
+
+def test_a_rank_that_raises_mid_step_leaves_no_rank_waiting(outcomes):
+    """The rank that raised has its own error; the other raises within the group's timeout (3 s
+    here, not the default 30 minutes) naming the exchange it was left in."""
+    got = _no_rank_left_behind(outcomes, "rank_raises_mid_step")
+    assert got[1].error == "RuntimeError" and "out of memory (simulated)" in got[1].message
+    assert got[0].error == "RuntimeError" and re.search(
+        r"^moe_core expert parallelism: the combine all-to-all did not complete \(", got[0].message
+    ), got[0].message
+    assert "must not go on after a step raised on one rank" in got[0].message
