@@ -53,7 +53,7 @@ input's dtype), as outside autocast, and the aux losses in fp32 (or fp64). Outsi
 input must have the parameters' dtype.
 """
 import zlib
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -289,48 +289,43 @@ class MoELayer(nn.Module):
             return False
         return not any(hasattr(p, "device_mesh") for p in self.parameters())
 
-    def _input_problem(self, hidden_states: torch.Tensor,
-                       padding_mask: Optional[torch.Tensor]) -> Optional[Exception]:
-        """The error this rank's input alone would raise (shape, dtype, padding mask), or None;
-        returned, not raised, so an expert-parallel rank can tell the others first."""
+    def _input_problem(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor]
+                       ) -> Optional[Tuple[Exception, List[int]]]:
+        """The error this rank's input alone would raise (shape, dtype, padding mask) and its
+        code for the agreement row (``[status, detail a, detail b]``), or None; returned, not
+        raised, so an expert-parallel rank can tell the others first."""
         H = self.config.hidden_size
         if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != H:
-            return ValueError(f"hidden_states must be [S, B, {H}] or [T, {H}], got "
-                              f"{tuple(hidden_states.shape)}")
+            last = hidden_states.shape[-1] if hidden_states.dim() else 0
+            return (ValueError(f"hidden_states must be [S, B, {H}] or [T, {H}], got "
+                               f"{tuple(hidden_states.shape)}"),
+                    [_BAD_SHAPE, hidden_states.dim(), last])
         # autocast casts fp32 / fp16 / bf16 only: another dtype must be the parameters' there too
         low = (torch.float32, torch.float16, torch.bfloat16)
         if autocast_dtype(hidden_states) is None or hidden_states.dtype not in low:
             params_dtype = next(self.experts.parameters()).dtype
             if hidden_states.dtype != params_dtype:
-                return TypeError(
+                return (TypeError(
                     f"hidden_states is {hidden_states.dtype} but the layer's parameters are "
                     f"{params_dtype}: build the layer in the activation dtype "
                     f"(MoEConfig(params_dtype=...) or MoELayer(..., dtype=...)), or run it under "
                     f"torch.autocast(device_type, dtype=...) to compute in a lower precision "
-                    f"than fp32 parameters")
+                    f"than fp32 parameters"),
+                    [_BAD_DTYPE, _DTYPE_CODE.get(hidden_states.dtype, 0),
+                     _DTYPE_CODE.get(params_dtype, 0)])
         if padding_mask is not None:
             try:
                 self._padding_mask(padding_mask, hidden_states)
             except (TypeError, ValueError) as e:
-                return e
+                return e, [_BAD_MASK, 0, 0]
         return None
 
     def _agreement_row(self, hidden_states: torch.Tensor,
-                       problem: Optional[Exception]) -> List[int]:
+                       problem: Optional[Tuple[Exception, List[int]]]) -> List[int]:
         """This rank's row of the agreement: what the exchanges' shapes, dtypes and order depend
         on (columns ``_STATUS .. _DETAIL_B``)."""
         cfg = self.config
-        status, a, b = _OK, 0, 0
-        if problem is not None:
-            if hidden_states.dim() not in (2, 3) or hidden_states.shape[-1] != cfg.hidden_size:
-                status, a, b = _BAD_SHAPE, hidden_states.dim(), hidden_states.shape[-1] \
-                    if hidden_states.dim() else 0
-            elif isinstance(problem, TypeError) and "hidden_states is" in str(problem):
-                status = _BAD_DTYPE
-                a = _DTYPE_CODE.get(hidden_states.dtype, 0)
-                b = _DTYPE_CODE.get(next(self.experts.parameters()).dtype, 0)
-            else:
-                status = _BAD_MASK
+        status, a, b = problem[1] if problem is not None else (_OK, 0, 0)
         tokens = hidden_states.numel() // max(hidden_states.shape[-1], 1) \
             if hidden_states.dim() else 0
         ac = autocast_dtype(hidden_states)
@@ -344,14 +339,16 @@ class MoELayer(nn.Module):
         return [status, tokens, _DTYPE_CODE.get(rows, 0), _DTYPE_CODE.get(probs, 0), mode,
                 fingerprint, a, b]
 
-    def _agree(self, hidden_states: torch.Tensor, problem: Optional[Exception]):
+    def _agree(self, hidden_states: torch.Tensor,
+               problem: Optional[Tuple[Exception, List[int]]]) -> List[int]:
         """The ranks' agreement on this forward, before its first collective (module docstring,
         "Agreement"): every rank raises the same error when one rank's input is bad or the ranks
         differ in what they would exchange, so none is left in a collective.
 
         Returns the row to fold into the dispatcher's token-count all-gather (the dropless /
-        dropping all-to-all: no collective of its own), or None when the agreement is done."""
+        dropping all-to-all: no collective of its own), or ``[]`` when the agreement is done."""
         row = self._agreement_row(hidden_states, problem)
+        error = problem[0] if problem is not None else None
         if self._agreement_folded():
             if problem is None:
                 return row
@@ -361,8 +358,8 @@ class MoELayer(nn.Module):
             _, host = self.dispatcher.preprocess(
                 torch.zeros(1, self.config.num_moe_experts, dtype=torch.bool, device=device),
                 self._row_tensor(row, device))
-            self.check_agreement(host.get()[2 * self.dispatcher.ep_size:], problem)
-            raise problem  # not reached: the table holds this rank's problem
+            self._check_agreement(host.get()[2 * self.dispatcher.ep_size:], error)
+            raise error  # not reached: the table holds this rank's problem
         mine = self._row_tensor(row, next(self.experts.parameters()).device)
         table = _wait(_all_gather(mine, 0, self.ep_group), "agreement all-gather")  # [N·8]
         graph = torch.compiler.is_compiling() or (
@@ -370,9 +367,9 @@ class MoELayer(nn.Module):
         if not graph and row != self._agreed_row:
             # this rank's row changed since its last agreed forward (the first forward, a new
             # token count, dtype or mode, or a bad input): read the table, a clear error
-            self.check_agreement(table.tolist(), problem)
+            self._check_agreement(table.tolist(), error)
             self._agreed_row = row
-            return None
+            return []
         # the steady state reads nothing on the host: a device-side assert on the table (every
         # rank sees the same table, so every rank fails together). On the CPU it raises at once
         # and the table is read for the clear error; on CUDA it stops the device (a rank whose
@@ -389,9 +386,9 @@ class MoELayer(nn.Module):
                                       "for the details")
         except RuntimeError:
             if not graph:
-                self.check_agreement(table.tolist(), problem)
+                self._check_agreement(table.tolist(), error)
             raise
-        return None
+        return []
 
     def _row_tensor(self, row: List[int], device: torch.device) -> torch.Tensor:
         """The agreement row on the device. A host-to-device copy from pageable memory waits for
@@ -407,7 +404,7 @@ class MoELayer(nn.Module):
         self._row_on_device = (row, t)
         return t
 
-    def check_agreement(self, table: List[int], problem: Optional[Exception] = None) -> None:
+    def _check_agreement(self, table: List[int], problem: Optional[Exception] = None) -> None:
         """Raise, on every rank alike, when the gathered agreement ``table`` (the ranks' rows,
         flattened) shows a bad input on some rank or a difference the exchanges cannot take.
         ``problem``: this rank's own error, chained as the cause."""
@@ -513,7 +510,7 @@ class MoELayer(nn.Module):
             if problem is not None:  # inside a graph: the assert above fails on every rank
                 return hidden_states
         elif problem is not None:
-            raise problem
+            raise problem[0]
         if padding_mask is not None:
             padding_mask = self._padding_mask(padding_mask, hidden_states)
         if self.config.moe_layer_recompute and self.training and torch.is_grad_enabled():
@@ -585,7 +582,8 @@ class MoELayer(nn.Module):
             routing_map: ``[T, E]`` bool, the router's choice.
             overlap: expert parallel only: run while the rows are in flight (the shared expert).
             agreement: expert parallel only: the forward's agreement row still to be checked
-                (folded into the dispatcher's all-gather); None: :meth:`dispatch` agrees itself.
+                (folded into the dispatcher's all-gather), ``[]`` when the ranks have agreed
+                already, None when :meth:`dispatch` is to agree itself.
 
         Returns:
             ``[T, H]`` in ``x``'s dtype: each token's experts' outputs, weighted and summed.
@@ -618,8 +616,8 @@ class MoELayer(nn.Module):
         if agreement is None and self._exchanges():  # called on its own, not by forward
             agreement = self._agree(x, None)
         meta = None
-        if agreement is not None:
-            meta = (self._row_tensor(agreement, x.device), self.check_agreement)
+        if agreement:  # a row to fold into the token-count all-gather
+            meta = (self._row_tensor(agreement, x.device), self._check_agreement)
         plan = self.dispatcher.plan(routing_map, meta)
         rows, layout = self._layout(x, probs, routing_map, *self.dispatcher.layout_request())
         return self.dispatcher.dispatch(x, layout, rows, plan, overlap)
