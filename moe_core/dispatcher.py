@@ -36,7 +36,9 @@ blocks of ``nle·capacity`` rows: no counts, no host read, so it compiles with
 ``torch.compile(fullgraph=True)`` and records into CUDA graphs. The allgather dispatcher sizes
 its buffers from static bounds and never reads the device either. The dropless all-to-all
 without a host read (NVSHMEM, a static receive budget) is ``moe_core.symm_exchange``
-(``moe_alltoall_exchange="symm_mem"``).
+(``moe_alltoall_exchange="symm_mem"``). The layer's cross-rank agreement (``moe_core.layer``,
+"Agreement") rides on the dropless / dropping counts all-gather and its host read
+(:meth:`_Dispatcher.folds_agreement`); the other exchanges leave it to the layer.
 
 Collectives are ``torch.distributed._functional_collectives`` (autograd, traced by dynamo); their
 backward is the reverse exchange (all-to-all with swapped splits, reduce-scatter for all-gather),
