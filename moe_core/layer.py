@@ -514,24 +514,26 @@ class MoELayer(nn.Module):
         if padding_mask is not None:
             padding_mask = self._padding_mask(padding_mask, hidden_states)
         if self.config.moe_layer_recompute and self.training and torch.is_grad_enabled():
-            return self._recomputed(hidden_states, padding_mask)
-        return self._forward(hidden_states, padding_mask)
+            return self._recomputed(hidden_states, padding_mask, agreement)
+        return self._forward(hidden_states, padding_mask, agreement)
 
-    def _recomputed(self, hidden_states: torch.Tensor,
-                    padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def _recomputed(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor],
+                    agreement: Optional[List[int]]) -> torch.Tensor:
         """``moe_layer_recompute``: the layer under a reentrant activation checkpoint, as
         Megatron's: the forward runs without grad and keeps only its inputs; the backward runs it
         again (same RNG draws, same autocast) and backpropagates through that run. So the aux and
         z losses, the global aux loss's counts, ``last_losses`` and the expert-bias counts are made
         once, by the recompute (grad disabled, the first run skips them), and the gradients are
         bitwise those without recompute. Backward with ``.backward()``, not ``torch.autograd.grad``
-        (reentrant checkpoints need the parameters' ``.grad``)."""
+        (reentrant checkpoints need the parameters' ``.grad``). Expert parallel: the recompute
+        takes the forward's ``agreement`` (a row still to fold into the token-count all-gather
+        that its exchange runs again, or ``[]``, agreed already)."""
         # the aux losses bind the holder current now, not the one current when the backward runs
         scale = self.router.aux_loss_scale or current_aux_loss_scale()
 
         def run(hidden: torch.Tensor, mask: Optional[torch.Tensor], _anchor: torch.Tensor):
             with scale:
-                return self._forward(hidden, mask)
+                return self._forward(hidden, mask, agreement)
 
         # a reentrant checkpoint's output needs an input that requires grad, else the parameters
         # get none when the tokens do not: an empty one that always does
@@ -539,9 +541,10 @@ class MoELayer(nn.Module):
         return checkpoint(run, hidden_states, padding_mask, anchor, use_reentrant=True,
                           preserve_rng_state=True)
 
-    def _forward(self, hidden_states: torch.Tensor,
-                 padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """:meth:`forward` after its checks (``padding_mask`` in ``[S, B]`` / ``[T]`` order)."""
+    def _forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor],
+                 agreement: Optional[List[int]] = None) -> torch.Tensor:
+        """:meth:`forward` after its checks (``padding_mask`` in ``[S, B]`` / ``[T]`` order;
+        ``agreement``: as :meth:`routed_experts`)."""
         hidden_states = self.router.apply_layer_jitter(hidden_states)
         overlap = self.dispatcher is not None and self.config.moe_shared_expert_overlap
         shared = None
