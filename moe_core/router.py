@@ -377,8 +377,11 @@ class TopKRouter(nn.Module):
         if self.tp_dp_cp_group is not None:
             return self.tp_dp_cp_group
         group = default_data_parallel_group(self.weight)
-        if group is None:
-            return None
+        if group is None or torch.compiler.is_compiling():
+            # a traced forward neither reads nor sets the cache: setting it in the first call
+            # would change what dynamo guards on and recompile the second; the eager reductions
+            # between steps (update_expert_bias) still hold the group to the check below
+            return group
         if self._default_dp_group is None:
             self._default_dp_group = group
         elif group_size(group) != group_size(self._default_dp_group):
