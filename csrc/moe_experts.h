@@ -1,7 +1,7 @@
 /*
  * moe_experts.h: the expert ops. The grouped GEMM (every expert's GEMM over its contiguous rows
  * of one buffer: forward, dgrad, wgrad), the expert activation multiplied by the router probs
- * (glu_probs), and fc1 with that activation fused into its epilogue.
+ * (glu_probs), and fc1 followed by that activation as one op (grouped_gemm_glu_probs).
  *
  * Each op's CPU entry point (moe_*) is followed by its CUDA twin (moe_cuda_*): the same
  * arguments and semantics on device pointers, asynchronous on `stream`; where they differ, the
@@ -273,16 +273,16 @@ moe_status_t moe_cuda_glu_probs_bwd(void *grad_a, void *grad_probs, void *h, con
                                     size_t workspace_bytes, void *stream);
 
 /* ---------------------------------------------------------------------------------------------
- * grouped_gemm_glu_probs: fc1 of the experts with glu_probs fused into its epilogue
+ * grouped_gemm_glu_probs: fc1 of the experts followed by glu_probs, as one op
  *
  * a = grouped_gemm_fwd(x, weight) in dtype, then h = glu_probs(a, probs), as one op that returns
  * both (a is what the backward needs: glu_probs_bwd, then grouped_gemm_dgrad / _wgrad of grad_a).
  * With GLU, a's columns [0, F) are the gate half and [F, 2F) the linear half (Megatron's fc1
  * weight [E, 2F, H] with trans_w = 1), column j pairing with j + F; or, with glu->interleave s,
  * alternating blocks of s gate and s linear columns (fc1's rows stored that way). h and a equal that
- * composition's bits on every path: on the CPU it is the composition; on CUDA the Hopper kernel
- * rounds a exactly as the GEMM does and computes h from those values with glu_probs' element
- * functions, and other GPUs / shapes run the two kernels back to back. Rows past
+ * composition's bits on every path: it is the composition, on the CPU and on CUDA (the grouped
+ * GEMM and the glu_probs kernel back to back on the stream: glu_probs' element math in fc1's
+ * epilogue would hold up the tensor cores, where its own pass spreads over every SM). Rows past
  * expert_offsets[E]: a = 0, h = glu_probs of a zero row (as composed).
  * ------------------------------------------------------------------------------------------- */
 
