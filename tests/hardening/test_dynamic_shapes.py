@@ -145,42 +145,32 @@ def test_dynamic_token_count_one_graph_inductor():
     assert frames == [1] * len(TOKEN_COUNTS), f"compiles after each call: {frames}"
 
 
-def test_unique_graphs_counter_sees_one_graph():
-    """The same property through dynamo's own statistics (no counting backend)."""
+def _unique_graphs(router: str) -> int:
+    """Dynamo's own count of the graphs it compiled for ``router``'s layer over TOKEN_COUNTS
+    (the token dimension dynamic)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    layer = build_layer("sigmoid_groups_bias")
+    layer = build_layer(router)
     compiled = torch.compile(layer, fullgraph=True, dynamic=None, backend="aot_eager")
     for T in TOKEN_COUNTS:
         step(compiled, torch.randn(T, H), torch.randn(T, H), dynamic=True)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_unique_graphs_counter_sees_one_graph():
+    """The same property through dynamo's own statistics (no counting backend)."""
+    assert _unique_graphs("sigmoid_groups_bias") == 1
 
 
 def test_one_graph_with_torch_distributed_initialised():
     """With a process group up, the global aux loss reduces its counts over the default
     data-parallel group: resolving it must not change the module between the first and the second
     compiled call (no recompile), whatever ran in the process before."""
-    import os
+    from helpers.world_group import one_rank_world
 
-    import torch.distributed as dist
-    from helpers.world_group import _free_port
-
-    created = not dist.is_initialized()
-    if created:  # a gloo world of one, this test's own
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        layer = build_layer("sigmoid_groups_bias")
-        compiled = torch.compile(layer, fullgraph=True, dynamic=None, backend="aot_eager")
-        for T in TOKEN_COUNTS:
-            step(compiled, torch.randn(T, H), torch.randn(T, H), dynamic=True)
-        assert layer.router.data_parallel_group() is not None
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-    finally:
-        if created:
-            dist.destroy_process_group()
+    with one_rank_world():
+        assert build_layer("sigmoid_groups_bias").router.data_parallel_group() is not None
+        assert _unique_graphs("sigmoid_groups_bias") == 1
 
 
 def test_one_forward_and_one_backward_graph_for_every_count():
